@@ -1,0 +1,182 @@
+"""FSDP2: ``fully_shard`` each block, then the root, over the shard dim.
+
+Replicate dims contributed by other plugins (HSDP) through the composition hook
+``composer_par_replicate_dims`` make the mesh 2-D: (replicate, shard), replicate outer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import attrs
+
+from composer_par.blocks import BlockSpec
+from composer_par.plugin import Claim, Plugin, Role, hookimpl
+from composer_par.validate import Finding
+
+if TYPE_CHECKING:
+    from composer_par.apply_context import ApplyContext
+    from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
+    from composer_par.topology import Topology
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16",
+               "float": "float32", "double": "float64"}
+    name = aliases.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}; got {value!r}")
+    return name
+
+
+@attrs.frozen
+class MixedPrecision:
+    """FSDP2's MixedPrecisionPolicy by dtype names (so plan files can state it).
+
+    ``output_dtype`` is applied on the root module only: set on every module, each
+    block's outputs would be cast back and forth.
+    """
+
+    param_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
+    reduce_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
+    output_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
+    cast_forward_inputs: bool = True
+
+    def policy(self, *, root: bool) -> Any:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        def dt(name: str | None) -> Any:
+            return getattr(torch, name) if name else None
+
+        return MixedPrecisionPolicy(
+            param_dtype=dt(self.param_dtype),
+            reduce_dtype=dt(self.reduce_dtype),
+            output_dtype=dt(self.output_dtype) if root else None,
+            cast_forward_inputs=self.cast_forward_inputs,
+        )
+
+
+def _mixed_precision(value: Any) -> MixedPrecision | None:
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, dict):
+        return MixedPrecision(**value)
+    if isinstance(value, str):  # "bf16": bf16 parameters, fp32 gradient reduction
+        return MixedPrecision(param_dtype=value, reduce_dtype="float32")
+    raise TypeError(f"mixed_precision must be a table of dtypes or a dtype name; got {value!r}")
+
+
+def _reshard(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"reshard_after_forward must be true, false, or a positive int; got {value!r}"
+        )
+
+
+@attrs.frozen
+class FSDP2(Plugin):
+    """Fully sharded data parallel (``torch.distributed.fsdp.fully_shard``).
+
+    Options: ``dim`` (default ``dp_shard``); ``reshard_after_forward`` (bool, an int
+    world size to reshard to, or None for torch's default); ``mixed_precision``
+    (:class:`MixedPrecision`, a table, or ``"bf16"``); ``offload`` (``"none"`` or
+    ``"cpu"``); ``blocks`` (a module path or block class names; else detected).
+    """
+
+    name: ClassVar[str] = "fsdp2"
+    provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
+    needs_blocks: ClassVar[bool] = True
+
+    dim: str = "dp_shard"
+    reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
+    mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=_mixed_precision)
+    offload: Literal["none", "cpu"] = attrs.field(
+        default="none", validator=attrs.validators.in_(("none", "cpu"))
+    )
+    blocks: str | tuple[str, ...] | None = attrs.field(
+        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v
+    )
+    after: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    before: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim(self.dim, Role.SHARD),)
+
+    @hookimpl
+    def composer_par_block_spec(self) -> BlockSpec | None:
+        return BlockSpec.parse(self.blocks)
+
+    @hookimpl
+    def composer_par_validate_plan(
+        self, mesh: MeshSpec, topology: Topology | None
+    ) -> list[Finding]:
+        value = self.reshard_after_forward
+        if value is None or isinstance(value, bool) or self.dim not in mesh:
+            return []
+        found = []
+        size = mesh.size(self.dim)
+        if size > 0 and (size % value or value > size):
+            found.append(Finding(
+                "CP303",
+                f"reshard_after_forward={value} does not divide the shard size "
+                f"{self.dim}({size})",
+                fix=f"use a divisor of {size} (e.g. the devices per node), or true/false",
+            ))
+        if topology is not None and value > topology.devices_per_node:
+            found.append(Finding(
+                "CP304",
+                f"reshard_after_forward={value} exceeds the {topology.devices_per_node} devices "
+                "per node: the backward all-gather would cross nodes",
+                fix=f"use a divisor of {size} no larger than {topology.devices_per_node}",
+            ))
+        return found
+
+    @hookimpl
+    def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
+        dims = [*(d for d in plan.replicate_dims() if d in plan.mesh), self.dim]
+        opts = ", ".join(f"{k}={v}" for k, v in self.options().items() if k != "dim")
+        return [(
+            "data_parallel",
+            f"fully_shard each block, then the root, over mesh ({', '.join(dims)})"
+            + (f" with {opts}" if opts else ""),
+        )]
+
+    @hookimpl
+    def composer_par_data_parallel(self, ctx: ApplyContext) -> str:
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        replicate = [d for d in ctx.replicate_dims() if d in ctx.mesh and d != self.dim]
+        if len(replicate) > 1:
+            raise NotImplementedError(
+                f"FSDP2 replicates over one mesh dim; plugins contributed {replicate}"
+            )
+        mesh = ctx.submesh(*replicate, self.dim)
+        if self.offload == "cpu":
+            # Pinned host memory needs an accelerator; without one, pinning fails.
+            offload: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        else:
+            offload = OffloadPolicy()
+        mp = self.mixed_precision or MixedPrecision()
+        common = {"mesh": mesh, "offload_policy": offload}
+        if self.reshard_after_forward is not None:
+            common["reshard_after_forward"] = self.reshard_after_forward
+        sharded = []
+        for _, block in ctx.blocks:
+            fully_shard(block, mp_policy=mp.policy(root=False), **common)
+            sharded.append(block)
+        fully_shard(ctx.model, mp_policy=mp.policy(root=True), **common)
+        sharded.append(ctx.model)
+        ctx.notes.setdefault("fsdp_modules", []).extend(sharded)
+        dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim))
+        return f"fully_shard on {len(ctx.blocks)} block(s) + root over ({dims})"
+

@@ -1,0 +1,50 @@
+"""composer_par: compose PyTorch parallelism as plugins over a named device mesh.
+
+    plan = ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()).use(MetaInit(seed=0))
+    model = plan.apply(model)
+
+Importing this package does not import torch; applying a plan does.
+"""
+
+from composer_par.blocks import BlockSpec, find_blocks
+from composer_par.logging import configure_logging, get_logger
+from composer_par.mesh import MeshError, MeshSpec
+from composer_par.plan import Explanation, ParallelPlan
+from composer_par.planfile import PlanFileError
+from composer_par.plugin import Claim, Declaration, Plugin, Role, Stage, hookimpl
+from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
+from composer_par.plugins.meta_init import MetaInit
+from composer_par.registry import Registry, RegistryError
+from composer_par.topology import Topology
+from composer_par.validate import RULES, Finding, PlanError, Report, Severity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FSDP2",
+    "RULES",
+    "BlockSpec",
+    "Claim",
+    "Declaration",
+    "Explanation",
+    "Finding",
+    "MeshError",
+    "MeshSpec",
+    "MetaInit",
+    "MixedPrecision",
+    "ParallelPlan",
+    "Plugin",
+    "PlanError",
+    "PlanFileError",
+    "Registry",
+    "RegistryError",
+    "Report",
+    "Role",
+    "Severity",
+    "Stage",
+    "Topology",
+    "configure_logging",
+    "find_blocks",
+    "get_logger",
+    "hookimpl",
+]

@@ -1,0 +1,73 @@
+"""What stage hooks receive: the model, the mesh, the shared blocks, and helpers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.blocks import Block
+from composer_par.mesh import MeshError, MeshSpec
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from composer_par.hooks import Hooks
+    from composer_par.plan import ParallelPlan
+
+
+@attrs.define(eq=False)
+class AppliedStep:
+    stage: str
+    plugin: str
+    detail: str
+
+
+@attrs.define(eq=False)
+class ApplyContext:
+    """The state one ``ParallelPlan.apply`` call threads through the stages."""
+
+    plan: ParallelPlan
+    mesh: MeshSpec  # resolved against the world size
+    device_mesh: DeviceMesh | None  # None on a single process without a process group
+    device: torch.device
+    model: nn.Module
+    blocks: list[Block]
+    hooks: Hooks
+    applied: list[AppliedStep] = attrs.Factory(list)
+    # Plugins may leave facts for later stages here (e.g. FSDP2 lists its FSDP modules).
+    notes: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def submesh(self, *names: str) -> DeviceMesh:
+        """The DeviceMesh over ``names`` (outermost first), with a clear error if absent."""
+        if self.device_mesh is None:
+            raise MeshError(
+                f"mesh dims {list(names)} need a DeviceMesh, and none was built: run under "
+                "torchrun or initialize a process group before apply()"
+            )
+        missing = [n for n in names if n not in self.mesh]
+        if missing:
+            raise MeshError(f"no mesh dim {missing[0]!r}; the mesh has {list(self.mesh.names)}")
+        return self.device_mesh[names if len(names) > 1 else names[0]]
+
+    def replicate_dims(self) -> list[str]:
+        """The mesh dims data-parallel plugins should replicate over (composition hook)."""
+        return self.hooks.replicate_dims(self.plan)
+
+    def replace_block(self, index: int, new: nn.Module) -> None:
+        """Swap block ``index`` for ``new`` (e.g. a checkpoint wrapper) in the model too."""
+        path, old = self.blocks[index]
+        parent_path, _, attr = path.rpartition(".")
+        parent = self.model.get_submodule(parent_path) if parent_path else self.model
+        if parent.get_submodule(attr) is not old:
+            raise RuntimeError(f"block {path!r} is no longer where the block finder found it")
+        parent.register_module(attr, new)
+        self.blocks[index] = (path, new)

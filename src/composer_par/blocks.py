@@ -1,0 +1,139 @@
+"""Finding the blocks of any ``nn.Module``: found once, shared by every plugin.
+
+A block is the repeated unit (a transformer layer) at which FSDP groups parameters,
+activation checkpointing recomputes and compile traces. In order of precedence:
+
+1. an explicit spec: a module path (``"layers"``: the children of that container;
+   ``"model.layers.*"``: modules matching a glob) or block class names;
+2. a Hugging Face model's ``_no_split_modules`` class names;
+3. the largest set of same-class children of one parent (ties: the most parameters).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+Block = tuple[str, "nn.Module"]
+
+# Path components that wrappers (activation checkpointing, compile) insert; users and
+# checkpoints see the model's own names, so they are dropped everywhere.
+WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def clean_name(name: str) -> str:
+    """The model's own name of a parameter or module, without wrapper components."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+def _tuple_of_str(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class BlockSpec:
+    """Where the blocks are: a module path / glob, or class names (not both)."""
+
+    path: str | None = None
+    classes: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+
+    @classmethod
+    def parse(cls, value: Any) -> BlockSpec | None:
+        """From a plugin option: ``"layers"``, ``"layers.*"``, ``["LlamaDecoderLayer"]``."""
+        if value is None or isinstance(value, BlockSpec):
+            return value
+        if isinstance(value, str):
+            # A bare identifier starting with an upper-case letter names a class.
+            if value[:1].isupper() and value.isidentifier():
+                return cls(classes=(value,))
+            return cls(path=value)
+        if isinstance(value, Sequence):
+            return cls(classes=tuple(str(v) for v in value))
+        raise TypeError(f"blocks must be a module path or a list of class names; got {value!r}")
+
+    def describe(self) -> str:
+        return f"path {self.path!r}" if self.path else f"classes {list(self.classes)}"
+
+
+def find_blocks(model: nn.Module, spec: BlockSpec | None = None) -> list[Block]:
+    """The model's blocks as ``(path, module)`` pairs in module order (maybe empty)."""
+    if spec is not None and spec.path:
+        return _by_path(model, spec.path)
+    classes = spec.classes if spec is not None else ()
+    if not classes:
+        classes = tuple(getattr(model, "_no_split_modules", None) or ())
+    if classes:
+        return _by_class(model, set(classes))
+    return _largest_repeated_children(model)
+
+
+def _named_modules(model: nn.Module) -> list[Block]:
+    """Non-root modules by clean name; a wrapper and its inner module share a name, and
+    the outer one (the wrapper, which is what stands in the model) is kept."""
+    seen: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        clean = clean_name(name)
+        if clean and clean not in seen:
+            seen[clean] = module
+    return list(seen.items())
+
+
+def _by_path(model: nn.Module, path: str) -> list[Block]:
+    if any(ch in path for ch in "*?["):
+        return [(n, m) for n, m in _named_modules(model) if fnmatch.fnmatchcase(n, path)]
+    target = dict(_named_modules(model)).get(path)
+    if target is None:
+        return []
+    return [(f"{path}.{n}", m) for n, m in target.named_children()]
+
+
+def _by_class(model: nn.Module, classes: set[str]) -> list[Block]:
+    found: list[Block] = []
+    for name, module in _named_modules(model):
+        if type(module).__name__ in classes and not any(
+            name.startswith(prefix + ".") for prefix, _ in found
+        ):
+            found.append((name, module))
+    return found
+
+
+def _largest_repeated_children(model: nn.Module) -> list[Block]:
+    best: list[Block] = []
+    best_key = (1, 0)  # at least two same-class children make a repeated unit
+    for parent_name, parent in [("", model), *_named_modules(model)]:
+        children = list(parent.named_children())
+        counts = Counter(type(c) for _, c in children)
+        for cls, count in counts.items():
+            if count < 2:
+                continue
+            group = [
+                (f"{parent_name}.{n}" if parent_name else n, c)
+                for n, c in children
+                if type(c) is cls
+            ]
+            params = sum(p.numel() for _, c in group for p in c.parameters())
+            if params == 0:
+                continue
+            key = (count, params)
+            if key > best_key:
+                best, best_key = group, key
+    return best
+
+
+def names_near(model: nn.Module, pattern: str, n: int = 5) -> list[str]:
+    """Module paths close to ``pattern``, for error messages."""
+    import difflib
+
+    names = [name for name, _ in _named_modules(model)]
+    return difflib.get_close_matches(pattern, names, n=n, cutoff=0.3)

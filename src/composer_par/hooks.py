@@ -1,0 +1,156 @@
+"""A typed facade over pluggy's hook caller, so core call sites are type-checked.
+
+The facade also fixes the call order. pluggy calls implementations last-registered
+first; composer_par calls them in the plan's order: ``use()`` order, adjusted within
+a stage by the plugins' declared ``after``/``before``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from composer_par import hookspecs
+from composer_par.plugin import PROJECT, Declaration, Plugin, Stage
+from composer_par.validate import Finding
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.apply_context import ApplyContext
+    from composer_par.blocks import Block, BlockSpec
+    from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
+    from composer_par.topology import Topology
+
+TRACE_ENV = "COMPOSER_PAR_TRACE_HOOKS"
+
+
+class HookError(TypeError):
+    """A plugin implements a hook wrongly (misspelled name, unknown argument)."""
+
+
+class Hooks:
+    """The hooks of one plan's plugins, called in the plan's order."""
+
+    def __init__(self, plugins: Sequence[Plugin]) -> None:
+        self.plugins = list(plugins)
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        for index, plugin in enumerate(self.plugins):
+            try:
+                self._pm.register(plugin, name=f"{plugin.name or type(plugin).__name__}#{index}")
+            except pluggy.PluginValidationError as exc:
+                raise HookError(f"plugin {plugin.name!r}: {exc}") from exc
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise HookError(f"{exc} (hook names are listed in composer_par.hookspecs)") from exc
+        if os.environ.get(TRACE_ENV):
+            self._pm.trace.root.setwriter(print)
+            self._pm.enable_tracing()
+        self._declarations: list[Declaration] | None = None
+
+    # -- generic ordered calling -----------------------------------------------------
+
+    def _each(self, hook: str, **kwargs: Any) -> list[tuple[Plugin, Any]]:
+        """Call ``hook`` on every implementing plugin in ``use()`` order."""
+        caller = getattr(self._pm.hook, hook)
+        by_plugin = {id(impl.plugin): impl for impl in caller.get_hookimpls()}
+        results = []
+        for plugin in self.plugins:
+            impl = by_plugin.get(id(plugin))
+            if impl is not None:
+                args = {name: kwargs[name] for name in impl.argnames}
+                results.append((plugin, impl.function(**args)))
+        return results
+
+    # -- declaration, validation, composition -----------------------------------------
+
+    def declarations(self) -> list[Declaration]:
+        if self._declarations is None:
+            self._declarations = [d for _, d in self._each("composer_par_declare") if d]
+        return self._declarations
+
+    def validate_plan(
+        self, plan: ParallelPlan, mesh: MeshSpec, topology: Topology | None
+    ) -> list[Finding]:
+        return _attributed(
+            self._each("composer_par_validate_plan", plan=plan, mesh=mesh, topology=topology)
+        )
+
+    def validate_model(
+        self, plan: ParallelPlan, model: nn.Module, blocks: list[Block]
+    ) -> list[Finding]:
+        return _attributed(
+            self._each("composer_par_validate_model", plan=plan, model=model, blocks=blocks)
+        )
+
+    def replicate_dims(self, plan: ParallelPlan) -> list[str]:
+        dims: list[str] = []
+        for _, answer in self._each("composer_par_replicate_dims", plan=plan):
+            dims.extend(d for d in answer or () if d not in dims)
+        return dims
+
+    def block_specs(self, plan: ParallelPlan) -> list[tuple[str, BlockSpec]]:
+        return [
+            (p.name, spec) for p, spec in self._each("composer_par_block_spec", plan=plan) if spec
+        ]
+
+    def describe(self, plan: ParallelPlan) -> list[tuple[Plugin, str, str]]:
+        described = {
+            id(p): steps for p, steps in self._each("composer_par_describe", plan=plan) if steps
+        }
+        out = []
+        for plugin in self.ordered():
+            steps = described.get(id(plugin)) or [
+                (s.label, f"{s.label.replace('_', ' ')}") for s in plugin.stages()
+            ]
+            out.extend((plugin, stage, text) for stage, text in steps)
+        return out
+
+    # -- stages ----------------------------------------------------------------------
+
+    def ordered(self, subset: Sequence[Plugin] | None = None) -> list[Plugin]:
+        """Plugins in ``use()`` order adjusted by after/before (cycles: left as used)."""
+        from composer_par.rules import ordering_edges
+
+        pool = list(self.plugins if subset is None else subset)
+        names = {p.name for p in pool}
+        edges = {(a, b) for a, b in ordering_edges(self.declarations()) if a in names and b in names}
+        ordered: list[Plugin] = []
+        while pool:
+            waiting = {p.name for p in pool}
+            ready = [p for p in pool if not any(b == p.name and a in waiting for a, b in edges)]
+            # No plugin ready means a cycle (reported as CP205): keep use() order.
+            chosen = ready[0] if ready else pool[0]
+            ordered.append(chosen)
+            pool.remove(chosen)
+        return ordered
+
+    def implementers(self, stage: Stage) -> list[Plugin]:
+        caller = getattr(self._pm.hook, stage.value)
+        ids = {id(impl.plugin) for impl in caller.get_hookimpls()}
+        return self.ordered([p for p in self.plugins if id(p) in ids])
+
+    def call_stage(self, stage: Stage, plugin: Plugin, ctx: ApplyContext) -> str | None:
+        caller = getattr(self._pm.hook, stage.value)
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin:
+                result = impl.function(**{name: ctx for name in impl.argnames})
+                return None if result is None else str(result)
+        raise HookError(f"plugin {plugin.name!r} does not implement {stage.value}")
+
+
+def _attributed(results: list[tuple[Plugin, Any]]) -> list[Finding]:
+    """Findings from a plugin's hook name that plugin unless they name another."""
+    import attrs
+
+    out: list[Finding] = []
+    for plugin, findings in results:
+        for finding in findings or ():
+            out.append(finding if finding.plugin else attrs.evolve(finding, plugin=plugin.name))
+    return out

@@ -1,0 +1,155 @@
+"""Every hook a plugin can implement. This module is the plugin-author reference.
+
+Implement a hook as a method of your :class:`~composer_par.plugin.Plugin` subclass
+marked with ``@hookimpl``; its name must be one below (pluggy rejects misspelled
+names when the plugin is used). A hook's arguments may be any subset of the spec's.
+
+Kinds of hook:
+
+* **declaration** -- what a plugin claims and needs, asked before anything else.
+* **validation** -- findings about the plan (static, no torch) or the model.
+* **composition** -- how plugins cooperate without knowing each other: one plugin
+  contributes (HSDP: its replicate dim), another asks (FSDP2: which dims to replicate over).
+* **stage** -- the seven steps of the apply order. ``ParallelPlan.apply`` calls them in
+  the order of :class:`~composer_par.plugin.Stage`, never in registration order. Within a
+  stage, plugins run in ``use()`` order adjusted by their declared ``after``/``before``.
+  Each stage hook returns a short description of what it did (or None): one log event
+  per applied step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from composer_par.plugin import hookspec
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.apply_context import ApplyContext
+    from composer_par.blocks import BlockSpec
+    from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
+    from composer_par.topology import Topology
+    from composer_par.plugin import Declaration
+    from composer_par.validate import Finding
+
+
+# -- declaration -----------------------------------------------------------------------
+
+
+@hookspec
+def composer_par_declare() -> Declaration:
+    """Declare the plugin's claims on mesh dims, capabilities, requirements and ordering.
+
+    Called: once per plan, whenever it is validated, explained or applied.
+    Returns: a :class:`~composer_par.plugin.Declaration`. The base class implements it
+    from ``Plugin.claims()`` and the class attributes ``provides``/``requires``/
+    ``needs_blocks`` and the options ``after``/``before``; override ``claims()``.
+    """
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+@hookspec
+def composer_par_validate_plan(
+    plan: ParallelPlan, mesh: MeshSpec, topology: Topology | None
+) -> list[Finding] | None:
+    """Findings about the plan alone: options, the mesh, the topology.
+
+    Called: by ``validate()`` and ``apply()``, and by ``composer-par validate`` without a
+    model. Must not import torch or touch a process group: it runs on a laptop.
+    ``mesh`` is resolved against the world size when that is known (else it may hold
+    a ``-1``); ``topology`` is None when nothing says how ranks lie on nodes.
+    Returns: findings (possibly empty). All plugins' findings are collected together.
+    """
+
+
+@hookspec
+def composer_par_validate_model(plan: ParallelPlan, model: nn.Module, blocks: list[Any]) -> (
+    list[Finding] | None
+):
+    """Findings about the plan applied to ``model`` (e.g. a module MetaInit cannot init).
+
+    Called: by ``validate(model)`` and by ``apply(model)`` before anything is mutated.
+    ``blocks`` is the list of ``(path, module)`` pairs the shared block finder found.
+    Returns: findings (possibly empty). Must not mutate the model.
+    """
+
+
+# -- composition -------------------------------------------------------------------------
+
+
+@hookspec
+def composer_par_replicate_dims(plan: ParallelPlan) -> list[str] | None:
+    """Mesh dims over which data-parallel sharding should replicate (HSDP's dim).
+
+    Called: by a data-parallel plugin building its mesh (FSDP2 asks; HSDP answers).
+    Returns: the names of mesh dims this plugin replicates over, outermost first.
+    """
+
+
+@hookspec
+def composer_par_block_spec(plan: ParallelPlan) -> BlockSpec | None:
+    """How to find the model's blocks, if this plugin was told explicitly.
+
+    Called: once per validate/apply; the shared block finder uses the answer. Two
+    plugins answering differently is a validation error (CP208).
+    Returns: a :class:`~composer_par.blocks.BlockSpec`, or None to let the finder detect.
+    """
+
+
+# -- stages (apply order) ----------------------------------------------------------------
+
+
+@hookspec
+def composer_par_convert(ctx: ApplyContext) -> str | None:
+    """Stage 1: module swaps (float8, quantization, adapters) before any sharding."""
+
+
+@hookspec
+def composer_par_tensor_parallel(ctx: ApplyContext) -> str | None:
+    """Stage 2: ``parallelize_module`` over model-parallel mesh dims."""
+
+
+@hookspec
+def composer_par_activation_checkpoint(ctx: ApplyContext) -> str | None:
+    """Stage 3: wrap the shared blocks for activation checkpointing (``ctx.replace_block``)."""
+
+
+@hookspec
+def composer_par_compile(ctx: ApplyContext) -> str | None:
+    """Stage 4: per-block ``torch.compile``, after checkpoint wrapping, before FSDP."""
+
+
+@hookspec
+def composer_par_data_parallel(ctx: ApplyContext) -> str | None:
+    """Stage 5: ``fully_shard`` bottom-up (each block, then the root) or replication."""
+
+
+@hookspec(firstresult=True)
+def composer_par_materialize(ctx: ApplyContext) -> str | None:
+    """Stage 6: ``to_empty`` on the target device, then init or load the weights.
+
+    Exactly one plugin may implement it in a plan (a second is error CP207). Called only
+    when the model still has parameters or buffers on the meta device, or when the plugin
+    is used explicitly; it must leave no tensor on meta.
+    """
+
+
+@hookspec
+def composer_par_finalize(ctx: ApplyContext) -> str | None:
+    """Stage 7: comm hooks, prefetch settings, gradient divide factors (needs FSDP modules)."""
+
+
+# -- explain -----------------------------------------------------------------------------
+
+
+@hookspec
+def composer_par_describe(plan: ParallelPlan) -> list[tuple[str, str]] | None:
+    """What this plugin will do, for ``explain()``: ``[(stage_label, text), ...]``.
+
+    Called: by ``ParallelPlan.explain``; must not import torch. Plugins that do not
+    implement it are described by the names of the stages they implement.
+    """

@@ -1,0 +1,1 @@
+"""Small models for the demo, tests and benchmarks."""

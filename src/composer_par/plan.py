@@ -1,0 +1,272 @@
+"""ParallelPlan: which plugins, over which mesh; validated, explained, then applied."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.apply_context import AppliedStep, ApplyContext
+from composer_par.blocks import BlockSpec, find_blocks
+from composer_par.hooks import HookError, Hooks
+from composer_par.logging import get_logger
+from composer_par.mesh import MeshError, MeshSpec
+from composer_par.plugin import STAGES, Plugin, Stage
+from composer_par.rules import claim_rules, mesh_rules, model_rules, plugin_rules, topology_rules
+from composer_par.topology import Topology
+from composer_par.validate import Finding, PlanError, Report
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from composer_par.registry import Registry
+
+log = get_logger(__name__)
+
+
+class ParallelPlan:
+    """``ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()).use(MetaInit(seed=0))``.
+
+    ``mesh`` is a :class:`MeshSpec` or a live ``DeviceMesh`` with dim names.
+    ``topology`` says how ranks lie on nodes; under torchrun it is read from the
+    environment when not given. ``device`` overrides the materialization device
+    (default: the current CUDA device when the mesh is on CUDA, else the CPU).
+    """
+
+    def __init__(
+        self,
+        mesh: MeshSpec | DeviceMesh,
+        *,
+        topology: Topology | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        self._device_mesh: DeviceMesh | None = None
+        if isinstance(mesh, MeshSpec):
+            self.mesh = mesh
+        elif hasattr(mesh, "mesh_dim_names"):
+            self.mesh = MeshSpec.from_device_mesh(mesh)
+            self._device_mesh = mesh
+        else:
+            raise TypeError(f"mesh must be a MeshSpec or a DeviceMesh; got {type(mesh).__name__}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a Topology; got {type(topology).__name__}")
+        self.topology = topology
+        self.device = device
+        self.plugins: list[Plugin] = []
+        self.applied: list[AppliedStep] = []
+
+    def use(self, plugin: Plugin) -> ParallelPlan:
+        """Add a plugin; returns the plan so calls chain."""
+        if not isinstance(plugin, Plugin):
+            raise TypeError(
+                f"use() takes a Plugin instance; got {plugin!r}"
+                + (" (a class: call it, e.g. FSDP2())" if isinstance(plugin, type) else "")
+            )
+        self.plugins.append(plugin)
+        return self
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(p) for p in self.plugins)
+        return f"ParallelPlan({self.mesh!r}, plugins=[{inner}])"
+
+    # -- what the plan runs on -------------------------------------------------------
+
+    def world_size(self) -> int | None:
+        """The number of ranks, if anything says it (mesh, process group, topology)."""
+        if self._device_mesh is not None:
+            return int(self._device_mesh.size())
+        # Only ask torch if the caller already imported it: the static path must not.
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+        topology = self.effective_topology()
+        if topology is not None:
+            return topology.world_size
+        return self.mesh.world_size if self.mesh.is_resolved else None
+
+    def effective_topology(self) -> Topology | None:
+        return self.topology if self.topology is not None else Topology.from_env()
+
+    def replicate_dims(self) -> list[str]:
+        """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
+        return Hooks(self.plugins).replicate_dims(self)
+
+    def plugin(self, name: str) -> Plugin | None:
+        return next((p for p in self.plugins if p.name == name), None)
+
+    # -- validation -------------------------------------------------------------------
+
+    def validate(self, model: nn.Module | None = None, *, world_size: int | None = None) -> Report:
+        """Every finding about the plan (and the model, if given). Mutates nothing."""
+        try:
+            hooks = Hooks(self.plugins)
+        except HookError as exc:
+            return Report.of([Finding("CP211", str(exc), fix="rename the method to a hook "
+                                      "listed in composer_par.hookspecs")])
+        world = world_size if world_size is not None else self.world_size()
+        topology = self.effective_topology()
+        findings = mesh_rules(self.mesh, world, topology)
+        mesh = self.mesh
+        if world is not None and self.mesh.check_world_size(world) is None:
+            mesh = self.mesh.resolve(world)
+        decls = hooks.declarations()
+        block_specs = hooks.block_specs(self)
+        findings += claim_rules(mesh, decls)
+        findings += plugin_rules(self.plugins, decls, block_specs)
+        findings += topology_rules(mesh, topology, decls)
+        findings += hooks.validate_plan(self, mesh, topology)
+        if model is not None:
+            spec = block_specs[0][1] if block_specs else None
+            blocks = find_blocks(model, spec)
+            findings += model_rules(model, blocks, decls, self.plugins, spec)
+            findings += hooks.validate_model(self, model, blocks)
+        return Report.of(findings)
+
+    # -- apply ------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Validate, then run every stage in order. Raises PlanError, touching nothing."""
+        report = self.validate(model)
+        if not report.ok:
+            raise PlanError(report)
+        for finding in report.warnings:
+            log.warning("plan warning", code=finding.code, message=finding.message,
+                        fix=finding.fix, plugin=finding.plugin)
+        ctx = self._context(model)
+        for stage in STAGES:
+            for plugin in ctx.hooks.implementers(stage):
+                self._run_step(ctx, stage, plugin)
+        self._log_layout(ctx)
+        self.applied = ctx.applied
+        return ctx.model
+
+    def _context(self, model: nn.Module) -> ApplyContext:
+        import torch
+
+        hooks = Hooks(self.plugins)
+        world = self.world_size() or 1
+        mesh = self.mesh.resolve(world)
+        device_mesh = self._device_mesh
+        if device_mesh is None and world > 1:
+            device_mesh = mesh.build()
+        elif device_mesh is None and "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and mesh.dims:
+                device_mesh = mesh.build()
+        if self.device is not None:
+            device = torch.device(self.device)
+        elif device_mesh is not None and device_mesh.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        specs = hooks.block_specs(self)
+        blocks = find_blocks(model, specs[0][1] if specs else None)
+        return ApplyContext(self, mesh, device_mesh, device, model, blocks, hooks)
+
+    def _run_step(self, ctx: ApplyContext, stage: Stage, plugin: Plugin) -> None:
+        started = time.perf_counter()
+        detail = ctx.hooks.call_stage(stage, plugin, ctx) or stage.label
+        ctx.applied.append(AppliedStep(stage.label, plugin.name, detail))
+        log.info("applied", stage=stage.label, plugin=plugin.name, detail=detail,
+                 seconds=round(time.perf_counter() - started, 4))
+
+    def _log_layout(self, ctx: ApplyContext) -> None:
+        for name in ctx.mesh.names:
+            log.info("mesh dim", dim=name, size=ctx.mesh.size(name),
+                     rank_groups=[list(g) for g in ctx.mesh.rank_groups(name)])
+        if ctx.device_mesh is not None:
+            from composer_par.logging import bind_mesh_coordinate
+
+            bind_mesh_coordinate(ctx.mesh.coordinate(ctx.rank))
+
+    # -- explain ----------------------------------------------------------------------
+
+    def explain(self, *, world_size: int | None = None) -> Explanation:
+        """The ordered steps each plugin will take and the rank groups of each mesh dim."""
+        hooks = Hooks(self.plugins)
+        world = world_size if world_size is not None else self.world_size()
+        mesh = self.mesh
+        if world is not None and self.mesh.check_world_size(world) is None:
+            mesh = self.mesh.resolve(world)
+        labels = [s.label for s in STAGES]
+        steps = sorted(
+            ((stage, p.name, text) for p, stage, text in hooks.describe(self)),
+            key=lambda s: labels.index(s[0]) if s[0] in labels else len(labels),
+        )
+        topology = self.effective_topology()
+        groups: dict[str, list[tuple[int, ...]]] = {}
+        crossing: dict[str, bool] = {}
+        if mesh.is_resolved:
+            for name in mesh.names:
+                groups[name] = mesh.rank_groups(name)
+                if topology is not None and topology.world_size == mesh.world_size:
+                    crossing[name] = topology.crosses_nodes(mesh, name)
+        return Explanation(mesh, topology, tuple(steps), groups, crossing)
+
+    # -- plan files -------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(
+        cls, source: str | Path, *, registry: Registry | None = None
+    ) -> ParallelPlan:
+        """A plan from TOML text or a ``.toml`` path; raises PlanFileError on bad input."""
+        from composer_par.planfile import load_plan
+
+        return load_plan(source, registry=registry)
+
+    def to_toml(self) -> str:
+        from composer_par.planfile import dump_plan
+
+        return dump_plan(self)
+
+    def block_spec(self) -> BlockSpec | None:
+        specs = Hooks(self.plugins).block_specs(self)
+        return specs[0][1] if specs else None
+
+
+@attrs.frozen
+class Explanation:
+    mesh: MeshSpec
+    topology: Topology | None
+    steps: tuple[tuple[str, str, str], ...]  # (stage, plugin, what it does)
+    groups: dict[str, list[tuple[int, ...]]]
+    crossing: dict[str, bool]
+
+    def format(self) -> str:
+        lines = [f"mesh: {self.mesh.equation()}"]
+        if self.topology is not None:
+            lines.append(f"topology: {self.topology.describe()}")
+        lines.append("steps, in apply order:")
+        for i, (stage, plugin, text) in enumerate(self.steps, 1):
+            lines.append(f"  {i}. [{stage}] {plugin}: {text}")
+        if self.groups:
+            lines.append("rank groups per mesh dim:")
+        for name, groups in self.groups.items():
+            where = ""
+            if name in self.crossing:
+                where = " (crosses nodes)" if self.crossing[name] else " (inside a node)"
+            shown = " ".join(str(list(g)) for g in groups[:8])
+            more = f" ... +{len(groups) - 8} more" if len(groups) > 8 else ""
+            lines.append(f"  {name}({self.mesh.size(name)}){where}: {shown}{more}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mesh": self.mesh.to_dict(),
+            "topology": self.topology.to_dict() if self.topology else None,
+            "steps": [{"stage": s, "plugin": p, "action": t} for s, p, t in self.steps],
+            "rank_groups": {n: [list(g) for g in gs] for n, gs in self.groups.items()},
+            "crosses_nodes": self.crossing,
+        }
+
+
+__all__ = ["Explanation", "MeshError", "ParallelPlan", "PlanError"]

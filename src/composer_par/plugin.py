@@ -1,0 +1,141 @@
+"""The plugin base class, claims, stages and the hook markers.
+
+A plugin is an attrs class whose fields are its options (the same names a plan file
+uses) and whose methods marked with :data:`hookimpl` act in the stages of
+:mod:`composer_par.hookspecs`. Built-ins and third-party plugins use exactly this API.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+import attrs
+import pluggy
+
+PROJECT = "composer_par"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class Stage(enum.Enum):
+    """The canonical apply order (DESIGN.md section 4); the value is the hook name."""
+
+    CONVERT = "composer_par_convert"
+    TENSOR_PARALLEL = "composer_par_tensor_parallel"
+    ACTIVATION_CHECKPOINT = "composer_par_activation_checkpoint"
+    COMPILE = "composer_par_compile"
+    DATA_PARALLEL = "composer_par_data_parallel"
+    MATERIALIZE = "composer_par_materialize"
+    FINALIZE = "composer_par_finalize"
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
+
+
+class Role(str, enum.Enum):
+    """What a plugin does over a mesh dim it claims."""
+
+    SHARD = "shard"  # parameters sharded over the dim (FSDP)
+    REPLICATE = "replicate"  # parameters replicated, gradients all-reduced (HSDP/DDP)
+    MODEL_PARALLEL = "model_parallel"  # tensor/sequence parallel: activations move
+    OTHER = "other"
+
+
+@attrs.frozen
+class Claim:
+    """A plugin's declaration that it owns a mesh dim."""
+
+    dim: str
+    role: Role
+
+
+@attrs.frozen
+class Declaration:
+    """What a plugin tells the plan before anything runs (the declaration hook)."""
+
+    plugin: str
+    claims: tuple[Claim, ...] = ()
+    # Capabilities: e.g. "data_parallel" (FSDP2, HSDP), "materialize" (MetaInit, loaders).
+    provides: frozenset[str] = frozenset()
+    requires: frozenset[str] = frozenset()
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    # Whether the plugin acts on the shared blocks (so "no blocks found" matters to it).
+    needs_blocks: bool = False
+
+
+class Plugin:
+    """Base of every plugin. Subclasses are ``@attrs.frozen`` classes that set ``name``.
+
+    Override :meth:`declare` (or the class attributes it reads) to claim mesh dims and
+    state requirements; implement the stage hooks of :mod:`composer_par.hookspecs`
+    as methods marked ``@hookimpl``.
+    """
+
+    name: ClassVar[str] = ""
+    provides: ClassVar[frozenset[str]] = frozenset()
+    requires: ClassVar[frozenset[str]] = frozenset()
+    needs_blocks: ClassVar[bool] = False
+
+    def claims(self) -> tuple[Claim, ...]:
+        return ()
+
+    def declare(self) -> Declaration:
+        return Declaration(
+            plugin=self.name,
+            claims=self.claims(),
+            provides=self.provides,
+            requires=self.requires,
+            after=tuple(getattr(self, "after", ()) or ()),
+            before=tuple(getattr(self, "before", ()) or ()),
+            needs_blocks=self.needs_blocks,
+        )
+
+    @hookimpl
+    def composer_par_declare(self) -> Declaration:
+        return self.declare()
+
+    # -- options (the plan file's view of the plugin) ----------------------------------
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.alias for f in attrs.fields(cls)) if attrs.has(cls) else ()
+
+    def options(self, *, include_defaults: bool = False) -> dict[str, Any]:
+        """The options that differ from their defaults, in plan-file form."""
+        if not attrs.has(type(self)):
+            return {}
+        out: dict[str, Any] = {}
+        for f in attrs.fields(type(self)):
+            value = getattr(self, f.name)
+            default = f.default
+            if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+                default = default.factory()  # type: ignore[attr-defined]
+            if include_defaults or value != default:
+                out[f.alias] = _plain(value)
+        return out
+
+    @classmethod
+    def stages(cls) -> tuple[Stage, ...]:
+        """The stages this plugin class implements, in apply order."""
+        return tuple(s for s in STAGES if _is_hookimpl(getattr(cls, s.value, None)))
+
+
+def _is_hookimpl(fn: Any) -> bool:
+    return fn is not None and hasattr(fn, f"{PROJECT}_impl")
+
+
+def _plain(value: Any) -> Any:
+    """Option values as a plan file writes them (nested attrs objects become tables)."""
+    if attrs.has(type(value)):
+        return {k: _plain(v) for k, v in attrs.asdict(value, recurse=False).items() if v is not None}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,347 @@
+"""The core validation rules: static ones (no torch) and model-aware ones.
+
+Each function takes what it needs and returns findings; :mod:`composer_par.plan`
+collects them all. Rule codes are documented in :data:`composer_par.validate.RULES`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from composer_par.mesh import INFER, MeshSpec
+from composer_par.plugin import Declaration, Plugin, Role, Stage
+from composer_par.topology import Topology
+from composer_par.validate import Finding, did_you_mean
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.blocks import Block, BlockSpec
+
+
+def mesh_rules(mesh: MeshSpec, world_size: int | None, topology: Topology | None) -> list[Finding]:
+    found: list[Finding] = []
+    if world_size is not None:
+        problem = mesh.check_world_size(world_size)
+        if problem:
+            found.append(
+                Finding(
+                    "CP101",
+                    problem,
+                    fix="change the [mesh] sizes so their product equals the world size, "
+                    "or set one size to -1 to infer it",
+                )
+            )
+    if topology is not None and world_size is not None and topology.world_size != world_size:
+        found.append(
+            Finding(
+                "CP102",
+                f"topology {topology.describe()} but the world size is {world_size}",
+                fix="make nodes * devices_per_node equal the number of ranks",
+            )
+        )
+    return found
+
+
+def claim_rules(mesh: MeshSpec, decls: Sequence[Declaration]) -> list[Finding]:
+    found: list[Finding] = []
+    owners: dict[str, list[str]] = defaultdict(list)
+    for decl in decls:
+        for claim in decl.claims:
+            if claim.dim not in mesh:
+                found.append(
+                    Finding(
+                        "CP203",
+                        f"claims mesh dim {claim.dim!r}, which the mesh does not have"
+                        f"{did_you_mean(claim.dim, mesh.names)}; the mesh has {list(mesh.names)}",
+                        fix=f"set the plugin's dim to one of {list(mesh.names)}, "
+                        f"or add {claim.dim!r} to [mesh]",
+                        plugin=decl.plugin,
+                    )
+                )
+            else:
+                owners[claim.dim].append(decl.plugin)
+    for name, size in mesh.dims:
+        who = owners.get(name, [])
+        if len(who) > 1:
+            found.append(
+                Finding(
+                    "CP202",
+                    f"mesh dim {name!r} is claimed by {' and '.join(who)}",
+                    fix="give each plugin its own mesh dim (option `dim`), or drop one plugin",
+                    plugin=who[1],
+                )
+            )
+        if not who and (size > 1 or size == INFER):
+            shown = "inferred size" if size == INFER else f"size {size}"
+            found.append(
+                Finding(
+                    "CP201",
+                    f"mesh dim {name!r} ({shown}) is owned by no plugin: its ranks would "
+                    "duplicate work silently",
+                    fix=f"use a plugin that claims {name!r} (e.g. FSDP2 for dp_shard, HSDP for "
+                    f"dp_replicate, TP for tp), or set {name} = 1",
+                )
+            )
+    return found
+
+
+def plugin_rules(
+    plugins: Sequence[Plugin],
+    decls: Sequence[Declaration],
+    block_specs: Sequence[tuple[str, BlockSpec]],
+) -> list[Finding]:
+    found: list[Finding] = []
+    names = [d.plugin for d in decls]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        found.append(
+            Finding(
+                "CP204",
+                f"plugin {name!r} is used {names.count(name)} times",
+                fix="use each plugin once; put all its options on one instance",
+                plugin=name,
+            )
+        )
+    provided = {cap for d in decls for cap in d.provides}
+    for decl in decls:
+        for need in sorted(decl.requires - provided):
+            found.append(
+                Finding(
+                    "CP206",
+                    f"requires a {need!r} plugin, and none in the plan provides it",
+                    fix=f"add a plugin that provides {need!r} (e.g. FSDP2 or HSDP for "
+                    "data_parallel)",
+                    plugin=decl.plugin,
+                )
+            )
+        for other in (*decl.after, *decl.before):
+            if other not in names:
+                found.append(
+                    Finding(
+                        "CP209",
+                        f"orders itself against {other!r}, which is not in the plan"
+                        f"{did_you_mean(other, names)}",
+                        fix="remove the name from after/before, or add that plugin",
+                        plugin=decl.plugin,
+                    )
+                )
+    materializers = [p.name for p in plugins if Stage.MATERIALIZE in p.stages()]
+    if len(materializers) > 1:
+        found.append(
+            Finding(
+                "CP207",
+                f"{' and '.join(materializers)} both materialize the model; exactly one may "
+                "(init or load, not both)",
+                fix="keep one of them: MetaInit to initialize, or a loader to load weights",
+                plugin=materializers[1],
+            )
+        )
+    if len({spec for _, spec in block_specs}) > 1:
+        shown = "; ".join(f"{who}: {spec.describe()}" for who, spec in block_specs)
+        found.append(
+            Finding(
+                "CP208",
+                f"plugins disagree on the blocks ({shown})",
+                fix="give `blocks` on one plugin only, or the same value on each",
+                plugin=block_specs[1][0],
+            )
+        )
+    cycle = find_cycle(decls)
+    if cycle:
+        found.append(
+            Finding(
+                "CP205",
+                "after/before declarations form a cycle: " + " -> ".join(cycle),
+                fix="remove one of the after/before constraints in the cycle",
+                plugin=cycle[0],
+            )
+        )
+    return found
+
+
+def ordering_edges(decls: Sequence[Declaration]) -> set[tuple[str, str]]:
+    """(first, second) pairs: ``first`` must run before ``second`` within a stage."""
+    names = {d.plugin for d in decls}
+    edges: set[tuple[str, str]] = set()
+    for d in decls:
+        edges.update((a, d.plugin) for a in d.after if a in names)
+        edges.update((d.plugin, b) for b in d.before if b in names)
+    return edges
+
+
+def find_cycle(decls: Sequence[Declaration]) -> list[str] | None:
+    graph: dict[str, list[str]] = defaultdict(list)
+    for a, b in sorted(ordering_edges(decls)):
+        graph[a].append(b)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for d in decls:
+        if d.plugin not in state:
+            cycle = visit(d.plugin)
+            if cycle:
+                return cycle
+    return None
+
+
+def topology_rules(
+    mesh: MeshSpec, topology: Topology | None, decls: Sequence[Declaration]
+) -> list[Finding]:
+    """Which mesh dims cross nodes; needs a resolved mesh that fits the topology."""
+    if topology is None or not mesh.is_resolved or mesh.world_size != topology.world_size:
+        return []
+    found: list[Finding] = []
+    roles = {c.dim: (c.role, d.plugin) for d in decls for c in d.claims if c.dim in mesh}
+    by_role: dict[Role, list[str]] = defaultdict(list)
+    for dim, (role, _) in roles.items():
+        if mesh.size(dim) > 1:
+            by_role[role].append(dim)
+    crossing = {name for name in mesh.names if topology.crosses_nodes(mesh, name)}
+    for shard in by_role[Role.SHARD]:
+        if shard not in crossing:
+            continue
+        inside = [r for r in by_role[Role.REPLICATE] if r not in crossing]
+        if inside:
+            found.append(_reversed_hsdp(mesh, topology, shard, inside[0], roles[shard][1]))
+        elif not by_role[Role.REPLICATE]:
+            found.append(_suggest_hsdp(mesh, topology, shard, roles[shard][1]))
+    for tp in by_role[Role.MODEL_PARALLEL]:
+        if tp in crossing:
+            found.append(
+                Finding(
+                    "CP302",
+                    f"model-parallel mesh dim {tp}({mesh.size(tp)}) crosses nodes on "
+                    f"{topology.describe()}: its per-block activation collectives would run "
+                    "over the inter-node links",
+                    fix=f"make {tp} the innermost mesh dim (list it last) with size <= "
+                    f"devices_per_node ({topology.devices_per_node})",
+                    plugin=roles[tp][1],
+                )
+            )
+    return found
+
+
+def _reversed_hsdp(
+    mesh: MeshSpec, topology: Topology, shard: str, replicate: str, plugin: str
+) -> Finding:
+    order = list(mesh.names)
+    i, j = order.index(shard), order.index(replicate)
+    order[i], order[j] = order[j], order[i]
+    fixed = MeshSpec.from_pairs((n, mesh.size(n)) for n in order)
+    still = topology.crosses_nodes(fixed, shard) or not topology.crosses_nodes(fixed, replicate)
+    spelled = ", ".join(f"{n}={fixed.size(n)}" for n in fixed.names)
+    fix = f"swap the order: MeshSpec({spelled}); in a plan file list " + " then ".join(
+        f"{n} = {fixed.size(n)}" for n in fixed.names
+    )
+    if still:
+        fix += f" (then check that {shard}'s size fits in a node)"
+    return Finding(
+        "CP301",
+        f"reversed HSDP mesh: shard dim {shard}({mesh.size(shard)}) crosses nodes while "
+        f"replicate dim {replicate}({mesh.size(replicate)}) stays inside a node on "
+        f"{topology.describe()}; every all-gather and reduce-scatter would cross the slow link",
+        fix=fix,
+        plugin=plugin,
+    )
+
+
+def _suggest_hsdp(mesh: MeshSpec, topology: Topology, shard: str, plugin: str) -> Finding:
+    inner = 1
+    for name in reversed(mesh.names):
+        if name == shard:
+            break
+        inner *= mesh.size(name)
+    per_node = max(1, topology.devices_per_node // inner)
+    size = mesh.size(shard)
+    if size % per_node == 0 and size > per_node:
+        split = f"dp_replicate={size // per_node}, dp_shard={per_node}"
+    else:
+        split = f"a replicate dim across the {topology.nodes} nodes"
+    return Finding(
+        "CP305",
+        f"shard dim {shard}({size}) spans {topology.nodes_spanned(mesh, shard)} nodes with no "
+        "replicate dim: every all-gather and reduce-scatter crosses nodes",
+        fix=f"consider HSDP: shard inside a node and replicate across nodes ({split}; "
+        "add the HSDP plugin)",
+        plugin=plugin,
+    )
+
+
+# -- model-aware ---------------------------------------------------------------------------
+
+LARGE_MATERIALIZED_BYTES = 1 << 30
+
+
+def model_rules(
+    model: nn.Module,
+    blocks: list[Block],
+    decls: Sequence[Declaration],
+    plugins: Sequence[Plugin],
+    spec: BlockSpec | None,
+) -> list[Finding]:
+    from torch.distributed.tensor import DTensor
+
+    found: list[Finding] = []
+    needing = [d.plugin for d in decls if d.needs_blocks]
+    if needing and not blocks:
+        how = f"no module matches {spec.describe()}" if spec else "none could be detected"
+        found.append(
+            Finding(
+                "CP401",
+                f"no blocks found in {type(model).__name__} ({how}); {needing[0]} groups "
+                "parameters per block, so without blocks the whole model is one group",
+                fix="pass blocks= to the plugin: a module path like 'layers' or block class "
+                "names like ['DecoderLayer']",
+                plugin=needing[0],
+            )
+        )
+    dtensors = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        found.append(
+            Finding(
+                "CP402",
+                f"{len(dtensors)} parameter(s) are already DTensors (first: {dtensors[0]}): "
+                "the model was parallelized before this plan",
+                fix="apply the plan to a freshly built model (ideally under "
+                "torch.device('meta'))",
+            )
+        )
+    tensors = [*model.parameters(), *model.buffers()]
+    on_meta = any(t.is_meta for t in tensors)
+    materialized = sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+    materializes = any(Stage.MATERIALIZE in p.stages() for p in plugins)
+    if materialized >= LARGE_MATERIALIZED_BYTES and any(d.provides for d in decls):
+        found.append(
+            Finding(
+                "CP403",
+                f"the model already holds {materialized / 2**30:.1f} GiB of materialized "
+                "tensors: every rank built a full copy before sharding",
+                fix="build the model under torch.device('meta') and use MetaInit or a loader",
+            )
+        )
+    if on_meta and not materializes:
+        found.append(
+            Finding(
+                "CP405",
+                "the model has tensors on the meta device and no plugin materializes it",
+                fix="add MetaInit(seed=...) to initialize, or a loader to load weights",
+            )
+        )
+    return found
+

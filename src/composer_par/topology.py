@@ -1,0 +1,89 @@
+"""Nodes x devices per node, and which mesh dims cross nodes.
+
+Ranks are laid out on nodes contiguously, as torchrun does: node ``k`` holds ranks
+``k * devices_per_node ... (k + 1) * devices_per_node - 1``. A mesh dim "stays inside a
+node" when each of its rank groups lies on one node; otherwise it crosses nodes and its
+collectives run over the (much slower) inter-node links.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from composer_par.mesh import MeshSpec
+
+
+class TopologyError(ValueError):
+    """A topology that cannot describe the job."""
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TopologyError(f"{attribute.name} must be a positive int; got {value!r}")
+
+
+def _optional_positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TopologyError(f"{attribute.name} must be a positive number; got {value!r}")
+
+
+@attrs.frozen
+class Topology:
+    """``Topology(nodes=4, devices_per_node=8)``, with optional link bandwidths in Gbit/s."""
+
+    nodes: int = attrs.field(validator=_positive)
+    devices_per_node: int = attrs.field(validator=_positive)
+    intra_node_gbps: float | None = attrs.field(
+        default=None, validator=_optional_positive_number, kw_only=True
+    )
+    inter_node_gbps: float | None = attrs.field(
+        default=None, validator=_optional_positive_number, kw_only=True
+    )
+
+    @classmethod
+    def single_node(cls, world_size: int) -> Topology:
+        return cls(nodes=1, devices_per_node=world_size)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Topology | None:
+        """Read the topology torchrun exports (WORLD_SIZE, LOCAL_WORLD_SIZE); None outside it."""
+        env = os.environ if environ is None else environ
+        try:
+            world = int(env["WORLD_SIZE"])
+            local = int(env["LOCAL_WORLD_SIZE"])
+        except (KeyError, ValueError):
+            return None
+        if local < 1 or world % local:
+            raise TopologyError(
+                f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: "
+                "torchrun needs the same number of processes on every node"
+            )
+        return cls(nodes=world // local, devices_per_node=local)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} is outside {self.describe()}")
+        return rank // self.devices_per_node
+
+    def nodes_spanned(self, mesh: MeshSpec, name: str) -> int:
+        """How many nodes the widest rank group of mesh dim ``name`` spans."""
+        return max(len({self.node_of(r) for r in g}) for g in mesh.rank_groups(name))
+
+    def crosses_nodes(self, mesh: MeshSpec, name: str) -> bool:
+        return self.nodes_spanned(mesh, name) > 1
+
+    def describe(self) -> str:
+        return f"{self.nodes} node(s) x {self.devices_per_node} device(s) = {self.world_size} ranks"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
