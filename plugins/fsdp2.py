@@ -73,6 +73,28 @@ def _mixed_precision(value: Any) -> MixedPrecision | None:
     raise TypeError(f"mixed_precision must be a table of dtypes or a dtype name; got {value!r}")
 
 
+# Plan files hand in any TOML value: a wrong type must fail here, naming the field,
+# not later inside validate() or explain().
+_STRINGS = attrs.validators.deep_iterable(attrs.validators.instance_of(str),
+                                          attrs.validators.instance_of(tuple))
+
+
+def _names(value: Any) -> Any:
+    """``after = "meta_init"`` means one name, not its letters."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"after/before take a plugin name or a list of them; got {value!r}")
+    return tuple(value)
+
+
+def _check_blocks(value: Any) -> None:
+    if value is None or isinstance(value, str):
+        return
+    if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+        raise TypeError(f"blocks must be a module path or a list of class names; got {value!r}")
+
+
 def _reshard(instance: Any, attribute: Any, value: Any) -> None:
     if value is None or isinstance(value, bool):
         return
@@ -96,17 +118,18 @@ class FSDP2(Plugin):
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
     needs_blocks: ClassVar[bool] = True
 
-    dim: str = "dp_shard"
+    dim: str = attrs.field(default="dp_shard", validator=attrs.validators.instance_of(str))
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
     mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=_mixed_precision)
     offload: Literal["none", "cpu"] = attrs.field(
         default="none", validator=attrs.validators.in_(("none", "cpu"))
     )
     blocks: str | tuple[str, ...] | None = attrs.field(
-        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v
+        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v,
+        validator=lambda _i, _a, v: _check_blocks(v),
     )
-    after: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    before: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    after: tuple[str, ...] = attrs.field(default=(), converter=_names, validator=_STRINGS)
+    before: tuple[str, ...] = attrs.field(default=(), converter=_names, validator=_STRINGS)
 
     def claims(self) -> tuple[Claim, ...]:
         return (Claim(self.dim, Role.SHARD),)

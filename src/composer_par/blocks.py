@@ -6,7 +6,7 @@ activation checkpointing recomputes and compile traces. In order of precedence:
 1. an explicit spec: a module path (``"layers"``: the children of that container;
    ``"model.layers.*"``: modules matching a glob) or block class names;
 2. a Hugging Face model's ``_no_split_modules`` class names;
-3. the largest set of same-class children of one parent (ties: the most parameters).
+3. the same-class children of a ModuleList / Sequential holding the most parameters.
 """
 
 from __future__ import annotations
@@ -109,12 +109,18 @@ def _by_class(model: nn.Module, classes: set[str]) -> list[Block]:
 
 
 def _largest_repeated_children(model: nn.Module) -> list[Block]:
+    """Same-class children of a list container (ModuleList / Sequential): the group
+    holding the most parameters wins. Plain attributes are not considered: a module's
+    q/k/v projections are same-class siblings but not repeated units."""
+    import torch.nn as nn
+
     best: list[Block] = []
-    best_key = (1, 0)  # at least two same-class children make a repeated unit
+    best_key = (0, 0)
     for parent_name, parent in [("", model), *_named_modules(model)]:
+        if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            continue
         children = list(parent.named_children())
-        counts = Counter(type(c) for _, c in children)
-        for cls, count in counts.items():
+        for cls, count in Counter(type(c) for _, c in children).items():
             if count < 2:
                 continue
             group = [
@@ -123,11 +129,8 @@ def _largest_repeated_children(model: nn.Module) -> list[Block]:
                 if type(c) is cls
             ]
             params = sum(p.numel() for _, c in group for p in c.parameters())
-            if params == 0:
-                continue
-            key = (count, params)
-            if key > best_key:
-                best, best_key = group, key
+            if params and (params, count) > best_key:
+                best, best_key = group, (params, count)
     return best
 
 

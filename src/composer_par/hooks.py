@@ -40,7 +40,15 @@ class Hooks:
         self.plugins = list(plugins)
         self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(hookspecs)
+        # pluggy refuses a plugin equal to one it holds (frozen attrs compare by value),
+        # so an equal plugin used twice is registered once and answers for both; CP204
+        # still reports it, as each use declares.
+        self._held: dict[int, Plugin] = {}
         for index, plugin in enumerate(self.plugins):
+            twin = next((p for p in self._held.values() if p == plugin), None)
+            self._held[id(plugin)] = twin or plugin
+            if twin is not None:
+                continue
             try:
                 self._pm.register(plugin, name=f"{plugin.name or type(plugin).__name__}#{index}")
             except pluggy.PluginValidationError as exc:
@@ -62,7 +70,7 @@ class Hooks:
         by_plugin = {id(impl.plugin): impl for impl in caller.get_hookimpls()}
         results = []
         for plugin in self.plugins:
-            impl = by_plugin.get(id(plugin))
+            impl = by_plugin.get(id(self._held[id(plugin)]))
             if impl is not None:
                 args = {name: kwargs[name] for name in impl.argnames}
                 results.append((plugin, impl.function(**args)))
@@ -134,12 +142,12 @@ class Hooks:
     def implementers(self, stage: Stage) -> list[Plugin]:
         caller = getattr(self._pm.hook, stage.value)
         ids = {id(impl.plugin) for impl in caller.get_hookimpls()}
-        return self.ordered([p for p in self.plugins if id(p) in ids])
+        return self.ordered([p for p in self.plugins if id(self._held[id(p)]) in ids])
 
     def call_stage(self, stage: Stage, plugin: Plugin, ctx: ApplyContext) -> str | None:
         caller = getattr(self._pm.hook, stage.value)
         for impl in caller.get_hookimpls():
-            if impl.plugin is plugin:
+            if impl.plugin is self._held[id(plugin)]:
                 result = impl.function(**{name: ctx for name in impl.argnames})
                 return None if result is None else str(result)
         raise HookError(f"plugin {plugin.name!r} does not implement {stage.value}")

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.validate import did_you_mean
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -28,7 +30,7 @@ class MeshError(ValueError):
 
 def _check_dims(instance: MeshSpec, attribute: attrs.Attribute[Any], value: Any) -> None:
     seen: set[str] = set()
-    inferred = 0
+    inferred: list[str] = []
     for name, size in value:
         if not isinstance(name, str) or not name.isidentifier():
             raise MeshError(f"mesh dim names must be identifiers; got {name!r}")
@@ -38,11 +40,14 @@ def _check_dims(instance: MeshSpec, attribute: attrs.Attribute[Any], value: Any)
         if isinstance(size, bool) or not isinstance(size, int):
             raise MeshError(f"mesh dim {name!r}: size must be an int; got {size!r}")
         if size == INFER:
-            inferred += 1
+            inferred.append(name)
         elif size < 1:
             raise MeshError(f"mesh dim {name!r}: size must be >= 1 or -1 (inferred); got {size}")
-    if inferred > 1:
-        raise MeshError("at most one mesh dim may be -1 (inferred from the world size)")
+    if len(inferred) > 1:
+        raise MeshError(
+            "at most one mesh dim may be -1 (inferred from the world size); got -1 for "
+            + " and ".join(repr(n) for n in inferred)
+        )
 
 
 @attrs.frozen(init=False)
@@ -95,7 +100,9 @@ class MeshSpec:
         for n, s in self.dims:
             if n == name:
                 return s
-        raise MeshError(f"no mesh dim {name!r}; the mesh has {list(self.names)}")
+        raise MeshError(
+            f"no mesh dim {name!r}{did_you_mean(name, self.names)}; the mesh has {list(self.names)}"
+        )
 
     @property
     def is_resolved(self) -> bool:
@@ -112,10 +119,7 @@ class MeshSpec:
         """``dp_replicate(4) * dp_shard(8) * tp(2) = 64`` (and ``!= world_size(32)``)."""
         lhs = " * ".join(f"{n}({s})" for n, s in self.dims) or "(no mesh dims)"
         known = math.prod(s for s in self.sizes if s != INFER)
-        if not self.is_resolved:
-            text = f"{lhs} = {known} * ?"
-        else:
-            text = f"{lhs} = {known}"
+        text = f"{lhs} = {known}" if self.is_resolved else f"{lhs} = {known} * ?"
         if world_size is not None:
             text += f" {'==' if self.is_resolved and known == world_size else '!='} "
             text += f"world_size({world_size})"
@@ -124,6 +128,8 @@ class MeshSpec:
     def check_world_size(self, world_size: int) -> str | None:
         """The problem laying this mesh on ``world_size`` ranks, or None if it fits."""
         known = math.prod(s for s in self.sizes if s != INFER)
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            return f"{self.equation()}: world_size must be a positive int; got {world_size!r}"
         if self.is_resolved:
             if known != world_size:
                 return self.equation(world_size)
@@ -157,9 +163,24 @@ class MeshSpec:
         return dict(reversed(list(coord.items())))
 
     def rank_of(self, coordinate: Mapping[str, int]) -> int:
+        """Coordinate -> rank, the inverse of :meth:`coordinate`; a missing mesh dim is 0."""
+        if not self.is_resolved:
+            raise MeshError(f"{self.equation()}: a size is -1; call resolve(world_size) first")
+        unknown = [n for n in coordinate if n not in self.names]
+        if unknown:
+            raise MeshError(
+                f"no mesh dim {unknown[0]!r}{did_you_mean(unknown[0], self.names)}; "
+                f"the mesh has {list(self.names)}"
+            )
         rank = 0
         for name, size in self.dims:
-            rank = rank * size + coordinate.get(name, 0)
+            index = coordinate.get(name, 0)
+            if not 0 <= index < size:
+                raise MeshError(
+                    f"coordinate {name}={index} is outside mesh dim {name}({size}): "
+                    f"expected 0 <= {name} < {size}"
+                )
+            rank = rank * size + index
         return rank
 
     def rank_groups(self, name: str) -> list[tuple[int, ...]]:
@@ -170,7 +191,11 @@ class MeshSpec:
         """
         names = self.names
         if name not in names:
-            raise MeshError(f"no mesh dim {name!r}; the mesh has {list(names)}")
+            raise MeshError(
+                f"no mesh dim {name!r}{did_you_mean(name, names)}; the mesh has {list(names)}"
+            )
+        if not self.is_resolved:
+            raise MeshError(f"{self.equation()}: a size is -1; call resolve(world_size) first")
         others = [(n, s) for n, s in self.dims if n != name]
         groups = []
         for flat in range(math.prod(s for _, s in others)):

@@ -14,7 +14,7 @@ from composer_par.blocks import BlockSpec, find_blocks
 from composer_par.hooks import HookError, Hooks
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshError, MeshSpec
-from composer_par.plugin import STAGES, Plugin, Stage
+from composer_par.plugin import STAGES, Plugin, Role, Stage
 from composer_par.rules import claim_rules, mesh_rules, model_rules, plugin_rules, topology_rules
 from composer_par.topology import Topology
 from composer_par.validate import Finding, PlanError, Report
@@ -59,6 +59,8 @@ class ParallelPlan:
         self.device = device
         self.plugins: list[Plugin] = []
         self.applied: list[AppliedStep] = []
+        # Facts plugins recorded during the last apply (e.g. FSDP2's sharded modules).
+        self.notes: dict[str, Any] = {}
 
     def use(self, plugin: Plugin) -> ParallelPlan:
         """Add a plugin; returns the plan so calls chain."""
@@ -95,6 +97,29 @@ class ParallelPlan:
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
         return Hooks(self.plugins).replicate_dims(self)
+
+    def data_parallel_dims(self) -> list[str]:
+        """Mesh dims over which ranks read different samples (sharded or replicated data
+        parallelism), outermost first. Ranks that differ only in other (model-parallel)
+        mesh dims read the same samples."""
+        roles = {c.dim for d in Hooks(self.plugins).declarations() for c in d.claims
+                 if c.role in (Role.SHARD, Role.REPLICATE)}
+        return [n for n in self.mesh.names if n in roles]
+
+    def data_shard(self, rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+        """``(shard_index, num_shards)`` of the data this rank reads: the ``rank`` and
+        ``num_replicas`` to give ``DistributedSampler``. Pure arithmetic, no collectives."""
+        world = world_size if world_size is not None else (self.world_size() or 1)
+        if rank is None:
+            dist = sys.modules.get("torch.distributed")
+            rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
+        mesh = self.mesh.resolve(world)
+        coord = mesh.coordinate(rank)
+        index, count = 0, 1
+        for name in self.data_parallel_dims():
+            index = index * mesh.size(name) + coord[name]
+            count *= mesh.size(name)
+        return index, count
 
     def plugin(self, name: str) -> Plugin | None:
         return next((p for p in self.plugins if p.name == name), None)
@@ -142,7 +167,7 @@ class ParallelPlan:
             for plugin in ctx.hooks.implementers(stage):
                 self._run_step(ctx, stage, plugin)
         self._log_layout(ctx)
-        self.applied = ctx.applied
+        self.applied, self.notes = ctx.applied, ctx.notes
         return ctx.model
 
     def _context(self, model: nn.Module) -> ApplyContext:

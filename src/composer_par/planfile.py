@@ -15,18 +15,23 @@ reshard_after_forward = true
 ```
 
 Reading collects every problem before reporting (codes CP5xx) and never raises
-anything but :class:`PlanFileError`.
+anything but :class:`PlanFileError`. Writing gives text that reads back to an equal
+plan: the same mesh, topology, plugin classes and options.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
+import os
+import re
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_par.mesh import MeshError, MeshSpec
+import attrs
+
+from composer_par.mesh import INFER, MeshError, MeshSpec
 from composer_par.topology import Topology, TopologyError
 from composer_par.validate import Finding, Report, did_you_mean
 
@@ -35,8 +40,16 @@ if TYPE_CHECKING:
     from composer_par.plugin import Plugin
     from composer_par.registry import Registry
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - requires-python allows 3.10, whose TOML reader is tomli
+    import tomli as tomllib
+
 TOP_LEVEL = ("mesh", "topology", "plugins")
-TOPOLOGY_KEYS = ("nodes", "devices_per_node", "intra_node_gbps", "inter_node_gbps")
+TOPOLOGY_KEYS = tuple(f.name for f in attrs.fields(Topology))
+# Static validation and explain do rank arithmetic in Python, linear in the number of
+# ranks (~0.5 s at this size). A file asking for more is a typo, not a cluster.
+MAX_RANKS = 2**17
 
 
 class PlanFileError(ValueError):
@@ -44,48 +57,71 @@ class PlanFileError(ValueError):
 
     def __init__(self, report: Report, source: str = "") -> None:
         self.report = report
+        self.source = source
         where = f"{source}: " if source else ""
         super().__init__(f"{where}cannot read the plan\n{report.format()}")
 
 
 def read_source(source: str | Path) -> tuple[str, str]:
-    """(text, name): ``source`` is TOML text, or a path to a file holding it."""
-    if isinstance(source, Path) or (
-        isinstance(source, str) and "\n" not in source and source.endswith(".toml")
-    ):
-        path = Path(source)
-        try:
-            return path.read_text(encoding="utf-8"), str(path)
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            report = Report.of([Finding("CP501", f"cannot read {path}: {reason}",
-                                        fix="check the path")])
-            raise PlanFileError(report, str(path)) from exc
-    return str(source), "<plan>"
+    """(text, name): ``source`` is TOML text, or a path to a file holding it.
+
+    A one-line ``str`` is a path when it ends in ``.toml``, names a file, or could not
+    be a plan anyway (no ``=`` and no ``[``): "no such file" beats a TOML syntax error.
+    """
+    if isinstance(source, str) and not _looks_like_path(source):
+        return source, "<plan>"
+    path = Path(source)
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        report = Report.of([Finding("CP501", f"cannot read {path}: {reason}",
+                                    fix="check the path, and that the file is UTF-8 TOML")])
+        raise PlanFileError(report, str(path)) from exc
+
+
+def _looks_like_path(text: str) -> bool:
+    if not text.strip() or "\n" in text or "\0" in text or text.lstrip().startswith("#"):
+        return False
+    return (text.lower().endswith(".toml") or os.path.isfile(text)
+            or ("=" not in text and "[" not in text))
+
+
+def parse(text: str, name: str = "<plan>") -> dict[str, Any]:
+    """The TOML document as a dict; CP502 on anything tomllib cannot read."""
+    try:
+        return tomllib.loads(text)
+    # TOMLDecodeError is a ValueError; tomllib also raises a plain ValueError for ints
+    # past Python's digit limit and RecursionError for deeply nested arrays.
+    except (ValueError, RecursionError) as exc:
+        reason = "nesting is too deep" if isinstance(exc, RecursionError) else str(exc)
+        report = Report.of([Finding("CP502", f"not valid TOML: {reason}",
+                                    fix="fix the TOML syntax at the line shown")])
+        raise PlanFileError(report, name) from exc
 
 
 def load_plan(source: str | Path, *, registry: Registry | None = None) -> ParallelPlan:
+    """A plan from TOML text or a path; raises PlanFileError with every problem."""
+    text, name = read_source(source)
+    return plan_from_data(parse(text, name), registry=registry, name=name)
+
+
+def plan_from_data(
+    data: Mapping[str, Any], *, registry: Registry | None = None, name: str = "<plan>"
+) -> ParallelPlan:
+    """A plan from a parsed plan file (the dict ``tomllib`` gives)."""
     from composer_par.plan import ParallelPlan
     from composer_par.registry import Registry
 
-    text, name = read_source(source)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        report = Report.of([Finding("CP502", f"not valid TOML: {exc}",
-                                    fix="fix the TOML syntax at the line shown")])
-        raise PlanFileError(report, name) from exc
     problems: list[Finding] = []
     for key in data:
         if key not in TOP_LEVEL:
-            problems.append(_unknown(key, TOP_LEVEL, "top-level table"))
+            problems.append(_unknown(str(key), TOP_LEVEL, "top-level key"))
     mesh = _mesh(data.get("mesh"), problems)
     topology = _topology(data.get("topology"), problems)
-    registry = registry or Registry()
-    plugins = _plugins(data.get("plugins", []), registry, problems)
-    if problems:
+    plugins = _plugins(data.get("plugins", []), registry or Registry(), problems)
+    if problems or mesh is None:
         raise PlanFileError(Report.of(problems), name)
-    assert mesh is not None
     plan = ParallelPlan(mesh, topology=topology)
     for plugin in plugins:
         plan.use(plugin)
@@ -100,8 +136,8 @@ def _unknown(key: str, known: tuple[str, ...] | list[str], what: str) -> Finding
     )
 
 
-def _wrong(message: str, fix: str = "") -> Finding:
-    return Finding("CP506", message, fix=fix)
+def _wrong(message: str, fix: str = "", plugin: str | None = None) -> Finding:
+    return Finding("CP506", message, fix=fix, plugin=plugin)
 
 
 def _mesh(table: Any, problems: list[Finding]) -> MeshSpec | None:
@@ -109,102 +145,218 @@ def _mesh(table: Any, problems: list[Finding]) -> MeshSpec | None:
         problems.append(_wrong("the plan file has no [mesh] table",
                                fix="add [mesh] with the mesh dims, e.g. dp_shard = 8"))
         return None
-    if not isinstance(table, dict):
-        problems.append(_wrong("[mesh] must be a table of mesh dim sizes"))
+    if not isinstance(table, Mapping):
+        problems.append(_wrong("[mesh] must be a table of mesh dim sizes",
+                               fix="write [mesh] and one `name = size` line per mesh dim"))
         return None
+    # Each dim on its own first, so every bad one is reported, not just the first.
+    good = []
+    for name, size in table.items():
+        try:
+            MeshSpec.from_pairs([(name, size)])
+            good.append((name, size))
+        except MeshError as exc:
+            problems.append(_wrong(f"[mesh]: {exc}", fix="sizes are ints >= 1, or -1 once"))
     try:
-        return MeshSpec.from_pairs(table)
-    except MeshError as exc:
-        problems.append(_wrong(f"[mesh]: {exc}", fix="sizes are ints >= 1, or -1 once"))
+        mesh = MeshSpec.from_pairs(good)
+    except MeshError as exc:  # what only the whole mesh shows: two dims of size -1
+        problems.append(_wrong(f"[mesh]: {exc}", fix="give every size but one"))
         return None
+    known = math.prod(s for s in mesh.sizes if s != INFER)
+    if known > MAX_RANKS:
+        problems.append(_wrong(
+            f"[mesh]: {mesh.equation()} ranks is more than the {MAX_RANKS} a plan may lay out",
+            fix="check the [mesh] sizes for a typo",
+        ))
+        return None
+    return mesh if len(good) == len(table) else None
 
 
 def _topology(table: Any, problems: list[Finding]) -> Topology | None:
     if table is None:
         return None
-    if not isinstance(table, dict):
-        problems.append(_wrong("[topology] must be a table"))
+    if not isinstance(table, Mapping):
+        problems.append(_wrong("[topology] must be a table",
+                               fix="write [topology] with nodes and devices_per_node"))
         return None
-    unknown = [k for k in table if k not in TOPOLOGY_KEYS]
-    for key in unknown:
-        problems.append(_unknown(key, TOPOLOGY_KEYS, "[topology] key"))
+    before = len(problems)
+    for key in table:
+        if key not in TOPOLOGY_KEYS:
+            problems.append(_unknown(str(key), TOPOLOGY_KEYS, "[topology] key"))
     missing = [k for k in ("nodes", "devices_per_node") if k not in table]
     if missing:
-        problems.append(_wrong(f"[topology] needs {' and '.join(missing)}"))
-    if unknown or missing:
+        problems.append(_wrong(f"[topology] needs {' and '.join(missing)}",
+                               fix="give nodes and devices_per_node, or leave out [topology]"))
+    # Each value against valid others, so every bad value is reported.
+    valid = {"nodes": 1, "devices_per_node": 1}
+    for key, value in table.items():
+        if key in TOPOLOGY_KEYS:
+            try:
+                Topology(**{**valid, key: value})
+            except TopologyError as exc:
+                problems.append(_wrong(f"[topology]: {exc}", fix="nodes and devices_per_node "
+                                       "are ints >= 1; the *_gbps bandwidths numbers > 0"))
+    if len(problems) > before:
         return None
-    try:
-        return Topology(**table)
-    except TopologyError as exc:
-        problems.append(_wrong(f"[topology]: {exc}"))
+    topology = Topology(**table)
+    if topology.world_size > MAX_RANKS:
+        problems.append(_wrong(
+            f"[topology]: {topology.describe()} is more than the {MAX_RANKS} ranks a plan may "
+            "lay out", fix="check nodes and devices_per_node for a typo"))
         return None
+    return topology
 
 
 def _plugins(entries: Any, registry: Registry, problems: list[Finding]) -> list[Plugin]:
-    from composer_par.registry import RegistryError
-
     if not isinstance(entries, list):
-        problems.append(_wrong("plugins must be an array of tables: write [[plugins]]"))
+        problems.append(_wrong("plugins must be an array of tables: write [[plugins]]",
+                               fix="start each plugin with a [[plugins]] line"))
         return []
     plugins = []
     for index, entry in enumerate(entries, 1):
-        where = f"[[plugins]] #{index}"
-        if not isinstance(entry, dict):
-            problems.append(_wrong(f"{where} must be a table"))
-            continue
-        name = entry.get("name")
-        if not isinstance(name, str):
-            problems.append(_wrong(f"{where} needs name = \"<plugin>\"",
-                                   fix=f"installed plugins: {', '.join(registry.names())}"))
-            continue
-        try:
-            cls = registry.get(name)
-        except RegistryError as exc:
-            problems.append(Finding("CP504", f"{where}: {exc}",
-                                    fix="install the plugin or fix the name"))
-            continue
-        options = {k: v for k, v in entry.items() if k != "name"}
-        known = cls.option_names()
-        bad = [k for k in options if k not in known]
-        for key in bad:
-            problems.append(Finding(
-                "CP505",
-                f"{where} ({name}): unknown option {key!r}{did_you_mean(key, known)}",
-                fix=f"{name} takes {list(known)}",
-                plugin=name,
-            ))
-        if bad:
-            continue
-        try:
-            plugins.append(cls(**options))
-        except Exception as exc:  # attrs validators raise TypeError/ValueError with the field
-            problems.append(_wrong(f"{where} ({name}): {exc}", fix="see the plugin's options"))
+        plugin = _plugin(f"[[plugins]] #{index}", entry, registry, problems)
+        if plugin is not None:
+            plugins.append(plugin)
     return plugins
+
+
+def _plugin(where: str, entry: Any, registry: Registry, problems: list[Finding]) -> Plugin | None:
+    from composer_par.registry import RegistryError
+
+    if not isinstance(entry, Mapping):
+        problems.append(_wrong(f"{where} must be a table", fix="write [[plugins]] then name = ..."))
+        return None
+    name = entry.get("name")
+    if not isinstance(name, str):
+        got = "no name" if name is None else f"name = {name!r}"
+        misspelled = [k for k in entry if k != "name" and did_you_mean(str(k), ["name"])]
+        hint = f" ({', '.join(map(repr, misspelled))} looks like name)" if misspelled else ""
+        problems.append(_wrong(
+            f"{where} needs name = \"<plugin>\"; got {got}{hint}",
+            fix=f"installed plugins: {', '.join(registry.names()) or 'none'}",
+        ))
+        return None
+    try:
+        cls = registry.get(name)
+    except RegistryError as exc:
+        problems.append(Finding("CP504", f"{where}: {exc}",
+                                fix="install the plugin or fix the name"))
+        return None
+    options = {k: v for k, v in entry.items() if k != "name"}
+    known = cls.option_names()
+    unknown = [k for k in options if k not in known]
+    for key in unknown:
+        problems.append(Finding(
+            "CP505",
+            f"{where} ({name}): unknown option {key!r}{did_you_mean(str(key), known)}",
+            fix=f"{name} takes {list(known)}",
+            plugin=name,
+        ))
+    options = {k: v for k, v in options.items() if k in known}
+    # Values are checked even next to unknown options: every problem at once.
+    errors = _option_errors(cls, options)
+    for error in errors:
+        problems.append(_wrong(f"{where} ({name}): {error}",
+                               fix=f"see the options of {cls.__name__}", plugin=name))
+    if unknown or errors:
+        return None
+    return cls(**options)
+
+
+def _option_errors(cls: type[Plugin], options: dict[str, Any]) -> list[str]:
+    """Why ``cls(**options)`` fails: one message per bad option where they can be told
+    apart, else the single error. Validators raise TypeError/ValueError naming the field;
+    a third-party plugin may raise anything."""
+    try:
+        cls(**options)
+        return []
+    except Exception as exc:
+        whole = _describe(exc)
+    try:
+        cls()
+    except Exception:  # required options: a lone option cannot be tried on its own
+        return [whole]
+    alone = []
+    for key, value in options.items():
+        try:
+            cls(**{key: value})
+        except Exception as exc:
+            alone.append(f"{key} = {_short(value)}: {_describe(exc)}")
+    return alone or [whole]
+
+
+def _describe(exc: BaseException) -> str:
+    # attrs' own validators raise ValueError(message, attribute, ...): keep the message.
+    if len(exc.args) > 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc) or type(exc).__name__
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -- writing -------------------------------------------------------------------------------
 
 
 def dump_plan(plan: ParallelPlan) -> str:
+    """The plan as plan-file text that :func:`load_plan` reads back to an equal plan.
+
+    Raises ValueError naming the option for what TOML cannot hold (a callable, None
+    where the default is not None). ``plan.device`` is a runtime choice: not written.
+    """
     lines = ["[mesh]"]
-    lines += [f"{name} = {size}" for name, size in plan.mesh.dims]
+    lines += [f"{toml_key(name)} = {size}" for name, size in plan.mesh.dims]
     if plan.topology is not None:
         lines += ["", "[topology]"]
-        lines += [f"{k} = {_value(v)}" for k, v in plan.topology.to_dict().items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in plan.topology.to_dict().items()]
     for plugin in plan.plugins:
-        lines += ["", "[[plugins]]", f"name = {_value(plugin.name)}"]
-        lines += [f"{_key(k)} = {_value(v)}" for k, v in plugin.options().items()]
+        lines += ["", "[[plugins]]", f"name = {toml_value(plugin.name)}"]
+        for key, value in plugin.options().items():
+            try:
+                lines.append(f"{toml_key(key)} = {toml_value(value)}")
+            except ValueError as exc:
+                raise ValueError(f"plugin {plugin.name!r} option {key!r}: {exc}") from exc
     return "\n".join(lines) + "\n"
 
 
-def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+            "\r": "\\r"}
+_INT64 = range(-(2**63), 2**63)
 
 
-def _value(value: Any) -> str:
+def toml_key(key: Any) -> str:
+    if not isinstance(key, str):
+        raise ValueError(f"TOML keys are strings; got {key!r}")
+    return key if _BARE_KEY.fullmatch(key) else toml_string(key)
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string. Not json.dumps: JSON writes astral characters as surrogate
+    pairs and leaves DEL raw, both invalid in TOML."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"a lone surrogate cannot be written to TOML: {text!r}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML value (tables inline); ValueError for what TOML cannot hold."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
+        if value not in _INT64:
+            raise ValueError(f"TOML integers are 64-bit; {value} is out of range")
         return str(value)
     if isinstance(value, float):
         if math.isnan(value):
@@ -213,11 +365,11 @@ def _value(value: Any) -> str:
             return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        return toml_string(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + "}"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     if value is None:
-        raise ValueError("TOML has no null: options set to None are left out")
-    raise TypeError(f"cannot write {type(value).__name__} to a plan file: {value!r}")
+        raise ValueError("TOML has no null (an option left at its default None is not written)")
+    raise ValueError(f"cannot write {type(value).__name__} to a plan file: {value!r}")

@@ -116,7 +116,8 @@ class Plugin:
             default = f.default
             if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
                 default = default.factory()  # type: ignore[attr-defined]
-            if include_defaults or value != default:
+            # The type check keeps e.g. 1 where the default is True (1 == True).
+            if include_defaults or type(value) is not type(default) or value != default:
                 out[f.alias] = _plain(value)
         return out
 

@@ -88,6 +88,10 @@ def claim_rules(mesh: MeshSpec, decls: Sequence[Declaration]) -> list[Finding]:
     return found
 
 
+# Built-in providers of the core capabilities, named in CP206's fix.
+PROVIDERS = {"data_parallel": "FSDP2 or HSDP", "materialize": "MetaInit or a loader"}
+
+
 def plugin_rules(
     plugins: Sequence[Plugin],
     decls: Sequence[Declaration],
@@ -111,8 +115,8 @@ def plugin_rules(
                 Finding(
                     "CP206",
                     f"requires a {need!r} plugin, and none in the plan provides it",
-                    fix=f"add a plugin that provides {need!r} (e.g. FSDP2 or HSDP for "
-                    "data_parallel)",
+                    fix=f"add a plugin that provides {need!r}"
+                    + (f" (e.g. {PROVIDERS[need]})" if need in PROVIDERS else ""),
                     plugin=decl.plugin,
                 )
             )
@@ -270,7 +274,7 @@ def _suggest_hsdp(mesh: MeshSpec, topology: Topology, shard: str, plugin: str) -
     per_node = max(1, topology.devices_per_node // inner)
     size = mesh.size(shard)
     if size % per_node == 0 and size > per_node:
-        split = f"dp_replicate={size // per_node}, dp_shard={per_node}"
+        split = f"dp_replicate={size // per_node}, {shard}={per_node}"
     else:
         split = f"a replicate dim across the {topology.nodes} nodes"
     return Finding(

@@ -8,6 +8,7 @@ collectives run over the (much slower) inter-node links.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,8 +30,9 @@ def _positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> Non
 def _optional_positive_number(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TopologyError(f"{attribute.name} must be a positive number; got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            or not math.isfinite(value)):
+        raise TopologyError(f"{attribute.name} must be a finite positive number; got {value!r}")
 
 
 @attrs.frozen

@@ -112,11 +112,16 @@ class Finding:
         }
 
 
+def _findings(value: Iterable[Finding]) -> tuple[Finding, ...]:
+    # A typed converter: with a bare ``tuple`` mypy cannot see what Report() takes.
+    return tuple(value)
+
+
 @attrs.frozen
 class Report:
     """All findings of one validation, errors first."""
 
-    findings: tuple[Finding, ...] = attrs.field(converter=tuple, factory=tuple)
+    findings: tuple[Finding, ...] = attrs.field(converter=_findings, factory=tuple)
 
     @classmethod
     def of(cls, findings: Iterable[Finding]) -> Report:
@@ -174,5 +179,8 @@ class PlanError(Exception):
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'dp_shard'?)`` or an empty string."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not isinstance(word, str):  # e.g. dim = 0 from a plan file: nothing is close
+        return ""
+    close = difflib.get_close_matches(word, [c for c in choices if isinstance(c, str)], n=1,
+                                      cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,235 @@
+"""Train a plan on real ranks side by side with a single-process reference.
+
+The core promise of composer_par: a plan's training equals plain single-process
+training with the same initial weights and the same global batch. :func:`check_parity`
+runs both and returns the differences; :meth:`ParityResult.assert_close` asserts them.
+
+A *task* is a module-level object (addressed as ``"module:attr"`` so rank processes can
+import it) with three methods:
+
+* ``build() -> nn.Module`` -- called under ``torch.device("meta")``;
+* ``batch(step) -> Tensor`` -- the global batch of a step, identical on every rank;
+* ``loss(model, batch) -> Tensor`` -- the mean loss over ``batch``.
+
+The plan is given as plan-file TOML, or as ``"module:function"`` returning a
+:class:`~composer_par.ParallelPlan` (for options a plan file cannot state). It must
+materialize with ``MetaInit``, which is layout invariant, so the reference starts from
+the same weights as the ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.blocks import clean_name
+from composer_par.testing.distributed import run_ranks
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from composer_par.plan import ParallelPlan
+
+# fp32 tolerance of DESIGN.md section 9: collectives sum in another order than one process.
+RTOL = 1.3e-6
+ATOL = 1e-5
+
+
+@attrs.frozen
+class ParityCase:
+    task: str
+    plan: str
+    world_size: int
+    steps: int = 10
+    optimizer: str = attrs.field(default="sgd", validator=attrs.validators.in_(("sgd", "adamw")))
+    lr: float = 0.05
+    # How the reference takes the global batch: "full" in one forward/backward, or
+    # "accumulate": one micro-batch per data shard, gradients summed in shard order then
+    # averaged (gradient accumulation). Both are plain single-process training on the same
+    # global batch; "accumulate" does each shard's arithmetic exactly as its rank does, so
+    # only the order of the final cross-shard sum differs. AdamW needs it: elements with
+    # near-zero gradients turn fp32 summation-order noise into visible updates.
+    reference: str = attrs.field(
+        default="full", validator=attrs.validators.in_(("full", "accumulate"))
+    )
+    # Set to "bfloat16" for plans whose FSDP2 computes in bf16 with fp32 reduction: the
+    # reference then runs each micro-batch on a bf16 copy and averages in fp32.
+    param_dtype: str | None = None
+
+
+@attrs.frozen
+class ParityResult:
+    losses: list[float]
+    reference_losses: list[float]
+    params: dict[str, Any]
+    reference_params: dict[str, Any]
+
+    def max_param_diff(self) -> tuple[str, float]:
+        worst = ("", 0.0)
+        for name, ref in self.reference_params.items():
+            diff = float((self.params[name] - ref).abs().max())
+            if diff > worst[1]:
+                worst = (name, diff)
+        return worst
+
+    def assert_close(self, rtol: float = RTOL, atol: float = ATOL) -> None:
+        import torch
+
+        assert len(self.losses) == len(self.reference_losses), (self.losses, self.reference_losses)
+        torch.testing.assert_close(
+            torch.tensor(self.losses, dtype=torch.float64),
+            torch.tensor(self.reference_losses, dtype=torch.float64),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m: f"losses differ from the reference: {m}",
+        )
+        assert set(self.params) == set(self.reference_params), (
+            f"parameter names differ: only in plan {sorted(set(self.params) - set(self.reference_params))}, "
+            f"only in reference {sorted(set(self.reference_params) - set(self.params))}"
+        )
+        for name, ref in self.reference_params.items():
+            torch.testing.assert_close(
+                self.params[name],
+                ref,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, name=name: f"parameter {name} differs from the reference: {m}",
+            )
+
+
+def _resolve(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_plan(spec: str) -> ParallelPlan:
+    from composer_par.plan import ParallelPlan
+
+    if "[mesh]" in spec:
+        return ParallelPlan.from_toml(spec)
+    return _resolve(spec)()  # type: ignore[no-any-return]
+
+
+def _optimizer(case: ParityCase, params: Any) -> torch.optim.Optimizer:
+    import torch
+
+    if case.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=case.lr)
+    return torch.optim.SGD(params, lr=case.lr)
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full plain tensor under the model's own names (a collective
+    when parameters are DTensors: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if isinstance(param, DTensor) else param
+        out[clean_name(name)] = value.detach().float().clone()
+    return out
+
+
+def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    """One rank's side: build on meta, apply the plan, train; rank 0 returns the results."""
+    import torch
+    import torch.distributed as dist
+
+    task = _resolve(case.task)
+    plan = build_plan(case.plan)
+    with torch.device("meta"):
+        model = task.build()
+    model = plan.apply(model)
+    index, count = plan.data_shard()
+    optimizer = _optimizer(case, model.parameters())
+    losses = []
+    for step in range(case.steps):
+        local = task.batch(step).chunk(count)[index]
+        loss = task.loss(model, local)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+    params = full_parameters(model)
+    return losses, params if dist.get_rank() == 0 else None
+
+
+def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process reference: same init (MetaInit is layout invariant), same
+    global batch; with ``param_dtype`` it emulates FSDP2's mixed precision."""
+    import torch
+
+    from composer_par import MeshSpec, ParallelPlan
+    from composer_par.plugins.meta_init import MetaInit
+
+    task = _resolve(case.task)
+    plan = build_plan(case.plan)
+    meta_init = plan.plugin("meta_init")
+    if not isinstance(meta_init, MetaInit):
+        raise ValueError("parity needs a plan that materializes with MetaInit")
+    with torch.device("meta"):
+        model = task.build()
+    model = ParallelPlan(MeshSpec()).use(attrs.evolve(meta_init, device="cpu")).apply(model)
+    _, shards = plan.data_shard(0, case.world_size)
+    optimizer = _optimizer(case, model.parameters())
+    losses = []
+    for step in range(case.steps):
+        batch = task.batch(step)
+        if case.reference == "full" and case.param_dtype is None:
+            loss = task.loss(model, batch)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        else:
+            losses.append(_accumulate(task, model, batch, shards, case.param_dtype))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, full_parameters(model)
+
+
+def _accumulate(
+    task: Any, model: nn.Module, batch: torch.Tensor, shards: int, dtype_name: str | None
+) -> float:
+    """Gradient accumulation over one micro-batch per data shard, averaged in fp32.
+
+    With ``dtype_name`` each micro-batch runs on a copy whose parameters (not buffers:
+    FSDP2 leaves those alone) are cast to that dtype, as FSDP2's mixed precision does.
+    """
+    import torch
+
+    params = dict(model.named_parameters())
+    grads = {n: torch.zeros_like(p) for n, p in params.items()}
+    total = 0.0
+    for shard in batch.chunk(shards):
+        worker = model
+        if dtype_name is not None:
+            worker = copy.deepcopy(model)
+            for param in worker.parameters():
+                param.data = param.data.to(getattr(torch, dtype_name))
+        loss = task.loss(worker, shard)
+        loss.backward()
+        for name, param in worker.named_parameters():
+            if param.grad is not None:
+                grads[name] += param.grad.float()
+                param.grad = None
+        total += float(loss.detach().float())
+    for name, param in params.items():
+        param.grad = grads[name] / shards
+    return total / shards
+
+
+def check_parity(case: ParityCase, *, timeout: float = 240.0) -> ParityResult:
+    """Run the plan on ``case.world_size`` gloo ranks and the reference; compare."""
+    results = run_ranks(train_on_rank, case.world_size, args=(case,), timeout=timeout)
+    losses, params = results[0]
+    ref_losses, ref_params = train_reference(case)
+    assert params is not None
+    return ParityResult(losses, ref_losses, params, ref_params)

@@ -1,0 +1,199 @@
+"""The multi-process harness itself: real gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from composer_par.testing import RankFailure, RankTimeout, run_ranks
+from composer_par.testing.pytest_plugin import Ranks
+from tests import harness_workers as w
+
+pytestmark = pytest.mark.distributed
+
+
+def _descendants() -> list[str]:
+    """Processes below this one, except multiprocessing's long-lived helpers.
+
+    The forkserver and resource tracker live as long as this process; the rank
+    processes are children of the forkserver, so they are still found.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # The command name may contain spaces and parentheses; ppid follows the last ')'.
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry.name))
+    found, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if not re.search(
+            r"from multiprocessing\.(forkserver|resource_tracker) import main", cmdline
+        ):
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield
+    assert multiprocessing.active_children() == []
+    if Path("/proc/self/stat").exists():
+        assert _descendants() == []
+
+
+def _sections(message: str) -> dict[int, str]:
+    """Split a RankFailure message into its per-rank sections."""
+    parts = re.split(r"^--- rank (\d+)/\d+: ", message, flags=re.MULTILINE)
+    return {int(rank): body for rank, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_results_come_back_in_rank_order(world_size: int, tmp_path: Path) -> None:
+    results = run_ranks(
+        w.describe_rank,
+        world_size,
+        args=("t",),
+        workdir=tmp_path,
+        env={"EXTRA": "x"},
+        threads_per_rank=2,
+    )
+    total = world_size * (world_size + 1) / 2
+    assert results == [
+        {
+            "tag": "t",
+            "rank": r,
+            "world_size": world_size,
+            "sum": total,
+            "threads": 2,
+            "env": {
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(world_size),
+                "EXTRA": "x",
+            },
+        }
+        for r in range(world_size)
+    ]
+    # The run's temp dir (store, logs) is cleaned up.
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_function_by_name_and_kwargs() -> None:
+    results = run_ranks("tests.harness_workers:describe_rank", 2, kwargs={"tag": "k"})
+    assert [r["tag"] for r in results] == ["k", "k"]
+
+
+@pytest.mark.timeout(60)
+def test_raising_rank_is_reported_and_siblings_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(w.raise_on_rank, 3, args=(1,), timeout=50)
+    # The siblings were blocked in all_reduce: they were stopped after the grace,
+    # not left to the timeout.
+    assert time.monotonic() - start < 15
+    assert type(info.value) is RankFailure
+    assert info.value.failed_ranks[0] == 1, info.value
+    message = str(info.value)
+    sections = _sections(message)
+    assert next(iter(sections)) == 1
+    assert sections[1].startswith("raised")
+    assert "ValueError: boom from rank 1" in sections[1]
+    assert set(sections) == {0, 1, 2}
+
+
+@pytest.mark.timeout(60)
+def test_exiting_rank_is_reported_with_exit_code() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(w.exit_on_rank, 2, args=(1, 3))
+    assert info.value.failed_ranks[0] == 1, info.value
+    assert _sections(str(info.value))[1].startswith("exited with code 3 before reporting")
+
+
+@pytest.mark.timeout(60)
+def test_crashing_rank_is_reported_with_signal_and_stack() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(w.segfault_on_rank, 2, args=(0,))
+    assert info.value.failed_ranks[0] == 0, info.value
+    section = _sections(str(info.value))[0]
+    assert section.startswith("killed by signal SIGSEGV before reporting")
+    # faulthandler's report, read from the rank's stderr.
+    assert "in segfault_on_rank" in section
+
+
+@pytest.mark.timeout(60)
+def test_hang_times_out_with_every_rank_stack() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(w.hang_on_rank, 2, args=(1,), timeout=3)
+    assert time.monotonic() - start < 3 + 10
+    assert set(info.value.failed_ranks) == {0, 1}, info.value
+    sections = _sections(str(info.value))
+    assert set(sections) == {0, 1}
+    for body in sections.values():
+        assert body.startswith("still running when stopped")
+        assert "in hang_on_rank" in body
+    assert "in all_reduce" in sections[0]
+
+
+@pytest.mark.timeout(60)
+def test_abort_after_reporting_is_not_a_failure(tmp_path: Path) -> None:
+    assert run_ranks(w.abort_after_report, 2, args=(str(tmp_path),)) == [0, 1]
+    # Rank 0 did abort, while the harness was still waiting for rank 1.
+    assert (tmp_path / "rank0.aborted").exists()
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_result_is_a_failure() -> None:
+    with pytest.raises(RankFailure, match="could not send the result of rank 0"):
+        run_ranks(w.unpicklable_result, 1)
+
+
+def test_local_function_is_rejected_before_starting() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="module level"):
+        run_ranks(local, 2)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_runs_do_not_collide(tmp_path: Path) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(run_ranks, w.describe_rank, 2, args=(tag,), workdir=tmp_path)
+            for tag in ("a", "b")
+        ]
+        results = [f.result() for f in futures]
+    assert [[r["tag"] for r in rs] for rs in results] == [["a", "a"], ["b", "b"]]
+    assert [[r["sum"] for r in rs] for rs in results] == [[3.0, 3.0], [3.0, 3.0]]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_helper_uses_tmp_path(tmp_path: Path) -> None:
+    assert [r["rank"] for r in Ranks(tmp_path).run(w.describe_rank, 2, args=("r",))] == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_fixture(request: pytest.FixtureRequest) -> None:
+    if not request.config.pluginmanager.hasplugin("composer_par"):
+        pytest.skip("composer_par is not installed, so its pytest11 entry point is not registered")
+    ranks = request.getfixturevalue("ranks")
+    assert [r["rank"] for r in ranks.run(w.describe_rank, 2, args=("f",))] == [0, 1]

@@ -1,0 +1,119 @@
+"""MetaInit: bitwise the same weights on any layout and world size for one seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer_par import FSDP2, MeshError, MeshSpec, MetaInit, ParallelPlan, PlanError, Topology
+from composer_par.testing.distributed import run_ranks
+from composer_par.testing.parity import full_parameters
+from composer_par.testing.tasks import llama
+from tests.meta_init_workers import materialize
+
+
+def single_process(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    with torch.device("meta"):
+        model = llama.build()
+    model = ParallelPlan(MeshSpec()).use(MetaInit(seed=seed)).apply(model)
+    return full_parameters(model), dict(model.named_buffers())
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_same_weights_on_1_2_and_4_ranks(world: int) -> None:
+    reference, ref_buffers = single_process(seed=3)
+    result = run_ranks(materialize, world, args=({"dp_shard": world}, 3), timeout=120)[0]
+    assert_bitwise(result["params"], reference)
+    assert_bitwise(result["buffers"], ref_buffers)
+
+
+def test_non_persistent_rope_buffer_is_recomputed() -> None:
+    _, buffers = single_process(seed=0)
+    eager = llama.build()  # built on CPU: the table computed in __init__
+    for name, table in eager.named_buffers():
+        assert torch.equal(buffers[name], table), name
+        assert torch.isfinite(table).all()
+
+
+def test_seed_changes_weights_and_is_reproducible() -> None:
+    a, _ = single_process(seed=1)
+    b, _ = single_process(seed=1)
+    c, _ = single_process(seed=2)
+    assert_bitwise(a, b)
+    assert not torch.equal(a["layers.0.attention.wq.weight"], c["layers.0.attention.wq.weight"])
+
+
+def test_init_does_not_disturb_the_callers_rng() -> None:
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    single_process(seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_each_module_gets_its_own_stream() -> None:
+    # Same-shaped modules must not start from the same numbers.
+    params, _ = single_process(seed=0)
+    assert not torch.equal(params["layers.0.attention.wq.weight"],
+                           params["layers.1.attention.wq.weight"])
+
+
+def test_user_init_fn_is_called_children_first() -> None:
+    seen: list[str] = []
+
+    def init(module: torch.nn.Module) -> None:
+        seen.append(type(module).__name__)
+        for p in module.parameters(recurse=False):
+            torch.nn.init.constant_(p, 0.5)
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    ParallelPlan(MeshSpec()).use(MetaInit(init_fn=init)).apply(model)
+    assert seen == ["Linear", "Linear"]
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+
+
+class NoInit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(3))
+
+
+def test_module_without_init_is_refused_before_anything_changes() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3), NoInit())
+    with pytest.raises(PlanError) as err:
+        ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+    assert err.value.report.codes() == ["CP404"]
+    assert "1 (NoInit)" in str(err.value) and "reset_parameters" in str(err.value)
+    assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rank_holds_one_modules_full_parameters_at_a_time() -> None:
+    result = run_ranks(materialize, 2, args=({"dp_shard": 2}, 0), timeout=90)[0]
+    with torch.device("meta"):
+        model = llama.build()
+    largest = max(
+        sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        for m in model.modules()
+    )
+    assert result["peak"] == largest
+
+
+def test_fsdp2_without_process_group_says_how_to_launch() -> None:
+    with torch.device("meta"):
+        model = llama.build()
+    plan = ParallelPlan(MeshSpec(dp_shard=2), topology=Topology(nodes=1, devices_per_node=2))
+    plan.use(FSDP2()).use(MetaInit())
+    with pytest.raises(MeshError, match="torchrun"):
+        plan.apply(model)
