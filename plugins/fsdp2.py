@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 
 from composer_par.blocks import BlockSpec
-from composer_par.plugin import Claim, Plugin, Role, hookimpl
+from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
 from composer_par.validate import Finding
 
 if TYPE_CHECKING:
@@ -73,28 +73,6 @@ def _mixed_precision(value: Any) -> MixedPrecision | None:
     raise TypeError(f"mixed_precision must be a table of dtypes or a dtype name; got {value!r}")
 
 
-# Plan files hand in any TOML value: a wrong type must fail here, naming the field,
-# not later inside validate() or explain().
-_STRINGS = attrs.validators.deep_iterable(attrs.validators.instance_of(str),
-                                          attrs.validators.instance_of(tuple))
-
-
-def _names(value: Any) -> Any:
-    """``after = "meta_init"`` means one name, not its letters."""
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"after/before take a plugin name or a list of them; got {value!r}")
-    return tuple(value)
-
-
-def _check_blocks(value: Any) -> None:
-    if value is None or isinstance(value, str):
-        return
-    if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
-        raise TypeError(f"blocks must be a module path or a list of class names; got {value!r}")
-
-
 def _reshard(instance: Any, attribute: Any, value: Any) -> None:
     if value is None or isinstance(value, bool):
         return
@@ -102,6 +80,22 @@ def _reshard(instance: Any, attribute: Any, value: Any) -> None:
         raise ValueError(
             f"reshard_after_forward must be true, false, or a positive int; got {value!r}"
         )
+
+
+def _identifier(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
+
+
+def _blocks(value: Any) -> str | tuple[str, ...] | None:
+    """A module path (``"layers"``), or block class names (``["DecoderLayer"]``)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(
+        f"blocks must be a module path or a non-empty list of class names; got {value!r}"
+    )
 
 
 @attrs.frozen
@@ -118,18 +112,15 @@ class FSDP2(Plugin):
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
     needs_blocks: ClassVar[bool] = True
 
-    dim: str = attrs.field(default="dp_shard", validator=attrs.validators.instance_of(str))
+    dim: str = attrs.field(default="dp_shard", validator=_identifier)
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
     mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=_mixed_precision)
     offload: Literal["none", "cpu"] = attrs.field(
         default="none", validator=attrs.validators.in_(("none", "cpu"))
     )
-    blocks: str | tuple[str, ...] | None = attrs.field(
-        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v,
-        validator=lambda _i, _a, v: _check_blocks(v),
-    )
-    after: tuple[str, ...] = attrs.field(default=(), converter=_names, validator=_STRINGS)
-    before: tuple[str, ...] = attrs.field(default=(), converter=_names, validator=_STRINGS)
+    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=_blocks)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
 
     def claims(self) -> tuple[Claim, ...]:
         return (Claim(self.dim, Role.SHARD),)
@@ -154,13 +145,24 @@ class FSDP2(Plugin):
                 f"{self.dim}({size})",
                 fix=f"use a divisor of {size} (e.g. the devices per node), or true/false",
             ))
-        if topology is not None and value > topology.devices_per_node:
-            found.append(Finding(
-                "CP304",
-                f"reshard_after_forward={value} exceeds the {topology.devices_per_node} devices "
-                "per node: the backward all-gather would cross nodes",
-                fix=f"use a divisor of {size} no larger than {topology.devices_per_node}",
-            ))
+        if topology is not None and mesh.is_resolved and mesh.world_size == topology.world_size:
+            # After forward, each shard group keeps parameters gathered over runs of
+            # `value` consecutive members; those runs must stay on one node.
+            crossing = next(
+                (run for group in mesh.rank_groups(self.dim)
+                 for run in (group[i : i + value] for i in range(0, len(group), value))
+                 if len({topology.node_of(r) for r in run}) > 1),
+                None,
+            )
+            if crossing is not None:
+                found.append(Finding(
+                    "CP304",
+                    f"reshard_after_forward={value} regroups {self.dim} into runs of {value} "
+                    f"ranks, and run {list(crossing)} spans nodes on {topology.describe()}: "
+                    "the backward all-gather would cross nodes",
+                    fix=f"use a divisor of {size} whose runs fit in a node (at most "
+                    f"{topology.devices_per_node} devices per node, counting inner mesh dims)",
+                ))
         return found
 
     @hookimpl

@@ -92,7 +92,8 @@ def test_defaults_are_not_written_and_empty_mesh_round_trips() -> None:
 def test_odd_strings_and_keys_round_trip() -> None:
     # JSON escapes would write the emoji as a surrogate pair and DEL raw: invalid TOML.
     odd = 'quote " back \\ tab \t nl \n del \x7f nul \x00 emoji \U0001f600 é'
-    plan = ParallelPlan(MeshSpec(**{"é": 2, "_x1": 1})).use(FSDP2(dim=odd, blocks=odd))
+    plan = ParallelPlan(MeshSpec(**{"é": 2, "_x1": 1})).use(FSDP2(dim="é", blocks=odd, after=[odd]))
+    plan.use(MetaInit(device=odd, init_fn=f"{odd}:{odd}"))
     assert_same_plan(plan, ParallelPlan.from_toml(plan.to_toml()))
 
 
@@ -213,6 +214,21 @@ def test_option_value_errors_of_a_plugin_are_all_reported() -> None:
     assert codes_of(text) == ["CP506", "CP506"]
 
 
+def test_fsdp2_option_types_are_checked_when_read() -> None:
+    # These once loaded, then crashed validate()/explain().
+    text = "[mesh]\na = 1\n[[plugins]]\nname = 'fsdp2'\ndim = 0\nblocks = 0\nbefore = [1]"
+    assert codes_of(text) == ["CP506"] * 3
+    plan = ParallelPlan.from_toml("[mesh]\n[[plugins]]\nname = 'fsdp2'\nafter = 'meta_init'")
+    assert plan.plugins == [FSDP2(after=("meta_init",))]  # one name, not its letters
+
+
+def test_an_equal_plugin_twice_is_cp204_not_a_crash() -> None:
+    plan = ParallelPlan.from_toml("[mesh]\n[[plugins]]\nname = 'meta_init'\n"
+                                  "[[plugins]]\nname = 'meta_init'")
+    assert set(plan.validate().codes()) == {"CP204", "CP207"}
+    assert len(plan.explain().steps) == 2
+
+
 def test_files_that_cannot_be_read(tmp_path: Path) -> None:
     assert codes_of(str(tmp_path / "missing.toml")) == ["CP501"]
     assert codes_of(str(tmp_path / "plan.tml")) == ["CP501"]  # a path, not TOML text
@@ -252,11 +268,12 @@ mixed_precisions = st.one_of(
 names = st.lists(st.text(max_size=6), max_size=3)
 fsdp2s = st.builds(
     FSDP2,
-    dim=st.one_of(identifiers, st.text(max_size=8)),
+    dim=identifiers,
     reshard_after_forward=st.one_of(st.none(), st.booleans(), st.integers(1, 2**63 - 1)),
     mixed_precision=mixed_precisions,
     offload=st.sampled_from(["none", "cpu"]),
-    blocks=st.one_of(st.none(), st.text(max_size=10), names),
+    blocks=st.one_of(st.none(), st.text(max_size=10), st.lists(st.text(max_size=6), min_size=1,
+                                                               max_size=3)),
     after=names,
     before=names,
 )

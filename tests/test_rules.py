@@ -498,7 +498,8 @@ def test_cp301_property_the_named_fix_works(layout: tuple[MeshSpec, Topology]) -
         shard_crosses and replicate > 1 and not topology.crosses_nodes(mesh, "dp_replicate")
     )
     assert ("CP301" in report.codes()) == reversed_mesh, report.format()
-    assert "CP305" not in report.codes() or replicate == 1
+    # A shard dim that crosses nodes is either reversed (CP301) or too big (CP305).
+    assert ("CP305" in report.codes()) == (shard_crosses and not reversed_mesh)
     if not reversed_mesh:
         return
     fix = only(report, "CP301").fix
@@ -513,6 +514,8 @@ def test_cp301_property_the_named_fix_works(layout: tuple[MeshSpec, Topology]) -
     assert "CP301" not in again.codes()
     if "check that" not in fix:
         assert again.findings == (), again.format()
+    else:  # the shard dim alone is bigger than a node: what is left is CP305's advice
+        assert again.ok and set(again.codes()) <= {"CP305"}, again.format()
 
 
 def test_cp302_tp_crossing_nodes() -> None:
@@ -558,9 +561,22 @@ def test_cp304_reshard_after_forward_exceeds_a_node() -> None:
     report = plan.validate()
     finding = only(report, "CP304")
     assert finding.plugin == "fsdp2"
-    assert "reshard_after_forward=8 exceeds the 4 devices per node" in finding.message
-    assert "no larger than 4" in finding.fix
+    assert "reshard_after_forward=8" in finding.message
+    assert "[0, 1, 2, 3, 4, 5, 6, 7] spans nodes" in finding.message
+    assert "at most 4 devices per node" in finding.fix
     assert "CP303" not in report.codes()  # 8 divides dp_shard(8)
+
+
+def test_cp304_counts_the_stride_of_inner_mesh_dims() -> None:
+    # reshard 4 <= 8 devices per node, but with tp(4) inside, dp_shard's runs of 4
+    # members are ranks 0, 4, 8, 12: two nodes.
+    plan = plan_of(MeshSpec(dp_shard=8, tp=4), FSDP2(reshard_after_forward=4), TPLike(),
+                   topology=Topology(nodes=4, devices_per_node=8))
+    finding = only(plan.validate(), "CP304")
+    assert "[0, 4, 8, 12] spans nodes" in finding.message
+    ok = plan_of(MeshSpec(dp_shard=8, tp=4), FSDP2(reshard_after_forward=2), TPLike(),
+                 topology=Topology(nodes=4, devices_per_node=8))
+    assert "CP304" not in ok.validate().codes()
 
 
 def test_cp305_shard_spanning_nodes_suggests_hsdp_split() -> None:
@@ -709,7 +725,7 @@ def many_problems() -> ParallelPlan:
     return plan_of(
         MeshSpec(dp_replicate=2, dp_shard=4, tp=2, cp=2),
         FSDP2(reshard_after_forward=3),  # CP303
-        FSDP2(),  # CP204 + CP202
+        FSDP2(),  # CP204 (not CP202: the same plugin twice)
         TPLike(dim="tpp"),  # CP203 (did you mean 'tp'), and tp is then unowned: CP201
         CommHook(after=("fsdp3",)),  # CP209
         Alpha(after=("beta",)),
@@ -723,8 +739,10 @@ def many_problems() -> ParallelPlan:
 def test_validation_collects_every_finding_at_once() -> None:
     report = many_problems().validate()
     codes = set(report.codes())
-    expected = {"CP101", "CP201", "CP202", "CP203", "CP204", "CP205", "CP207", "CP209"}
+    expected = {"CP101", "CP201", "CP203", "CP204", "CP205", "CP207", "CP209"}
     assert expected <= codes, report.format()
+    # FSDP2 used twice claims dp_shard twice: CP204 says so; a CP202 would repeat it.
+    assert "CP202" not in codes
     # dp_replicate, tp and cp are all unowned: each is its own finding.
     unowned = [f.message for f in report.findings if f.code == "CP201"]
     assert len(unowned) == 3

@@ -32,6 +32,10 @@ TRACE_ENV = "COMPOSER_PAR_TRACE_HOOKS"
 class HookError(TypeError):
     """A plugin implements a hook wrongly (misspelled name, unknown argument)."""
 
+    def __init__(self, message: str, plugin: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+
 
 class Hooks:
     """The hooks of one plan's plugins, called in the plan's order."""
@@ -52,15 +56,17 @@ class Hooks:
             try:
                 self._pm.register(plugin, name=f"{plugin.name or type(plugin).__name__}#{index}")
             except pluggy.PluginValidationError as exc:
-                raise HookError(f"plugin {plugin.name!r}: {exc}") from exc
+                raise HookError(f"plugin {plugin.name!r}: {exc}", plugin.name) from exc
         try:
             self._pm.check_pending()
         except pluggy.PluginValidationError as exc:
-            raise HookError(f"{exc} (hook names are listed in composer_par.hookspecs)") from exc
+            owner = getattr(exc.plugin, "name", None)
+            raise HookError(f"{exc} (hook names are listed in composer_par.hookspecs)",
+                            owner) from exc
         if os.environ.get(TRACE_ENV):
             self._pm.trace.root.setwriter(print)
             self._pm.enable_tracing()
-        self._declarations: list[Declaration] | None = None
+        self._declarations: list[tuple[Plugin, Declaration]] | None = None
 
     # -- generic ordered calling -----------------------------------------------------
 
@@ -79,9 +85,16 @@ class Hooks:
     # -- declaration, validation, composition -----------------------------------------
 
     def declarations(self) -> list[Declaration]:
+        return [d for _, d in self._declared()]
+
+    def _declared(self) -> list[tuple[Plugin, Declaration]]:
         if self._declarations is None:
-            self._declarations = [d for _, d in self._each("composer_par_declare") if d]
+            self._declarations = [(p, d) for p, d in self._each("composer_par_declare") if d]
         return self._declarations
+
+    def name_of(self, plugin: Plugin) -> str:
+        """The name a plugin declared (what after/before refer to)."""
+        return next((d.plugin for p, d in self._declared() if p is plugin), plugin.name)
 
     def validate_plan(
         self, plan: ParallelPlan, mesh: MeshSpec, topology: Topology | None
@@ -127,12 +140,14 @@ class Hooks:
         from composer_par.rules import ordering_edges
 
         pool = list(self.plugins if subset is None else subset)
-        names = {p.name for p in pool}
-        edges = {(a, b) for a, b in ordering_edges(self.declarations()) if a in names and b in names}
+        edges = ordering_edges(self.declarations())
         ordered: list[Plugin] = []
         while pool:
-            waiting = {p.name for p in pool}
-            ready = [p for p in pool if not any(b == p.name and a in waiting for a, b in edges)]
+            waiting = {self.name_of(p) for p in pool}
+            ready = [
+                p for p in pool
+                if not any(b == self.name_of(p) and a in waiting for a, b in edges)
+            ]
             # No plugin ready means a cycle (reported as CP205): keep use() order.
             chosen = ready[0] if ready else pool[0]
             ordered.append(chosen)

@@ -13,11 +13,26 @@ import os
 import sys
 from typing import Any
 
-import structlog
+
+class _LazyLogger:
+    """Imports structlog on the first log call: the static CLI path never logs, and
+    importing structlog is a sizeable share of its start-up time."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._logger: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._logger is None:
+            import structlog
+
+            # structlog's proxy binds at call time, so configuring later still applies.
+            self._logger = structlog.get_logger(self._name)
+        return getattr(self._logger, attr)
 
 
 def get_logger(name: str) -> Any:
-    return structlog.get_logger(name)
+    return _LazyLogger(name)
 
 
 def _rank_from_env() -> tuple[int, int]:
@@ -32,6 +47,8 @@ def configure_logging(
 
     ``json=None`` picks the console renderer on a TTY and JSON lines otherwise.
     """
+    import structlog
+
     stream = stream or sys.stderr
     rank, local_rank = _rank_from_env()
     if json is None:
@@ -66,4 +83,6 @@ def configure_logging(
 
 def bind_mesh_coordinate(coordinate: dict[str, int]) -> None:
     """Add this rank's mesh coordinates to every later event (called after apply)."""
+    import structlog
+
     structlog.contextvars.bind_contextvars(mesh=dict(coordinate))

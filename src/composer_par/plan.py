@@ -128,14 +128,20 @@ class ParallelPlan:
 
     def validate(self, model: nn.Module | None = None, *, world_size: int | None = None) -> Report:
         """Every finding about the plan (and the model, if given). Mutates nothing."""
-        try:
-            hooks = Hooks(self.plugins)
-        except HookError as exc:
-            return Report.of([Finding("CP211", str(exc), fix="rename the method to a hook "
-                                      "listed in composer_par.hookspecs")])
         world = world_size if world_size is not None else self.world_size()
         topology = self.effective_topology()
         findings = mesh_rules(self.mesh, world, topology)
+        try:
+            hooks = Hooks(self.plugins)
+        except HookError as exc:
+            # Without the plugins' hooks nothing else can be asked: report what the core
+            # could check, and the broken plugin.
+            findings.append(Finding(
+                "CP211", str(exc), plugin=exc.plugin,
+                fix="name the method after a hook in composer_par.hookspecs, with argument "
+                "names from that hook's signature",
+            ))
+            return Report.of(findings)
         mesh = self.mesh
         if world is not None and self.mesh.check_world_size(world) is None:
             mesh = self.mesh.resolve(world)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,10 +40,6 @@ if TYPE_CHECKING:
     from composer_par.plugin import Plugin
     from composer_par.registry import Registry
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - requires-python allows 3.10, whose TOML reader is tomli
-    import tomli as tomllib
 
 TOP_LEVEL = ("mesh", "topology", "plugins")
 TOPOLOGY_KEYS = tuple(f.name for f in attrs.fields(Topology))

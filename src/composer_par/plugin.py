@@ -127,6 +127,23 @@ class Plugin:
         return tuple(s for s in STAGES if _is_hookimpl(getattr(cls, s.value, None)))
 
 
+def _plugin_names(value: Any) -> tuple[str, ...]:
+    """``after = "meta_init"`` means one name, not its letters."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"after/before take a plugin name or a list of them; got {value!r}")
+    return tuple(value)
+
+
+def ordering_option() -> Any:
+    """An ``after`` / ``before`` option: plugin names to run after / before in a stage.
+
+    Plan files hand in any TOML value, so a wrong type fails here, naming the option.
+    """
+    return attrs.field(default=(), converter=_plugin_names)
+
+
 def _is_hookimpl(fn: Any) -> bool:
     return fn is not None and hasattr(fn, f"{PROJECT}_impl")
 

@@ -65,7 +65,7 @@ def claim_rules(mesh: MeshSpec, decls: Sequence[Declaration]) -> list[Finding]:
                 owners[claim.dim].append(decl.plugin)
     for name, size in mesh.dims:
         who = owners.get(name, [])
-        if len(who) > 1:
+        if len(set(who)) > 1:  # one plugin used twice is CP204's to report
             found.append(
                 Finding(
                     "CP202",
@@ -223,8 +223,10 @@ def topology_rules(
         inside = [r for r in by_role[Role.REPLICATE] if r not in crossing]
         if inside:
             found.append(_reversed_hsdp(mesh, topology, shard, inside[0], roles[shard][1]))
-        elif not by_role[Role.REPLICATE]:
-            found.append(_suggest_hsdp(mesh, topology, shard, roles[shard][1]))
+        else:
+            found.append(
+                _suggest_hsdp(mesh, topology, shard, roles[shard][1], by_role[Role.REPLICATE])
+            )
     for tp in by_role[Role.MODEL_PARALLEL]:
         if tp in crossing:
             found.append(
@@ -265,7 +267,9 @@ def _reversed_hsdp(
     )
 
 
-def _suggest_hsdp(mesh: MeshSpec, topology: Topology, shard: str, plugin: str) -> Finding:
+def _suggest_hsdp(
+    mesh: MeshSpec, topology: Topology, shard: str, plugin: str, replicate: list[str]
+) -> Finding:
     inner = 1
     for name in reversed(mesh.names):
         if name == shard:
@@ -273,14 +277,26 @@ def _suggest_hsdp(mesh: MeshSpec, topology: Topology, shard: str, plugin: str) -
         inner *= mesh.size(name)
     per_node = max(1, topology.devices_per_node // inner)
     size = mesh.size(shard)
+    spans = topology.nodes_spanned(mesh, shard)
+    if replicate:
+        # A replicate dim exists but crosses nodes too: the shard dim is simply too big.
+        rep = replicate[0]
+        return Finding(
+            "CP305",
+            f"shard dim {shard}({size}) spans {spans} nodes (replicate dim {rep} crosses nodes "
+            "as well): every all-gather and reduce-scatter crosses nodes",
+            fix=f"shrink {shard} to {per_node} (the devices of one node it can use) and grow "
+            f"{rep} by {max(1, size // per_node)}x",
+            plugin=plugin,
+        )
     if size % per_node == 0 and size > per_node:
         split = f"dp_replicate={size // per_node}, {shard}={per_node}"
     else:
         split = f"a replicate dim across the {topology.nodes} nodes"
     return Finding(
         "CP305",
-        f"shard dim {shard}({size}) spans {topology.nodes_spanned(mesh, shard)} nodes with no "
-        "replicate dim: every all-gather and reduce-scatter crosses nodes",
+        f"shard dim {shard}({size}) spans {spans} nodes with no replicate dim: every "
+        "all-gather and reduce-scatter crosses nodes",
         fix=f"consider HSDP: shard inside a node and replicate across nodes ({split}; "
         "add the HSDP plugin)",
         plugin=plugin,
@@ -330,7 +346,8 @@ def model_rules(
     on_meta = any(t.is_meta for t in tensors)
     materialized = sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
     materializes = any(Stage.MATERIALIZE in p.stages() for p in plugins)
-    if materialized >= LARGE_MATERIALIZED_BYTES and any(d.provides for d in decls):
+    shards = any(c.role in (Role.SHARD, Role.MODEL_PARALLEL) for d in decls for c in d.claims)
+    if materialized >= LARGE_MATERIALIZED_BYTES and shards:
         found.append(
             Finding(
                 "CP403",

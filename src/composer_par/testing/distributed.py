@@ -42,8 +42,10 @@ __all__ = ["RankFailure", "RankTimeout", "run_ranks"]
 # sibling blocked in a collective to see the broken connection and say so.
 _FAILURE_GRACE_S = 2.5
 # Upper bound on waiting for faulthandler to write the stacks asked for by
-# SIGUSR1; the dump is done by a C signal handler, so it normally takes ms.
-_STACK_DUMP_WAIT_S = 1.0
+# SIGUSR1; the dump is done by a C signal handler, so it normally takes ms and
+# the wait ends as soon as every log has grown, but a loaded machine may not
+# schedule a rank for a while.
+_STACK_DUMP_WAIT_S = 3.0
 # Collectives time out a little after the run does, so that a hang is reported
 # by the harness, with every rank's stack, rather than by one rank's gloo error.
 _PG_TIMEOUT_MARGIN_S = 5.0
@@ -100,6 +102,8 @@ class _Rank:
     process: multiprocessing.process.BaseProcess
     reader: Connection
     log_path: Path
+    # The rank has initialized the default process group.
+    joined: bool = False
     # ("ok", value) or ("error", traceback), and the rank's time.monotonic() at that point.
     report: tuple[str, Any, float] | None = None
     # The result pipe closed without a report: the rank died (its exit status
@@ -140,9 +144,11 @@ def run_ranks(
 
     ``fn`` is a module-level function or a ``"module:qualname"`` string; it runs
     after the default process group is initialized, and its return value must be
-    picklable. ``timeout`` counts from the moment every rank has started, so a
-    cold forkserver (importing torch) does not eat into it. ``env`` is applied on
-    top of this process's environment and torchrun's variables.
+    picklable. ``timeout`` bounds, separately, the start (until every rank has
+    initialized the process group) and the call of ``fn``, so that a cold
+    forkserver importing torch or a loaded machine does not eat into the time
+    of ``fn``. ``env`` is applied on top of this process's environment and
+    torchrun's variables.
 
     Raises :class:`RankFailure` if a rank raises or dies before returning, and
     :class:`RankTimeout` if not every rank has returned after ``timeout`` seconds.
@@ -192,7 +198,8 @@ def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.co
     # "__main__" is the default preload: ranks re-import the parent's main
     # script anyway (spawn semantics), so loading it once in the server is cheaper.
     # This only takes effect if the forkserver is not running yet.
-    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed"])
+    # This module too: ranks unpickle their entry point from it.
+    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__])
     return ctx
 
 
@@ -259,6 +266,7 @@ def _rank_main(job: _Job, rank: int, conn: Connection) -> None:
             world_size=job.world_size,
             timeout=timedelta(seconds=job.pg_timeout_s),
         )
+        conn.send_bytes(pickle.dumps(("joined", None, time.monotonic())))
         value = fn(*job.args, **job.kwargs)
         report: tuple[str, Any, float] = ("ok", value, time.monotonic())
     except BaseException:
@@ -314,19 +322,25 @@ def _die_with_parent() -> None:
 
 def _supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
+    started = False
     grace_end: float | None = None
     failed: list[_Rank] = []
     while True:
         pending = [r for r in ranks if not r.done]
         if not pending:
             break
+        if not started and all(r.joined or r.done for r in ranks):
+            # From here on the clock is fn's.
+            started = True
+            deadline = time.monotonic() + timeout
         now = time.monotonic()
         if grace_end is not None and now >= grace_end:
             break
         if grace_end is None and now >= deadline:
             _stop_with_stacks([r for r in pending if r.running])
+            what = "the call" if started else "the start (joining the process group)"
             raise RankTimeout(
-                f"run_ranks timed out after {timeout:g}s; stacks of every rank:\n\n"
+                f"run_ranks timed out: {what} took over {timeout:g}s; stacks of every rank:\n\n"
                 + _describe(ranks),
                 tuple(r.rank for r in pending),
             )
@@ -365,11 +379,16 @@ def _collect(r: _Rank) -> None:
     # The pipe reaches EOF the moment the rank dies, while its exit status goes
     # through the forkserver and arrives later than a sibling's report that
     # the death caused; EOF keeps the failures in the order they happened.
-    if not r.eof and r.reader.poll():
+    while not r.eof and r.report is None and r.reader.poll():
         try:
-            r.report = pickle.loads(r.reader.recv_bytes())
+            message = pickle.loads(r.reader.recv_bytes())
         except EOFError:
             r.eof = True
+            break
+        if message[0] == "joined":
+            r.joined = True
+        else:
+            r.report = message
     if r.report is None and not r.process.is_alive():
         r.exitcode = r.process.exitcode
 
@@ -438,8 +457,10 @@ def _describe(ranks: list[_Rank]) -> str:
             head = f"--- rank {r.rank}/{n}: {_exit_status(r.exitcode)} before reporting"
         elif r.eof:
             head = f"--- rank {r.rank}/{n}: died before reporting"
-        else:
+        elif r.joined:
             head = f"--- rank {r.rank}/{n}: still running when stopped"
+        else:
+            head = f"--- rank {r.rank}/{n}: still starting when stopped (not in the process group)"
         tail = _log_tail(r)
         sections.append(f"{head}\n[rank {r.rank} stderr and stacks]\n{tail}" if tail else head)
     return "\n\n".join(sections)
