@@ -73,5 +73,9 @@ def abort_after_report(marker_dir: str) -> int:
     return rank
 
 
+def rank_tensor() -> torch.Tensor:
+    return torch.full((2,), float(dist.get_rank()))
+
+
 def unpicklable_result() -> Any:
     return lambda: None

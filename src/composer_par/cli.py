@@ -307,7 +307,16 @@ COMMANDS: list[Command] = [
     Command("plugins", "the installed plugins: version, distribution, claims, stages",
             lambda parser: None, run_plugins),
     Command("rules", "the catalog of validation rule codes", lambda parser: None, run_rules),
+    Command("demo", "train a small Llama with a plan on local processes (torch's launcher)",
+            lambda parser: _demo().add_arguments(parser), lambda a, o: _demo().run(a, o)),
 ]
+
+
+def _demo() -> Any:
+    # Imported on use: the demo module is only needed when the demo runs.
+    from composer_par import demo
+
+    return demo
 
 
 # -- entry point ---------------------------------------------------------------------------

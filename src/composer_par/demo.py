@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PLAN = """\
 [mesh]
@@ -46,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _QUIET_NUMPY = "ignore:Failed to initialize NumPy"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    """Validate and explain the plan, then train. ``out`` is the CLI's Output (progress
+    goes to stderr, so with --json stdout holds only the result)."""
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -57,19 +60,21 @@ def run(args: argparse.Namespace) -> int:
     from composer_par.planfile import PlanFileError
     from composer_par.topology import Topology
 
+    say = out.note if out is not None else (lambda text: print(text, file=sys.stderr))
     text = args.plan.read_text() if args.plan else DEFAULT_PLAN
     try:
         plan = ParallelPlan.from_toml(text)
     except PlanFileError as exc:
-        print(exc, file=sys.stderr)
+        say(str(exc))
         return 2
     plan.topology = Topology.single_node(args.nproc)
     report = plan.validate(world_size=args.nproc)
-    print(report.format())
+    say(report.format())
     if not report.ok:
         return 1
-    print(plan.explain(world_size=args.nproc).format(), flush=True)
+    say(plan.explain(world_size=args.nproc).format())
 
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -77,10 +82,22 @@ def run(args: argparse.Namespace) -> int:
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
     )
     started = time.perf_counter()
-    losses = elastic_launch(config, _train)(text, args.steps, args.seq_len, args.batch,
-                                            args.timeout)[0]
-    print(f"trained {args.steps} steps on {args.nproc} processes in "
-          f"{time.perf_counter() - started:.1f}s: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    try:
+        losses = elastic_launch(config, _train)(text, args.steps, args.seq_len, args.batch,
+                                                args.timeout)[0]
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        say(f"rank {rank} failed (exit code {failure.exitcode}): {failure.message}")
+        return 1
+    seconds = time.perf_counter() - started
+    summary = (f"trained {args.steps} steps on {args.nproc} processes in {seconds:.1f}s: "
+               f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    data = {"ok": True, "steps": args.steps, "nproc": args.nproc, "seconds": round(seconds, 2),
+            "losses": losses, "plan": plan.to_toml()}
+    if out is not None:
+        out.result(data, summary)
+    else:
+        print(summary)
     return 0
 
 
@@ -128,7 +145,7 @@ def _train(plan_text: str, steps: int, seq_len: int, batch: int, timeout: float)
             if dist.get_rank() == 0:
                 rate = batch * seq_len / (time.perf_counter() - started)
                 print(f"step {step + 1:3d}/{steps}  loss {losses[-1]:.4f}  {rate:8.0f} tokens/s",
-                      flush=True)
+                      file=sys.stderr, flush=True)
         return losses
     finally:
         dist.destroy_process_group()

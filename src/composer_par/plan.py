@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.apply_context import AppliedStep, ApplyContext
-from composer_par.blocks import BlockSpec, find_blocks
+from composer_par.blocks import Block, BlockSpec, find_blocks
 from composer_par.hooks import HookError, Hooks
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshError, MeshSpec
@@ -128,6 +128,12 @@ class ParallelPlan:
 
     def validate(self, model: nn.Module | None = None, *, world_size: int | None = None) -> Report:
         """Every finding about the plan (and the model, if given). Mutates nothing."""
+        return self._check(model, world_size)[0]
+
+    def _check(
+        self, model: nn.Module | None, world_size: int | None
+    ) -> tuple[Report, Hooks | None, list[Block]]:
+        """The report, and the hooks and blocks it was made with (apply reuses them)."""
         world = world_size if world_size is not None else self.world_size()
         topology = self.effective_topology()
         findings = mesh_rules(self.mesh, world, topology)
@@ -141,7 +147,7 @@ class ParallelPlan:
                 fix="name the method after a hook in composer_par.hookspecs, with argument "
                 "names from that hook's signature",
             ))
-            return Report.of(findings)
+            return Report.of(findings), None, []
         mesh = self.mesh
         if world is not None and self.mesh.check_world_size(world) is None:
             mesh = self.mesh.resolve(world)
@@ -151,24 +157,25 @@ class ParallelPlan:
         findings += plugin_rules(self.plugins, decls, block_specs)
         findings += topology_rules(mesh, topology, decls)
         findings += hooks.validate_plan(self, mesh, topology)
+        blocks: list[Block] = []
         if model is not None:
             spec = block_specs[0][1] if block_specs else None
             blocks = find_blocks(model, spec)
             findings += model_rules(model, blocks, decls, self.plugins, spec)
             findings += hooks.validate_model(self, model, blocks)
-        return Report.of(findings)
+        return Report.of(findings), hooks, blocks
 
     # -- apply ------------------------------------------------------------------------
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Validate, then run every stage in order. Raises PlanError, touching nothing."""
-        report = self.validate(model)
-        if not report.ok:
+        report, hooks, blocks = self._check(model, None)
+        if not report.ok or hooks is None:
             raise PlanError(report)
         for finding in report.warnings:
             log.warning("plan warning", code=finding.code, message=finding.message,
                         fix=finding.fix, plugin=finding.plugin)
-        ctx = self._context(model)
+        ctx = self._context(model, hooks, blocks)
         for stage in STAGES:
             for plugin in ctx.hooks.implementers(stage):
                 self._run_step(ctx, stage, plugin)
@@ -176,10 +183,9 @@ class ParallelPlan:
         self.applied, self.notes = ctx.applied, ctx.notes
         return ctx.model
 
-    def _context(self, model: nn.Module) -> ApplyContext:
+    def _context(self, model: nn.Module, hooks: Hooks, blocks: list[Block]) -> ApplyContext:
         import torch
 
-        hooks = Hooks(self.plugins)
         world = self.world_size() or 1
         mesh = self.mesh.resolve(world)
         device_mesh = self._device_mesh
@@ -196,9 +202,7 @@ class ParallelPlan:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        specs = hooks.block_specs(self)
-        blocks = find_blocks(model, specs[0][1] if specs else None)
-        return ApplyContext(self, mesh, device_mesh, device, model, blocks, hooks)
+        return ApplyContext(self, mesh, device_mesh, device, model, list(blocks), hooks)
 
     def _run_step(self, ctx: ApplyContext, stage: Stage, plugin: Plugin) -> None:
         started = time.perf_counter()

@@ -300,18 +300,25 @@ def _rank_main(job: _Job, rank: int, conn: Connection) -> None:
 def _die_with_parent() -> None:
     """Have the kernel kill this rank when its parent dies.
 
-    The parent is the forkserver, which itself exits when the process that
-    started it goes away, so the chain ends with the test process.
+    The parent is the forkserver, which exits once every holder of its "alive"
+    pipe is gone: the process that started it and, unless they close their
+    inherited copy, the ranks themselves, which would keep the forkserver and
+    so themselves alive after the test process died.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
+    # Read first: once the alive pipe is closed the forkserver may exit at once.
     parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
+    # Private to multiprocessing, hence looked up defensively.
+    server: Any = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        # Processes this rank starts with "forkserver" get a server of their own.
+        server._forkserver_alive_fd = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     # The parent may have died before prctl took effect.
     if os.getppid() != parent:
         os._exit(1)
