@@ -19,7 +19,7 @@ import time
 TARGET = 1.05
 
 
-def _build(blocks: int):  # noqa: ANN202 - runs in the rank processes
+def _build(blocks: int):
     import torch
 
     from composer_par.models.llama import Llama, LlamaConfig
@@ -45,11 +45,10 @@ def _by_hand(blocks: int) -> float:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
+    from composer_par.plugins.meta_init import module_seed, post_order
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from composer_par.plugins.meta_init import module_seed, post_order
 
     model = _build(blocks)
     started = time.perf_counter()

@@ -65,6 +65,15 @@ def post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Mo
     yield from walk(module, prefix)
 
 
+def _call_method(method: Callable[[], Any]) -> InitFn:
+    """An InitFn for a module's own init method (it takes the module; the method has it)."""
+
+    def init(_module: nn.Module) -> None:
+        method()
+
+    return init
+
+
 def _own_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(
         True for _ in module.buffers(recurse=False)
@@ -113,7 +122,7 @@ class MetaInit(Plugin):
             for method in ("reset_parameters", "_reset_parameters"):
                 fn = getattr(module, method, None)
                 if callable(fn):
-                    return lambda _m, fn=fn: fn()
+                    return _call_method(fn)
             return None
 
         return pick

@@ -123,8 +123,8 @@ def _train(plan_text: str, steps: int, seq_len: int, batch: int, timeout: float)
         cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
                           max_seq_len=seq_len)
         with torch.device("meta"):
-            model = Llama(cfg)
-        model = plan.apply(model)
+            built = Llama(cfg)
+        model = plan.apply(built)
         index, count = plan.data_shard()
         data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -125,7 +125,7 @@ class Hooks:
         described = {
             id(p): steps for p, steps in self._each("composer_par_describe", plan=plan) if steps
         }
-        out = []
+        out: list[tuple[Plugin, str, str]] = []
         for plugin in self.ordered():
             steps = described.get(id(plugin)) or [
                 (s.label, f"{s.label.replace('_', ' ')}") for s in plugin.stages()

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from composer_par.blocks import BlockSpec
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.topology import Topology
     from composer_par.plugin import Declaration
+    from composer_par.topology import Topology
     from composer_par.validate import Finding
 
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 @hookspec
-def composer_par_declare() -> Declaration:
+def composer_par_declare() -> Declaration | None:
     """Declare the plugin's claims on mesh dims, capabilities, requirements and ordering.
 
     Called: once per plan, whenever it is validated, explained or applied.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 
@@ -59,7 +60,7 @@ def configure_logging(
         else structlog.dev.ConsoleRenderer(colors=hasattr(stream, "isatty") and stream.isatty())
     )
 
-    def only_rank_zero(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    def only_rank_zero(_: Any, __: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
         if not all_ranks and event.get("rank", 0) != 0:
             raise structlog.DropEvent
         return event

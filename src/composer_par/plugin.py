@@ -37,7 +37,7 @@ class Stage(enum.Enum):
 STAGES: tuple[Stage, ...] = tuple(Stage)
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     """What a plugin does over a mesh dim it claims."""
 
     SHARD = "shard"  # parameters sharded over the dim (FSDP)
@@ -104,14 +104,16 @@ class Plugin:
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return tuple(f.alias for f in attrs.fields(cls)) if attrs.has(cls) else ()
+        if not attrs.has(cls):
+            return ()
+        return tuple(f.alias for f in attrs.fields(cls))  # type: ignore[arg-type]
 
     def options(self, *, include_defaults: bool = False) -> dict[str, Any]:
         """The options that differ from their defaults, in plan-file form."""
         if not attrs.has(type(self)):
             return {}
         out: dict[str, Any] = {}
-        for f in attrs.fields(type(self)):
+        for f in attrs.fields(type(self)):  # type: ignore[arg-type, misc]
             value = getattr(self, f.name)
             default = f.default
             if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
@@ -151,7 +153,8 @@ def _is_hookimpl(fn: Any) -> bool:
 def _plain(value: Any) -> Any:
     """Option values as a plan file writes them (nested attrs objects become tables)."""
     if attrs.has(type(value)):
-        return {k: _plain(v) for k, v in attrs.asdict(value, recurse=False).items() if v is not None}
+        fields = attrs.asdict(value, recurse=False)
+        return {k: _plain(v) for k, v in fields.items() if v is not None}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):

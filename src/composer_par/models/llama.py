@@ -48,6 +48,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Holds the RoPE cos/sin table as a non-persistent buffer (never in checkpoints)."""
 
+    table: torch.Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -87,9 +88,11 @@ class ParityResult:
             atol=atol,
             msg=lambda m: f"losses differ from the reference: {m}",
         )
-        assert set(self.params) == set(self.reference_params), (
-            f"parameter names differ: only in plan {sorted(set(self.params) - set(self.reference_params))}, "
-            f"only in reference {sorted(set(self.reference_params) - set(self.params))}"
+        plan_only = sorted(set(self.params) - set(self.reference_params))
+        reference_only = sorted(set(self.reference_params) - set(self.params))
+        assert not plan_only and not reference_only, (
+            f"parameter names differ: only in the plan {plan_only}, "
+            f"only in the reference {reference_only}"
         )
         for name, ref in self.reference_params.items():
             torch.testing.assert_close(
@@ -97,8 +100,12 @@ class ParityResult:
                 ref,
                 rtol=rtol,
                 atol=atol,
-                msg=lambda m, name=name: f"parameter {name} differs from the reference: {m}",
+                msg=_prefixed(f"parameter {name} differs from the reference"),
             )
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    return lambda message: f"{prefix}: {message}"
 
 
 def _resolve(spec: str) -> Any:
