@@ -22,13 +22,16 @@ pytestmark = pytest.mark.distributed
 
 
 HAVE_PROC = Path("/proc/self/stat").exists()
-# multiprocessing's forkserver and resource tracker live as long as the process
-# that started them; rank processes are children of the forkserver.
 _HELPER = re.compile(r"from multiprocessing\.(forkserver|resource_tracker) import main")
 
 
 def _descendants(root: int) -> dict[int, str]:
-    """Live processes below ``root``: pid to command line."""
+    """Live processes below ``root``, pid to command line, save multiprocessing's helpers.
+
+    The forkserver and the resource tracker, children of ``root``, live as long
+    as it does. Rank processes are children of the forkserver (and share its
+    command line), so they are still found.
+    """
     children: dict[int, list[int]] = {}
     zombies = set()
     for entry in Path("/proc").iterdir():
@@ -51,7 +54,8 @@ def _descendants(root: int) -> dict[int, str]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if pid not in zombies:
+        helper = pid in children[root] and _HELPER.search(cmdline)
+        if pid not in zombies and not helper:
             found[pid] = cmdline
     return found
 
@@ -68,10 +72,7 @@ def _no_leftover_processes() -> Iterator[None]:
     yield
     assert multiprocessing.active_children() == []
     if HAVE_PROC:
-        left = {
-            pid: cmd for pid, cmd in _descendants(os.getpid()).items() if not _HELPER.search(cmd)
-        }
-        assert left == {}
+        assert _descendants(os.getpid()) == {}
 
 
 def _sections(message: str) -> dict[int, str]:
@@ -209,18 +210,14 @@ def test_ranks_die_with_the_process_that_started_them() -> None:
     )
     try:
         deadline = time.monotonic() + 45
-        while True:
-            processes = _descendants(starter.pid)
-            if sum(not _HELPER.search(cmd) for cmd in processes.values()) == 2:
-                break
-            assert starter.poll() is None and time.monotonic() < deadline, processes
+        while len(ranks := _descendants(starter.pid)) < 2:
+            assert starter.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
     finally:
         starter.kill()
         starter.wait()
-    # The ranks, the forkserver and the resource tracker all go.
     deadline = time.monotonic() + 10
-    while alive := [pid for pid in processes if _alive(pid)]:
+    while alive := [pid for pid in ranks if _alive(pid)]:
         assert time.monotonic() < deadline, alive
         time.sleep(0.05)
 
@@ -246,7 +243,7 @@ def test_concurrent_runs_do_not_collide(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_ranks_helper_uses_tmp_path(tmp_path: Path) -> None:
+def test_ranks_helper(tmp_path: Path) -> None:
     assert [r["rank"] for r in Ranks(tmp_path).run(w.describe_rank, 2, args=("r",))] == [0, 1]
 
 
