@@ -87,5 +87,53 @@ class MLPTask:
         return ((model(inputs) - target) ** 2).mean()
 
 
+@attrs.frozen
+class EncoderTask:
+    """Sequence regression with ``torch.nn.TransformerEncoder`` (batch_first, pre-norm).
+
+    The model is ``Sequential(Linear, TransformerEncoder, LayerNorm, Linear)``: only torch
+    modules, so MetaInit initializes it through their own ``reset_parameters`` /
+    ``_reset_parameters`` (``nn.MultiheadAttention``). Dropout is 0 so ranks and the
+    reference compute the same thing. Each token's target mixes its own input with the
+    sequence mean, so attention has something to learn.
+    """
+
+    width: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 8
+    global_batch: int = 8
+    data_seed: int = 7
+
+    def build(self) -> Any:
+        import torch.nn as nn
+
+        layer = nn.TransformerEncoderLayer(
+            self.width, self.n_heads, dim_feedforward=2 * self.width, dropout=0.0,
+            activation="gelu", batch_first=True, norm_first=True,
+        )
+        return nn.Sequential(
+            nn.Linear(self.width, self.width),
+            nn.TransformerEncoder(layer, self.n_layers, enable_nested_tensor=False),
+            nn.LayerNorm(self.width),
+            nn.Linear(self.width, 1),
+        )
+
+    def batch(self, step: int) -> Any:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.data_seed + step)
+        inputs = torch.randn(self.global_batch, self.seq_len, self.width, generator=gen)
+        teacher = torch.randn(self.width, 1, generator=torch.Generator().manual_seed(1))
+        mixed = inputs + inputs.mean(dim=1, keepdim=True)
+        target = torch.tanh(mixed @ teacher / self.width**0.5)
+        return torch.cat([inputs, target], dim=-1)
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        inputs, target = batch[..., :-1], batch[..., -1:]
+        return ((model(inputs) - target) ** 2).mean()
+
+
 llama = LlamaTask()
 mlp = MLPTask()
+encoder = EncoderTask()

@@ -1,0 +1,224 @@
+"""ActivationCheckpoint: recompute the shared blocks' activations in backward.
+
+``mode="full"`` saves nothing inside a checkpointed block (its inputs only) and
+recomputes its whole forward in backward; ``mode="selective"`` saves the outputs of the
+matrix multiplications (the expensive ops) and recomputes the rest (norms, activations,
+elementwise ops), through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+``every=N`` checkpoints the N-th, 2N-th, ... block (1-based, as torchtitan counts).
+
+Why no wrapper module: ``checkpoint_wrapper`` inserts ``_checkpoint_wrapped_module.``
+into every parameter name under the block, which then reaches ``named_parameters()``,
+optimizer state, TP patterns and anything keyed by name. torch's composable
+``checkpoint`` keeps names but works through forward hooks, which ``torch.compile`` of the
+block would trace into. Instead each checkpointed block gets an instance-level
+``forward`` that calls its class's forward under ``torch.utils.checkpoint.checkpoint``:
+the module tree, the names and the module objects FSDP groups stay exactly the model's,
+and ``torch.compile`` traces the checkpoint as one region (measured on torch 2.13 with
+the eager, aot_eager and inductor backends, full and selective).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import attrs
+
+from composer_par.blocks import BlockSpec
+from composer_par.plugin import Plugin, hookimpl, ordering_option
+from composer_par.validate import Finding
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.apply_context import ApplyContext
+    from composer_par.blocks import Block
+
+# The instance attribute that marks a block this plugin checkpointed (and in which mode).
+MARK = "_composer_par_checkpoint"
+
+# aten ops whose outputs selective mode saves: the matrix multiplications, which are what
+# a recompute would spend its time on. nn.Linear reaches the dispatcher as mm/addmm.
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+
+
+def blocks_option(value: Any) -> str | tuple[str, ...] | None:
+    """A plugin's ``blocks`` option: a module path (``"layers"``) or block class names."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(
+        f"blocks must be a module path or a non-empty list of class names; got {value!r}"
+    )
+
+
+def _every(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"every must be an int >= 1 (1: every block); got {value!r}")
+
+
+def already_wrapped(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be checkpointed or compiled again, or None.
+
+    A wrapper module (``checkpoint_wrapper``, ``torch.compile``'s OptimizedModule) would
+    put its prefix into parameter names; a second checkpoint or compile on top of the
+    first doubles the work silently.
+    """
+    kind = type(module).__name__
+    if kind == "OptimizedModule" or hasattr(module, "_orig_mod"):
+        return "is a torch.compile wrapper (OptimizedModule: names gain '_orig_mod.')"
+    if kind == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+        return "is a checkpoint_wrapper (names gain '_checkpoint_wrapped_module.')"
+    if MARK in module.__dict__:
+        return "is already checkpointed by composer_par"
+    if "forward" in module.__dict__:
+        return "has an instance-level forward (already wrapped or patched)"
+    from torch.distributed._composable.contract import _get_registry
+
+    if "checkpoint" in (_get_registry(module) or {}):
+        return "already has torch's composable checkpoint applied"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "is already compiled (Module.compile())"
+    return None
+
+
+def wrapped_block_findings(blocks: list[Block], code: str = "CP411") -> list[Finding]:
+    found = []
+    for path, block in blocks:
+        why = already_wrapped(block)
+        if why:
+            found.append(Finding(
+                code,
+                f"block {path} ({type(block).__name__}) {why}",
+                fix="apply the plan to the model as built: let ActivationCheckpoint and "
+                "Compile wrap the blocks (they keep the model's own parameter names)",
+            ))
+    return found
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if _is_matmul(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _matmul_overloads() -> frozenset[Any]:
+    import torch
+
+    aten = torch.ops.aten
+    found: set[Any] = set()
+    for name in MATMUL_OPS:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            found.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(found)
+
+
+def _is_matmul(op: Any) -> bool:
+    return op in _matmul_overloads()
+
+
+def selective_context_fn() -> Any:
+    """The ``context_fn`` of selective mode: save matmul outputs, recompute the rest."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a checkpointed block: its class's forward under checkpoint.
+
+    Module-level (not a closure) and bound with ``types.MethodType`` so that a deepcopy
+    of the block is bound to the copy, never to the original.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if self.__dict__[MARK] == "selective":
+        return checkpoint(
+            type(self).forward, self, *args, use_reentrant=False,
+            context_fn=selective_context_fn, **kwargs,
+        )
+    # No context_fn at all for full mode: dynamo (torch 2.13) refuses to trace
+    # checkpoint(..., context_fn=noop_context_fn) ("checkpoint not implemented for
+    # LazyVariableTracker context_fn"), although noop is the default.
+    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_block(block: nn.Module, mode: str) -> None:
+    """Make ``block`` recompute its activations in backward; names and module unchanged."""
+    why = already_wrapped(block)
+    if why:
+        raise RuntimeError(f"cannot checkpoint {type(block).__name__}: it {why}")
+    object.__setattr__(block, MARK, mode)
+    object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
+
+
+def chosen(count: int, every: int) -> list[int]:
+    """Indices of the blocks ``every`` selects: the N-th, 2N-th, ... (1-based)."""
+    return [i for i in range(count) if (i + 1) % every == 0]
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+@attrs.frozen
+class ActivationCheckpoint(Plugin):
+    """Activation checkpointing on the shared blocks (stage ``activation_checkpoint``).
+
+    Options: ``mode`` (``"full"``: recompute each checkpointed block entirely;
+    ``"selective"``: keep matmul outputs, recompute the rest); ``every`` (checkpoint every
+    N-th block; 1 = all); ``blocks`` (a module path or block class names; else the blocks
+    another plugin names, else detected).
+    """
+
+    name: ClassVar[str] = "activation_checkpoint"
+    needs_blocks: ClassVar[bool] = True
+
+    mode: Literal["full", "selective"] = attrs.field(
+        default="full", validator=attrs.validators.in_(("full", "selective"))
+    )
+    every: int = attrs.field(default=1, validator=_every)
+    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=blocks_option)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    @hookimpl
+    def composer_par_block_spec(self) -> BlockSpec | None:
+        return BlockSpec.parse(self.blocks)
+
+    @hookimpl
+    def composer_par_validate_model(self, blocks: list[Block]) -> list[Finding]:
+        found = wrapped_block_findings(blocks)
+        if blocks and not chosen(len(blocks), self.every):
+            found.append(Finding(
+                "CP210",
+                f"every={self.every} selects none of the {len(blocks)} block(s): nothing would "
+                "be checkpointed",
+                fix=f"use every <= {len(blocks)} (1 checkpoints every block), or drop the plugin",
+            ))
+        return found
+
+    @hookimpl
+    def composer_par_describe(self) -> list[tuple[str, str]]:
+        which = "every block" if self.every == 1 else f"every {_ordinal(self.every)} block"
+        how = ("recompute the whole block in backward" if self.mode == "full"
+               else "save matmul outputs, recompute the rest")
+        return [("activation_checkpoint", f"{self.mode} checkpointing of {which}: {how}")]
+
+    @hookimpl
+    def composer_par_activation_checkpoint(self, ctx: ApplyContext) -> str:
+        picked = chosen(len(ctx.blocks), self.every)
+        for index in picked:
+            checkpoint_block(ctx.blocks[index][1], self.mode)
+        ctx.notes["checkpointed_blocks"] = [ctx.blocks[i][0] for i in picked]
+        return f"{self.mode} checkpointing on {len(picked)} of {len(ctx.blocks)} block(s)"
+
+
+__all__ = ["ActivationCheckpoint", "checkpoint_block", "selective_context_fn"]

@@ -1,0 +1,179 @@
+"""Compile: ``torch.compile`` each shared block, after checkpointing, before FSDP.
+
+Per block and in place (``block.compile()``): ``torch.compile(module)`` would return an
+``OptimizedModule`` whose parameter names start with ``_orig_mod.``; ``Module.compile``
+compiles the block's call and leaves the module tree and its names untouched. Compiling
+blocks before ``fully_shard`` keeps FSDP's hooks out of the graphs (FSDP2 marks its hooks
+dynamo-disabled), and after activation checkpointing so the checkpoint is traced as one
+region of the block's graph.
+
+Measured on this project's CPU machine (torch 2.13, gcc): inductor compiles a small
+Llama block's forward and backward, but the first step took 35-76 s per process with a
+cold cache (C++ builds), too slow for the CI's distributed tests, which use
+``backend="aot_eager"`` (about 1-2 s); see docs/activation-checkpointing.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+from composer_par.plugins.activation_checkpoint import blocks_option, wrapped_block_findings
+
+from composer_par.blocks import BlockSpec
+from composer_par.plugin import Plugin, hookimpl, ordering_option
+from composer_par.validate import Finding, did_you_mean
+
+if TYPE_CHECKING:
+    from composer_par.apply_context import ApplyContext
+    from composer_par.blocks import Block
+    from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
+
+# torch.compile's modes; each configures inductor, and torch hands ``mode`` to whatever
+# backend is named, so with another backend the first forward fails with a TypeError.
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+# Backends under which selective activation checkpointing (a checkpoint with a
+# ``context_fn``) was measured to train correctly on torch 2.13: dynamo traces the
+# checkpoint as a higher-order op that these run through AOTAutograd or eagerly.
+SELECTIVE_AC_BACKENDS = frozenset({
+    "inductor", "aot_eager", "eager", "aot_eager_decomp_partition",
+    "aot_eager_default_partitioner",
+})
+
+
+def _blocks(value: Any) -> str | tuple[str, ...] | None:
+    return blocks_option(value)
+
+
+def _mode(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and value not in INDUCTOR_MODES:
+        raise ValueError(f"mode must be one of {list(INDUCTOR_MODES)} or None; got {value!r}")
+
+
+def _backend(instance: Any, attribute: Any, value: Any) -> None:
+    if not (isinstance(value, str) and value) and not callable(value):
+        raise ValueError(f"backend must be a backend name or a callable; got {value!r}")
+
+
+def backend_name(backend: Any) -> str:
+    return backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+
+
+@attrs.frozen
+class Compile(Plugin):
+    """Per-block ``torch.compile`` (stage ``compile``).
+
+    Options: ``backend`` (default ``"inductor"``; a registered backend name, or a callable
+    from Python); ``mode`` (an inductor mode, only with the inductor backend);
+    ``fullgraph`` (fail on graph breaks instead of splitting); ``blocks``.
+    """
+
+    name: ClassVar[str] = "compile"
+    needs_blocks: ClassVar[bool] = True
+
+    mode: str | None = attrs.field(default=None, validator=_mode)
+    fullgraph: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    backend: Any = attrs.field(default="inductor", validator=_backend)
+    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=_blocks)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    @hookimpl
+    def composer_par_block_spec(self) -> BlockSpec | None:
+        return BlockSpec.parse(self.blocks)
+
+    @hookimpl
+    def composer_par_validate_plan(self, mesh: MeshSpec) -> list[Finding]:
+        found = []
+        name = backend_name(self.backend)
+        if self.mode is not None and name != "inductor":
+            found.append(Finding(
+                "CP217",
+                f"mode={self.mode!r} is an inductor mode, and the backend is {name!r}: torch "
+                "passes mode to the backend, whose first forward then fails",
+                fix='drop mode, or use backend = "inductor"',
+            ))
+        return found
+
+    @hookimpl
+    def composer_par_validate_model(
+        self, plan: ParallelPlan, blocks: list[Block]
+    ) -> list[Finding]:
+        checkpoint = plan.plugin("activation_checkpoint")
+        # ActivationCheckpoint reports wrapped blocks itself when it is in the plan.
+        found = wrapped_block_findings(blocks) if checkpoint is None else []
+        name = backend_name(self.backend)
+        if isinstance(self.backend, str):
+            import torch._dynamo
+
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if name not in known:
+                usual = sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})
+                found.append(Finding(
+                    "CP410",
+                    f"compile backend {name!r} is not registered with torch"
+                    f"{did_you_mean(name, known)}",
+                    fix=f"use a registered backend, e.g. one of {usual} (all: "
+                    "torch._dynamo.list_backends(exclude_tags=()))",
+                ))
+            elif name == "inductor" and not _is_cuda(plan) and _missing_cxx() is not None:
+                found.append(Finding(
+                    "CP412",
+                    f"inductor on CPU builds C++ kernels and finds no C++ compiler "
+                    f"({_missing_cxx()})",
+                    fix='install g++ (or set CXX to a C++ compiler), or use backend = '
+                    '"aot_eager"',
+                ))
+        if getattr(checkpoint, "mode", None) == "selective" and name not in SELECTIVE_AC_BACKENDS:
+            found.append(Finding(
+                "CP413",
+                f"selective activation checkpointing under compile backend {name!r}, which is "
+                "not known to support a checkpoint context_fn",
+                fix=f"use one of {sorted(SELECTIVE_AC_BACKENDS)}, or mode = \"full\" for "
+                "activation checkpointing",
+            ))
+        return found
+
+    @hookimpl
+    def composer_par_describe(self) -> list[tuple[str, str]]:
+        opts = ", ".join(f"{k}={v}" for k, v in self.options().items() if k not in ("blocks",))
+        return [("compile", "torch.compile each block in place" + (f" ({opts})" if opts else ""))]
+
+    @hookimpl
+    def composer_par_compile(self, ctx: ApplyContext) -> str:
+        kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph}
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        for _, block in ctx.blocks:
+            block.compile(**kwargs)
+        ctx.notes["compiled_blocks"] = [path for path, _ in ctx.blocks]
+        return f"torch.compile on {len(ctx.blocks)} block(s), backend {backend_name(self.backend)}"
+
+
+def _is_cuda(plan: ParallelPlan) -> bool:
+    import torch
+
+    if plan.device is not None:
+        return torch.device(plan.device).type == "cuda"
+    return torch.cuda.is_available()
+
+
+def _missing_cxx() -> str | None:
+    """Why inductor's C++ compiler cannot be found, or None when it can."""
+    try:
+        from torch._inductor import config
+
+        candidates = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (
+            config.cpp.cxx,)
+    except Exception:  # an inductor without this config: let torch report it
+        return None
+    names = [c for c in candidates if c]
+    if any(shutil.which(c) for c in names):
+        return None
+    return f"looked for {names}; set CXX to override"
+
+
+__all__ = ["Compile"]

@@ -1,0 +1,229 @@
+"""HSDP: replicate over one mesh dim (the one that crosses nodes), shard over another.
+
+With a plugin that shards (FSDP2), HSDP contributes its dim through the composition hook
+``composer_par_replicate_dims``; FSDP2 then builds one 2-D ``fully_shard`` mesh
+(replicate outer, shard inner): parameters are ``(Replicate(), Shard(0))`` DTensors,
+gradients are reduce-scattered inside a replica group and all-reduced across them.
+
+Alone, HSDP replicates the whole model DDP-style over its dim, block by block, in the
+data_parallel stage. The mechanism, chosen by measurement on torch 2.13 (4 gloo ranks,
+4-block Llama, see docs/hsdp.md):
+
+* ``torch.distributed._composable.replicate_with_fsdp.replicate`` -- FSDP2's machinery
+  with a replicate-only mesh (``DDPMeshInfo``): per-block gradient all-reduce (one per
+  block + root, the same count as the others), no all-gathers, no copies of parameters
+  into and out of an unsharded buffer, names unchanged, parameters ``(Replicate(),)``
+  DTensors, the same FSDPModule API (setters, hooks, mixed precision) as FSDP2. Chosen.
+* ``fully_shard`` on a 2-D mesh whose shard dim has size 1: the same collectives, but it
+  needs a second (size-1) mesh dim that the user's mesh does not have, and it still runs
+  FSDP's unshard/reshard copies per block.
+* ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...))``: refuses plain
+  tensors (it wants every parameter already a DTensor on the full SPMD mesh).
+* ``DistributedDataParallel``: a wrapper, so every name gains ``module.``.
+
+Replicate-only together with tensor parallelism works: parameters that TP made DTensors
+over the tp dim become 2-D ``(Replicate(), <tp placement>)`` DTensors over (replicate,
+tp), and their gradients are all-reduced over the replicate dim only (measured at parity
+on 4 gloo ranks, dp_replicate=2 x tp=2, with and without sequence parallelism, with and
+without TP's ``replicate_rest``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+from composer_par.plugins.activation_checkpoint import blocks_option
+
+from composer_par.blocks import BlockSpec
+from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
+from composer_par.validate import Finding
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.apply_context import ApplyContext
+    from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin import Declaration
+
+
+def _blocks(value: Any) -> str | tuple[str, ...] | None:
+    return blocks_option(value)
+
+
+def _identifier(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
+
+
+def _divide_factor(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"gradient_divide_factor must be a number > 0 or None; got {value!r}")
+    return float(value)
+
+
+def _declarations(plan: ParallelPlan) -> list[Declaration]:
+    from composer_par.hooks import Hooks
+
+    return Hooks(plan.plugins).declarations()
+
+
+def _claimed(decls: Iterable[Declaration], role: Role, mesh: MeshSpec) -> list[tuple[str, str]]:
+    """(plugin, dim) of every claim with ``role`` on a dim the mesh has."""
+    return [(d.plugin, c.dim) for d in decls for c in d.claims if c.role is role and c.dim in mesh]
+
+
+@attrs.frozen
+class HSDP(Plugin):
+    """Hybrid sharded data parallel: the replicate half (``dp_replicate`` by default).
+
+    Options: ``dim``; ``gradient_divide_factor`` (divide the gradients summed over all
+    data-parallel ranks by this instead of their number, e.g. 1.0 when the loss is
+    already normalized globally; applied to every FSDP module of the plan, FSDP2's too);
+    ``blocks`` (used when HSDP replicates alone).
+    """
+
+    name: ClassVar[str] = "hsdp"
+    provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
+
+    dim: str = attrs.field(default="dp_replicate", validator=_identifier)
+    gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
+    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=_blocks)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim(self.dim, Role.REPLICATE),)
+
+    # -- composition ---------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_replicate_dims(self) -> list[str]:
+        return [self.dim]
+
+    @hookimpl
+    def composer_par_block_spec(self) -> BlockSpec | None:
+        return BlockSpec.parse(self.blocks)
+
+    # -- validation ----------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_validate_plan(self, plan: ParallelPlan, mesh: MeshSpec) -> list[Finding]:
+        if self.dim not in mesh:
+            return []  # CP203 reports it
+        decls = _declarations(plan)
+        found: list[Finding] = []
+        sharders = _claimed(decls, Role.SHARD, mesh)
+        for plugin in plan.plugins:
+            shards = [dim for who, dim in sharders if who == plugin.name]
+            if shards and getattr(plugin, "reshard_after_forward", None) is False:
+                found.append(Finding(
+                    "CP216",
+                    f"{plugin.name} keeps parameters unsharded from forward to backward "
+                    f"(reshard_after_forward=false) under HSDP: at peak every rank holds "
+                    f"every block's full parameters, as without sharding over {shards[0]}",
+                    fix="keep it if the model fits (it saves each block's all-gather in "
+                    "backward); else set reshard_after_forward = true, or an int divisor of "
+                    "the shard size",
+                    plugin=plugin.name,
+                ))
+        return found
+
+    @hookimpl
+    def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
+        sharders = _claimed(_declarations(plan), Role.SHARD, plan.mesh)
+        if sharders:
+            steps = [("data_parallel", f"contribute {self.dim} to {sharders[0][0]}'s mesh: "
+                      f"replicate over {self.dim}, shard over {sharders[0][1]}")]
+        else:
+            steps = [("data_parallel", f"replicate each block, then the root, over {self.dim} "
+                      "(gradients all-reduced per block)")]
+        if self.gradient_divide_factor is not None:
+            steps.append(("finalize", f"divide gradients by {self.gradient_divide_factor:g} on "
+                          "every FSDP module"))
+        return steps
+
+    # -- stages --------------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_data_parallel(self, ctx: ApplyContext) -> str:
+        size = f"{self.dim}({ctx.mesh.size(self.dim)})"
+        sharders = _claimed(ctx.hooks.declarations(), Role.SHARD, ctx.mesh)
+        if sharders:
+            return f"replicate over {size} through {sharders[0][0]}'s 2-D mesh"
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        mesh = ctx.submesh(self.dim)
+        replicated: list[nn.Module] = []
+        for _, block in ctx.blocks:
+            replicate(block, mesh=mesh)
+            replicated.append(block)
+        replicate(ctx.model, mesh=mesh)
+        replicated.append(ctx.model)
+        # The same list FSDP2 keeps: these are FSDPModules too, with the same setters.
+        ctx.notes.setdefault("fsdp_modules", []).extend(replicated)
+        return f"replicate on {len(ctx.blocks)} block(s) + root over {size}"
+
+    @hookimpl
+    def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
+        if self.gradient_divide_factor is None:
+            return "gradients averaged over the data-parallel ranks (torch's default)"
+        modules = ctx.notes.get("fsdp_modules", [])
+        sum_only = not premul_sum_supported(ctx)
+        forced = set_gradient_divide_factor(modules, self.gradient_divide_factor,
+                                            sum_only=sum_only)
+        note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
+        return (f"gradient divide factor {self.gradient_divide_factor:g} on "
+                f"{len(modules)} FSDP module(s){note}")
+
+
+def premul_sum_supported(ctx: ApplyContext) -> bool:
+    """Whether the data-parallel collectives can use ``ReduceOp.PREMUL_SUM`` (NCCL only).
+
+    Measured: gloo raises ``RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo`` in
+    both all_reduce and reduce_scatter, i.e. in the first backward.
+    """
+    import torch.distributed as dist
+
+    if ctx.device_mesh is None or not dist.is_initialized():
+        return True  # one process: no collective runs
+    backend = str(dist.get_backend(ctx.device_mesh.get_group(0)))
+    return ctx.device_mesh.device_type == "cuda" and "nccl" in backend
+
+
+def reduce_scatters(module: Any) -> bool:
+    """Whether an FSDP module reduce-scatters its gradients (a shard group of size > 1)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    state = module._get_fsdp_state()
+    return any(
+        isinstance(group.mesh_info, FSDPMeshInfo) and group.mesh_info.shard_mesh_size > 1
+        for group in state._fsdp_param_groups
+    )
+
+
+def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_only: bool) -> int:
+    """Set ``factor`` on every FSDP module; returns how many were switched to SUM-only.
+
+    ``FSDPModule.set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms`` act
+    on the module they are called on, not on its FSDP submodules, so each module gets the
+    call. With a factor, FSDP2 reduce-scatters with ``PREMUL_SUM(1/factor)`` (unless the
+    factor equals the shard size); backends without PREMUL_SUM (gloo) get SUM reductions
+    and a division afterwards instead. Modules that do not reduce-scatter (replicate-only)
+    keep torch's path: it divides locally before a SUM all-reduce, and forcing SUM there
+    would divide twice (measured on torch 2.13).
+    """
+    forced = 0
+    for module in modules:
+        module.set_gradient_divide_factor(factor)
+        if sum_only and reduce_scatters(module):
+            module.set_force_sum_reduction_for_comms(True)
+            forced += 1
+    return forced
+
+
+__all__ = ["HSDP", "set_gradient_divide_factor"]
