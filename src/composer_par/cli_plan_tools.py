@@ -1,0 +1,362 @@
+"""The CLI glue of the before-launch tools: ``validate --model`` (dry run), ``explain
+--svg`` (layout pictures), ``estimate`` and ``suggest``.
+
+:mod:`composer_par.cli` owns the commands; this module adds their arguments and runs
+them. Nothing here imports torch unless a model is given (``--model``): estimating
+from ``--params`` and suggesting stay on the static path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from composer_par.cli import Output
+    from composer_par.estimate import ModelShape
+    from composer_par.plan import Explanation, ParallelPlan
+
+EXIT_OK, EXIT_ERRORS, EXIT_INPUT = 0, 1, 2
+
+
+def _input_error(message: str) -> Any:
+    """The CLI's InputError: one line on stderr, exit 2."""
+    from composer_par.cli import InputError
+
+    return InputError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1; got {value}")
+    return value
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rank (an int >= 0); got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a rank (an int >= 0); got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    from composer_par.estimate import EstimateError, parse_count
+
+    try:
+        return parse_count(text)
+    except EstimateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    from composer_par.estimate import EstimateError, parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except EstimateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _gbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Gbit/s as a number; got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite bandwidth > 0; got {text}")
+    return value
+
+
+def _dtype(text: str) -> str:
+    from composer_par.estimate import EstimateError, dtype_name
+
+    try:
+        return dtype_name(text)
+    except EstimateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# -- validate --model ------------------------------------------------------------------------
+
+
+def validate_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "dry run (imports torch): apply the plan to a model on meta over a fake process group")
+    group.add_argument("--model", metavar="MODULE:FACTORY",
+                       help="build this model on meta and dry-run the plan for --rank "
+                       "(resolved like uvicorn: the current directory is on the path)")
+    group.add_argument("--rank", type=_rank, action="append", metavar="R",
+                       help="dry-run this rank (repeatable; default: 0 and the last rank)")
+    group.add_argument("--all-params", action="store_true",
+                       help="list every parameter (default: identical blocks collapsed)")
+
+
+def run_validate_model(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.cli import _plan_file_failure, _situation, load_plan_for
+    from composer_par.planfile import PlanFileError
+
+    try:
+        plan, world = load_plan_for(args)
+    except PlanFileError as exc:
+        return _plan_file_failure(args, out, exc.report)
+    from composer_par.dryrun import DryRunError, dry_run, format_result
+
+    try:
+        result = dry_run(plan, args.model, world_size=world, ranks=args.rank)
+    except DryRunError as exc:
+        raise _input_error(str(exc)) from exc
+    topology = plan.effective_topology()
+    code = result.exit_code()
+    data = {
+        "plan": args.plan, "world_size": result.world_size, "mesh": plan.mesh.to_dict(),
+        "topology": topology.to_dict() if topology else None, "model": args.model,
+        "exit_code": code, **result.report.to_dict(), "dry_run": result.to_dict(),
+    }
+    body = result.report.format()
+    if not result.report.findings:
+        body = out.paint(body, "ok")
+    text = (f"{args.plan}: {_situation(plan, result.world_size)}\n"
+            f"{out.severities(body)}\n{format_result(result, full=args.all_params)}")
+    failed = [r.rank for r in result.ranks if r.failure is not None]
+    if failed:
+        text += "\n" + out.paint("ERROR", "ERROR") + (
+            f" applying the plan failed on rank(s) {', '.join(map(str, failed))}: a real "
+            "run would fail there too")
+    out.result(data, text)
+    return code
+
+
+# -- explain --svg ---------------------------------------------------------------------------
+
+
+def explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--svg", metavar="FILE", type=Path,
+                        help="also draw the layout (nodes x devices, rank groups per mesh dim) "
+                        "into this SVG file")
+
+
+def layout_picture(
+    explanation: Explanation, out: Output, svg: Path | None, title: str,
+) -> tuple[str, dict[str, Any]]:
+    """(text, data) of the layout picture: the terminal grid, and the SVG if asked."""
+    from composer_par.draw import Grid, render_svg, render_text
+
+    if not explanation.mesh.is_resolved or not explanation.groups:
+        if svg is not None:
+            raise _input_error("cannot draw the layout: the world size is unknown (a mesh size "
+                               "is -1); give --world-size or --nodes/--devices-per-node")
+        return "", {"layout": None}
+    grid = Grid.of(explanation.mesh, explanation.topology, explanation.groups)
+    data: dict[str, Any] = {"layout": grid.to_dict()}
+    text = render_text(grid, color=out.color)
+    if svg is not None:
+        try:
+            svg.write_text(render_svg(grid, title=title), encoding="utf-8")
+        except OSError as exc:
+            raise _input_error(f"cannot write {svg}: {exc.strerror or exc}") from exc
+        data["svg"] = str(svg)
+        text += f"\nSVG written to {svg}"
+    return text, data
+
+
+# -- the model of estimate and suggest -------------------------------------------------------
+
+
+def _model_arguments(parser: argparse.ArgumentParser, *, required_seq: bool = True) -> None:
+    model = parser.add_argument_group(
+        "the model: --model, or --params with any of the sizes (the rest are derived)")
+    model.add_argument("--model", metavar="MODULE:FACTORY",
+                       help="measure this model, built on meta (imports torch)")
+    model.add_argument("--params", type=_count, metavar="N",
+                       help="parameter count: 13e9, 1.3B, 350M")
+    model.add_argument("--layers", type=_positive_int, metavar="L", help="number of blocks")
+    model.add_argument("--hidden", type=_positive_int, metavar="H", help="hidden size")
+    model.add_argument("--heads", type=_positive_int, metavar="A", help="attention heads")
+    model.add_argument("--kv-heads", type=_positive_int, metavar="K",
+                       help="key/value heads (default: --heads)")
+    model.add_argument("--ffn-hidden", type=_positive_int, metavar="F",
+                       help="MLP hidden size (default: a 4x MLP)")
+    model.add_argument("--vocab", type=_positive_int, metavar="V", help="vocabulary size")
+    work = parser.add_argument_group("the workload")
+    work.add_argument("--seq", type=_positive_int, required=required_seq, metavar="S",
+                      help="sequence length (tokens)")
+    work.add_argument("--micro-batch", type=_positive_int, default=1, metavar="B",
+                      help="sequences per micro-batch per data-parallel rank (default 1)")
+    work.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
+                      help="optimizer whose states count (default adamw)")
+    work.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                      help="sdpa (flash / memory-efficient: no attention scores kept; default) "
+                      "or eager (s*s scores per head kept for backward)")
+    links = parser.add_argument_group("link bandwidths per device, Gbit/s (override [topology])")
+    links.add_argument("--intra-node-gbps", type=_gbps, metavar="G",
+                       help="inside a node (default: the topology's, else 900)")
+    links.add_argument("--inter-node-gbps", type=_gbps, metavar="G",
+                       help="between nodes (default: the topology's, else 100)")
+
+
+def model_shape(args: argparse.Namespace, plan: ParallelPlan | None) -> ModelShape:
+    from composer_par.estimate import EstimateError, ModelShape
+
+    sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+             "kv_heads": args.kv_heads, "ffn_hidden": args.ffn_hidden, "vocab": args.vocab}
+    if args.model is not None:
+        if args.params is not None:
+            raise _input_error("give --model or --params, not both")
+        from composer_par.dryrun import DryRunError, build_on_meta, resolve_factory
+
+        try:
+            model = build_on_meta(resolve_factory(args.model), args.model)
+        except DryRunError as exc:
+            raise _input_error(str(exc)) from exc
+        spec = plan.block_spec() if plan is not None else None
+        overrides = {k: v for k, v in sizes.items() if k != "layers"}
+        return ModelShape.from_module(model, spec, source=args.model, **overrides)
+    if args.params is None and (args.layers is None or args.hidden is None):
+        raise _input_error("give the model: --model MODULE:FACTORY, or --params N (with "
+                           "--layers/--hidden/--heads if known)")
+    try:
+        return ModelShape.from_numbers(params=args.params, **sizes)
+    except EstimateError as exc:
+        raise _input_error(str(exc)) from exc
+
+
+# -- estimate --------------------------------------------------------------------------------
+
+
+def estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    from composer_par.cli import _plan_arguments
+
+    _plan_arguments(parser)
+    _model_arguments(parser)
+    work = parser.add_argument_group("precision and checkpointing (default: the plan's)")
+    work.add_argument("--dtype", type=_dtype, metavar="DTYPE",
+                      help="bf16, fp16 (16-bit mixed precision) or fp32; default: the plan's "
+                      "mixed precision, else the model's dtype, else fp32")
+    work.add_argument("--reduce-dtype", type=_dtype, metavar="DTYPE",
+                      help="dtype of gradient reductions (default: the plan's, else --dtype)")
+    work.add_argument("--activation-checkpoint", choices=("none", "selective", "full"),
+                      help="default: the plan's activation_checkpoint plugin, else none")
+    work.add_argument("--grad-accum", type=_positive_int, default=1, metavar="N",
+                      help="micro-batches per optimizer step (default 1)")
+    work.add_argument("--device-memory", type=_size, metavar="SIZE",
+                      help="device memory, e.g. 80GiB: say whether it fits (exit 1 if not)")
+
+
+def run_estimate(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.cli import _plan_file_failure, load_plan_for
+    from composer_par.estimate import EstimateError, Workload, estimate_plan
+    from composer_par.planfile import PlanFileError
+
+    try:
+        plan, world = load_plan_for(args)
+    except PlanFileError as exc:
+        return _plan_file_failure(args, out, exc.report)
+    report = plan.validate(world_size=world)
+    if report.exit_code() == EXIT_INPUT:
+        return _plan_file_failure(args, out, report)
+    shape = model_shape(args, plan)
+    try:
+        workload = Workload(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+                            reduce_dtype=args.reduce_dtype, optimizer=args.optimizer,
+                            activation_checkpoint=args.activation_checkpoint,
+                            grad_accum=args.grad_accum, attention=args.attention)
+        est = estimate_plan(plan, shape, workload, world_size=world,
+                            intra_node_gbps=args.intra_node_gbps,
+                            inter_node_gbps=args.inter_node_gbps,
+                            device_memory=args.device_memory)
+    except EstimateError as exc:
+        raise _input_error(str(exc)) from exc
+    code = report.exit_code()
+    if est.fits is False:
+        code = max(code, EXIT_ERRORS)
+    data = {"plan": args.plan, "world_size": est.layout.mesh.world_size, "exit_code": code,
+            **est.to_dict(), "report": report.to_dict()}
+    text = f"{args.plan}: estimate per rank and step\n{est.format(out.paint)}"
+    if not report.ok:
+        text += (f"\nthe plan has {len(report.errors)} error(s):\n"
+                 + out.severities(report.format()))
+    out.result(data, text)
+    return code
+
+
+# -- suggest ---------------------------------------------------------------------------------
+
+
+def suggest_arguments(parser: argparse.ArgumentParser) -> None:
+    from composer_par.planfile import MAX_RANKS
+
+    where = parser.add_argument_group("the cluster")
+
+    def ranks(text: str) -> int:
+        value = _positive_int(text)
+        if value > MAX_RANKS:
+            raise argparse.ArgumentTypeError(f"expected at most {MAX_RANKS}; got {value}")
+        return value
+
+    where.add_argument("--nodes", type=ranks, required=True, metavar="N")
+    where.add_argument("--devices-per-node", type=ranks, required=True, metavar="M")
+    where.add_argument("--device-memory", type=_size, required=True, metavar="SIZE",
+                       help="memory per device, e.g. 80GiB or 80GB")
+    _model_arguments(parser)
+    work = parser.add_argument_group("precision and output")
+    work.add_argument("--dtype", type=_dtype, default="bfloat16", metavar="DTYPE",
+                      help="bf16 (default), fp16 or fp32: 16-bit means FSDP2 mixed precision "
+                      "with fp32 gradient reduction")
+    work.add_argument("--max-tp", type=_positive_int, metavar="T",
+                      help="largest TP size to consider (default: the devices of a node)")
+    work.add_argument("--top", type=_positive_int, default=10, metavar="N",
+                      help="runners-up to list (default 10)")
+    work.add_argument("--output", "-o", type=Path, metavar="FILE",
+                      help="also write the best plan file here")
+
+
+def run_suggest(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.estimate import EstimateError
+    from composer_par.suggest import format_suggestion, suggest
+    from composer_par.topology import Topology
+
+    if args.nodes * args.devices_per_node > 2**17:
+        raise _input_error(f"{args.nodes} nodes x {args.devices_per_node} devices is too many "
+                           "ranks")
+    shape = model_shape(args, None)
+    topology = Topology(nodes=args.nodes, devices_per_node=args.devices_per_node)
+    try:
+        result = suggest(shape, topology, args.device_memory, seq=args.seq,
+                         micro_batch=args.micro_batch, dtype=args.dtype,
+                         optimizer=args.optimizer, intra_node_gbps=args.intra_node_gbps,
+                         inter_node_gbps=args.inter_node_gbps, max_tp=args.max_tp,
+                         attention=args.attention)
+    except EstimateError as exc:
+        raise _input_error(str(exc)) from exc
+    code = EXIT_OK if result.best is not None else EXIT_ERRORS
+    data = {"exit_code": code, **result.to_dict()}
+    text = format_suggestion(result, top=args.top, paint=out.paint)
+    if args.output is not None and result.plan_toml is not None:
+        try:
+            args.output.write_text(result.plan_toml, encoding="utf-8")
+        except OSError as exc:
+            raise _input_error(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+        data["output"] = str(args.output)
+        text += f"\nplan file written to {args.output}"
+    out.result(data, text)
+    return code
+
+
+__all__ = [
+    "estimate_arguments",
+    "explain_arguments",
+    "layout_picture",
+    "run_estimate",
+    "run_suggest",
+    "run_validate_model",
+    "suggest_arguments",
+    "validate_arguments",
+]

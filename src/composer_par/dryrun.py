@@ -1,0 +1,430 @@
+"""Dry-run a plan for chosen ranks of the full layout, in one process, without devices.
+
+For each rank asked for, :func:`dry_run` initializes torch's *fake* process-group
+backend as that rank of ``world_size`` (no peers, every collective a no-op), builds the
+model on the meta device, validates the plan against it (the model-aware findings a
+real run would hit) and applies the plan for real: TP's ``parallelize_module``,
+activation checkpointing, compile wrapping, FSDP2's ``fully_shard``... on meta tensors,
+so it takes no memory and seconds even for hundreds of ranks. What each rank would hold
+is then read off the parameters: every parameter's local shape and bytes, and totals.
+
+Materializing is the one stage a dry run cannot do (it would allocate the model). The
+plugins that materialize (MetaInit, the loaders) are swapped, in a copy of the plan, for
+a stand-in that declares exactly what they declare (claims, capabilities, ordering) and
+leaves the parameters on meta; the result lists them as "skipped in dry run". The
+model-aware validation still runs with the real plugins, so e.g. a module MetaInit
+cannot initialize is still reported.
+
+``MODULE:FACTORY`` is resolved as uvicorn and gunicorn resolve an app: import
+``MODULE`` (with the current directory on ``sys.path``), then follow the dotted
+attribute path ``FACTORY``; it must be callable with no arguments and return an
+``nn.Module``. It is called under ``torch.device("meta")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.plugin import Plugin, Stage, hookimpl
+from composer_par.validate import Report
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.apply_context import ApplyContext
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin import Declaration
+
+__all__ = [
+    "DryRunError",
+    "DryRunResult",
+    "ParamLayout",
+    "RankLayout",
+    "SkippedInDryRun",
+    "default_ranks",
+    "dry_run",
+    "resolve_factory",
+]
+
+
+class DryRunError(ValueError):
+    """The dry run cannot start: a bad ``MODULE:FACTORY``, a rank outside the layout, an
+    unknown world size, or a process group already initialized in this process."""
+
+
+# -- MODULE:FACTORY --------------------------------------------------------------------------
+
+_IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def resolve_factory(spec: str, *, cwd: str | os.PathLike[str] | None = None) -> Callable[[], Any]:
+    """``"pkg.models:build"`` -> the callable, importing ``pkg.models`` with ``cwd`` (default:
+    the current directory) first on ``sys.path``, as uvicorn and gunicorn do."""
+    if not isinstance(spec, str) or not _IMPORT_STRING.match(spec):
+        raise DryRunError(f'the model must be given as "<module>:<factory>" (e.g. '
+                          f'"mypkg.models:build_model"); got {spec!r}')
+    module_name, _, attr = spec.partition(":")
+    directory = os.fspath(cwd) if cwd is not None else os.getcwd()
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise DryRunError(f'could not import module "{module_name}" (looked in '
+                              f"{directory} and on sys.path)") from exc
+        raise DryRunError(f'importing module "{module_name}" failed: {exc}') from exc
+    except Exception as exc:  # the user's module raised at import
+        raise DryRunError(f'importing module "{module_name}" failed: '
+                          f"{type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise DryRunError(f'attribute "{attr}" not found in module "{module_name}"') from None
+    if not callable(obj):
+        raise DryRunError(f'"{spec}" is a {type(obj).__name__}, not a factory: give a function '
+                          "or class that builds the model when called with no arguments")
+    return obj  # type: ignore[no-any-return]
+
+
+def build_on_meta(factory: Callable[[], Any], spec: str = "the factory") -> nn.Module:
+    import torch
+    import torch.nn as nn
+
+    with torch.device("meta"):
+        try:
+            model = factory()
+        except Exception as exc:
+            raise DryRunError(f"{spec}() raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise DryRunError(f"{spec}() returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+# -- the stand-in materializer ---------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class SkippedInDryRun(Plugin):
+    """Stands in for a materializing plugin in a dry run: declares what it declares and
+    leaves every tensor on meta."""
+
+    replaced: Plugin
+
+    @property
+    def name(self) -> str:  # type: ignore[override]  # the replaced plugin's name
+        return self.replaced.name
+
+    def declare(self) -> Declaration:
+        return self.replaced.declare()
+
+    @hookimpl
+    def composer_par_materialize(self, ctx: ApplyContext) -> str:
+        ctx.notes.setdefault("skipped_in_dry_run", []).append(self.replaced.name)
+        return "skipped in dry run: would materialize (tensors stay on meta)"
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ParamLayout:
+    """One parameter on one rank."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # of the local shard
+    placements: str  # e.g. "dp_shard:Shard(0), tp:Replicate()", or "" for a plain tensor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "global_shape": list(self.global_shape),
+                "local_shape": list(self.local_shape), "dtype": self.dtype,
+                "bytes": self.bytes, "placements": self.placements}
+
+
+@attrs.frozen
+class RankLayout:
+    """What one rank would hold after ``apply``, or why applying failed."""
+
+    rank: int
+    coordinate: dict[str, int]
+    node: int | None
+    params: tuple[ParamLayout, ...] = ()
+    steps: tuple[tuple[str, str, str], ...] = ()  # (stage, plugin, what it did)
+    skipped: tuple[str, ...] = ()  # plugins skipped in the dry run
+    seconds: float = 0.0
+    failure: str | None = None  # the exception applying raised, with its last frames
+
+    @property
+    def local_numel(self) -> int:
+        return sum(_numel(p.local_shape) for p in self.params)
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(p.bytes for p in self.params)
+
+    @property
+    def global_numel(self) -> int:
+        return sum(_numel(p.global_shape) for p in self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "coordinate": self.coordinate, "node": self.node,
+            "ok": self.failure is None, "failure": self.failure,
+            "seconds": round(self.seconds, 4),
+            "steps": [{"stage": s, "plugin": p, "detail": d} for s, p, d in self.steps],
+            "skipped_in_dry_run": list(self.skipped),
+            "totals": {"params": self.local_numel, "bytes": self.local_bytes,
+                       "global_params": self.global_numel},
+            "params": [p.to_dict() for p in self.params],
+        }
+
+
+@attrs.frozen
+class DryRunResult:
+    world_size: int
+    report: Report  # static + model-aware findings (with the real plugins)
+    ranks: tuple[RankLayout, ...]
+    model: str  # what was built, e.g. "Llama (1.10 B parameters, 16 blocks at layers.*)"
+    build_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok and all(r.failure is None for r in self.ranks)
+
+    def exit_code(self) -> int:
+        code = self.report.exit_code()
+        return code if code else (0 if self.ok else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "model": self.model, "ok": self.ok,
+                "build_seconds": round(self.build_seconds, 4),
+                "report": self.report.to_dict(), "ranks": [r.to_dict() for r in self.ranks]}
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+# -- the dry run -----------------------------------------------------------------------------
+
+
+def default_ranks(world_size: int) -> list[int]:
+    """Rank 0 and the last rank (the two ends of every mesh dim's layout)."""
+    return sorted({0, world_size - 1})
+
+
+def dry_run(
+    plan: ParallelPlan,
+    model: str | Callable[[], Any],
+    *,
+    world_size: int | None = None,
+    ranks: Iterable[int] | None = None,
+) -> DryRunResult:
+    """Apply ``plan`` as each of ``ranks`` (default: 0 and the last) of ``world_size``
+    would, over the fake process-group backend, to the model ``model`` builds on meta.
+
+    ``model`` is ``"MODULE:FACTORY"`` or a callable. ``world_size`` defaults to the plan's
+    (topology, else mesh). The plan's own topology is used for the node of each rank.
+    Raises :class:`DryRunError` when it cannot start; anything applying raises is
+    reported in that rank's :attr:`RankLayout.failure`.
+    """
+    import torch.distributed as dist
+
+    world = world_size if world_size is not None else plan.world_size()
+    if world is None:
+        raise DryRunError(f"{plan.mesh.equation()}: the world size is unknown; give "
+                          "--world-size or --nodes/--devices-per-node")
+    wanted = sorted(set(ranks)) if ranks is not None else default_ranks(world)
+    outside = [r for r in wanted if not 0 <= r < world]
+    if outside:
+        raise DryRunError(f"rank {outside[0]} is outside the layout of {world} ranks "
+                          f"(0 .. {world - 1})")
+    if dist.is_available() and dist.is_initialized():
+        raise DryRunError("a process group is already initialized in this process; a dry run "
+                          "initializes its own fake one (run it outside torchrun)")
+    spec = model if isinstance(model, str) else getattr(model, "__qualname__", "the factory")
+    factory = resolve_factory(model) if isinstance(model, str) else model
+
+    started = time.perf_counter()
+    probe = build_on_meta(factory, spec)
+    build_seconds = time.perf_counter() - started
+    report = plan.validate(probe, world_size=world)
+    description = _describe_model(probe, plan)
+    if not report.ok:
+        return DryRunResult(world, report, (), description, build_seconds)
+    mesh = plan.mesh.resolve(world)
+    layouts = []
+    for rank in wanted:
+        model_for_rank = probe if rank == wanted[0] else build_on_meta(factory, spec)
+        layouts.append(_dry_run_rank(plan, model_for_rank, mesh, world, rank))
+    return DryRunResult(world, report, tuple(layouts), description, build_seconds)
+
+
+def _describe_model(model: nn.Module, plan: ParallelPlan) -> str:
+    from composer_par.blocks import find_blocks
+    from composer_par.estimate import format_count
+
+    blocks = find_blocks(model, plan.block_spec())
+    count = sum(p.numel() for p in model.parameters())
+    where = ""
+    if blocks:
+        first = blocks[0][0]
+        where = f" at {first.rsplit('.', 1)[0]}.*" if "." in first else ""
+    return (f"{type(model).__name__} ({format_count(count)} parameters, {len(blocks)} "
+            f"block(s){where})")
+
+
+def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
+                  rank: int) -> RankLayout:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from composer_par.plan import ParallelPlan as Plan
+
+    fake_store = _fake_store()
+
+    topology = plan.effective_topology()
+    node = topology.node_of(rank) if topology and topology.world_size == world else None
+    coordinate = mesh.coordinate(rank)
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
+    try:
+        device_mesh = (init_device_mesh("cpu", mesh.sizes, mesh_dim_names=mesh.names)
+                       if mesh.dims else None)
+        dry = Plan(device_mesh if device_mesh is not None else mesh, topology=plan.topology,
+                   device="cpu")
+        for plugin in plan.plugins:
+            materializes = Stage.MATERIALIZE in plugin.stages()
+            dry.use(SkippedInDryRun(plugin) if materializes else plugin)
+        try:
+            applied = _quietly(lambda: dry.apply(model))
+        except Exception as exc:
+            return RankLayout(rank, coordinate, node, seconds=time.perf_counter() - started,
+                              failure=_failure(exc))
+        params = tuple(_param_layout(name, p) for name, p in applied.named_parameters())
+        steps = tuple((s.stage, s.plugin, s.detail) for s in dry.applied)
+        skipped = tuple(dry.notes.get("skipped_in_dry_run", ()))
+        return RankLayout(rank, coordinate, node, params, steps, skipped,
+                          time.perf_counter() - started)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_store() -> Any:
+    """torch's fake process-group store; importing its module registers the backend."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # a torch build without it (or without distributed)
+        raise DryRunError(f"this torch has no fake process-group backend ({exc}): the dry run "
+                          "needs torch.testing._internal.distributed.fake_pg") from exc
+    return FakeStore
+
+
+def _quietly(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` with the library's structlog events captured, not printed: the dry run
+    reports the applied steps itself, and stdout must stay the command's answer."""
+    import structlog
+
+    with structlog.testing.capture_logs():
+        return fn()
+
+
+def _failure(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in frames)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {message}" + (f" (at {where})" if where else "")
+
+
+def _param_layout(name: str, param: Any) -> ParamLayout:
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.blocks import clean_name
+
+    dtype = str(param.dtype).removeprefix("torch.")
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        names = param.device_mesh.mesh_dim_names or tuple(
+            str(i) for i in range(param.device_mesh.ndim))
+        placements = ", ".join(f"{n}:{p}" for n, p in zip(names, param.placements, strict=True))
+    else:
+        local, placements = param, ""
+    return ParamLayout(clean_name(name), tuple(param.shape), tuple(local.shape), dtype,
+                       local.numel() * local.element_size(), placements)
+
+
+# -- text ------------------------------------------------------------------------------------
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def format_rank(layout: RankLayout, *, full: bool = False) -> str:
+    """One rank's parameters as a table; blocks that hold identical shapes are collapsed
+    into one line (``layers.*.attention.wq.weight x16``) unless ``full``."""
+    from composer_par.estimate import format_bytes, format_count
+
+    where = ", ".join(f"{k}={v}" for k, v in layout.coordinate.items())
+    node = f"node {layout.node}, " if layout.node is not None else ""
+    head = f"rank {layout.rank} ({node}{where})"
+    if layout.failure is not None:
+        return f"{head}: applying the plan FAILED: {layout.failure}"
+    lines = [f"{head}: {format_count(layout.local_numel)} of "
+             f"{format_count(layout.global_numel)} parameters, "
+             f"{format_bytes(layout.local_bytes)}, applied in {layout.seconds:.2f} s"]
+    for stage, plugin, detail in layout.steps:
+        lines.append(f"  [{stage}] {plugin}: {detail}")
+    rows: list[tuple[str, ...]] = []
+    groups: dict[tuple[Any, ...], list[ParamLayout]] = {}
+    order: list[tuple[Any, ...]] = []
+    for p in layout.params:
+        key = (_INDEX.sub("*", p.name) if not full else p.name, p.global_shape, p.local_shape,
+               p.dtype, p.placements)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(p)
+    for key in order:
+        members = groups[key]
+        name = key[0] + (f" x{len(members)}" if len(members) > 1 else "")
+        first = members[0]
+        rows.append((name, _shape(first.global_shape), _shape(first.local_shape), first.dtype,
+                     format_bytes(first.bytes * len(members)), first.placements or "-"))
+    rows.append(("total", "", "", "", format_bytes(layout.local_bytes), ""))
+    from composer_par.estimate import _table
+
+    lines += ["  " + line for line in _table(
+        rows, ("PARAMETER", "GLOBAL SHAPE", "LOCAL SHAPE", "DTYPE", "BYTES", "PLACEMENTS"),
+        right=(4,))]
+    return "\n".join(lines)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def format_result(result: DryRunResult, *, full: bool = False) -> str:
+    lines = [f"dry run of {result.world_size} ranks over torch's fake process-group backend "
+             f"(no devices, no peers); model: {result.model}"]
+    if not result.report.ok:
+        lines.append("not applied: the plan has errors (above)")
+        return "\n".join(lines)
+    for layout in result.ranks:
+        lines.append(format_rank(layout, full=full))
+    return "\n".join(lines)

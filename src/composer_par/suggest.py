@@ -1,0 +1,463 @@
+"""Suggest a plan: enumerate layouts, keep those that fit, rank them by communication time.
+
+Candidates, on ``nodes x devices_per_node`` ranks (mesh dims outermost first:
+``dp_replicate``, ``dp_shard``, ``tp``):
+
+* FSDP over every data-parallel rank (``dp_shard`` = world / tp);
+* HSDP at each split ``dp_replicate x dp_shard`` (replicate-only when ``dp_shard`` is 1);
+* each of them with TP sizes that divide the devices of a node (and the head counts);
+* each with activation checkpointing none, selective or full.
+
+Every candidate is estimated with :mod:`composer_par.estimate` for the same global
+batch (``micro_batch x world_size`` sequences per step: a TP layout accumulates ``tp``
+micro-batches per data-parallel rank). Those whose per-rank memory fits the device
+are ranked by communication time per step, then by the least recomputation (no AC
+before selective before full), then by memory. The best is printed as a plan file; the
+runners-up each with the reason it lost. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.estimate import (
+    AC_MODES,
+    Estimate,
+    EstimateError,
+    Layout,
+    ModelShape,
+    Workload,
+    estimate,
+    format_bytes,
+    format_seconds,
+)
+from composer_par.mesh import MeshSpec
+from composer_par.plugin import Role
+from composer_par.topology import Topology
+
+if TYPE_CHECKING:
+    from composer_par.registry import Registry
+    from composer_par.validate import Report
+
+_AC_RANK = {m: i for i, m in enumerate(AC_MODES)}
+
+
+@attrs.frozen
+class Candidate:
+    replicate: int
+    shard: int
+    tp: int
+    ac: str
+
+    @property
+    def data_parallel(self) -> int:
+        return self.replicate * self.shard
+
+    def label(self) -> str:
+        if self.replicate > 1 and self.shard > 1:
+            parts = [f"HSDP {self.replicate}x{self.shard}"]
+        elif self.replicate > 1:
+            parts = [f"replicate {self.replicate}"]
+        elif self.shard > 1:
+            parts = [f"FSDP {self.shard}"]
+        else:
+            parts = []
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.ac != "none":
+            parts.append(f"AC {self.ac}")
+        return " + ".join(parts) or "one rank"
+
+    def mesh(self) -> MeshSpec:
+        dims: list[tuple[str, int]] = []
+        if self.replicate > 1:
+            dims.append(("dp_replicate", self.replicate))
+        if self.shard > 1 or (self.tp > 1 and self.replicate > 1):
+            # FSDP2 shards (a size-1 dp_shard lets it replicate TP-split parameters: HSDP
+            # alone does not combine with TP)
+            dims.append(("dp_shard", self.shard))
+        if self.tp > 1:
+            dims.append(("tp", self.tp))
+        return MeshSpec.from_pairs(dims or [("dp_shard", 1)])
+
+    def plugins(self, dtype: str, sequence_parallel: bool) -> list[tuple[str, dict[str, Any]]]:
+        """(registry name, options) in use() order."""
+        mesh = self.mesh()
+        out: list[tuple[str, dict[str, Any]]] = []
+        if self.tp > 1:
+            out.append(("tp", {"sequence_parallel": True} if sequence_parallel else {}))
+        if self.ac != "none":
+            out.append(("activation_checkpoint", {"mode": self.ac}))
+        if "dp_replicate" in mesh:
+            out.append(("hsdp", {}))
+        if "dp_shard" in mesh:
+            options: dict[str, Any] = {}
+            if dtype in ("bfloat16", "float16"):
+                options["mixed_precision"] = "bf16" if dtype == "bfloat16" else "fp16"
+            out.append(("fsdp2", options))
+        out.append(("meta_init", {"seed": 0}))
+        return out
+
+
+@attrs.frozen
+class Ranked:
+    candidate: Candidate
+    estimate: Estimate
+    reason: str = ""  # why it lost to the best (empty for the best)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.estimate.fits)
+
+    def to_dict(self) -> dict[str, Any]:
+        est = self.estimate
+        return {
+            "layout": self.candidate.label(), "mesh": self.candidate.mesh().to_dict(),
+            "activation_checkpoint": self.candidate.ac, "fits": self.fits,
+            "memory_bytes": est.memory.total, "communication_seconds": est.seconds,
+            "inter_node_bytes": round(est.inter_bytes), "payload_bytes": est.payload,
+            "reason": self.reason,
+        }
+
+
+@attrs.frozen
+class Suggestion:
+    topology: Topology
+    device_memory: int
+    model: ModelShape
+    workload: Workload
+    ranked: tuple[Ranked, ...]  # best first; fitting before not fitting
+    plan_toml: str | None
+    why: tuple[str, ...]  # why the best has what it has
+    notes: tuple[str, ...] = ()
+    report: Report | None = None  # static validation of the suggested plan file
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked and self.ranked[0].fits else None
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "ok": best is not None,
+            "topology": self.topology.to_dict(),
+            "device_memory": self.device_memory,
+            "model": self.model.to_dict(),
+            "workload": self.workload.to_dict(),
+            "best": best.to_dict() if best else None,
+            "plan_toml": self.plan_toml,
+            "why": list(self.why),
+            "estimate": best.estimate.to_dict() if best else None,
+            "candidates": [r.to_dict() for r in self.ranked],
+            "notes": list(self.notes),
+            "report": self.report.to_dict() if self.report is not None else None,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(topology: Topology, model: ModelShape, *, max_tp: int | None = None,
+               allow_tp: bool = True) -> list[Candidate]:
+    """Every layout suggest considers (see the module docstring)."""
+    world = topology.world_size
+    out = []
+    for tp in _divisors(topology.devices_per_node):
+        if tp > 1 and not allow_tp:
+            continue
+        if max_tp is not None and tp > max_tp:
+            continue
+        if tp > 1 and any(h and h % tp for h in (model.heads, model.kv_heads)):
+            continue  # TP must divide the head counts it splits
+        data = world // tp
+        for replicate in _divisors(data):
+            shard = data // replicate
+            if data == 1 and tp == 1:
+                continue
+            for ac in AC_MODES:
+                out.append(Candidate(replicate, shard, tp, ac))
+    return out
+
+
+def layout_of(candidate: Candidate, topology: Topology, dtype: str,
+              sequence_parallel: bool) -> Layout:
+    mesh = candidate.mesh()
+    roles = {"dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD,
+             "tp": Role.MODEL_PARALLEL}
+    owners = {"dp_replicate": "hsdp", "dp_shard": "fsdp2", "tp": "tp"}
+    mixed = dtype in ("bfloat16", "float16")
+    return Layout.build(
+        mesh, topology, {n: roles[n] for n in mesh.names}, {n: owners[n] for n in mesh.names},
+        reshard_after_forward=None,
+        param_dtype=dtype if mixed else None,
+        reduce_dtype="float32" if mixed else None,
+        sequence_parallel=sequence_parallel and candidate.tp > 1,
+        activation_checkpoint=candidate.ac,
+    )
+
+
+def suggest(
+    model: ModelShape,
+    topology: Topology,
+    device_memory: int,
+    *,
+    seq: int,
+    micro_batch: int = 1,
+    dtype: str = "bfloat16",
+    optimizer: str = "adamw",
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    max_tp: int | None = None,
+    attention: str = "sdpa",
+    registry: Registry | None = None,
+) -> Suggestion:
+    """Rank every candidate layout for ``model`` on ``topology`` (see the module doc)."""
+    from composer_par.estimate import dtype_name
+
+    dtype = dtype_name(dtype)
+    notes: list[str] = []
+    installed = _installed(registry)
+    sequence_parallel = "tp" not in installed or "sequence_parallel" in installed.get("tp", ())
+    allow_tp = True
+    if installed and "tp" not in installed:
+        notes.append("the tp plugin is not installed: layouts with TP are still estimated")
+    topology = attrs.evolve(
+        topology,
+        intra_node_gbps=intra_node_gbps if intra_node_gbps is not None
+        else topology.intra_node_gbps,
+        inter_node_gbps=inter_node_gbps if inter_node_gbps is not None
+        else topology.inter_node_gbps)
+    results = []
+    for candidate in candidates(topology, model, max_tp=max_tp, allow_tp=allow_tp):
+        workload = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
+                            reduce_dtype="float32" if dtype in ("bfloat16", "float16") else None,
+                            optimizer=optimizer, activation_checkpoint=candidate.ac,
+                            grad_accum=candidate.tp, attention=attention)
+        layout = layout_of(candidate, topology, dtype, sequence_parallel)
+        est = estimate(layout, model, workload, device_memory=device_memory)
+        results.append(Ranked(candidate, est))
+    if not results:
+        raise EstimateError(f"no layout to consider on {topology.describe()}")
+    fitting = sorted((r for r in results if r.fits), key=_rank_key)
+    others = sorted((r for r in results if not r.fits), key=lambda r: r.estimate.memory.total)
+    ordered = fitting + others
+    best = fitting[0] if fitting else None
+    ranked = tuple(attrs.evolve(r, reason=_reason(r, best, device_memory)) if r is not best
+                   else r for r in ordered)
+    plan_toml = None
+    report = None
+    why: list[str] = []
+    if best is not None:
+        plan_toml = plan_file(best.candidate, topology, dtype, sequence_parallel, best.estimate,
+                              seq=seq, micro_batch=micro_batch)
+        why = _why(best, results, device_memory)
+        report = _validate(plan_toml, installed, notes)
+    else:
+        smallest = others[0]
+        notes.append(f"no layout fits in {format_bytes(device_memory)}: the smallest "
+                     f"({smallest.candidate.label()}) needs "
+                     f"{format_bytes(smallest.estimate.memory.total)}; add devices, shorten "
+                     "the sequence or the micro-batch")
+    return Suggestion(topology, device_memory, model,
+                      Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
+                               optimizer=optimizer, attention=attention),
+                      ranked, plan_toml, tuple(why), tuple(notes), report)
+
+
+def _seconds(r: Ranked) -> float:
+    """Communication time to 3 significant digits: closer than that is a tie, broken by
+    the least recomputation, then the least memory."""
+    return float(f"{r.estimate.seconds:.3g}")
+
+
+def _rank_key(r: Ranked) -> tuple[float, int, int]:
+    return (_seconds(r), _AC_RANK[r.candidate.ac], r.estimate.memory.total)
+
+
+def _installed(registry: Registry | None) -> dict[str, tuple[str, ...]]:
+    """Installed plugin names and their options ({} when the registry cannot be read)."""
+    try:
+        from composer_par.registry import Registry
+
+        reg = registry or Registry()
+        out = {}
+        for name in reg.names():
+            try:
+                out[name] = reg.get(name).option_names()
+            except Exception:
+                out[name] = ()
+        return out
+    except Exception:
+        return {}
+
+
+def _largest_memory(est: Estimate) -> str:
+    mem = est.memory
+    parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer states": mem.optimizer,
+             "activations": mem.activations, "communication buffers": mem.comm_buffers}
+    name = max(parts, key=lambda k: parts[k])
+    return f"{name} {format_bytes(parts[name])}"
+
+
+def _dominant(est: Estimate) -> str:
+    if not est.traffic:
+        return "no communication"
+    t = max(est.traffic, key=lambda t: t.seconds)
+    where = "across nodes" if t.dim.crosses_nodes else "inside a node"
+    calls = ", ".join(k.replace("_", "-") + "s" for k in t.calls())
+    return f"{t.dim.name}({t.dim.size}) {calls} {where}: {format_seconds(t.seconds)}"
+
+
+def _reason(r: Ranked, best: Ranked | None, device_memory: int) -> str:
+    est = r.estimate
+    if not r.fits:
+        return (f"does not fit: needs {format_bytes(est.memory.total)} > "
+                f"{format_bytes(device_memory)} ({_largest_memory(est)})")
+    assert best is not None
+    b = best.estimate
+    if _seconds(r) > _seconds(best):
+        return (f"slower: {format_seconds(est.seconds)} vs {format_seconds(b.seconds)} of "
+                f"communication per step; most on {_dominant(est)}")
+    if _AC_RANK[r.candidate.ac] > _AC_RANK[best.candidate.ac]:
+        return (f"same communication, but recomputes more (AC {r.candidate.ac} vs "
+                f"{best.candidate.ac}): more compute per step")
+    return (f"same communication and checkpointing, more memory "
+            f"({format_bytes(est.memory.total)} vs {format_bytes(b.memory.total)})")
+
+
+def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[str]:
+    """Why the best layout has TP, HSDP, activation checkpointing (or not)."""
+    c, est = best.candidate, best.estimate
+    out = [f"best: {c.label()}: {format_bytes(est.memory.total)} per rank of "
+           f"{format_bytes(device_memory)}, {format_seconds(est.seconds)} of communication per "
+           f"step ({format_bytes(est.inter_bytes)} across nodes per rank)"]
+    if c.tp > 1:
+        without = [r for r in results if r.candidate.tp == 1]
+        if without and not any(r.fits for r in without):
+            smallest = min(without, key=lambda r: r.estimate.memory.total)
+            out.append(f"TP {c.tp}: no layout without TP fits; the smallest "
+                       f"({smallest.candidate.label()}) needs "
+                       f"{format_bytes(smallest.estimate.memory.total)} "
+                       f"({_largest_memory(smallest.estimate)}); TP splits the blocks' "
+                       "parameters and (with sequence parallel) their activations")
+        else:
+            fastest = min((r for r in without if r.fits), key=_rank_key, default=None)
+            if fastest is not None:
+                out.append(f"TP {c.tp}: less communication than the best layout without TP "
+                           f"({fastest.candidate.label()}: "
+                           f"{format_seconds(fastest.estimate.seconds)})")
+    if c.replicate > 1 and c.shard > 1:
+        fsdp = [r for r in results if r.candidate.tp == c.tp and r.candidate.replicate == 1
+                and r.candidate.ac == c.ac]
+        if fsdp:
+            f = fsdp[0].estimate
+            out.append(f"HSDP {c.replicate}x{c.shard}: all-gathers and reduce-scatters stay in "
+                       f"groups of {c.shard}; only the gradient all-reduce crosses the "
+                       f"{c.replicate} replicas ({format_bytes(est.inter_bytes)} across nodes "
+                       f"per rank vs {format_bytes(f.inter_bytes)} for FSDP over all "
+                       f"{c.data_parallel}: {format_seconds(f.seconds)})")
+    elif c.replicate == 1 and c.shard > 1:
+        hsdp = [r for r in results if r.candidate.tp == c.tp and r.candidate.replicate > 1
+                and r.candidate.ac == c.ac]
+        if hsdp:
+            if all(not r.fits for r in hsdp):
+                out.append(f"FSDP {c.shard}: no HSDP split fits (a replica group would hold "
+                           f"{format_bytes(min(r.estimate.memory.total for r in hsdp))} per "
+                           "rank at best)")
+            else:
+                out.append(f"FSDP {c.shard}: faster than every HSDP split that fits")
+    if c.ac != "none":
+        lighter = [r for r in results
+                   if attrs.evolve(r.candidate, ac="none") == attrs.evolve(c, ac="none")
+                   and _AC_RANK[r.candidate.ac] < _AC_RANK[c.ac]]
+        if lighter:
+            need = min(r.estimate.memory.total for r in lighter)
+            out.append(f"AC {c.ac}: with less checkpointing this layout needs "
+                       f"{format_bytes(need)} > {format_bytes(device_memory)} "
+                       f"(activations {format_bytes(lighter[0].estimate.memory.activations)})")
+    return out
+
+
+def plan_file(candidate: Candidate, topology: Topology, dtype: str, sequence_parallel: bool,
+              est: Estimate | None = None, *, seq: int | None = None,
+              micro_batch: int | None = None) -> str:
+    """The candidate as a plan file (TOML), with the estimate as comments."""
+    from composer_par.planfile import toml_key, toml_value
+
+    lines = [f"# suggested by composer-par suggest: {candidate.label()}"]
+    if est is not None:
+        lines.append(f"# per rank: {format_bytes(est.memory.total)}; communication "
+                     f"{format_seconds(est.seconds)} per step"
+                     + (f" (seq {seq}, micro-batch {micro_batch})" if seq else ""))
+    lines.append("[mesh]")
+    lines += [f"{toml_key(n)} = {s}" for n, s in candidate.mesh().dims]
+    lines += ["", "[topology]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in topology.to_dict().items()]
+    for name, options in candidate.plugins(dtype, sequence_parallel):
+        lines += ["", "[[plugins]]", f"name = {toml_value(name)}"]
+        lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in options.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _validate(plan_toml: str, installed: dict[str, tuple[str, ...]],
+              notes: list[str]) -> Report | None:
+    import tomllib
+
+    names = [p["name"] for p in tomllib.loads(plan_toml).get("plugins", [])]
+    missing = [n for n in names if n not in installed]
+    if missing:
+        notes.append(f"not installed here, so the plan file was not validated: "
+                     f"{', '.join(missing)}")
+        return None
+    from composer_par.plan import ParallelPlan
+    from composer_par.planfile import PlanFileError
+
+    try:
+        plan = ParallelPlan.from_toml(plan_toml)
+    except PlanFileError as exc:
+        notes.append("the suggested plan file does not read back: "
+                     + "; ".join(f.message for f in exc.report.findings))
+        return exc.report
+    return plan.validate(world_size=plan.world_size())
+
+
+def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str:
+    paint = paint or (lambda text, style: text)
+    lines = [f"suggest: {s.model.describe()} on {s.topology.describe()}, "
+             f"{format_bytes(s.device_memory)} per device",
+             f"workload: seq {s.workload.seq}, micro-batch {s.workload.micro_batch} per "
+             f"data-parallel rank, {s.workload.dtype}, {s.workload.optimizer}; every layout "
+             f"processes {s.workload.micro_batch * s.topology.world_size} sequences per step "
+             "(TP layouts accumulate tp micro-batches)",
+             f"considered {len(s.ranked)} layouts, {sum(r.fits for r in s.ranked)} fit"]
+    if s.best is not None:
+        lines += ["", paint("best plan:", "ok")] + [f"  {w}" for w in s.why]
+        lines += ["", "```toml", s.plan_toml.rstrip("\n") if s.plan_toml else "", "```"]
+        if s.report is not None and s.report.findings:
+            lines += ["validation of this plan file:"] + [
+                "  " + line for line in s.report.format().splitlines()]
+    rows = []
+    for index, r in enumerate(s.ranked[: top + 1]):
+        est = r.estimate
+        rows.append((str(index + 1), r.candidate.label(), format_bytes(est.memory.total),
+                     "yes" if r.fits else "no", format_seconds(est.seconds),
+                     format_bytes(est.inter_bytes), r.reason or "best"))
+    from composer_par.estimate import _table
+
+    lines += ["", "candidates (best first):"]
+    lines += ["  " + line for line in _table(
+        rows, ("#", "LAYOUT", "MEMORY/RANK", "FITS", "COMM/STEP", "INTER-NODE/RANK", "WHY NOT"),
+        right=(0, 2, 4, 5))]
+    if len(s.ranked) > top + 1:
+        lines.append(f"  ... {len(s.ranked) - top - 1} more (--top N shows more; --json has all)")
+    if s.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in s.notes]
+    return "\n".join(lines)
+
+
+__all__ = ["Candidate", "Ranked", "Suggestion", "candidates", "format_suggestion", "plan_file",
+           "suggest"]

@@ -1,0 +1,39 @@
+"""Rank-side functions for tests/test_estimate.py: real training steps on gloo ranks, with
+every collective counted per mesh dim by :class:`composer_par.testing.comm_count.CommCounter`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def measure_steps(plans: list[str], task: str = "composer_par.testing.tasks:llama",
+                  steps: int = 1) -> list[dict[str, Any]]:
+    """For each plan (plan-file TOML): build the task's model on meta, apply the plan,
+    run ``steps`` training steps (forward, backward, AdamW step) of this rank's share of
+    the global batch under a CommCounter; return each plan's per-mesh-dim summary."""
+    import torch
+    import torch.distributed as dist
+
+    from composer_par.plan import ParallelPlan
+    from composer_par.testing.comm_count import CommCounter
+    from composer_par.testing.parity import _resolve
+
+    the_task = _resolve(task)
+    out = []
+    for text in plans:
+        plan = ParallelPlan.from_toml(text)
+        with torch.device("meta"):
+            model = the_task.build()
+        model = plan.apply(model)
+        index, count = plan.data_shard()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        with CommCounter() as counter:
+            for step in range(steps):
+                loss = the_task.loss(model, the_task.batch(step).chunk(count)[index])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        mesh = plan.mesh.resolve(dist.get_world_size())
+        out.append({"summary": counter.summary(mesh, dist.get_rank()),
+                    "calls": [c.to_dict() for c in counter.calls]})
+    return out
