@@ -323,7 +323,8 @@ def test_blocked_plugins_are_listed_as_blocked(monkeypatch: pytest.MonkeyPatch) 
     code, out, _ = run(["plugins"])
     assert code == 0 and "blocked by the environment: meta_init" in out
     _, data = run_json(["plugins"])
-    assert [r["name"] for r in data["plugins"]] == ["fsdp2"] and data["blocked"] == ["meta_init"]
+    names = [r["name"] for r in data["plugins"]]
+    assert "fsdp2" in names and "meta_init" not in names and data["blocked"] == ["meta_init"]
 
 
 def test_rules_is_the_whole_catalog() -> None:

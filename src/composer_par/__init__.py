@@ -12,8 +12,14 @@ from composer_par.mesh import MeshError, MeshSpec
 from composer_par.plan import Explanation, ParallelPlan
 from composer_par.planfile import PlanFileError
 from composer_par.plugin import Claim, Declaration, Plugin, Role, Stage, hookimpl
+from composer_par.plugins.activation_checkpoint import ActivationCheckpoint
+from composer_par.plugins.compile import Compile
 from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
+from composer_par.plugins.hsdp import HSDP
+from composer_par.plugins.load_checkpoint import LoadCheckpoint
+from composer_par.plugins.load_safetensors import LoadSafetensors
 from composer_par.plugins.meta_init import MetaInit
+from composer_par.plugins.tp import TP
 from composer_par.registry import Registry, RegistryError
 from composer_par.topology import Topology
 from composer_par.validate import RULES, Finding, PlanError, Report, Severity
@@ -22,12 +28,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FSDP2",
+    "HSDP",
     "RULES",
+    "TP",
+    "ActivationCheckpoint",
     "BlockSpec",
     "Claim",
+    "Compile",
     "Declaration",
     "Explanation",
     "Finding",
+    "LoadCheckpoint",
+    "LoadSafetensors",
     "MeshError",
     "MeshSpec",
     "MetaInit",

@@ -210,6 +210,8 @@ def _plan_file_failure(args: argparse.Namespace, out: Output, report: Report) ->
 def run_validate(args: argparse.Namespace, out: Output) -> int:
     from composer_par.planfile import PlanFileError
 
+    if getattr(args, "model", None):  # the dry run (imports torch)
+        return _plan_tools().run_validate_model(args, out)
     try:
         plan, world = load_plan_for(args)
     except PlanFileError as exc:
@@ -258,6 +260,11 @@ def run_explain(args: argparse.Namespace, out: Output) -> int:
         "report": report.to_dict(),
     }
     parts = [explanation.format()] if explanation else []
+    if explanation is not None:
+        picture, layout = _plan_tools().layout_picture(
+            explanation, out, getattr(args, "svg", None), args.plan)
+        parts += [picture] if picture else []
+        data.update(layout)
     if not report.ok:
         parts.append(f"the plan has {len(report.errors)} error(s):\n"
                      + out.severities(report.format()))
@@ -299,16 +306,51 @@ def run_rules(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+def _plan_tools() -> Any:
+    # The before-launch tools (dry run, pictures, estimate, suggest); torch-free on import.
+    from composer_par import cli_plan_tools
+
+    return cli_plan_tools
+
+
+def _validate_arguments(parser: argparse.ArgumentParser) -> None:
+    _plan_arguments(parser)
+    _plan_tools().validate_arguments(parser)
+
+
+def _explain_arguments(parser: argparse.ArgumentParser) -> None:
+    _plan_arguments(parser)
+    _plan_tools().explain_arguments(parser)
+
+
 COMMANDS: list[Command] = [
-    Command("validate", "check a plan file without processes or torch", _plan_arguments,
-            run_validate),
+    Command("validate", "check a plan file without processes or torch; with --model, dry-run "
+            "it on a fake process group", _validate_arguments, run_validate),
     Command("explain", "the steps each plugin takes and the rank groups of each mesh dim",
-            _plan_arguments, run_explain),
+            _explain_arguments, run_explain),
     Command("plugins", "the installed plugins: version, distribution, claims, stages",
             lambda parser: None, run_plugins),
     Command("rules", "the catalog of validation rule codes", lambda parser: None, run_rules),
     Command("demo", "train a small Llama with a plan on local processes (torch's launcher)",
             lambda parser: _demo().add_arguments(parser), lambda a, o: _demo().run(a, o)),
+    # Imported on use (like the demo): the static commands stay fast.
+    Command("inspect", "keys, shapes, dtypes, bytes, commit state and saved plan of a checkpoint "
+            "(DCP or safetensors)",
+            lambda p: __import__("composer_par.cli_checkpoint").cli_checkpoint
+            .configure_inspect(p),
+            lambda a, o: __import__("composer_par.cli_checkpoint").cli_checkpoint
+            .run_inspect(a, o)),
+    Command("convert", "convert a checkpoint DCP <-> safetensors, streaming, with progress",
+            lambda p: __import__("composer_par.cli_checkpoint").cli_checkpoint
+            .configure_convert(p),
+            lambda a, o: __import__("composer_par.cli_checkpoint").cli_checkpoint
+            .run_convert(a, o)),
+    Command("estimate", "per-rank memory and per-mesh-dim communication of a plan",
+            lambda parser: _plan_tools().estimate_arguments(parser),
+            lambda a, o: _plan_tools().run_estimate(a, o)),
+    Command("suggest", "rank candidate layouts for a model and a cluster; print the best plan",
+            lambda parser: _plan_tools().suggest_arguments(parser),
+            lambda a, o: _plan_tools().run_suggest(a, o)),
 ]
 
 

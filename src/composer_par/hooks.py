@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from composer_par.apply_context import ApplyContext
     from composer_par.blocks import Block, BlockSpec
+    from composer_par.estimate import Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
     from composer_par.topology import Topology
@@ -104,11 +105,11 @@ class Hooks:
         )
 
     def validate_model(
-        self, plan: ParallelPlan, model: nn.Module, blocks: list[Block]
+        self, plan: ParallelPlan, model: nn.Module, blocks: list[Block], mesh: MeshSpec
     ) -> list[Finding]:
-        return _attributed(
-            self._each("composer_par_validate_model", plan=plan, model=model, blocks=blocks)
-        )
+        return _attributed(self._each(
+            "composer_par_validate_model", plan=plan, model=model, blocks=blocks, mesh=mesh
+        ))
 
     def replicate_dims(self, plan: ParallelPlan) -> list[str]:
         dims: list[str] = []
@@ -120,6 +121,19 @@ class Hooks:
         return [
             (p.name, spec) for p, spec in self._each("composer_par_block_spec", plan=plan) if spec
         ]
+
+    def state_dict_adapters(self, plan: ParallelPlan, model: nn.Module) -> list[Any]:
+        """The name-mapping adapters plugins contribute, in the plan's order."""
+        return [a for _, a in self._each("composer_par_state_dict_adapter", plan=plan,
+                                         model=model) if a is not None]
+
+    def estimate_parts(
+        self, plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload
+    ) -> list[tuple[str, Any]]:
+        """(plugin name, answer) for each plugin answering the estimate hook, in plan order."""
+        answers = self._each("composer_par_estimate", plan=plan, layout=layout, model=model,
+                             workload=workload)
+        return [(self.name_of(p), part) for p, part in answers if part is not None]
 
     def describe(self, plan: ParallelPlan) -> list[tuple[Plugin, str, str]]:
         described = {

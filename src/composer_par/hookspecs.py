@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from composer_par.apply_context import ApplyContext
     from composer_par.blocks import BlockSpec
+    from composer_par.estimate import EstimatePart, Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
     from composer_par.plugin import Declaration
@@ -67,13 +68,15 @@ def composer_par_validate_plan(
 
 
 @hookspec
-def composer_par_validate_model(plan: ParallelPlan, model: nn.Module, blocks: list[Any]) -> (
-    list[Finding] | None
-):
+def composer_par_validate_model(
+    plan: ParallelPlan, model: nn.Module, blocks: list[Any], mesh: MeshSpec
+) -> list[Finding] | None:
     """Findings about the plan applied to ``model`` (e.g. a module MetaInit cannot init).
 
     Called: by ``validate(model)`` and by ``apply(model)`` before anything is mutated.
-    ``blocks`` is the list of ``(path, module)`` pairs the shared block finder found.
+    ``blocks`` is the list of ``(path, module)`` pairs the shared block finder found;
+    ``mesh`` is the plan's mesh resolved against the world size when that is known (so a
+    ``tp = -1`` has its size), else as written.
     Returns: findings (possibly empty). Must not mutate the model.
     """
 
@@ -97,6 +100,20 @@ def composer_par_block_spec(plan: ParallelPlan) -> BlockSpec | None:
     Called: once per validate/apply; the shared block finder uses the answer. Two
     plugins answering differently is a validation error (CP208).
     Returns: a :class:`~composer_par.blocks.BlockSpec`, or None to let the finder detect.
+    """
+
+
+@hookspec
+def composer_par_state_dict_adapter(plan: ParallelPlan, model: nn.Module) -> Any:
+    """How the model's parameter names map to the names of weight files (name mapping).
+
+    Called: by the loaders (``LoadSafetensors``, ``LoadCheckpoint``) when they validate
+    and load, and by ``composer_par.checkpoint.export_safetensors(..., plan=plan)``.
+    ``model`` is the model as the user built it (names without wrapper prefixes).
+    Returns: an object with ``to_file(name: str) -> str`` giving the file's key for a model
+    name (see :mod:`composer_par.checkpoint.adapter`), or None. The answers of several
+    plugins are applied one after the other, in the plan's order. Names only: a rank reads
+    just its own slice of each tensor, so adapters cannot transform tensors.
     """
 
 
@@ -152,4 +169,29 @@ def composer_par_describe(plan: ParallelPlan) -> list[tuple[str, str]] | None:
 
     Called: by ``ParallelPlan.explain``; must not import torch. Plugins that do not
     implement it are described by the names of the stages they implement.
+    """
+
+
+# -- estimation --------------------------------------------------------------------------
+
+
+@hookspec
+def composer_par_estimate(
+    plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload
+) -> EstimatePart | None:
+    """This plugin's own terms of ``composer-par estimate`` (memory and communication).
+
+    Called: by :func:`composer_par.estimate.estimate_plan` (the ``estimate`` and
+    ``suggest`` commands), once per estimate; must not import torch. ``layout`` is the
+    :class:`~composer_par.estimate.Layout` (the resolved mesh, each mesh dim's role and
+    owner, which dims cross nodes), ``model`` the
+    :class:`~composer_par.estimate.ModelShape` (sizes and parameter groups), ``workload``
+    the :class:`~composer_par.estimate.Workload` (sequence, micro-batch, dtypes,
+    optimizer).
+    Returns: an :class:`~composer_par.estimate.EstimatePart`, or None to let the built-in
+    estimator of the role of each mesh dim this plugin claims apply (shard: FSDP,
+    replicate: HSDP / DDP, model parallel: TP). A part's ``collectives`` (logical payload
+    bytes per step and rank, see :mod:`composer_par.testing.comm_count`) replace the
+    built-in estimate of the plugin's claimed dims; ``memory`` adds per-rank bytes;
+    ``activation_checkpoint`` states the activation policy the plugin applies.
     """

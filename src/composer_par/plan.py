@@ -162,7 +162,7 @@ class ParallelPlan:
             spec = block_specs[0][1] if block_specs else None
             blocks = find_blocks(model, spec)
             findings += model_rules(model, blocks, decls, self.plugins, spec)
-            findings += hooks.validate_model(self, model, blocks)
+            findings += hooks.validate_model(self, model, blocks, mesh)
         return Report.of(findings), hooks, blocks
 
     # -- apply ------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""LoadCheckpoint: materialize a sharded model from the model part of a DCP checkpoint.
+
+``path`` is a committed step directory, or a checkpoint root (its latest committed
+step). The checkpoint may have been saved on any mesh and world size: DCP reshards to
+this plan's layout, each rank reading only the stored chunks that overlap its shards.
+Options and validation are those of :class:`~composer_par.LoadSafetensors` (strict keys,
+``rename``/``adapter``, initialization of what the checkpoint does not hold).
+
+To resume training (optimizer state, RNG, step) use ``composer_par.checkpoint.load``
+after ``apply``; this plugin loads weights only. DCP's metadata is a pickle: load
+checkpoints from trusted sources only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+from composer_par.plugins.load_safetensors import WeightsLoader
+
+from composer_par.plugin import hookimpl
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.checkpoint.adapter import StateDictAdapter
+    from composer_par.checkpoint.matching import Spec
+
+
+@attrs.frozen
+class LoadCheckpoint(WeightsLoader):
+    """Materialize from a DCP checkpoint: ``LoadCheckpoint("ckpt/")`` (its latest step).
+
+    Options as :class:`~composer_par.LoadSafetensors`: ``path``, ``strict``, ``rename``,
+    ``adapter``, ``device``, ``seed``, ``init_fn``.
+    """
+
+    name: ClassVar[str] = "load_checkpoint"
+    source_kind: ClassVar[str] = "DCP checkpoint"
+
+    def source_specs(self) -> tuple[str, dict[str, Spec]]:
+        from composer_par.checkpoint import steps
+        from composer_par.checkpoint.weights import checkpoint_model_specs
+
+        directory = steps.resolve(self.path)
+        specs, _ = checkpoint_model_specs(directory)
+        return str(directory), specs
+
+    def load_into(self, model: nn.Module, adapter: StateDictAdapter) -> Any:
+        from composer_par.checkpoint.weights import load_checkpoint_weights
+
+        return load_checkpoint_weights(model, self.path, adapter=adapter, strict=self.strict)
+
+    @hookimpl
+    def composer_par_describe(self) -> list[tuple[str, str]]:
+        where = self.device or "the plan's device"
+        return [("materialize", f"to_empty on {where}; load the model from DCP checkpoint "
+                 f"{self.path} (resharded to this layout{', strict' if self.strict else ''})")]

@@ -1,0 +1,162 @@
+"""Loading weights into an already sharded, materialized model: from safetensors (a file,
+a directory or an index json) or from the model part of a DCP checkpoint.
+
+Both go through DCP's planner, so every layout reshards, and both are strict by default:
+model keys the source lacks and source keys the model lacks are an error naming them and
+the source (DCP alone would skip the latter silently). Float dtypes convert on load (a
+bf16 file into an fp32 model and back); other dtype or shape differences are errors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.blocks import clean_name
+from composer_par.checkpoint import _dist
+from composer_par.checkpoint.adapter import Identity, StateDictAdapter
+from composer_par.checkpoint.errors import dcp_errors
+from composer_par.checkpoint.matching import Match, Spec, match
+from composer_par.checkpoint.safetensors_io import dtype_name
+from composer_par.checkpoint.sources import WeightsSource
+from composer_par.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+log = get_logger(__name__)
+
+
+@attrs.frozen
+class LoadReport:
+    """What a weights load did."""
+
+    source: str
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...]  # left as initialized (only with strict=False)
+    unexpected: tuple[str, ...]  # in the source, not in the model (only with strict=False)
+    converted: tuple[tuple[str, str, str], ...]  # (name, model dtype, file dtype), lossy
+    bytes_read: int
+    seconds: float
+
+
+def aliases(model: nn.Module) -> dict[str, list[str]]:
+    """For tied tensors: the first clean name of each -> its other names (same object)."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    named = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    for raw, tensor in named:
+        name = clean_name(raw)
+        if id(tensor) in first:
+            if name != first[id(tensor)]:
+                out.setdefault(first[id(tensor)], []).append(name)
+        else:
+            first[id(tensor)] = name
+    return out
+
+
+def expected_specs(state_dict: dict[str, Any], tied: dict[str, list[str]]) -> dict[str, Spec]:
+    """One spec per tensor (aliases dropped), shapes global (a DTensor's full shape)."""
+    others = {n for names in tied.values() for n in names}
+    return {k: Spec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in state_dict.items() if k not in others and hasattr(v, "shape")}
+
+
+def source_specs(source: WeightsSource) -> dict[str, Spec]:
+    return {k: Spec(e.shape, dtype_name(e.dtype)) for k, e in source.entries.items()}
+
+
+def _finish(model: nn.Module, state_dict: dict[str, Any], m: Match, *, strict: bool,
+            started: float, bytes_read: int) -> LoadReport:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    loaded = {name: state_dict[name] for name in m.keys}
+    with dcp_errors(f"setting the weights loaded from {m.source}"):
+        set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    if not strict and (m.missing or m.unexpected):
+        log.warning("weights loaded non-strictly", source=m.source, missing=list(m.missing[:5]),
+                    unexpected=list(m.unexpected[:5]))
+    return LoadReport(m.source, tuple(m.keys), m.missing, m.unexpected, m.lossy, bytes_read,
+                      time.perf_counter() - started)
+
+
+def load_safetensors(
+    model: nn.Module,
+    path: str | os.PathLike[str] | WeightsSource,
+    *,
+    adapter: StateDictAdapter | None = None,
+    strict: bool = True,
+) -> LoadReport:
+    """Load safetensors weights into ``model`` (sharded or not, already materialized);
+    every rank calls it and reads only the bytes of its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from composer_par.checkpoint.hf_reader import SafetensorsReader
+
+    started = time.perf_counter()
+    source = path if isinstance(path, WeightsSource) else WeightsSource.open(path)
+    state_dict = get_model_state_dict(model)
+    tied = aliases(model)
+    m = match(source.path, expected_specs(state_dict, tied), source_specs(source),
+              adapter or Identity(), tied)
+    error = m.error(strict=strict)
+    if error is not None:
+        raise error
+    to_load = {m.keys[name]: state_dict[name] for name in m.keys}
+    reader = SafetensorsReader(source, keys=to_load)
+    with dcp_errors(f"loading {source.path}"):
+        dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
+    return _finish(model, state_dict, m, strict=strict, started=started,
+                   bytes_read=reader.bytes_read)
+
+
+def checkpoint_model_specs(directory: str | os.PathLike[str]) -> tuple[dict[str, Spec], str]:
+    """The model tensors of a DCP checkpoint by model name, and the key prefix they have
+    in it (``"model."`` for composer_par checkpoints, ``""`` for a bare model state dict).
+    Reads DCP's pickled metadata: trusted sources only."""
+    from pathlib import Path
+
+    from composer_par.checkpoint.dcp import MODEL, read_metadata, stored_specs
+
+    found = stored_specs(read_metadata(Path(directory)))
+    prefix = f"{MODEL}."
+    if any(k.startswith(prefix) for k in found):
+        return {k[len(prefix):]: v for k, v in found.items() if k.startswith(prefix)}, prefix
+    return found, ""
+
+
+def load_checkpoint_weights(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    adapter: StateDictAdapter | None = None,
+    strict: bool = True,
+) -> LoadReport:
+    """Load the model part of a committed DCP checkpoint (a step directory or a root: its
+    latest) into ``model``, resharding to its layout. Optimizer state is not touched (use
+    :func:`composer_par.checkpoint.load` to resume training)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from composer_par.checkpoint import steps
+
+    started = time.perf_counter()
+    directory = steps.resolve(path)
+    specs, prefix = checkpoint_model_specs(directory)
+    state_dict = get_model_state_dict(model)
+    tied = aliases(model)
+    m = match(str(directory), expected_specs(state_dict, tied), specs, adapter or Identity(),
+              tied)
+    error = m.error(strict=strict)
+    if error is not None:
+        raise error
+    to_load = {prefix + m.keys[name]: state_dict[name] for name in m.keys}
+    with dcp_errors(f"loading {directory}"):
+        dcp.load(to_load, storage_reader=dcp.FileSystemReader(str(directory)),
+                 no_dist=not _dist.active())
+    return _finish(model, state_dict, m, strict=strict, started=started, bytes_read=0)

@@ -1,0 +1,158 @@
+"""``composer-par inspect CKPT`` and ``composer-par convert SRC DST``.
+
+``inspect`` reads headers and metadata only: keys, shapes, dtypes, bytes, the commit
+state, and for DCP checkpoints the step and the plan they were saved with. ``convert``
+turns a DCP checkpoint into consolidated safetensors or back, one tensor at a time, with
+a progress bar on stderr; it writes into a temporary directory renamed into place at the
+end, so a failure leaves nothing at DST. Both exit 2 on input they cannot use (a missing,
+truncated or corrupt file; an uncommitted checkpoint), naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from composer_par.cli import Output
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912, ``"1000"`` -> 1000."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size like 5GB or 512MiB; got {text!r}")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the size must be positive; got {text!r}")
+    return value
+
+
+class ProgressBar:
+    """A progress bar on a text stream: redrawn in place on a terminal, one line per
+    tenth otherwise (so logs stay readable)."""
+
+    def __init__(self, stream: TextIO, label: str, *, width: int = 30) -> None:
+        self.stream = stream
+        self.label = label
+        self.width = width
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.last_draw = 0.0
+        self.last_tenth = -1
+        self.started = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        fraction = done / total if total else 1.0
+        if self.tty:
+            now = time.perf_counter()
+            if now - self.last_draw < 0.1 and done < total:
+                return
+            self.last_draw = now
+            filled = int(fraction * self.width)
+            bar = "#" * filled + "-" * (self.width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {fraction:4.0%} "
+                              f"{_gib(done)}/{_gib(total)} GiB")
+        else:
+            tenth = int(fraction * 10)
+            if tenth == self.last_tenth:
+                return
+            self.last_tenth = tenth
+            self.stream.write(f"{self.label}: {fraction:.0%} ({_gib(done)}/{_gib(total)} GiB)\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.last_draw:
+            self.stream.write("\n")
+        seconds = time.perf_counter() - self.started
+        self.stream.write(f"{self.label}: done in {seconds:.1f} s\n")
+        self.stream.flush()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+# -- inspect ----------------------------------------------------------------------------------
+
+
+def configure_inspect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", metavar="CKPT",
+                        help="a .safetensors file, a directory of them, an index json, a DCP "
+                        "checkpoint directory, or a root of step directories")
+    parser.add_argument("--all", action="store_true",
+                        help="list every key (default: the first 50)")
+
+
+def run_inspect(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.checkpoint.errors import CheckpointError
+    from composer_par.checkpoint.inspect import describe, format_text
+    from composer_par.cli import EXIT_OK, InputError
+
+    try:
+        data = describe(args.path)
+    except CheckpointError as exc:
+        raise InputError(str(exc)) from exc
+    out.result({"ok": True, **data}, format_text(data, limit=None if args.all else 50))
+    if data.get("kind") == "dcp" and not data.get("committed") and not out.json_mode:
+        out.note("note: this checkpoint is uncommitted (its save never finished): "
+                 "load and latest() ignore it")
+    return EXIT_OK
+
+
+# -- convert ----------------------------------------------------------------------------------
+
+
+def configure_convert(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SRC",
+                        help="a DCP checkpoint (step directory, or a root: its latest committed "
+                        "step), or safetensors (file, directory or index json)")
+    parser.add_argument("destination", metavar="DST",
+                        help="the directory to create (must not exist): safetensors when SRC "
+                        "is DCP, a committed DCP checkpoint when SRC is safetensors")
+    parser.add_argument("--dtype", metavar="DTYPE",
+                        help="convert tensors to this dtype (e.g. bfloat16, float32)")
+    parser.add_argument("--max-file-size", type=parse_size, metavar="SIZE",
+                        help="to safetensors: split into files of at most SIZE (e.g. 5GB) "
+                        "with an index json; default: one file")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on stderr")
+
+
+def run_convert(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.checkpoint.convert import dcp_to_safetensors, safetensors_to_dcp
+    from composer_par.checkpoint.errors import CheckpointError
+    from composer_par.checkpoint.inspect import kind_of
+    from composer_par.cli import EXIT_OK, InputError
+
+    stream = out.stderr if out.stderr is not None else sys.stderr
+    try:
+        kind = kind_of(args.source)
+        target = "safetensors" if kind in ("dcp", "root") else "dcp"
+        bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
+        if target == "safetensors":
+            result = dcp_to_safetensors(args.source, args.destination, dtype=args.dtype,
+                                        max_file_bytes=args.max_file_size, progress=bar)
+        else:
+            if args.max_file_size is not None:
+                raise InputError("--max-file-size applies only when converting to safetensors")
+            result = safetensors_to_dcp(args.source, args.destination, dtype=args.dtype,
+                                        progress=bar)
+    except CheckpointError as exc:
+        raise InputError(str(exc)) from exc
+    except (ValueError, FileExistsError) as exc:
+        raise InputError(f"{args.source}: {exc}") from exc
+    if bar is not None:
+        bar.close()
+    data = {"ok": True, "to": target, **result.to_dict()}
+    text = (f"converted {result.tensors} tensor(s), {result.bytes / 2**30:.2f} GiB, "
+            f"{result.source} -> {result.destination} ({target}) in {result.seconds:.1f} s")
+    out.result(data, text)
+    return EXIT_OK

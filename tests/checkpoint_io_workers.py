@@ -1,0 +1,267 @@
+"""Rank-side functions of tests/test_checkpoint*.py (module level: ranks import them by name).
+
+(``tests/checkpoint_workers.py`` belongs to the activation checkpointing tests.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+#: name -> (world size, mesh, plugins other than the materializer). The resharding grid
+#: saves with each and loads into each other.
+LAYOUTS: dict[str, tuple[int, dict[str, int], tuple[str, ...]]] = {
+    "fsdp2_4": (4, {"dp_shard": 4}, ("fsdp2",)),
+    "hsdp_2x2": (4, {"dp_replicate": 2, "dp_shard": 2}, ("hsdp", "fsdp2")),
+    "fsdp2_tp_2x2": (4, {"dp_shard": 2, "tp": 2}, ("tp", "fsdp2")),
+    "tp_2": (2, {"tp": 2}, ("tp",)),
+    "one_process": (1, {}, ()),
+}
+
+
+def plugin(name: str) -> Any:
+    from composer_par.registry import Registry
+
+    return Registry().get(name)()
+
+
+def make_plan(layout: str, materializer: Any) -> Any:
+    from composer_par import MeshSpec, ParallelPlan
+
+    _, mesh, names = LAYOUTS[layout]
+    plan = ParallelPlan(MeshSpec(**mesh))
+    for name in names:
+        plan.use(plugin(name))
+    return plan.use(materializer)
+
+
+def build(layout: str, materializer: Any, task: Any = None) -> tuple[Any, Any]:
+    import torch
+
+    from composer_par.testing.tasks import llama
+
+    task = task or llama
+    plan = make_plan(layout, materializer)
+    with torch.device("meta"):
+        model = task.build()
+    return plan, plan.apply(model)
+
+
+def train(plan: Any, model: Any, optimizer: Any, steps: range, task: Any = None) -> None:
+    from composer_par.testing.tasks import llama
+
+    task = task or llama
+    index, count = plan.data_shard()
+    for step in steps:
+        loss = task.loss(model, task.batch(step).chunk(count)[index])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def full_state(model: Any, optimizer: Any | None) -> dict[str, Any] | None:
+    """Every full tensor of the model and optimizer state on rank 0 (a collective)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        msd, osd = get_model_state_dict(model, options=options), None
+    else:
+        msd, osd = get_state_dict(model, optimizer, options=options)
+    if dist.get_rank() != 0:
+        return None
+    out: dict[str, Any] = {f"model.{k}": v.clone() for k, v in msd.items()}
+    if osd is not None:
+        for fqn, entry in osd["state"].items():
+            for key, value in entry.items():
+                out[f"optim.{fqn}.{key}"] = value.clone() if isinstance(value, torch.Tensor) \
+                    else value
+        out["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                     for g in osd["param_groups"]]
+    return out
+
+
+def _adamw(model: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+# -- resharding grid ----------------------------------------------------------------------
+
+
+def save_layouts(layouts: list[str], root: str) -> dict[str, Any]:
+    """Train each layout 2 steps from one seed and save it to ``root/<layout>``; rank 0
+    returns the full state each saved."""
+    from composer_par import MetaInit
+    from composer_par.checkpoint import save
+
+    saved = {}
+    for layout in layouts:
+        plan, model = build(layout, MetaInit(seed=11))
+        optimizer = _adamw(model)
+        train(plan, model, optimizer, range(2))
+        save(Path(root) / layout, model, optimizer, extra={"layout": layout}, step=2,
+             plan=plan)
+        saved[layout] = full_state(model, optimizer)
+    return saved
+
+
+def load_layouts(pairs: list[tuple[str, str]], root: str) -> dict[str, Any]:
+    """For each ``(saved layout, load layout)``: a fresh model of the load layout (another
+    seed, a fresh optimizer) loads ``root/<saved>``; rank 0 returns the full state."""
+    from composer_par import MetaInit
+    from composer_par.checkpoint import load
+
+    loaded = {}
+    for saved, layout in pairs:
+        _, model = build(layout, MetaInit(seed=99))
+        optimizer = _adamw(model)
+        info = load(Path(root) / saved, model, optimizer)
+        state = full_state(model, optimizer)
+        if state is not None:
+            state["info.extra"] = info.extra
+            state["info.step"] = info.step
+        loaded[f"{saved}->{layout}"] = state
+    return loaded
+
+
+# -- resume parity ------------------------------------------------------------------------
+
+
+def train_save_continue(root: str, layout: str) -> dict[str, Any]:
+    """2 steps, save, then one more step: the uninterrupted run (3 steps)."""
+    import torch
+
+    from composer_par import MetaInit
+    from composer_par.checkpoint import save
+
+    torch.manual_seed(1000 + int(os.environ["RANK"]))  # each rank its own stream
+    plan, model = build(layout, MetaInit(seed=5))
+    optimizer = _adamw(model)
+    data = torch.Generator().manual_seed(1234 + int(os.environ["RANK"]))
+    train(plan, model, optimizer, range(2))
+    torch.rand(4)  # the stream moves between steps; the checkpoint must keep its place
+    save(root, model, optimizer, step=2, plan=plan, generators={"data": data})
+    after_save = {"torch": torch.rand(4), "data": torch.rand(4, generator=data)}
+    train(plan, model, optimizer, range(2, 3))
+    return {"draws": after_save, "state": full_state(model, optimizer)}
+
+
+def load_continue(root: str, layout: str) -> dict[str, Any]:
+    """A fresh process group: build (another seed), load the latest, one step."""
+    import torch
+
+    from composer_par import MetaInit
+    from composer_par.checkpoint import load
+
+    plan, model = build(layout, MetaInit(seed=77))
+    optimizer = _adamw(model)
+    data = torch.Generator().manual_seed(0)
+    torch.rand(100)  # a different place in the stream until the load restores it
+    info = load(root, model, optimizer, generators={"data": data})
+    draws = {"torch": torch.rand(4), "data": torch.rand(4, generator=data)}
+    train(plan, model, optimizer, range(info.step, info.step + 1))
+    return {"draws": draws, "state": full_state(model, optimizer), "step": info.step,
+            "rng_restored": info.rng_restored}
+
+
+# -- crash safety -------------------------------------------------------------------------
+
+
+def save_then_die(root: str, victim: int) -> None:
+    """Save step 1; then, during the save of step 2, SIGKILL rank ``victim`` right after it
+    wrote its shard (before DCP's metadata and the commit)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from composer_par import MetaInit
+    from composer_par.checkpoint import save
+
+    plan, model = build("fsdp2_4" if dist.get_world_size() == 4 else "tp_2", MetaInit(seed=8))
+    optimizer = _adamw(model)
+    train(plan, model, optimizer, range(1))
+    save(root, model, optimizer, step=1, plan=plan)
+    train(plan, model, optimizer, range(1, 2))
+    original = FileSystemWriter.write_data
+
+    def write_then_die(self: Any, plan_: Any, planner: Any) -> Any:
+        result = original(self, plan_, planner)
+        if dist.get_rank() == victim:
+            result.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+    save(root, model, optimizer, step=2, plan=plan)
+
+
+def save_one(root: str, layout: str, step: int) -> dict[str, Any] | None:
+    from composer_par import MetaInit
+    from composer_par.checkpoint import save
+
+    plan, model = build(layout, MetaInit(seed=8))
+    optimizer = _adamw(model)
+    train(plan, model, optimizer, range(step))
+    save(root, model, optimizer, step=step, plan=plan)
+    return full_state(model, optimizer)
+
+
+def load_latest(root: str, layout: str) -> dict[str, Any] | None:
+    from composer_par import MetaInit
+    from composer_par.checkpoint import latest, load
+
+    _, model = build(layout, MetaInit(seed=1))
+    optimizer = _adamw(model)
+    info = load(root, model, optimizer)
+    state = full_state(model, optimizer)
+    if state is not None:
+        state["info.step"] = info.step
+        state["info.latest"] = str(latest(root))
+    return state
+
+
+# -- Hugging Face safetensors -------------------------------------------------------------
+
+
+def load_hf(path: str, layouts: list[str], export_root: str | None,
+            rename: list[list[str]]) -> dict[str, Any]:
+    """Materialize each layout from ``path`` with LoadSafetensors; rank 0 returns the full
+    parameters; with ``export_root``, export each to ``export_root/<layout>`` with the
+    plan's names (split into several files)."""
+    from composer_par import LoadSafetensors
+    from composer_par.checkpoint import export_safetensors
+
+    out = {}
+    for layout in layouts:
+        plan, model = build(layout, LoadSafetensors(path, rename=rename))
+        state = full_state(model, None)
+        if export_root is not None:
+            export_safetensors(model, Path(export_root) / layout, plan=plan,
+                               max_file_bytes=64 * 1024)
+        out[layout] = state
+        if state is not None:
+            out[f"{layout}.buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+    return out
+
+
+def load_checkpoint_plugin(path: str, layout: str) -> dict[str, Any] | None:
+    from composer_par import LoadCheckpoint
+
+    _, model = build(layout, LoadCheckpoint(path))
+    return full_state(model, None)
+
+
+def export_one(layout: str, directory: str, dtype: str | None) -> dict[str, Any] | None:
+    from composer_par import MetaInit
+    from composer_par.checkpoint import export_safetensors
+
+    _, model = build(layout, MetaInit(seed=4))
+    export_safetensors(model, directory, dtype=dtype)
+    return full_state(model, None)
