@@ -1,8 +1,11 @@
 """``composer-par demo``: validate, explain and apply a plan, then train a small Llama on
 local processes started by torch's elastic launcher (CPU/gloo; CUDA/NCCL with GPUs).
 
-The default plan shards with FSDP2 over all processes and initializes with MetaInit.
-Tokens are bytes of the package's own source text, so the run needs no download.
+The default plan is FSDP2 x TP on 2 x 2 with activation checkpointing and MetaInit. Tokens
+are the bytes of a small text shipped in the package, so the run needs no download. The
+batch of step ``s`` depends only on ``s``, and the checkpoint holds the model, the
+optimizer and the step, so ``--resume`` continues with the losses an uninterrupted run
+would have had.
 """
 
 from __future__ import annotations
@@ -11,12 +14,21 @@ import argparse
 import os
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 DEFAULT_PLAN = """\
 [mesh]
-dp_shard = -1          # all processes
+dp_shard = 2
+tp = 2
+
+[[plugins]]
+name = "tp"
+
+[[plugins]]
+name = "activation_checkpoint"
+mode = "full"
 
 [[plugins]]
 name = "fsdp2"
@@ -27,126 +39,251 @@ name = "meta_init"
 seed = 0
 """
 
+# The CPU build of torch warns at import when NumPy is absent; nothing here needs it.
+_QUIET_NUMPY = "ignore:Failed to initialize NumPy"
+# Set to "RANK:STEP" to make that rank raise at that step (shows the failure path).
+FAIL_ENV = "COMPOSER_PAR_DEMO_FAIL"
+
 
 def corpus_bytes() -> bytes:
-    root = Path(__file__).parent
-    return b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
+    return resources.files("composer_par").joinpath("data/corpus.txt").read_bytes()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", type=Path, help="a plan file (default: FSDP2 + MetaInit)")
-    parser.add_argument("--nproc", type=int, default=4, help="local processes (default 4)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument("--plan", type=Path, help="a plan file (default: FSDP2 x TP 2x2 + "
+                        "activation checkpointing + MetaInit)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local processes (default: the plan's world size, else 4)")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="train until this step (default 40)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest committed checkpoint")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("composer-par-demo"),
+                        help="where checkpoints go (default ./composer-par-demo)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="process-group timeout in seconds: a dead rank stops the rest")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="process-group timeout in seconds: how soon the other ranks "
+                        "stop when one dies (default 30)")
+    parser.add_argument("--fail", metavar="RANK:STEP", default=os.environ.get(FAIL_ENV),
+                        help="make RANK raise at STEP, to see how a failure is reported")
 
 
-# The CPU build of torch warns at import when NumPy is absent; nothing here uses NumPy.
-_QUIET_NUMPY = "ignore:Failed to initialize NumPy"
-
-
-def run(args: argparse.Namespace, out: Any = None) -> int:
-    """Validate and explain the plan, then train. ``out`` is the CLI's Output (progress
-    goes to stderr, so with --json stdout holds only the result)."""
+def _quiet_numpy_warning() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     os.environ["PYTHONWARNINGS"] = ",".join(
         w for w in (os.environ.get("PYTHONWARNINGS"), _QUIET_NUMPY) if w
     )
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    """Validate and explain the plan, then train. ``out`` is the CLI's Output: progress
+    goes to stderr, so with --json stdout holds only the result."""
+    _quiet_numpy_warning()
     from composer_par.plan import ParallelPlan
     from composer_par.planfile import PlanFileError
     from composer_par.topology import Topology
 
-    say = out.note if out is not None else (lambda text: print(text, file=sys.stderr))
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     text = args.plan.read_text() if args.plan else DEFAULT_PLAN
     try:
         plan = ParallelPlan.from_toml(text)
     except PlanFileError as exc:
         say(str(exc))
         return 2
-    plan.topology = Topology.single_node(args.nproc)
-    report = plan.validate(world_size=args.nproc)
+    nproc = args.nproc or (plan.mesh.world_size if plan.mesh.is_resolved else 4)
+    plan.topology = Topology.single_node(nproc)
+    report = plan.validate(world_size=nproc)
     say(report.format())
     if not report.ok:
         return 1
-    say(plan.explain(world_size=args.nproc).format())
+    say(plan.explain(world_size=nproc).format())
+    problem = _prepare_checkpoint_dir(args.checkpoint_dir, args.resume)
+    if problem:
+        say(problem)
+        return 2
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"demo-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.5,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"demo-{os.getpid()}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
     )
+    settings = {k: getattr(args, k) for k in
+                ("steps", "resume", "seq_len", "batch", "lr", "timeout", "fail")}
+    settings["checkpoint_dir"] = str(args.checkpoint_dir)
     started = time.perf_counter()
     try:
-        losses = elastic_launch(config, _train)(text, args.steps, args.seq_len, args.batch,
-                                                args.timeout)[0]
+        result = elastic_launch(config, train_rank)(text, settings)[0]
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        say(f"rank {rank} failed (exit code {failure.exitcode}): {failure.message}")
+        # With @record the launcher hands back the rank's error file: a dict whose
+        # "message" is "Type: text"; without one, a plain string.
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", str(message))
+        say(f"demo failed: rank {rank} exited with code {failure.exitcode}: {message.strip()}")
+        if out is not None and out.json_mode:
+            out.result({"ok": False, "failed_rank": rank, "exit_code": failure.exitcode,
+                        "error": message.strip()}, "")
         return 1
     seconds = time.perf_counter() - started
-    summary = (f"trained {args.steps} steps on {args.nproc} processes in {seconds:.1f}s: "
-               f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    data = {"ok": True, "steps": args.steps, "nproc": args.nproc, "seconds": round(seconds, 2),
-            "losses": losses, "plan": plan.to_toml()}
+    losses = result["losses"]
+    summary = [
+        f"trained steps {result['first_step'] + 1}-{args.steps} on {nproc} processes in "
+        f"{seconds:.1f}s: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        if losses else f"already at step {args.steps}: nothing to train",
+        "peak memory per rank: " + ", ".join(
+            f"rank {r} {m / 2**20:.0f} MiB" for r, m in enumerate(result["peak_bytes"])),
+        f"checkpoint: {result['checkpoint']}",
+    ]
+    data = {"ok": True, "nproc": nproc, "seconds": round(seconds, 2), **result,
+            "plan": plan.to_toml()}
     if out is not None:
-        out.result(data, summary)
+        out.result(data, "\n".join(summary))
     else:
-        print(summary)
+        print("\n".join(summary))
     return 0
 
 
-def _train(plan_text: str, steps: int, seq_len: int, batch: int, timeout: float) -> list[float]:
-    """One rank: build on meta, apply the plan, train; returns rank 0's losses."""
+# Written into a checkpoint directory the demo created, so that a fresh run may clear it
+# (and never a directory someone else filled).
+OWNER_MARK = ".composer-par-demo"
+
+
+def _prepare_checkpoint_dir(directory: Path, resume: bool) -> str:
+    """Check (resume) or clear (fresh run) the demo's checkpoints; a problem, or ''."""
+    import shutil
+
+    from composer_par.checkpoint import latest
+
+    if resume:
+        if latest(directory) is None:
+            return f"--resume: no committed checkpoint under {directory}"
+        return ""
+    if directory.exists() and any(directory.iterdir()):
+        if not (directory / OWNER_MARK).exists():
+            return (f"{directory} is not empty and was not made by the demo: choose another "
+                    "--checkpoint-dir, or pass --resume to continue from it")
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / OWNER_MARK).touch()
+    return ""
+
+
+def _batch(data: Any, step: int, batch: int, seq_len: int) -> Any:
+    """The global batch of ``step``: a function of the step alone, so a resumed run reads
+    exactly what an uninterrupted one would."""
+    import torch
+
+    gen = torch.Generator().manual_seed(10_000 + step)
+    starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
+    return torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+
+
+def _peak_bytes(device: Any) -> int:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class _Progress:
+    """One line per step: redrawn in place on a terminal, printed every few steps else."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        done = (step - self.first) / max(1, self.last - self.first)
+        bar = "#" * int(24 * done) + "." * (24 - int(24 * done))
+        line = f"[{bar}] step {step}/{self.last}  loss {loss:.4f}  {tokens_per_s:7.0f} tokens/s"
+        if self.tty:
+            end = "\n" if step == self.last else ""
+            print(f"\r{line}", end=end, file=sys.stderr, flush=True)
+        elif step == self.first + 1 or step % 5 == 0 or step == self.last:
+            print(line, file=sys.stderr, flush=True)
+
+
+def train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One rank: build on meta, apply the plan, train, save; rank 0 returns the results."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_train_rank)(plan_text, settings)  # type: ignore[no-any-return]
+
+
+def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
+    import warnings
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
+    from composer_par import checkpoint
     from composer_par.logging import configure_logging
     from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
     from composer_par.plan import ParallelPlan
 
+    # TP hands the root a view of its logits; FSDP2 warns that an in-place op on such a
+    # view would skip its backward hook. The loss below reads the logits out of place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     torch.set_num_threads(1)
     configure_logging(level="WARNING")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=settings["timeout"]))
     try:
+        rank = dist.get_rank()
+        fail_rank, _, fail_step = (settings["fail"] or "-1:-1").partition(":")
         plan = ParallelPlan.from_toml(plan_text)
+        seq_len, batch = settings["seq_len"], settings["batch"]
         cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
                           max_seq_len=seq_len)
         with torch.device("meta"):
             built = Llama(cfg)
         model = plan.apply(built)
+        device = next(model.parameters()).device
         index, count = plan.data_shard()
         data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        gen = torch.Generator().manual_seed(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
+        first = 0
+        if settings["resume"]:
+            first = checkpoint.load(settings["checkpoint_dir"], model, optimizer).step
+        progress = _Progress(first, settings["steps"])
         losses: list[float] = []
-        for step in range(steps):
-            starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
-            tokens = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
-            local = tokens.chunk(count)[index].to(plan.device or "cpu")
+        for step in range(first + 1, settings["steps"] + 1):
+            if rank == int(fail_rank) and step == int(fail_step):
+                raise RuntimeError(f"failure injected at step {step} (--fail)")
             started = time.perf_counter()
-            loss = next_token_loss(model(local), local)
+            tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
+            loss = next_token_loss(model(tokens), tokens)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(float(total) / dist.get_world_size())
-            if dist.get_rank() == 0:
-                rate = batch * seq_len / (time.perf_counter() - started)
-                print(f"step {step + 1:3d}/{steps}  loss {losses[-1]:.4f}  {rate:8.0f} tokens/s",
-                      file=sys.stderr, flush=True)
-        return losses
+            if rank == 0:
+                progress.update(step, losses[-1], batch * seq_len / (time.perf_counter() - started))
+        saved = checkpoint.latest(settings["checkpoint_dir"])
+        if losses:
+            saved = checkpoint.save(settings["checkpoint_dir"], model, optimizer,
+                                    step=settings["steps"], plan=plan, keep_last=2)
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, _peak_bytes(device))
+        return {"first_step": first, "losses": losses, "peak_bytes": peaks,
+                "checkpoint": str(saved)}
     finally:
         dist.destroy_process_group()
 
@@ -155,4 +292,3 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer-par demo", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
