@@ -1,0 +1,255 @@
+"""TP: tensor (and sequence) parallelism with ``parallelize_module`` over the tp mesh dim.
+
+The plan is a declarative map from module-path patterns to styles (torchtitan's habit):
+
+    TP(plan={"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise"})
+
+Patterns are globs matched component by component against the model's own module names
+(``*`` stands for one path component, as in ``parallelize_module``), so ``layers.*.wq``
+matches ``layers.3.wq`` but not ``layers.3.attention.wq``. ``plan="auto"`` takes a
+Hugging Face model's ``base_model_tp_plan`` / ``_tp_plan`` when it has one, and else
+recognizes Llama (torchtitan and Hugging Face naming) and GPT naming.
+
+Every check that can fail runs before the model is touched: the static ones
+(CP212-CP214) on the plan alone, the model-aware ones (CP406-CP409) at ``validate(model)``
+and at the start of ``apply``. After the plan's styles, the parameters that no style made
+a DTensor (norms without sequence parallel) are replicated as DTensors over the tp mesh,
+so that foreach/fused optimizers and ``clip_grad_norm_`` never see a mix of Tensor and
+DTensor parameters (``replicate_rest``; see docs/tp.md, "Traps").
+
+This package imports torch only inside functions: the static path must not. Its modules:
+``styles`` (the style table, layouts, one entry parsed), ``plan_map`` (the ``plan``
+option), ``patterns`` (module-path globs), ``auto`` (``plan="auto"``), ``resolution``
+(the plan against a model), ``findings`` (what can be wrong), ``apply``
+(``parallelize_module``, ``replicate_rest``) and ``loss`` (loss parallelism); the plugin
+class is here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
+from composer_par.validate import Finding
+
+from .apply import (
+    apply_resolution,
+    replicate_rest,
+    replicate_style,
+    torch_style,
+)
+from .auto import (
+    EMBEDDING_NAMES,
+    GPT_LEAVES,
+    HF_LLAMA_LEAVES,
+    LLAMA_LEAVES,
+    OUTPUT_NAMES,
+    auto_plan,
+    hf_tp_plan,
+)
+from .findings import (
+    HEAD_ATTRS,
+    KV_HEAD_ATTRS,
+    fit_findings,
+    head_findings,
+    option_conflicts,
+    rest_findings,
+    tie_findings,
+)
+from .loss import local_loss, loss_parallel
+from .patterns import matches, names_near
+from .plan_map import PlanMap, plan_option
+from .resolution import Resolution, leftover, resolve
+from .styles import (
+    ALL_KEYS,
+    EMBEDDING_STYLES,
+    HF_STYLES,
+    LINEAR_STYLES,
+    PARAM_STYLES,
+    STYLE_KEYS,
+    STYLES,
+    StyleSpec,
+    UnknownStyle,
+    parse_layout,
+)
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.apply_context import ApplyContext
+    from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
+
+
+def _identifier(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
+
+
+def _bool(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be true or false; got {value!r}")
+
+
+@attrs.frozen
+class TP(Plugin):
+    """Tensor parallelism over one mesh dim (``parallelize_module``).
+
+    Options: ``dim`` (default ``tp``); ``plan`` (``"auto"`` or a table of module-path
+    pattern -> style, see :data:`STYLES`); ``sequence_parallel`` (shard norms and the
+    residual stream on the sequence tensor dim); ``loss_parallel`` (keep the output head's
+    logits sharded on the vocabulary; compute the loss under :func:`loss_parallel`);
+    ``replicate_rest`` (make the parameters no style touched replicated DTensors, so every
+    parameter is a DTensor; default true); ``after`` / ``before``.
+    """
+
+    name: ClassVar[str] = "tp"
+
+    dim: str = attrs.field(default="tp", validator=_identifier)
+    plan: str | PlanMap = attrs.field(default="auto", converter=plan_option)
+    sequence_parallel: bool = attrs.field(default=False, validator=_bool)
+    loss_parallel: bool = attrs.field(default=False, validator=_bool)
+    replicate_rest: bool = attrs.field(default=True, validator=_bool)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim(self.dim, Role.MODEL_PARALLEL),)
+
+    # -- static validation -----------------------------------------------------------
+
+    def entries(self) -> tuple[list[tuple[str, StyleSpec]], list[Finding]]:
+        """The explicit plan parsed: ``(pattern, spec)`` pairs, and CP212/CP213 findings."""
+        if not isinstance(self.plan, PlanMap):
+            return [], []
+        parsed, found = [], []
+        for pattern, value in self.plan.items():
+            try:
+                parsed.append((pattern, StyleSpec.parse(value)))
+            except UnknownStyle as exc:
+                found.append(Finding(
+                    "CP212", f"plan[{pattern!r}]: {exc}",
+                    fix=f"use one of {list(STYLES)}",
+                ))
+            except ValueError as exc:
+                found.append(Finding(
+                    "CP213", f"plan[{pattern!r}]: {exc}",
+                    fix="see docs/tp.md for each style's arguments, e.g. "
+                    "{style = \"prepare_input\", input_layouts = [\"shard(1)\", \"none\"], "
+                    "desired_input_layouts = [\"replicate\", \"none\"]}",
+                ))
+        return parsed, found
+
+    @hookimpl
+    def composer_par_validate_plan(self) -> list[Finding]:
+        parsed, found = self.entries()
+        if not isinstance(self.plan, PlanMap) or len(parsed) != len(self.plan):
+            return found
+        found += option_conflicts(parsed, self.sequence_parallel, self.loss_parallel)
+        return found
+
+    @hookimpl
+    def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
+        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else "?"
+        if isinstance(self.plan, PlanMap):
+            counts = Counter(
+                v if isinstance(v, str) else str(v.get("style")) for v in self.plan.values()
+            )
+            what = "plan " + ", ".join(f"{n} {s}" for s, n in counts.items())
+        else:
+            what = "the auto plan (the model's Hugging Face tp plan, else Llama/GPT names)"
+        extras = [w for w, on in (("sequence parallel", self.sequence_parallel),
+                                  ("loss parallel", self.loss_parallel)) if on]
+        text = f"parallelize_module over {self.dim}({size}) with {what}"
+        if extras:
+            text += "; " + " and ".join(extras)
+        if self.replicate_rest:
+            text += "; other parameters replicated as DTensors over " + self.dim
+        return [("tensor_parallel", text)]
+
+    # -- model-aware validation ------------------------------------------------------
+
+    def resolve(self, model: nn.Module, tp_size: int) -> Resolution:
+        """Which module gets which style (patterns expanded, defaults filled), with the
+        model-aware findings. Mutates nothing."""
+        return resolve(self, model, tp_size)
+
+    @hookimpl
+    def composer_par_validate_model(self, model: nn.Module, mesh: MeshSpec) -> list[Finding]:
+        if self.dim not in mesh:
+            return []  # CP203
+        size = mesh.size(self.dim)
+        if size < 1:
+            return []  # not known without a world size
+        return self.resolve(model, size).findings
+
+    # -- apply -----------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_tensor_parallel(self, ctx: ApplyContext) -> str:
+        size = ctx.mesh.size(self.dim)
+        if size == 1:
+            return f"{self.dim}(1): nothing to split"
+        resolution = self.resolve(ctx.model, size)
+        errors = [f for f in resolution.findings if f.severity.value == "error"]
+        if errors:  # validate() ran already; the model changed since (a convert stage)
+            raise RuntimeError("TP plan no longer fits the model:\n" +
+                               "\n".join(f.format() for f in errors))
+        mesh = ctx.submesh(self.dim)
+        apply_resolution(resolution, mesh)
+        replicated = replicate_rest(resolution, mesh) if self.replicate_rest else 0
+        ctx.notes["tp_plan"] = [(path, spec.describe()) for path, _, spec in resolution.entries]
+        counts = Counter(spec.style for _, _, spec in resolution.entries)
+        text = (f"parallelize_module over {self.dim}({size}) ({resolution.source}): "
+                + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        if self.sequence_parallel:
+            text += "; sequence parallel"
+        if self.loss_parallel:
+            text += "; loss parallel (logits sharded on the vocabulary)"
+        if replicated:
+            text += f"; {replicated} other module(s) replicated over {self.dim}"
+        return text
+
+
+__all__ = [
+    "ALL_KEYS",
+    "EMBEDDING_NAMES",
+    "EMBEDDING_STYLES",
+    "GPT_LEAVES",
+    "HEAD_ATTRS",
+    "HF_LLAMA_LEAVES",
+    "HF_STYLES",
+    "KV_HEAD_ATTRS",
+    "LINEAR_STYLES",
+    "LLAMA_LEAVES",
+    "OUTPUT_NAMES",
+    "PARAM_STYLES",
+    "STYLES",
+    "STYLE_KEYS",
+    "TP",
+    "PlanMap",
+    "Resolution",
+    "StyleSpec",
+    "UnknownStyle",
+    "apply_resolution",
+    "auto_plan",
+    "fit_findings",
+    "head_findings",
+    "hf_tp_plan",
+    "leftover",
+    "local_loss",
+    "loss_parallel",
+    "matches",
+    "names_near",
+    "option_conflicts",
+    "parse_layout",
+    "replicate_rest",
+    "replicate_style",
+    "resolve",
+    "rest_findings",
+    "tie_findings",
+    "torch_style",
+]

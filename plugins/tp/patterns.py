@@ -1,0 +1,50 @@
+"""Module-path patterns: globs matched component by component against a model's module
+names (``*`` is one path component, as in ``parallelize_module``)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from composer_par import blocks
+from composer_par.blocks import clean_name
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+
+def modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Module by clean name (the outer wrapper where wrappers share a name), root as ''."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        out.setdefault(clean_name(name), module)
+    return out
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Component-wise glob: ``layers.*.wq`` matches ``layers.0.wq`` only."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(
+        fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names, strict=True)
+    )
+
+
+def names_near(model: nn.Module, modules: Mapping[str, Any], pattern: str, n: int = 5) -> list[
+    str
+]:
+    """Module names close to ``pattern`` (a glob: its stars are read as '0')."""
+    import difflib
+
+    close = blocks.names_near(model, pattern.replace("*", "0"), n=n)
+    if not close:  # compare leaf names: a misspelled last component
+        names = [m for m in modules if m]
+        leaf = pattern.rsplit(".", 1)[-1]
+        close = [m for m in names if difflib.get_close_matches(leaf, [m.rsplit(".", 1)[-1]],
+                                                               cutoff=0.6)][:n]
+    return close
+
+
+def generalize(name: str) -> str:
+    """``layers.3.attention.wq`` -> ``layers.*.attention.wq``: one entry per repeated unit."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))

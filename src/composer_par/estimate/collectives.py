@@ -1,0 +1,167 @@
+"""Communication per step: the collectives of each mesh dim, as the plugins state them
+(:class:`~composer_par.estimate.parts.EstimatePart`), else from the built-in estimator of
+the dim's role (shard: FSDP, replicate: HSDP/DDP, model parallel: TP)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.estimate.layout import DimInfo, Layout, run_nodes
+from composer_par.estimate.model_shape import ModelShape
+from composer_par.estimate.units import bytes_of
+from composer_par.estimate.workload import Workload
+from composer_par.plugin import Role
+
+if TYPE_CHECKING:
+    from composer_par.estimate.parts import EstimatePart
+
+
+@attrs.frozen
+class Collective:
+    """Collectives of one kind on one mesh dim per step: ``calls`` of them, ``payload``
+    logical bytes in all (see :mod:`composer_par.testing.comm_count`).
+
+    ``group_size``/``nodes`` override the mesh dim's group (FSDP2's sub-groups for an
+    int ``reshard_after_forward``)."""
+
+    dim: str
+    kind: str  # all_gather, reduce_scatter, all_reduce, broadcast, all_to_all
+    payload: int
+    calls: int
+    why: str
+    group_size: int | None = None
+    nodes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+
+
+def communication(
+    layout: Layout, model: ModelShape, workload: Workload,
+    parts: Sequence[tuple[str, EstimatePart]], *, dtype: str, reduce_dtype: str, mode: str,
+    tp: int, shard: int,
+) -> tuple[list[Collective], list[str]]:
+    """Every collective of one step: the plugins' own, then the built-in estimator of each
+    mesh dim's role where no plugin replaced it; and notes on the dims none covers."""
+    notes: list[str] = []
+    micro = workload.grad_accum
+    abytes = bytes_of(dtype)
+    ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
+    replaced = {d for who, part in parts if part.collectives is not None
+                for d in _claimed_dims(layout, who)}
+    collectives: list[Collective] = []
+    for _, part in parts:
+        if part.collectives is not None:
+            collectives.extend(part.collectives)
+    for dim in layout.dims:
+        if dim.size <= 1 or dim.name in replaced:
+            continue
+        if dim.role is Role.SHARD:
+            collectives += _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes, micro)
+        elif dim.role is Role.REPLICATE:
+            collectives += _replicate_collectives(model, dim, tp, shard, rs_bytes, micro,
+                                                  with_shard=shard > 1)
+        elif dim.role is Role.MODEL_PARALLEL:
+            collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
+                                           mode, micro, shard)
+        elif dim.role is Role.OTHER:
+            notes.append(f"{dim.name}: {dim.plugin} states no estimate (role 'other')")
+    return collectives, notes
+
+
+def _claimed_dims(layout: Layout, plugin: str) -> set[str]:
+    return {d.name for d in layout.dims if d.plugin == plugin}
+
+
+def _fsdp_collectives(
+    layout: Layout, model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
+    micro: int,
+) -> list[Collective]:
+    """FSDP2 over ``dim``: which groups all-gather and reduce-scatter, with padding."""
+    f = dim.size
+    reshard = layout.reshard_after_forward
+    out: list[Collective] = []
+    groups = [g for g in model.groups if g.numel]
+    ag_fwd = sum(g.padded_numel(tp, f) * g.count for g in groups) * ag_bytes
+    calls = sum(g.count for g in groups)
+    out.append(Collective(dim.name, "all_gather", ag_fwd * micro, calls * micro,
+                          "parameters, forward (every group)"))
+    # Which groups are resharded after forward, so all-gathered again in backward.
+    # None (torch's default): every group but the root's; True / an int: every group.
+    again = [g for g in groups if reshard is not False and (g.block or reshard is not None)]
+    if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < f:
+        if reshard > 1:
+            nodes = run_nodes(layout, dim.name, reshard)
+            payload = sum(g.padded_numel(tp, f) * g.count for g in again) * ag_bytes
+            out.append(Collective(dim.name, "all_gather", payload * micro,
+                                  sum(g.count for g in again) * micro,
+                                  f"parameters, backward (resharded to groups of {reshard})",
+                                  group_size=reshard, nodes=nodes))
+    elif again:
+        payload = sum(g.padded_numel(tp, f) * g.count for g in again) * ag_bytes
+        out.append(Collective(dim.name, "all_gather", payload * micro,
+                              sum(g.count for g in again) * micro,
+                              "parameters, backward (groups resharded after forward)"))
+    rs = sum(g.padded_numel(tp, f) * g.count for g in groups) * rs_bytes
+    out.append(Collective(dim.name, "reduce_scatter", rs * micro, calls * micro,
+                          "gradients, backward (every group)"))
+    return out
+
+
+def _replicate_collectives(
+    model: ModelShape, dim: DimInfo, tp: int, shard: int, rs_bytes: int, micro: int,
+    with_shard: bool,
+) -> list[Collective]:
+    groups = [g for g in model.groups if g.numel]
+    payload = sum(g.local_numel(tp, shard) * g.count for g in groups) * rs_bytes
+    calls = sum(g.count for g in groups)
+    why = ("gradient shards after the reduce-scatter (HSDP)" if with_shard
+           else "gradients, per group (replicate alone, DDP-like)")
+    return [Collective(dim.name, "all_reduce", payload * micro, calls * micro, why)]
+
+
+def _tp_collectives(
+    layout: Layout, model: ModelShape, workload: Workload, dim: DimInfo, act_bytes: int,
+    grad_bytes: int, mode: str, micro: int, shard: int,
+) -> list[Collective]:
+    x = workload.seq * workload.micro_batch * model.hidden * act_bytes
+    layers = model.layers
+    recomputed = layers // layout.checkpoint_every if mode == "full" else 0
+    has_root = any(not g.block and g.numel for g in model.groups)
+    root = 1 if has_root else 0
+    out: list[Collective] = []
+    if layout.sequence_parallel:
+        # per block and direction: gather the attention and the MLP input, reduce-scatter
+        # their outputs; the embedding scatters (forward) and the head gathers its input
+        calls = 2 * (2 * layers + root) + 2 * recomputed
+        out.append(Collective(dim.name, "all_gather", calls * x * micro, calls * micro,
+                              "activations (sequence parallel): attention/MLP inputs"))
+        out.append(Collective(dim.name, "reduce_scatter", calls * x * micro, calls * micro,
+                              "activations (sequence parallel): attention/MLP outputs"))
+        if shard > 1:
+            # the sequence-parallel norms' gradients are partial sums over tp; FSDP2
+            # all-reduces them to the parameters' placement before reduce-scattering
+            norms = sum(g.untouched_numel() * g.count for g in model.groups)
+            if norms:
+                count = sum(sum(1 for t in g.tensors if not t.tp) * g.count
+                            for g in model.groups)
+                out.append(Collective(dim.name, "all_reduce", norms * grad_bytes * micro,
+                                      count * micro, "gradients of sequence-parallel norms"))
+    else:
+        # forward: the row-parallel outputs (2 per block) and the embedding; backward: the
+        # input gradient of every column-parallel Linear that takes a replicated input
+        # (torch's ColwiseParallel reduces each separately) and of the output head
+        colwise = max(2, model.matrices_per_block - 2) if model.matrices_per_block else 2
+        calls = (2 * layers + root + 2 * recomputed) + (colwise * layers + root)
+        out.append(Collective(dim.name, "all_reduce", calls * x * micro, calls * micro,
+                              f"activations: forward 2 per block, backward {colwise} per block "
+                              "(one per column-parallel input), +1 each way at the "
+                              "embedding / output head"))
+    if model.vocab and has_root and not layout.loss_parallel:
+        logits = workload.seq * workload.micro_batch * model.vocab * act_bytes
+        out.append(Collective(dim.name, "all_gather", logits * micro, micro,
+                              "logits gathered from the vocabulary-split output head"))
+    return out

@@ -1,0 +1,150 @@
+"""The estimator: a layout, a model shape and a workload in, an :class:`Estimate` out."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.estimate.collectives import communication
+from composer_par.estimate.layout import Layout
+from composer_par.estimate.memory import Memory, memory_per_rank
+from composer_par.estimate.model_shape import ModelShape
+from composer_par.estimate.parts import EstimatePart, plugin_parts
+from composer_par.estimate.report import ACCOUNTING, format_estimate
+from composer_par.estimate.timing import DimTraffic, bandwidths, dim_traffic
+from composer_par.estimate.workload import Workload
+from composer_par.plugin import Role
+
+if TYPE_CHECKING:
+    from composer_par.plan import ParallelPlan
+
+
+@attrs.frozen
+class Estimate:
+    layout: Layout
+    model: ModelShape
+    workload: Workload
+    dtype: str
+    reduce_dtype: str
+    activation_checkpoint: str
+    memory: Memory
+    traffic: tuple[DimTraffic, ...]
+    intra_node_gbps: float
+    inter_node_gbps: float
+    bandwidth_assumed: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    device_memory: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.traffic)
+
+    @property
+    def payload(self) -> int:
+        return sum(t.payload for t in self.traffic)
+
+    @property
+    def inter_bytes(self) -> float:
+        return sum(t.inter_bytes for t in self.traffic)
+
+    def payload_by_dim(self) -> dict[str, int]:
+        return {t.dim.name: t.payload for t in self.traffic}
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.memory.total <= self.device_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        topology = self.layout.topology
+        return {
+            "mesh": self.layout.mesh.to_dict(),
+            "topology": topology.to_dict() if topology else None,
+            "model": self.model.to_dict(),
+            "workload": {**self.workload.to_dict(), "dtype": self.dtype,
+                         "reduce_dtype": self.reduce_dtype,
+                         "activation_checkpoint": self.activation_checkpoint},
+            "memory": self.memory.to_dict(),
+            "device_memory": self.device_memory,
+            "fits": self.fits,
+            "communication": [t.to_dict() for t in self.traffic],
+            "communication_seconds": self.seconds,
+            "bandwidth_gbps": {"intra_node": self.intra_node_gbps,
+                               "inter_node": self.inter_node_gbps,
+                               "assumed": list(self.bandwidth_assumed)},
+            "accounting": list(ACCOUNTING),
+            "notes": list(self.notes),
+        }
+
+    def format(self, paint: Any = None) -> str:
+        return format_estimate(self, paint)
+
+
+def estimate(
+    layout: Layout,
+    model: ModelShape,
+    workload: Workload,
+    *,
+    plan: ParallelPlan | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    device_memory: int | None = None,
+) -> Estimate:
+    """Per-rank memory and per-step communication of ``layout`` training ``model``.
+
+    Bandwidths: the arguments, else the layout's topology, else the defaults
+    (:data:`DEFAULT_INTRA_NODE_GBPS`, :data:`DEFAULT_INTER_NODE_GBPS`), reported as
+    assumed. With ``plan``, its plugins' ``composer_par_estimate`` hooks are asked.
+    """
+    notes: list[str] = []
+    parts: list[tuple[str, EstimatePart]] = []
+    if plan is not None:
+        parts = plugin_parts(plan, layout, model, workload)
+    # dtypes: the workload's, else the plan's mixed precision, else the model's, else fp32
+    dtype = workload.dtype or layout.param_dtype or model.dtype
+    if dtype is None:
+        dtype = "float32"
+        notes.append("dtype float32: neither --dtype nor the plan's mixed precision says "
+                     "otherwise (pass --dtype bf16 for 16-bit mixed precision)")
+    reduce_dtype = workload.reduce_dtype or (layout.reduce_dtype if workload.dtype is None
+                                              else None) or dtype
+    mode = workload.activation_checkpoint or layout.activation_checkpoint or "none"
+    for who, part in parts:
+        if part.activation_checkpoint and workload.activation_checkpoint is None:
+            mode = part.activation_checkpoint
+            notes.append(f"activation checkpointing {mode}: stated by {who}")
+    every = layout.checkpoint_every if workload.activation_checkpoint is None else 1
+    layout = attrs.evolve(layout, checkpoint_every=every)
+    tp = layout.size_of(Role.MODEL_PARALLEL)
+    shard = layout.size_of(Role.SHARD)
+    memory = memory_per_rank(layout, model, workload, parts, dtype=dtype,
+                             reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard)
+    collectives, uncovered = communication(layout, model, workload, parts, dtype=dtype,
+                                           reduce_dtype=reduce_dtype, mode=mode, tp=tp,
+                                           shard=shard)
+    notes += uncovered
+    intra_gbps, inter_gbps, assumed = bandwidths(layout.topology, intra_node_gbps,
+                                                 inter_node_gbps)
+    traffic = dim_traffic(layout, collectives, intra_gbps, inter_gbps)
+    if layout.topology is None and any(d.size > 1 for d in layout.dims):
+        notes.append("no topology: every mesh dim is counted as inside a node (give "
+                     "--nodes/--devices-per-node)")
+    return Estimate(layout, model, workload, dtype, reduce_dtype, mode, memory,
+                    traffic, intra_gbps, inter_gbps, assumed, tuple(notes),
+                    device_memory)
+
+
+def estimate_plan(
+    plan: ParallelPlan,
+    model: ModelShape,
+    workload: Workload,
+    *,
+    world_size: int | None = None,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    device_memory: int | None = None,
+) -> Estimate:
+    """:func:`estimate` for a plan: its layout, and its plugins' own terms."""
+    layout = Layout.from_plan(plan, world_size)
+    return estimate(layout, model, workload, plan=plan, intra_node_gbps=intra_node_gbps,
+                    inter_node_gbps=inter_node_gbps, device_memory=device_memory)

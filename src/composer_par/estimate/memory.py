@@ -1,0 +1,135 @@
+"""Per-rank memory at peak: parameters, gradients and optimizer states as the plan shards
+them (ZeRO's accounting), activations (Korthikanti et al. 2022) and communication
+buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.estimate.layout import Layout
+from composer_par.estimate.model_shape import ModelShape
+from composer_par.estimate.units import bytes_of
+from composer_par.estimate.workload import AC_MODES, Workload
+from composer_par.plugin import Role
+
+if TYPE_CHECKING:
+    from composer_par.estimate.parts import EstimatePart
+
+
+@attrs.frozen
+class Memory:
+    """Per-rank bytes at peak, by component; ``activations_by_mode`` gives the
+    activations with each activation-checkpointing mode for comparison."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    activations_by_mode: Mapping[str, int]
+    extra: Mapping[str, int] = attrs.field(factory=dict)
+    local_params: int = 0  # elements of parameters one rank holds
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations
+                + self.comm_buffers + sum(self.extra.values()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "comm_buffers": self.comm_buffers,
+                "extra": dict(self.extra), "total": self.total,
+                "activations_by_mode": dict(self.activations_by_mode),
+                "local_params": self.local_params}
+
+
+def activation_bytes(
+    model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
+    loss_parallel: bool, mode: str, every: int = 1,
+) -> int:
+    """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022)."""
+    s, b, h = workload.seq, workload.micro_batch, model.hidden
+    sbh = s * b * h
+    eager = workload.attention == "eager" and model.heads
+    attention = 5 * model.heads * s / h if eager else 0.0  # type: ignore[operator]
+    if tp > 1 and sequence_parallel:
+        full_block = sbh * (34 + attention) / tp
+        selective_block = sbh * 34 / tp
+        kept = 2 * sbh / tp
+    elif tp > 1:
+        full_block = sbh * (10 + 24 / tp + attention / tp)
+        selective_block = sbh * (10 + 24 / tp)
+        kept = 2 * sbh
+    else:
+        full_block = sbh * (34 + attention)
+        selective_block = sbh * 34
+        kept = 2 * sbh
+    layers = model.layers
+    if mode == "none":
+        total = layers * full_block
+    elif mode == "selective":
+        checkpointed = layers // every
+        total = checkpointed * selective_block + (layers - checkpointed) * full_block
+    else:
+        checkpointed = layers // every
+        total = checkpointed * kept + (layers - checkpointed) * full_block
+        if checkpointed:
+            total += full_block  # one block's activations while it is recomputed
+    scale = bytes_of(dtype) / 2  # the coefficients are for 16-bit activations
+    logits = 0.0
+    if model.vocab:
+        logits = s * b * model.vocab * 4 / (tp if loss_parallel and tp > 1 else 1)
+    return int(total * scale + logits)
+
+
+def optimizer_bytes(optimizer: str, mixed: bool) -> int:
+    if optimizer in ("adamw", "adam"):
+        return 12 if mixed else 8
+    if optimizer == "sgd":
+        return 4 if mixed else 0
+    return 0
+
+
+def memory_per_rank(
+    layout: Layout, model: ModelShape, workload: Workload,
+    parts: Sequence[tuple[str, EstimatePart]], *, dtype: str, reduce_dtype: str, mode: str,
+    tp: int, shard: int,
+) -> Memory:
+    """Per-rank bytes at peak with activation checkpointing ``mode`` (every
+    ``layout.checkpoint_every`` blocks), the other modes' activations for comparison, and
+    what the plugins state."""
+    mixed = bytes_of(dtype) == 2
+    pbytes, abytes = bytes_of(dtype), bytes_of(dtype)
+    ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
+    every = layout.checkpoint_every
+    local = sum(g.local_numel(tp, shard) * g.count for g in model.groups)
+    params_b = local * (2 if mixed else pbytes)
+    grads_b = local * (2 if mixed else pbytes)
+    optim_b = local * optimizer_bytes(workload.optimizer, mixed)
+    by_mode = {m: activation_bytes(model, workload, dtype, tp=tp,
+                                   sequence_parallel=layout.sequence_parallel,
+                                   loss_parallel=layout.loss_parallel, mode=m,
+                                   every=every if m == mode else 1)
+               for m in AC_MODES}
+    buffers = 0
+    blocks = [g for g in model.groups if g.block and g.numel]
+    largest = max((g.padded_numel(tp, shard) for g in blocks), default=0)
+    if shard > 1:
+        # the unsharded parameters of the current and the prefetched group, and the
+        # unsharded gradients of one group before its reduce-scatter
+        buffers += 2 * largest * ag_bytes + largest * rs_bytes
+        root = [g for g in model.groups if not g.block and g.numel]
+        if root and layout.reshard_after_forward is None:
+            buffers += root[0].padded_numel(tp, shard) * ag_bytes  # the root stays unsharded
+    elif layout.dims_with(Role.REPLICATE):
+        buffers += largest * rs_bytes
+    if tp > 1:
+        buffers += 2 * workload.seq * workload.micro_batch * model.hidden * abytes
+    extra: dict[str, int] = {}
+    for who, part in parts:
+        for name, size in part.memory.items():
+            extra[f"{who}: {name}"] = int(size)
+    return Memory(params_b, grads_b, optim_b, by_mode[mode], buffers, by_mode, extra, local)

@@ -1,0 +1,263 @@
+"""What the estimator needs of a model: its sizes and parameter groups, measured from a
+model (ideally built on meta) or derived from numbers (params, layers, hidden, ...)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.units import format_count
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.blocks import BlockSpec
+
+
+@attrs.frozen
+class TensorShape:
+    """One parameter: its shape, and whether TP splits it (tensors of >= 2 tensor dims)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_numel(self, tp: int, shard: int) -> int:
+        """Elements one rank holds: split by ``tp`` (on tensor dim 0, for TP tensors), then
+        by ``shard`` with tensor dim 0 padded to a multiple of it (as FSDP2 pads)."""
+        if not self.shape:
+            return 1  # a scalar: every rank holds it (FSDP2 pads it to one element each)
+        rows, rest = self.shape[0], math.prod(self.shape[1:])
+        if self.tp and tp > 1:
+            rows = -(-rows // tp)
+        return -(-rows // shard) * rest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "tp": self.tp}
+
+
+@attrs.frozen
+class ParamGroup:
+    """The parameters one FSDP group holds: a block's, or the root's own."""
+
+    name: str
+    tensors: tuple[TensorShape, ...]
+    block: bool = True
+    count: int = 1  # identical groups (the blocks of an analytic model)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def local_numel(self, tp: int, shard: int) -> int:
+        return sum(t.local_numel(tp, shard) for t in self.tensors)
+
+    def padded_numel(self, tp: int, shard: int) -> int:
+        """Elements of the group's all-gather output on one TP rank (padding included)."""
+        return self.local_numel(tp, shard) * shard
+
+    def untouched_numel(self) -> int:
+        """Elements of tensors TP does not split (norm weights, biases of 1 tensor dim)."""
+        return sum(t.numel for t in self.tensors if not t.tp)
+
+
+_CONFIG_KEYS = {
+    "hidden": ("hidden_size", "dim", "d_model", "n_embd", "embed_dim"),
+    "heads": ("num_attention_heads", "n_heads", "n_head", "num_heads"),
+    "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
+    "ffn_hidden": ("intermediate_size", "ffn_hidden", "ffn_dim", "n_inner", "dim_feedforward"),
+    "vocab": ("vocab_size",),
+}
+
+
+@attrs.frozen
+class ModelShape:
+    """What the estimator needs of a model: sizes, and its parameter groups."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int | None = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    vocab: int | None = None
+    groups: tuple[ParamGroup, ...] = ()
+    dtype: str | None = None  # the parameters' own dtype, when known
+    matrices_per_block: int | None = None  # tensors of >= 2 tensor dims in one block
+    source: str = ""
+    assumed: tuple[str, ...] = ()  # what was not given and had to be assumed
+
+    @classmethod
+    def from_numbers(
+        cls,
+        *,
+        params: int | None = None,
+        layers: int | None = None,
+        hidden: int | None = None,
+        heads: int | None = None,
+        kv_heads: int | None = None,
+        ffn_hidden: int | None = None,
+        vocab: int | None = None,
+    ) -> ModelShape:
+        """An analytic transformer: ``layers`` identical blocks plus the rest (embeddings,
+        output head). Missing sizes are derived, and listed in ``assumed``:
+
+        * hidden and layers from params with GPT-3's aspect (hidden ~ 128 * layers);
+        * heads = hidden / 128; per-block parameters 12 * hidden**2 (4 for attention, 8 for
+          a 4x MLP) or, given heads / kv_heads / ffn_hidden, the Llama count;
+        * params from the shape when not given.
+        """
+        assumed: list[str] = []
+        for name, value in (("params", params), ("layers", layers), ("hidden", hidden),
+                            ("heads", heads), ("kv_heads", kv_heads),
+                            ("ffn_hidden", ffn_hidden), ("vocab", vocab)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise EstimateError(f"{name} must be a positive int; got {value!r}")
+        if params is None and (layers is None or hidden is None):
+            raise EstimateError("give the parameter count (--params), or the layers and the "
+                                "hidden size (--layers, --hidden)")
+        if hidden is None:
+            assert params is not None  # checked above
+            if layers is not None:
+                hidden = max(128, round(math.sqrt(params / (12 * layers)) / 128) * 128)
+            else:
+                hidden = max(128, round((128 * params / 12) ** (1 / 3) / 128) * 128)
+            assumed.append(f"hidden {hidden}")
+        if layers is None:
+            assert params is not None
+            layers = max(1, round(params / (12 * hidden * hidden)))
+            assumed.append(f"layers {layers}")
+        if heads is None:
+            heads = max(1, hidden // 128)
+            assumed.append(f"heads {heads} (head dim 128)")
+        if hidden % heads:
+            raise EstimateError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        kv = kv_heads if kv_heads is not None else heads
+        head_dim = hidden // heads
+        attention = hidden * head_dim * (2 * heads + 2 * kv)
+        mlp = 3 * hidden * ffn_hidden if ffn_hidden else 8 * hidden * hidden
+        per_block = attention + mlp + 2 * hidden
+        embeddings = 2 * vocab * hidden + hidden if vocab else 0
+        if params is None:
+            params = layers * per_block + embeddings
+        elif layers * per_block > params:
+            per_block = params // layers
+        root = max(0, params - layers * per_block)
+        block_tensors = (
+            TensorShape("block.matrices", (max(1, (per_block - 2 * hidden) // hidden), hidden)),
+            TensorShape("block.norms", (2 * hidden,), tp=False),
+        ) if per_block > 2 * hidden else (TensorShape("block", (per_block,)),)
+        groups = [ParamGroup("blocks", block_tensors, block=True, count=layers)]
+        if root:
+            groups.append(ParamGroup("root", (TensorShape("root", (-(-root // hidden), hidden)),),
+                                     block=False))
+        return cls(params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
+                   ffn_hidden=ffn_hidden, vocab=vocab, groups=tuple(groups),
+                   source="numbers", assumed=tuple(assumed))
+
+    @classmethod
+    def from_module(
+        cls, model: nn.Module, block_spec: BlockSpec | None = None, *, source: str = "",
+        **overrides: int | None,
+    ) -> ModelShape:
+        """Measure a model (ideally built on meta): its blocks as the shared block finder
+        sees them, each block's and the root's own parameters, and the sizes from its
+        ``config`` (Hugging Face and Llama names) or its modules."""
+        import torch.nn as nn
+
+        from composer_par.blocks import clean_name, find_blocks
+
+        blocks = find_blocks(model, block_spec)
+        seen: set[int] = set()
+        groups: list[ParamGroup] = []
+        for path, block in blocks:
+            tensors = []
+            for name, p in block.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    tensors.append(TensorShape(clean_name(f"{path}.{name}"), tuple(p.shape),
+                                               tp=p.dim() >= 2))
+            groups.append(ParamGroup(clean_name(path), tuple(tensors), block=True))
+        root = []
+        for name, p in model.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                root.append(TensorShape(clean_name(name), tuple(p.shape), tp=p.dim() >= 2))
+        if root:
+            groups.append(ParamGroup("root", tuple(root), block=False))
+        config = getattr(model, "config", None)
+        found: dict[str, int | None] = {}
+        for key, names in _CONFIG_KEYS.items():
+            found[key] = next((int(getattr(config, n)) for n in names
+                               if isinstance(getattr(config, n, None), int)), None)
+        assumed = []
+        if found["vocab"] is None:
+            embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+            if embeddings:
+                found["vocab"] = max(e.num_embeddings for e in embeddings)
+                if found["hidden"] is None:
+                    found["hidden"] = embeddings[0].embedding_dim
+        if found["heads"] is None:
+            for module in model.modules():
+                heads = getattr(module, "num_heads", getattr(module, "n_heads", None))
+                if isinstance(heads, int):
+                    found["heads"] = heads
+                    kv = getattr(module, "n_kv_heads", getattr(module, "num_key_value_heads",
+                                                                None))
+                    if isinstance(kv, int) and found["kv_heads"] is None:
+                        found["kv_heads"] = kv
+                    break
+        if found["hidden"] is None:
+            linear = next((m for _, b in blocks for m in b.modules() if isinstance(m, nn.Linear)),
+                          None)
+            if linear is None:
+                linear = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+            found["hidden"] = linear.in_features if linear is not None else 1
+            assumed.append(f"hidden {found['hidden']} (the first Linear's in_features)")
+        for key, value in overrides.items():
+            if value is not None:
+                found[key] = value
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+        params = sum(g.numel for g in groups)
+        matrices = (sum(1 for t in groups[0].tensors if t.tp) if blocks else None)
+        return cls(params=params, layers=len(blocks), hidden=int(found["hidden"] or 1),
+                   heads=found["heads"], kv_heads=found["kv_heads"] or found["heads"],
+                   ffn_hidden=found["ffn_hidden"], vocab=found["vocab"], groups=tuple(groups),
+                   dtype=dtypes.pop() if len(dtypes) == 1 else None, matrices_per_block=matrices,
+                   source=source or "model",
+                   assumed=tuple(assumed))
+
+    @property
+    def block_groups(self) -> list[ParamGroup]:
+        return [g for g in self.groups if g.block]
+
+    def describe(self) -> str:
+        parts = [f"{format_count(self.params)} parameters", f"{self.layers} block(s)",
+                 f"hidden {self.hidden}"]
+        if self.heads:
+            kv = f" ({self.kv_heads} kv)" if self.kv_heads and self.kv_heads != self.heads else ""
+            parts.append(f"{self.heads} heads{kv}")
+        if self.vocab:
+            parts.append(f"vocab {self.vocab}")
+        text = ", ".join(parts)
+        if self.assumed:
+            text += f" (assumed: {', '.join(self.assumed)})"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params, "layers": self.layers, "hidden": self.hidden,
+            "heads": self.heads, "kv_heads": self.kv_heads, "ffn_hidden": self.ffn_hidden,
+            "vocab": self.vocab, "dtype": self.dtype, "source": self.source,
+            "assumed": list(self.assumed),
+            "groups": [{"name": g.name, "params": g.numel, "count": g.count, "block": g.block}
+                       for g in self.groups],
+        }

@@ -1,0 +1,122 @@
+"""The estimate as text: the accounting printed with every estimate, and its tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from composer_par.estimate.memory import optimizer_bytes
+from composer_par.estimate.units import bytes_of, format_bytes, format_count, format_seconds
+from composer_par.plugin import Role
+
+if TYPE_CHECKING:
+    from composer_par.estimate.estimator import Estimate
+
+
+ACCOUNTING: tuple[str, ...] = (
+    "memory (ZeRO): 16-bit mixed precision = 2 B parameters + 2 B gradients + 12 B optimizer "
+    "(fp32 master + AdamW m, v) per parameter; fp32 = 4 + 4 + 8; SGD keeps only the fp32 "
+    "master (4 B, 0 in fp32); each divided by the shard dim and, for tensors it splits, the "
+    "tensor-parallel dim",
+    "activations (Korthikanti et al. 2022), per block, 16-bit: s*b*h*(34 + 5*a*s/h); with TP t: "
+    "s*b*h*(10 + 24/t + 5*a*s/(h*t)); sequence parallel divides all by t; selective AC drops "
+    "5*a*s/h; full AC keeps 2*s*b*h per block + one block's activations; fp32 doubles; the "
+    "attention-score term 5*a*s/h counts only with eager attention (SDPA's flash and "
+    "memory-efficient kernels keep no scores); + s*b*vocab*4 for fp32 logits",
+    "FSDP: all-gather every parameter group (each block, then the root) in forward, again in "
+    "backward when resharded after forward; reduce-scatter gradients. HSDP: all-reduce the "
+    "gradient shard over the replicate dim (alone: the whole gradient). TP: 2 forward + 2 "
+    "backward s*b*h activation collectives per block (+2 per recomputed block; without "
+    "sequence parallel, one backward all-reduce per column-parallel Linear: 5 in a Llama "
+    "block), +1 at the embedding and +1 at the output head each way, + the gathered logits "
+    "without loss parallel. Bytes are logical payloads (all-gather: the gathered output; "
+    "reduce-scatter: the full input; all-reduce: the tensor)",
+    "time: ring collectives (NCCL's), rail optimized: a rank sends X*(n-1)/n for an "
+    "all-gather or reduce-scatter of X bytes over n ranks (an all-reduce twice that); when the "
+    "group spans k > 1 nodes with m ranks on each, 1/m of that leaves the node through the "
+    "rank's own network link, the rest stays inside; seconds = intra bytes / intra-node "
+    "bandwidth + inter bytes / inter-node bandwidth (per device), summed over collectives: "
+    "no overlap with each other or with compute, no latency term",
+)
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str],
+           right: Iterable[int] = ()) -> list[str]:
+    right = set(right)
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    lines = []
+    for row in (header, *rows):
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def format_estimate(est: Estimate, paint: Any = None) -> str:
+    """The estimate as text; ``paint(text, style)`` colors (the CLI's Output.paint)."""
+    paint = paint or (lambda text, style: text)
+    mem, work, layout = est.memory, est.workload, est.layout
+    lines = [f"layout: {layout.describe()}", f"model: {est.model.describe()}"]
+    mixed = bytes_of(est.dtype) == 2
+    precision = (f"{est.dtype} mixed precision (gradients reduced in {est.reduce_dtype})"
+                 if mixed else est.dtype)
+    ac = est.activation_checkpoint + (f" (every {layout.checkpoint_every} blocks)"
+                                      if layout.checkpoint_every > 1 else "")
+    lines.append(f"workload: seq {work.seq}, micro-batch {work.micro_batch}"
+                 + (f" x {work.grad_accum} accumulated" if work.grad_accum > 1 else "")
+                 + f", {precision}, {work.optimizer}, activation checkpointing {ac}, "
+                 f"attention {work.attention}")
+    tp = layout.size_of(Role.MODEL_PARALLEL)
+    shard = layout.size_of(Role.SHARD)
+    divided = " / ".join(f"{d.name}({d.size})" for d in layout.dims
+                         if d.size > 1 and d.role in (Role.SHARD, Role.MODEL_PARALLEL))
+    lines += ["", "memory per rank:"]
+    pb = 2 if mixed else bytes_of(est.dtype)
+    ob = optimizer_bytes(work.optimizer, mixed)
+    rows: list[tuple[str, ...]] = [
+        ("parameters", format_bytes(mem.params),
+         f"{format_count(mem.local_params)} of {format_count(est.model.params)} params here"
+         + (f" (divided by {divided})" if divided else "") + f", {pb} B each"),
+        ("gradients", format_bytes(mem.grads), f"{pb} B per parameter"),
+        ("optimizer states", format_bytes(mem.optimizer),
+         f"{work.optimizer}: {ob} B per parameter"),
+        ("activations", format_bytes(mem.activations),
+         "AC " + ", ".join(f"{m}: {format_bytes(v)}" for m, v in mem.activations_by_mode.items())),
+        ("communication buffers", format_bytes(mem.comm_buffers),
+         "unsharded groups in flight" if shard > 1 else ("activation buffers" if tp > 1 else "")),
+    ]
+    rows += [(name, format_bytes(size), "") for name, size in mem.extra.items()]
+    total = format_bytes(mem.total)
+    verdict = ""
+    if est.device_memory is not None:
+        verdict = (paint(f"fits in {format_bytes(est.device_memory)}", "ok") if est.fits
+                   else paint(f"does NOT fit in {format_bytes(est.device_memory)}", "ERROR"))
+    rows.append(("total", total, verdict))
+    lines += ["  " + line for line in _table(rows, ("COMPONENT", "BYTES", "HOW"), right=(1,))]
+    lines += ["", "communication per step and rank:"]
+    if est.traffic:
+        rows = []
+        for t in est.traffic:
+            where = ("crosses nodes" if t.dim.crosses_nodes
+                     else "inside a node" if t.dim.crosses_nodes is False else "?")
+            calls = ", ".join(f"{k} x{v}" for k, v in t.calls().items())
+            rows.append((f"{t.dim.name}({t.dim.size})", t.dim.role.value if t.dim.role else "-",
+                         where, calls, format_bytes(t.payload), format_bytes(t.intra_bytes),
+                         format_bytes(t.inter_bytes), format_seconds(t.seconds)))
+        rows.append(("total", "", "", "", format_bytes(est.payload),
+                     format_bytes(sum(t.intra_bytes for t in est.traffic)),
+                     format_bytes(est.inter_bytes), format_seconds(est.seconds)))
+        lines += ["  " + line for line in _table(
+            rows, ("MESH DIM", "ROLE", "WHERE", "COLLECTIVES", "PAYLOAD", "INTRA-NODE",
+                   "INTER-NODE", "TIME"), right=(4, 5, 6, 7))]
+    else:
+        lines.append("  none (a single rank, or no mesh dim of size > 1)")
+    assumed = set(est.bandwidth_assumed)
+    lines.append(f"  bandwidth per device: intra-node {est.intra_node_gbps:g} Gbit/s"
+                 + (" (assumed)" if "intra_node" in assumed else "")
+                 + f", inter-node {est.inter_node_gbps:g} Gbit/s"
+                 + (" (assumed)" if "inter_node" in assumed else ""))
+    lines += ["", "accounting:"] + [f"  - {a}" for a in ACCOUNTING]
+    if est.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in est.notes]
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""One training step as the estimator sees it: sequence, micro-batch, dtypes, optimizer,
+activation checkpointing, gradient accumulation and attention kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.units import optional_dtype
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+AC_MODES = ("none", "selective", "full")
+ATTENTION = ("sdpa", "eager")
+
+
+def _positive_int(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EstimateError(f"{attribute.name} must be a positive int; got {value!r}")
+
+
+@attrs.frozen
+class Workload:
+    """One training step: ``grad_accum`` micro-batches of ``micro_batch`` sequences of
+    ``seq`` tokens per data-parallel rank. ``dtype`` None takes the plan's mixed
+    precision, else the model's dtype, else float32; ``activation_checkpoint`` None takes
+    the plan's activation checkpointing plugin, else none."""
+
+    seq: int = attrs.field(validator=_positive_int)
+    micro_batch: int = attrs.field(default=1, validator=_positive_int)
+    dtype: str | None = attrs.field(default=None, converter=optional_dtype)
+    reduce_dtype: str | None = attrs.field(default=None, converter=optional_dtype)
+    optimizer: str = attrs.field(default="adamw", validator=attrs.validators.in_(OPTIMIZERS))
+    activation_checkpoint: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(AC_MODES)))
+    grad_accum: int = attrs.field(default=1, validator=_positive_int)
+    attention: str = attrs.field(default="sdpa", validator=attrs.validators.in_(ATTENTION))
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
