@@ -46,10 +46,12 @@ class LoadCheckpoint(WeightsLoader):
         specs, _ = checkpoint_model_specs(directory)
         return str(directory), specs
 
-    def load_into(self, model: nn.Module, adapter: StateDictAdapter) -> Any:
+    def load_into(self, model: nn.Module, adapter: StateDictAdapter,
+                  tied: dict[str, list[str]]) -> Any:
         from composer_par.checkpoint.weights import load_checkpoint_weights
 
-        return load_checkpoint_weights(model, self.path, adapter=adapter, strict=self.strict)
+        return load_checkpoint_weights(model, self.path, adapter=adapter, strict=self.strict,
+                                       tied=tied)
 
     @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:

@@ -90,8 +90,10 @@ class WeightsLoader(Plugin):
         """``(description of the source, key -> spec)`` from headers/metadata only."""
         raise NotImplementedError
 
-    def load_into(self, model: nn.Module, adapter: StateDictAdapter) -> Any:
-        """Load into the materialized model; returns a LoadReport."""
+    def load_into(self, model: nn.Module, adapter: StateDictAdapter,
+                  tied: dict[str, list[str]]) -> Any:
+        """Load into the materialized model (``tied``: its tied-weight groups as they were
+        before ``to_empty``); returns a LoadReport."""
         raise NotImplementedError
 
     # -- names ---------------------------------------------------------------------------
@@ -190,6 +192,7 @@ class WeightsLoader(Plugin):
         )
 
         from composer_par.checkpoint.adapter import combine
+        from composer_par.checkpoint.weights import aliases, retie
 
         adapter = combine(ctx.hooks.state_dict_adapters(ctx.plan, ctx.model))
         device = torch.device(self.device) if self.device else ctx.device
@@ -198,7 +201,9 @@ class WeightsLoader(Plugin):
         if not self.strict:
             missing = set(self.match(ctx.plan, model).missing)
         needing = [(p, m) for p, m, _ in _needing_init(post_order(model), missing)]
+        tied = aliases(model)  # to_empty unties them; retie() and the load restore them
         model.to_empty(device=device)
+        retie(model, tied)
         pick = self._meta_init().initializer(model)
         devices = [device] if device.type == "cuda" else []
         for path, module in needing:
@@ -208,7 +213,7 @@ class WeightsLoader(Plugin):
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(module_seed(self.seed, clean_name(path)))
                 _init_with_full_tensors(module, init, device)
-        report = self.load_into(model, adapter)
+        report = self.load_into(model, adapter, tied)
         ctx.notes[f"{self.name}_report"] = report
         detail = (f"to_empty on {device}; loaded {len(report.loaded)} tensor(s) from "
                   f"{self.path}")
@@ -263,10 +268,12 @@ class LoadSafetensors(WeightsLoader):
         source = WeightsSource.open(self.path)
         return source.path, source_specs(source)
 
-    def load_into(self, model: nn.Module, adapter: StateDictAdapter) -> Any:
+    def load_into(self, model: nn.Module, adapter: StateDictAdapter,
+                  tied: dict[str, list[str]]) -> Any:
         from composer_par.checkpoint.weights import load_safetensors
 
-        return load_safetensors(model, self.path, adapter=adapter, strict=self.strict)
+        return load_safetensors(model, self.path, adapter=adapter, strict=self.strict,
+                                tied=tied)
 
     @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:

@@ -534,3 +534,22 @@ def test_convert_round_trip_and_nothing_half_written(tmp_path: Path) -> None:
     with pytest.raises(UncommittedError):
         ck.dcp_to_safetensors(_fake_step(tmp_path / "r", 1, False), tmp_path / "st2")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "r"])
+
+
+def test_tied_weights_load_from_either_name_and_export_once(tmp_path: Path) -> None:
+    def tied() -> torch.nn.Module:
+        with torch.device("meta"):
+            model = llama.build()
+        model.output.weight = model.tok_embeddings.weight
+        return model
+
+    ref = state(reference())
+    ref.pop("output.weight")  # as Hugging Face saves tied weights: once
+    write_weights(tmp_path / "w.safetensors", ref)
+    plan = ParallelPlan(MeshSpec()).use(LoadSafetensors(tmp_path / "w.safetensors"))
+    assert plan.validate(tied()).ok
+    model = plan.apply(tied())
+    assert model.output.weight is model.tok_embeddings.weight
+    assert torch.equal(model.output.weight, ref["tok_embeddings.weight"])
+    out = ck.export_safetensors(model, tmp_path / "out")
+    assert set(WeightsSource.open(out).entries) == set(ref)

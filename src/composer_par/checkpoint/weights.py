@@ -59,6 +59,59 @@ def aliases(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
+def retie(model: nn.Module, tied: dict[str, list[str]]) -> int:
+    """Tie again what ``to_empty`` untied: ``nn.Module._apply`` replaces each module's
+    Parameter separately, so a meta-built model with tied weights comes out with two
+    tensors. Plain parameters are re-tied (the alias modules get the first name's
+    Parameter); sharded ones (DTensors) are left to :func:`_fill_aliases`. Returns the
+    number of names re-tied."""
+    from torch.distributed.tensor import DTensor
+
+    where = {clean_name(n): n for n, _ in model.named_parameters(remove_duplicate=False)}
+    count = 0
+    for first, names in tied.items():
+        if first not in where:
+            continue
+        param = model.get_parameter(where[first])
+        if isinstance(param, DTensor):
+            continue
+        for name in names:
+            if name in where:
+                owner, _, attr = where[name].rpartition(".")
+                module = model.get_submodule(owner) if owner else model
+                if module._parameters.get(attr) is not param:
+                    module._parameters[attr] = param
+                    count += 1
+    return count
+
+
+def _storage(tensor: Any) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.data_ptr(), local.numel()
+
+
+def _fill_aliases(state_dict: dict[str, Any], tied: dict[str, list[str]],
+                  loaded: set[str]) -> list[str]:
+    """Copy each loaded tensor into its aliases that are no longer the same tensor (tied
+    weights that could not be re-tied). Returns the alias names filled or shared."""
+    import torch
+
+    filled = []
+    for first, names in tied.items():
+        if first not in loaded or first not in state_dict:
+            continue
+        for name in names:
+            if name not in state_dict:
+                continue
+            if _storage(state_dict[name]) != _storage(state_dict[first]):
+                with torch.no_grad():
+                    state_dict[name].copy_(state_dict[first])
+            filled.append(name)
+    return filled
+
+
 def expected_specs(state_dict: dict[str, Any], tied: dict[str, list[str]]) -> dict[str, Spec]:
     """One spec per tensor (aliases dropped), shapes global (a DTensor's full shape)."""
     others = {n for names in tied.values() for n in names}
@@ -71,10 +124,11 @@ def source_specs(source: WeightsSource) -> dict[str, Spec]:
 
 
 def _finish(model: nn.Module, state_dict: dict[str, Any], m: Match, *, strict: bool,
-            started: float, bytes_read: int) -> LoadReport:
+            started: float, bytes_read: int, tied: dict[str, list[str]]) -> LoadReport:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    loaded = {name: state_dict[name] for name in m.keys}
+    names = [*m.keys, *_fill_aliases(state_dict, tied, set(m.keys))]
+    loaded = {name: state_dict[name] for name in names}
     with dcp_errors(f"setting the weights loaded from {m.source}"):
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if not strict and (m.missing or m.unexpected):
@@ -90,9 +144,12 @@ def load_safetensors(
     *,
     adapter: StateDictAdapter | None = None,
     strict: bool = True,
+    tied: dict[str, list[str]] | None = None,
 ) -> LoadReport:
     """Load safetensors weights into ``model`` (sharded or not, already materialized);
-    every rank calls it and reads only the bytes of its own shards."""
+    every rank calls it and reads only the bytes of its own shards. ``tied`` gives the
+    tied-weight groups (first name -> other names) when ``to_empty`` untied them (see
+    :func:`aliases`, taken before materializing); default: the model's current ties."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -101,7 +158,7 @@ def load_safetensors(
     started = time.perf_counter()
     source = path if isinstance(path, WeightsSource) else WeightsSource.open(path)
     state_dict = get_model_state_dict(model)
-    tied = aliases(model)
+    tied = aliases(model) if tied is None else tied
     m = match(source.path, expected_specs(state_dict, tied), source_specs(source),
               adapter or Identity(), tied)
     error = m.error(strict=strict)
@@ -112,7 +169,7 @@ def load_safetensors(
     with dcp_errors(f"loading {source.path}"):
         dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
     return _finish(model, state_dict, m, strict=strict, started=started,
-                   bytes_read=reader.bytes_read)
+                   bytes_read=reader.bytes_read, tied=tied)
 
 
 def checkpoint_model_specs(directory: str | os.PathLike[str]) -> tuple[dict[str, Spec], str]:
@@ -136,6 +193,7 @@ def load_checkpoint_weights(
     *,
     adapter: StateDictAdapter | None = None,
     strict: bool = True,
+    tied: dict[str, list[str]] | None = None,
 ) -> LoadReport:
     """Load the model part of a committed DCP checkpoint (a step directory or a root: its
     latest) into ``model``, resharding to its layout. Optimizer state is not touched (use
@@ -149,7 +207,7 @@ def load_checkpoint_weights(
     directory = steps.resolve(path)
     specs, prefix = checkpoint_model_specs(directory)
     state_dict = get_model_state_dict(model)
-    tied = aliases(model)
+    tied = aliases(model) if tied is None else tied
     m = match(str(directory), expected_specs(state_dict, tied), specs, adapter or Identity(),
               tied)
     error = m.error(strict=strict)
@@ -159,4 +217,5 @@ def load_checkpoint_weights(
     with dcp_errors(f"loading {directory}"):
         dcp.load(to_load, storage_reader=dcp.FileSystemReader(str(directory)),
                  no_dist=not _dist.active())
-    return _finish(model, state_dict, m, strict=strict, started=started, bytes_read=0)
+    return _finish(model, state_dict, m, strict=strict, started=started, bytes_read=0,
+                   tied=tied)
