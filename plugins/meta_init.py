@@ -74,6 +74,29 @@ def _call_method(method: Callable[[], Any]) -> InitFn:
     return init
 
 
+TieGroup = list[tuple["nn.Module", str]]
+
+
+def tie_groups(model: nn.Module) -> list[TieGroup]:
+    """Parameters registered under several names (tied weights, e.g. an embedding shared
+    with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
+    by_param: dict[int, TieGroup] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                by_param.setdefault(id(param), []).append((module, name))
+    return [group for group in by_param.values() if len(group) > 1]
+
+
+def retie(groups: list[TieGroup]) -> None:
+    """Make each group one parameter again: ``to_empty`` replaces every registration with
+    its own new tensor, which silently unties them."""
+    for (first_module, first_name), *rest in groups:
+        shared = first_module._parameters[first_name]
+        for module, name in rest:
+            module._parameters[name] = shared
+
+
 def _own_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(
         True for _ in module.buffers(recurse=False)
@@ -163,7 +186,9 @@ class MetaInit(Plugin):
 
         device = torch.device(self.device) if self.device else ctx.device
         model = ctx.model
+        ties = tie_groups(model)
         model.to_empty(device=device)
+        retie(ties)
         pick = self.initializer(model)
         count = 0
         peak = 0

@@ -117,3 +117,23 @@ def test_fsdp2_without_process_group_says_how_to_launch() -> None:
     plan.use(FSDP2()).use(MetaInit())
     with pytest.raises(MeshError, match="torchrun"):
         plan.apply(model)
+
+
+class TiedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.out = torch.nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x))
+
+
+def test_tied_weights_stay_tied() -> None:
+    # to_empty gives each registration its own new tensor; MetaInit ties them again.
+    with torch.device("meta"):
+        model = TiedHead()
+    model = ParallelPlan(MeshSpec()).use(MetaInit(seed=0)).apply(model)
+    assert model.out.weight is model.emb.weight
+    assert len(list(model.parameters())) == 1
