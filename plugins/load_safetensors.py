@@ -185,14 +185,11 @@ class WeightsLoader(Plugin):
     @hookimpl
     def composer_par_materialize(self, ctx: ApplyContext) -> str:
         import torch
-        from composer_par.plugins.meta_init import (
-            _init_with_full_tensors,
-            module_seed,
-            post_order,
-        )
+        from composer_par.plugins.meta_init import module_seed, post_order
 
         from composer_par.checkpoint.adapter import combine
         from composer_par.checkpoint.weights import aliases, retie
+        from composer_par.initialize import init_module
 
         adapter = combine(ctx.hooks.state_dict_adapters(ctx.plan, ctx.model))
         device = torch.device(self.device) if self.device else ctx.device
@@ -205,14 +202,11 @@ class WeightsLoader(Plugin):
         model.to_empty(device=device)
         retie(model, tied)
         pick = self._meta_init().initializer(model)
-        devices = [device] if device.type == "cuda" else []
         for path, module in needing:
             init = pick(module)
             if init is None:  # validation reported it (CP418)
                 raise RuntimeError(f"module {clean_name(path)} cannot be initialized")
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(module_seed(self.seed, clean_name(path)))
-                _init_with_full_tensors(module, init, device)
+            init_module(module, init, device, module_seed(self.seed, clean_name(path)))
         report = self.load_into(model, adapter, tied)
         ctx.notes[f"{self.name}_report"] = report
         detail = (f"to_empty on {device}; loaded {len(report.loaded)} tensor(s) from "

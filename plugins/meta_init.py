@@ -23,7 +23,6 @@ from composer_par.plugin import Plugin, hookimpl
 from composer_par.validate import Finding
 
 if TYPE_CHECKING:
-    import torch
     import torch.nn as nn
 
     from composer_par.apply_context import ApplyContext
@@ -74,32 +73,11 @@ def _call_method(method: Callable[[], Any]) -> InitFn:
     return init
 
 
-TieGroup = list[tuple["nn.Module", str]]
-
-
-def tie_groups(model: nn.Module) -> list[TieGroup]:
-    """Parameters registered under several names (tied weights, e.g. an embedding shared
-    with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
-    by_param: dict[int, TieGroup] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                by_param.setdefault(id(param), []).append((module, name))
-    return [group for group in by_param.values() if len(group) > 1]
-
-
-def retie(groups: list[TieGroup]) -> None:
-    """Make each group one parameter again: ``to_empty`` replaces every registration with
-    its own new tensor, which silently unties them."""
-    for (first_module, first_name), *rest in groups:
-        shared = first_module._parameters[first_name]
-        for module, name in rest:
-            module._parameters[name] = shared
-
-
 def _own_tensors(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False)) or any(
-        True for _ in module.buffers(recurse=False)
+    # The registries directly: parameters(recurse=False) builds a generator per call,
+    # and this runs for every module, twice (validation, then materialization).
+    return any(p is not None for p in module._parameters.values()) or any(
+        b is not None for b in module._buffers.values()
     )
 
 
@@ -184,64 +162,20 @@ class MetaInit(Plugin):
     def composer_par_materialize(self, ctx: ApplyContext) -> str:
         import torch
 
+        from composer_par.initialize import init_module, to_empty_keeping_ties
+
         device = torch.device(self.device) if self.device else ctx.device
         model = ctx.model
-        ties = tie_groups(model)
-        model.to_empty(device=device)
-        retie(ties)
+        to_empty_keeping_ties(model, device)
         pick = self.initializer(model)
         count = 0
         peak = 0
-        devices = [device] if device.type == "cuda" else []
         for path, module in post_order(model):
             init = pick(module)
             if init is None or not _own_tensors(module):
                 continue
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(module_seed(self.seed, clean_name(path)))
-                peak = max(peak, _init_with_full_tensors(module, init, device))
+            seed = module_seed(self.seed, clean_name(path))
+            peak = max(peak, init_module(module, init, device, seed))
             count += 1
         ctx.notes["meta_init_peak_full_bytes"] = peak
         return f"to_empty on {device}; initialized {count} module(s) with seed {self.seed}"
-
-
-def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.device) -> int:
-    """Run ``init`` on full-size scratch copies of the module's own parameters and keep
-    this rank's shard of each. Returns the bytes of scratch tensors held."""
-    import torch
-    import torch.nn as nn
-    from torch.distributed.tensor import DTensor
-
-    originals = {n: p for n, p in module._parameters.items() if p is not None}
-    scratch_bytes = 0
-    for name, param in originals.items():
-        if isinstance(param, DTensor):
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
-            module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
-            scratch_bytes += full.numel() * full.element_size()
-    try:
-        with torch.no_grad():
-            init(module)
-    finally:
-        for name, original in originals.items():
-            result = module._parameters[name]
-            module._parameters[name] = original
-            if result is not original and result is not None:
-                _keep_local_part(original, result.detach())
-    return scratch_bytes
-
-
-def _keep_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
-    import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    with torch.no_grad():
-        if isinstance(target, DTensor):
-            # src_data_rank=None: every rank slices its own part locally, no communication;
-            # every rank computed the same full tensor from the same seed.
-            local = distribute_tensor(
-                full, target.device_mesh, target.placements, src_data_rank=None
-            ).to_local()
-            target.to_local().copy_(local)
-        else:
-            target.copy_(full)

@@ -331,7 +331,17 @@ def model_rules(
                 plugin=needing[0],
             )
         )
-    dtensors = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    # One walk over the tensors: this runs on every apply.
+    dtensors: list[str] = []
+    on_meta = False
+    materialized = 0
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if isinstance(tensor, DTensor):
+            dtensors.append(name)
+        if tensor.is_meta:
+            on_meta = True
+        else:
+            materialized += tensor.numel() * tensor.element_size()
     if dtensors:
         found.append(
             Finding(
@@ -342,9 +352,6 @@ def model_rules(
                 "torch.device('meta'))",
             )
         )
-    tensors = [*model.parameters(), *model.buffers()]
-    on_meta = any(t.is_meta for t in tensors)
-    materialized = sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
     materializes = any(Stage.MATERIALIZE in p.stages() for p in plugins)
     shards = any(c.role in (Role.SHARD, Role.MODEL_PARALLEL) for d in decls for c in d.claims)
     if materialized >= LARGE_MATERIALIZED_BYTES and shards:
