@@ -44,6 +44,17 @@ SELECTIVE_AC_BACKENDS = frozenset({
 })
 
 
+# Backends that run the captured graph through AOTAutograd. Under tensor parallelism
+# (torch 2.13, measured on gloo; tests/test_composition.py) AOTAutograd mishandles a
+# compiled block whose input is TP's ``to_local()`` output (a view of a DTensor's local
+# tensor): backward fails (TP alone: "'Tensor' object has no attribute '_local_tensor'")
+# or, under FSDP2 x TP, the first block's input gradient is lost without an error (the
+# token embedding trains on zeros); and a checkpointed attention block (SDPA) fails in
+# its first forward (a DeviceMesh among the tensors saved for backward). ``eager``
+# (dynamo's capture, no AOTAutograd) trains at parity. Rule CP221.
+AOT_BACKEND_PREFIXES = ("aot_", "inductor")
+
+
 def _blocks(value: Any) -> str | tuple[str, ...] | None:
     return blocks_option(value)
 
@@ -86,9 +97,22 @@ class Compile(Plugin):
         return BlockSpec.parse(self.blocks)
 
     @hookimpl
-    def composer_par_validate_plan(self, mesh: MeshSpec) -> list[Finding]:
+    def composer_par_validate_plan(self, plan: ParallelPlan, mesh: MeshSpec) -> list[Finding]:
         found = []
         name = backend_name(self.backend)
+        split = _model_parallel_dims(plan, mesh)
+        if split and isinstance(self.backend, str) and name.startswith(AOT_BACKEND_PREFIXES):
+            who, dim = split[0]
+            found.append(Finding(
+                "CP221",
+                f"compile backend {name!r} runs each block through AOTAutograd, which on "
+                f"torch 2.13 mishandles blocks that {who} splits over mesh dim {dim}: their "
+                "backward fails, or (under FSDP2) trains on wrong gradients without an "
+                "error; checkpointed attention blocks fail in forward",
+                fix='use backend = "eager" (dynamo capture without AOTAutograd: measured at '
+                "parity with tensor parallelism, with and without activation "
+                f"checkpointing), or drop compile or {who}",
+            ))
         if self.mode is not None and name != "inductor":
             found.append(Finding(
                 "CP217",
@@ -151,6 +175,15 @@ class Compile(Plugin):
             block.compile(**kwargs)
         ctx.notes["compiled_blocks"] = [path for path, _ in ctx.blocks]
         return f"torch.compile on {len(ctx.blocks)} block(s), backend {backend_name(self.backend)}"
+
+
+def _model_parallel_dims(plan: ParallelPlan, mesh: MeshSpec) -> list[tuple[str, str]]:
+    """(plugin, dim) of every model-parallel claim on a mesh dim not of size 1."""
+    from composer_par.hooks import Hooks
+    from composer_par.plugin import Role
+
+    return [(d.plugin, c.dim) for d in Hooks(plan.plugins).declarations() for c in d.claims
+            if c.role is Role.MODEL_PARALLEL and c.dim in mesh and mesh.size(c.dim) != 1]
 
 
 def _is_cuda(plan: ParallelPlan) -> bool:
