@@ -92,6 +92,7 @@ def _named_modules(model: nn.Module) -> list[Block]:
 def _by_path(model: nn.Module, path: str) -> list[Block]:
     if any(ch in path for ch in "*?["):
         return [(n, m) for n, m in _named_modules(model) if fnmatch.fnmatchcase(n, path)]
+    target: nn.Module | None
     try:  # the common case, without walking every module
         target = model.get_submodule(path)
     except AttributeError:  # a path through a wrapper: match clean names

@@ -119,8 +119,8 @@ class MeshSpec:
         """``dp_replicate(4) * dp_shard(8) * tp(2) = 64`` (and ``!= world_size(32)``)."""
         lhs = " * ".join(f"{n}({s})" for n, s in self.dims) or "(no mesh dims)"
         known = math.prod(s for s in self.sizes if s != INFER)
-        fits = isinstance(world_size, int) and world_size > 0 and world_size % known == 0
-        if not self.is_resolved and fits:
+        if (not self.is_resolved and isinstance(world_size, int) and world_size > 0
+                and world_size % known == 0):
             # Show the layout the world size gives, and which size was inferred.
             inferred = next(n for n, s in self.dims if s == INFER)
             return f"{self.resolve(world_size).equation(world_size)} ({inferred} inferred)"
