@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 
 from composer_par.blocks import BlockSpec
+from composer_par.comm import install_all_reduce, install_shard_comms
+from composer_par.hooks import Hooks
 from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
 from composer_par.validate import Finding
 
@@ -167,7 +169,9 @@ class FSDP2(Plugin):
 
     @hookimpl
     def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
-        dims = [*(d for d in plan.replicate_dims() if d in plan.mesh), self.dim]
+        hooked = {h.dim for h in Hooks(plan.plugins).comm_hooks(plan) if h.all_reduce}
+        dims = [*(d for d in plan.replicate_dims() if d in plan.mesh and d not in hooked),
+                self.dim]
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items() if k != "dim")
         return [(
             "data_parallel",
@@ -185,6 +189,11 @@ class FSDP2(Plugin):
             raise NotImplementedError(
                 f"FSDP2 replicates over one mesh dim; plugins contributed {replicate}"
             )
+        # A replicate dim whose all-reduce a comm hook claims stays out of the mesh: FSDP2
+        # then shards over its own dim only and the hook reduces over the replicate dim.
+        comm_hooks = ctx.comm_hooks()
+        hooked = [d for d in replicate if d in comm_hooks and comm_hooks[d].all_reduce]
+        replicate = [d for d in replicate if d not in hooked]
         mesh = ctx.submesh(*replicate, self.dim)
         if self.offload == "cpu":
             # Pinned host memory needs an accelerator; without one, pinning fails.
@@ -203,5 +212,13 @@ class FSDP2(Plugin):
         sharded.append(ctx.model)
         ctx.notes.setdefault("fsdp_modules", []).extend(sharded)
         dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim))
-        return f"fully_shard on {len(ctx.blocks)} block(s) + root over ({dims})"
+        detail = f"fully_shard on {len(ctx.blocks)} block(s) + root over ({dims})"
+        for dim in hooked:
+            install_all_reduce(ctx, sharded, comm_hooks[dim], owner=self.name,
+                               replace_native=False)
+            detail += f"; {dim} all-reduce by {comm_hooks[dim].plugin}'s comm hook"
+        if self.dim in comm_hooks:
+            install_shard_comms(ctx, sharded, comm_hooks[self.dim], owner=self.name)
+            detail += f"; {self.dim} comms by {comm_hooks[self.dim].plugin}'s comm hook"
+        return detail
 

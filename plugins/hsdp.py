@@ -37,6 +37,8 @@ import attrs
 from composer_par.plugins.activation_checkpoint import blocks_option
 
 from composer_par.blocks import BlockSpec
+from composer_par.comm import install_all_reduce
+from composer_par.hooks import Hooks
 from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
 from composer_par.validate import Finding
 
@@ -136,7 +138,13 @@ class HSDP(Plugin):
     @hookimpl
     def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
         sharders = _claimed(_declarations(plan), Role.SHARD, plan.mesh)
-        if sharders:
+        hooked = [h.plugin for h in Hooks(plan.plugins).comm_hooks(plan)
+                  if h.dim == self.dim and h.all_reduce]
+        if sharders and hooked:
+            steps = [("data_parallel", f"replicate over {self.dim}: gradient all-reduce by "
+                      f"{hooked[0]}'s comm hook ({sharders[0][0]} shards over "
+                      f"{sharders[0][1]})")]
+        elif sharders:
             steps = [("data_parallel", f"contribute {self.dim} to {sharders[0][0]}'s mesh: "
                       f"replicate over {self.dim}, shard over {sharders[0][1]}")]
         else:
@@ -153,7 +161,10 @@ class HSDP(Plugin):
     def composer_par_data_parallel(self, ctx: ApplyContext) -> str:
         size = f"{self.dim}({ctx.mesh.size(self.dim)})"
         sharders = _claimed(ctx.hooks.declarations(), Role.SHARD, ctx.mesh)
+        hook = ctx.comm_hooks().get(self.dim)
         if sharders:
+            if hook is not None and hook.all_reduce:
+                return f"replicate over {size}: all-reduce by {hook.plugin}'s comm hook"
             return f"replicate over {size} through {sharders[0][0]}'s 2-D mesh"
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -166,6 +177,12 @@ class HSDP(Plugin):
         replicated.append(ctx.model)
         # The same list FSDP2 keeps: these are FSDPModules too, with the same setters.
         ctx.notes.setdefault("fsdp_modules", []).extend(replicated)
+        if hook is not None and hook.all_reduce:
+            # torch's replicate all-reduces before its all-reduce hook runs: its own
+            # all-reduce goes to a 1-rank group, and the hook reduces (composer_par.comm).
+            install_all_reduce(ctx, replicated, hook, owner=self.name, replace_native=True)
+            return (f"replicate on {len(ctx.blocks)} block(s) + root over {size}; all-reduce "
+                    f"by {hook.plugin}'s comm hook")
         return f"replicate on {len(ctx.blocks)} block(s) + root over {size}"
 
     @hookimpl

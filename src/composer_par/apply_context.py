@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from composer_par.comm import CommHook
     from composer_par.hooks import Hooks
     from composer_par.plan import ParallelPlan
 
@@ -61,6 +62,10 @@ class ApplyContext:
     def replicate_dims(self) -> list[str]:
         """The mesh dims data-parallel plugins should replicate over (composition hook)."""
         return self.hooks.replicate_dims(self.plan)
+
+    def comm_hooks(self) -> dict[str, CommHook]:
+        """The comm hooks plugins give, by mesh dim (validation allows one per dim)."""
+        return {hook.dim: hook for hook in self.hooks.comm_hooks(self.plan)}
 
     def replace_block(self, index: int, new: nn.Module) -> None:
         """Swap block ``index`` for ``new`` (e.g. a checkpoint wrapper) in the model too."""

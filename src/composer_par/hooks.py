@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from composer_par.apply_context import ApplyContext
     from composer_par.blocks import Block, BlockSpec
+    from composer_par.comm import CommHook
     from composer_par.estimate import Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
@@ -116,6 +117,16 @@ class Hooks:
         for _, answer in self._each("composer_par_replicate_dims", plan=plan):
             dims.extend(d for d in answer or () if d not in dims)
         return dims
+
+    def comm_hooks(self, plan: ParallelPlan) -> list[CommHook]:
+        """Every plugin's comm hooks, in plan order, each naming the plugin that gave it."""
+        import attrs
+
+        out: list[CommHook] = []
+        for plugin, answer in self._each("composer_par_comm_hooks", plan=plan):
+            for hook in answer or ():
+                out.append(hook if hook.plugin else attrs.evolve(hook, plugin=self.name_of(plugin)))
+        return out
 
     def block_specs(self, plan: ParallelPlan) -> list[tuple[str, BlockSpec]]:
         return [

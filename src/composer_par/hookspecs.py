@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from composer_par.apply_context import ApplyContext
     from composer_par.blocks import BlockSpec
+    from composer_par.comm import CommHook
     from composer_par.estimate import EstimatePart, Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
@@ -90,6 +91,34 @@ def composer_par_replicate_dims(plan: ParallelPlan) -> list[str] | None:
 
     Called: by a data-parallel plugin building its mesh (FSDP2 asks; HSDP answers).
     Returns: the names of mesh dims this plugin replicates over, outermost first.
+    """
+
+
+@hookspec
+def composer_par_comm_hooks(plan: ParallelPlan) -> list[CommHook] | None:
+    """Customize the collectives of one mesh dim (gradient compression, custom comms).
+
+    Called: by validation (statically: must not import torch) and, at apply, by the
+    data-parallel plugin that owns each hooked dim, in its data_parallel stage.
+    Returns: :class:`~composer_par.comm.CommHook` values, each naming one mesh dim and
+    giving factories (called once per apply with a :class:`~composer_par.comm.CommSetup`)
+    for what to customize there:
+
+    * on a **replicate** dim (HSDP's), ``all_reduce``: a
+      :class:`~composer_par.comm.GradReducer` called once per FSDP module per backward
+      with a :class:`~composer_par.comm.GradBucket` (flat gradient buffer, per-parameter
+      views, the dim's process group, the divisor); it reduces the buffer in place. With
+      FSDP2, FSDP2 then shards over its own dim only (a 1-D mesh) and runs the reducer
+      through ``set_all_reduce_hook`` on the reduce-scatter output of every FSDP module;
+      with HSDP alone, the replicate modules' own all-reduce is pointed at a 1-rank group
+      and the reducer does the reduction (:mod:`composer_par.comm` says why);
+    * on a **shard** dim (FSDP2's), ``all_gather`` / ``reduce_scatter``: instances of
+      FSDP2's ``AllGather`` / ``ReduceScatter`` comm classes, installed on every FSDP
+      module with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+
+    A hook on a dim that no data-parallel plugin owns is error CP218; two plugins hooking
+    one dim CP219; a collective the dim does not run CP220. ``apply`` raises if a hook was
+    installed by no plugin. Installations are recorded in ``ctx.notes["comm_hooks"]``.
     """
 
 

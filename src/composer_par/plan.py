@@ -11,6 +11,7 @@ import attrs
 
 from composer_par.apply_context import AppliedStep, ApplyContext
 from composer_par.blocks import Block, BlockSpec, find_blocks
+from composer_par.comm import check_installed, comm_hook_rules
 from composer_par.hooks import HookError, Hooks
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshError, MeshSpec
@@ -156,6 +157,7 @@ class ParallelPlan:
         findings += claim_rules(mesh, decls)
         findings += plugin_rules(self.plugins, decls, block_specs)
         findings += topology_rules(mesh, topology, decls)
+        findings += comm_hook_rules(mesh, decls, hooks.comm_hooks(self))
         findings += hooks.validate_plan(self, mesh, topology)
         blocks: list[Block] = []
         if model is not None:
@@ -179,6 +181,7 @@ class ParallelPlan:
         for stage in STAGES:
             for plugin in ctx.hooks.implementers(stage):
                 self._run_step(ctx, stage, plugin)
+        check_installed(ctx, hooks.comm_hooks(self))
         self._log_layout(ctx)
         self.applied, self.notes = ctx.applied, ctx.notes
         return ctx.model

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from composer_par.mesh import MeshSpec
 
-__all__ = ["Call", "CommCounter", "collective_kind", "group_label"]
+__all__ = ["Call", "CommCounter", "collective_kind", "group_label", "wire_bytes"]
 
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
@@ -103,6 +103,29 @@ class Call:
         return {"kind": self.kind, "op": self.op, "group": list(self.group),
                 "group_name": self.group_name, "bytes": self.payload_bytes,
                 "dtypes": list(self.dtypes)}
+
+
+def wire_bytes(call: Call) -> float:
+    """Bytes this rank sends for ``call`` with a bandwidth-optimal algorithm (ring).
+
+    Logical payload (``Call.payload_bytes``) counts an all-reduce of ``n`` bytes as ``n``
+    and the reduce-scatter plus all-gather it is made of as ``2n``, so it cannot compare
+    an all-reduce with other collectives. Wire bytes can: with ``G`` ranks in the group,
+    an all-reduce sends ``2 (G-1)/G * n``, a reduce-scatter (``n`` = its input), an
+    all-gather (``n`` = its output) and an all-to-all (``n`` = this rank's input)
+    ``(G-1)/G * n``; a broadcast, reduce, gather, scatter or send ``(G-1)/G * n`` (as a
+    pipelined tree would, on average per rank); a receive nothing. A group of one rank
+    sends nothing.
+    """
+    size = len(call.group)
+    if size <= 1 or call.kind in ("recv", "barrier"):
+        return 0.0
+    share = (size - 1) / size
+    if call.kind == "all_reduce":
+        return 2 * share * call.payload_bytes
+    if call.kind in ("send", "p2p"):
+        return float(call.payload_bytes)
+    return share * call.payload_bytes
 
 
 def collective_kind(op_name: str) -> str | None:
@@ -210,6 +233,13 @@ class CommCounter(TorchDispatchMode):
                 slot = out[label].setdefault(kind, {"calls": 0, "bytes": 0})
                 slot["calls"] += totals["calls"]
                 slot["bytes"] += totals["bytes"]
+        return dict(out)
+
+    def wire_bytes_by_dim(self, mesh: MeshSpec, rank: int) -> dict[str, float]:
+        """Bytes this rank sends per mesh dim label (see :func:`wire_bytes`)."""
+        out: dict[str, float] = defaultdict(float)
+        for call in self.calls:
+            out[group_label(mesh, rank, call.group)] += wire_bytes(call)
         return dict(out)
 
     def bytes_by_dim(self, mesh: MeshSpec, rank: int) -> dict[str, int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -175,6 +176,20 @@ def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tens
     global batch; with ``param_dtype`` it emulates FSDP2's mixed precision."""
     import torch
 
+    # One thread, as each rank has (run_ranks' threads_per_rank): on a small shared machine
+    # a multi-threaded reference spins against the ranks and the other tests (measured:
+    # 200 Llama steps took 114 s with 2 threads under load, 2.4 s with 1).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_reference(case)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import torch
+
     from composer_par import MeshSpec, ParallelPlan
     from composer_par.plugins.meta_init import MetaInit
 
@@ -233,10 +248,72 @@ def _accumulate(
     return total / shards
 
 
-def check_parity(case: ParityCase, *, timeout: float = 240.0) -> ParityResult:
+def check_parity(
+    case: ParityCase, *, timeout: float = 240.0, workdir: str | os.PathLike[str] | None = None
+) -> ParityResult:
     """Run the plan on ``case.world_size`` gloo ranks and the reference; compare."""
-    results = run_ranks(train_on_rank, case.world_size, args=(case,), timeout=timeout)
+    results = run_ranks(train_on_rank, case.world_size, args=(case,), timeout=timeout,
+                        workdir=workdir)
     losses, params = results[0]
     ref_losses, ref_params = train_reference(case)
     assert params is not None
     return ParityResult(losses, ref_losses, params, ref_params)
+
+
+@attrs.frozen
+class CommMeasurement:
+    """What each rank's collectives moved while training ``case.steps`` steps.
+
+    ``summary[rank]`` is :meth:`CommCounter.summary` (calls and logical payload bytes per
+    mesh dim label and kind); ``wire[rank]`` is :meth:`CommCounter.wire_bytes_by_dim`
+    (bytes the rank sends per mesh dim label, bandwidth-optimal algorithms).
+    """
+
+    summary: list[dict[str, dict[str, dict[str, int]]]]
+    wire: list[dict[str, float]]
+    losses: list[float]
+
+    def bytes(self, dim: str, rank: int = 0) -> int:
+        """Logical payload bytes over ``dim`` (all kinds) on ``rank``."""
+        return sum(k["bytes"] for k in self.summary[rank].get(dim, {}).values())
+
+    def wire_bytes(self, dim: str, rank: int = 0) -> float:
+        return self.wire[rank].get(dim, 0.0)
+
+
+def comm_on_rank(case: ParityCase) -> tuple[dict[str, Any], dict[str, float], list[float]]:
+    """One rank's side of :func:`measure_comm`: train under a CommCounter."""
+    import torch
+    import torch.distributed as dist
+
+    from composer_par.testing.comm_count import CommCounter
+
+    task = _resolve(case.task)
+    plan = build_plan(case.plan)
+    with torch.device("meta"):
+        model = task.build()
+    model = plan.apply(model)
+    index, count = plan.data_shard()
+    optimizer = _optimizer(case, model.parameters())
+    losses = []
+    counter = CommCounter()
+    for step in range(case.steps):
+        local = task.batch(step).chunk(count)[index]
+        with counter:
+            loss = task.loss(model, local)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    mesh = plan.mesh.resolve(dist.get_world_size())
+    rank = dist.get_rank()
+    return counter.summary(mesh, rank), counter.wire_bytes_by_dim(mesh, rank), losses
+
+
+def measure_comm(
+    case: ParityCase, *, timeout: float = 240.0, workdir: str | os.PathLike[str] | None = None
+) -> CommMeasurement:
+    """Train ``case`` on its ranks and count the collectives of forward and backward."""
+    results = run_ranks(comm_on_rank, case.world_size, args=(case,), timeout=timeout,
+                        workdir=workdir)
+    return CommMeasurement([r[0] for r in results], [r[1] for r in results], results[0][2])

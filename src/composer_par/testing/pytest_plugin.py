@@ -1,7 +1,8 @@
-"""pytest plugin (entry point ``composer_par``): the ``ranks`` fixture.
+"""pytest plugin (entry point ``composer_par``): the ``ranks`` and ``parity`` fixtures.
 
-Loading it imports no torch: only the rank processes do, so test sessions that
-never use the fixture pay nothing for it.
+Installed with composer-par, so plugin authors' test suites get them without a
+conftest. Loading it imports no torch: only the rank processes (and the single-process
+reference of ``parity``) do, so test sessions that never use the fixtures pay nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from typing import Any
 import pytest
 
 from composer_par.testing.distributed import run_ranks
+from composer_par.testing.parity import (
+    CommMeasurement,
+    ParityCase,
+    ParityResult,
+    check_parity,
+    measure_comm,
+)
 
 
 class Ranks:
@@ -27,6 +35,31 @@ class Ranks:
         return run_ranks(fn, world_size, **kwargs)
 
 
+class Parity:
+    """Trains a plan on gloo ranks side by side with a single-process reference.
+
+    ``check`` returns a :class:`~composer_par.testing.parity.ParityResult` (losses and
+    full parameters of both; ``assert_close()`` asserts fp32 parity, the differences are
+    there to assert anything looser); ``comm`` counts the collectives of the plan's
+    training steps per mesh dim. Both take a :class:`ParityCase` or its fields.
+    """
+
+    Case = ParityCase
+
+    def __init__(self, workdir: os.PathLike[str]) -> None:
+        self._workdir = workdir
+
+    def check(self, case: ParityCase | None = None, *, timeout: float = 240.0,
+              **fields: Any) -> ParityResult:
+        return check_parity(case or ParityCase(**fields), timeout=timeout,
+                            workdir=self._workdir)
+
+    def comm(self, case: ParityCase | None = None, *, timeout: float = 240.0,
+             **fields: Any) -> CommMeasurement:
+        return measure_comm(case or ParityCase(**fields), timeout=timeout,
+                            workdir=self._workdir)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Projects that use the fixture under --strict-markers get the marker too.
     config.addinivalue_line("markers", "distributed: spawns real gloo ranks")
@@ -36,3 +69,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def ranks(tmp_path: os.PathLike[str]) -> Ranks:
     """Run a module-level function on real gloo ranks: ``ranks.run(fn, world_size, ...)``."""
     return Ranks(tmp_path)
+
+
+@pytest.fixture
+def parity(tmp_path: os.PathLike[str]) -> Parity:
+    """Train a plan against a single-process reference: ``parity.check(task=..., plan=...,
+    world_size=...)``; count its collectives: ``parity.comm(...)``."""
+    return Parity(tmp_path)
