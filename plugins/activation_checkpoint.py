@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 
 from composer_par.blocks import BlockSpec
-from composer_par.plugin import Plugin, hookimpl, ordering_option
+from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
 from composer_par.validate import Finding
 
 if TYPE_CHECKING:
@@ -41,17 +41,6 @@ MARK = "_composer_par_checkpoint"
 # aten ops whose outputs selective mode saves: the matrix multiplications, which are what
 # a recompute would spend its time on. nn.Linear reaches the dispatcher as mm/addmm.
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-
-
-def blocks_option(value: Any) -> str | tuple[str, ...] | None:
-    """A plugin's ``blocks`` option: a module path (``"layers"``) or block class names."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ValueError(
-        f"blocks must be a module path or a non-empty list of class names; got {value!r}"
-    )
 
 
 def _every(instance: Any, attribute: Any, value: Any) -> None:
@@ -185,7 +174,7 @@ class ActivationCheckpoint(Plugin):
         default="full", validator=attrs.validators.in_(("full", "selective"))
     )
     every: int = attrs.field(default=1, validator=_every)
-    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=blocks_option)
+    blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 

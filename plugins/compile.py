@@ -19,10 +19,10 @@ import shutil
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from composer_par.plugins.activation_checkpoint import blocks_option, wrapped_block_findings
+from composer_par.plugins.activation_checkpoint import wrapped_block_findings
 
 from composer_par.blocks import BlockSpec
-from composer_par.plugin import Plugin, hookimpl, ordering_option
+from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
 from composer_par.validate import Finding, did_you_mean
 
 if TYPE_CHECKING:
@@ -55,10 +55,6 @@ SELECTIVE_AC_BACKENDS = frozenset({
 AOT_BACKEND_PREFIXES = ("aot_", "inductor")
 
 
-def _blocks(value: Any) -> str | tuple[str, ...] | None:
-    return blocks_option(value)
-
-
 def _mode(instance: Any, attribute: Any, value: Any) -> None:
     if value is not None and value not in INDUCTOR_MODES:
         raise ValueError(f"mode must be one of {list(INDUCTOR_MODES)} or None; got {value!r}")
@@ -88,7 +84,7 @@ class Compile(Plugin):
     mode: str | None = attrs.field(default=None, validator=_mode)
     fullgraph: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     backend: Any = attrs.field(default="inductor", validator=_backend)
-    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=_blocks)
+    blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 

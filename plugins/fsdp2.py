@@ -13,7 +13,15 @@ import attrs
 from composer_par.blocks import BlockSpec
 from composer_par.comm import install_all_reduce, install_shard_comms
 from composer_par.hooks import Hooks
-from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
+from composer_par.plugin import (
+    Claim,
+    Plugin,
+    Role,
+    blocks_option,
+    dim_option,
+    hookimpl,
+    ordering_option,
+)
 from composer_par.validate import Finding
 
 if TYPE_CHECKING:
@@ -84,22 +92,6 @@ def _reshard(instance: Any, attribute: Any, value: Any) -> None:
         )
 
 
-def _identifier(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, str) or not value.isidentifier():
-        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
-
-
-def _blocks(value: Any) -> str | tuple[str, ...] | None:
-    """A module path (``"layers"``), or block class names (``["DecoderLayer"]``)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ValueError(
-        f"blocks must be a module path or a non-empty list of class names; got {value!r}"
-    )
-
-
 @attrs.frozen
 class FSDP2(Plugin):
     """Fully sharded data parallel (``torch.distributed.fsdp.fully_shard``).
@@ -114,13 +106,13 @@ class FSDP2(Plugin):
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
     needs_blocks: ClassVar[bool] = True
 
-    dim: str = attrs.field(default="dp_shard", validator=_identifier)
+    dim: str = dim_option("dp_shard")
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
     mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=_mixed_precision)
     offload: Literal["none", "cpu"] = attrs.field(
         default="none", validator=attrs.validators.in_(("none", "cpu"))
     )
-    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=_blocks)
+    blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 

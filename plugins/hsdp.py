@@ -34,12 +34,19 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from composer_par.plugins.activation_checkpoint import blocks_option
 
 from composer_par.blocks import BlockSpec
 from composer_par.comm import install_all_reduce
 from composer_par.hooks import Hooks
-from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
+from composer_par.plugin import (
+    Claim,
+    Plugin,
+    Role,
+    blocks_option,
+    dim_option,
+    hookimpl,
+    ordering_option,
+)
 from composer_par.validate import Finding
 
 if TYPE_CHECKING:
@@ -49,15 +56,6 @@ if TYPE_CHECKING:
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
     from composer_par.plugin import Declaration
-
-
-def _blocks(value: Any) -> str | tuple[str, ...] | None:
-    return blocks_option(value)
-
-
-def _identifier(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, str) or not value.isidentifier():
-        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
 
 
 def _divide_factor(value: Any) -> float | None:
@@ -92,9 +90,9 @@ class HSDP(Plugin):
     name: ClassVar[str] = "hsdp"
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
 
-    dim: str = attrs.field(default="dp_replicate", validator=_identifier)
+    dim: str = dim_option("dp_replicate")
     gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
-    blocks: str | tuple[str, ...] | None = attrs.field(default=None, converter=_blocks)
+    blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 

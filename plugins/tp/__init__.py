@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.plugin import Claim, Plugin, Role, hookimpl, ordering_option
+from composer_par.plugin import Claim, Plugin, Role, dim_option, hookimpl, ordering_option
 from composer_par.validate import Finding
 
 from .apply import (
@@ -84,11 +84,6 @@ if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan
 
 
-def _identifier(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, str) or not value.isidentifier():
-        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
-
-
 def _bool(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{attribute.name} must be true or false; got {value!r}")
@@ -108,7 +103,7 @@ class TP(Plugin):
 
     name: ClassVar[str] = "tp"
 
-    dim: str = attrs.field(default="tp", validator=_identifier)
+    dim: str = dim_option("tp")
     plan: str | PlanMap = attrs.field(default="auto", converter=plan_option)
     sequence_parallel: bool = attrs.field(default=False, validator=_bool)
     loss_parallel: bool = attrs.field(default=False, validator=_bool)

@@ -219,7 +219,7 @@ def train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One rank: build on meta, apply the plan, train, save; rank 0 returns the results."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_train_rank)(plan_text, settings)  # type: ignore[no-any-return]
+    return record(_train_rank)(plan_text, settings)  # type: ignore[return-value]
 
 
 def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:

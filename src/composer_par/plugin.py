@@ -146,6 +146,32 @@ def ordering_option() -> Any:
     return attrs.field(default=(), converter=_plugin_names)
 
 
+def _mesh_dim_name(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or not value.isidentifier():
+        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
+
+
+def dim_option(default: str) -> Any:
+    """A ``dim`` option: the mesh dim the plugin claims (whether the mesh has it is CP203)."""
+    return attrs.field(default=default, validator=_mesh_dim_name)
+
+
+def _block_names(value: Any) -> str | tuple[str, ...] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(
+        f"blocks must be a module path or a non-empty list of class names; got {value!r}"
+    )
+
+
+def blocks_option() -> Any:
+    """A ``blocks`` option: a module path (``"layers"``) or block class names
+    (``["DecoderLayer"]``); None lets the shared block finder detect them."""
+    return attrs.field(default=None, converter=_block_names)
+
+
 def _is_hookimpl(fn: Any) -> bool:
     return fn is not None and hasattr(fn, f"{PROJECT}_impl")
 

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 
-class Severity(str, enum.Enum):
+class Severity(enum.StrEnum):
     ERROR = "error"
     WARNING = "warning"
     INFO = "info"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 from composer_par.comm import CommHook, CommSetup, GradReducer
 from composer_par.hooks import Hooks
-from composer_par.plugin import Plugin, Role, hookimpl
+from composer_par.plugin import Plugin, Role, dim_option, hookimpl
 from composer_par.validate import Finding, Severity
 
 if TYPE_CHECKING:
@@ -49,11 +49,6 @@ def _at_least(low: int) -> Any:
     return check
 
 
-def _identifier(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, str) or not value.isidentifier():
-        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
-
-
 def _bool(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{attribute.name} must be true or false; got {value!r}")
@@ -81,7 +76,7 @@ class Compress(Plugin):
     requires: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
 
     method: str = attrs.field(default="bf16", converter=_method)
-    dim: str = attrs.field(default="dp_replicate", validator=_identifier)
+    dim: str = dim_option("dp_replicate")
     rank: int = attrs.field(default=4, validator=_at_least(1))
     min_compress_numel: int = attrs.field(default=4096, validator=_at_least(0))
     start_step: int = attrs.field(default=0, validator=_at_least(0))
