@@ -197,8 +197,9 @@ class FSDP2(Plugin):
         if self.reshard_after_forward is not None:
             common["reshard_after_forward"] = self.reshard_after_forward
         sharded = []
+        block_policy = mp.policy(root=False)
         for _, block in ctx.blocks:
-            fully_shard(block, mp_policy=mp.policy(root=False), **common)
+            fully_shard(block, mp_policy=block_policy, **common)
             sharded.append(block)
         fully_shard(ctx.model, mp_policy=mp.policy(root=True), **common)
         sharded.append(ctx.model)

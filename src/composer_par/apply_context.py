@@ -57,6 +57,8 @@ class ApplyContext:
         missing = [n for n in names if n not in self.mesh]
         if missing:
             raise MeshError(f"no mesh dim {missing[0]!r}; the mesh has {list(self.mesh.names)}")
+        if names == self.mesh.names:  # the whole mesh: no slicing, no new mesh object
+            return self.device_mesh
         return self.device_mesh[names if len(names) > 1 else names[0]]
 
     def replicate_dims(self) -> list[str]:
