@@ -14,20 +14,13 @@ llama_kv4 = LlamaTask(n_kv_heads=4)
 def train_loss_parallel(case: ParityCase) -> tuple[list[float], dict[str, Any] | None]:
     """``train_on_rank`` with the loss and its backward under ``loss_parallel()``, as a
     user of ``TP(loss_parallel=True)`` writes them (the logits stay vocabulary-sharded)."""
-    import torch
     import torch.distributed as dist
     from composer_par.plugins.tp import local_loss, loss_parallel
     from torch.distributed.tensor import DTensor
 
-    from composer_par.testing.parity import _optimizer, _resolve, build_plan, full_parameters
+    from composer_par.testing.parity import full_parameters, start_rank
 
-    task = _resolve(case.task)
-    plan = build_plan(case.plan)
-    with torch.device("meta"):
-        model = task.build()
-    model = plan.apply(model)
-    index, count = plan.data_shard()
-    optimizer = _optimizer(case, model.parameters())
+    task, _plan, model, index, count, optimizer = start_rank(case)
     losses, sharded_logits = [], True
     for step in range(case.steps):
         local = task.batch(step).chunk(count)[index]

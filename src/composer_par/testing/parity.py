@@ -145,10 +145,10 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor] | None]:
-    """One rank's side: build on meta, apply the plan, train; rank 0 returns the results."""
+def start_rank(case: ParityCase) -> tuple[Any, ParallelPlan, nn.Module, int, int, Any]:
+    """A rank's set-up: the task, the plan, the model built on meta with the plan applied,
+    this rank's data shard (index, count), and the optimizer."""
     import torch
-    import torch.distributed as dist
 
     task = _resolve(case.task)
     plan = build_plan(case.plan)
@@ -156,7 +156,14 @@ def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor
         model = task.build()
     model = plan.apply(model)
     index, count = plan.data_shard()
-    optimizer = _optimizer(case, model.parameters())
+    return task, plan, model, index, count, _optimizer(case, model.parameters())
+
+
+def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    """One rank's side: build on meta, apply the plan, train; rank 0 returns the results."""
+    import torch.distributed as dist
+
+    task, _plan, model, index, count, optimizer = start_rank(case)
     losses = []
     for step in range(case.steps):
         local = task.batch(step).chunk(count)[index]
@@ -283,18 +290,11 @@ class CommMeasurement:
 
 def comm_on_rank(case: ParityCase) -> tuple[dict[str, Any], dict[str, float], list[float]]:
     """One rank's side of :func:`measure_comm`: train under a CommCounter."""
-    import torch
     import torch.distributed as dist
 
     from composer_par.testing.comm_count import CommCounter
 
-    task = _resolve(case.task)
-    plan = build_plan(case.plan)
-    with torch.device("meta"):
-        model = task.build()
-    model = plan.apply(model)
-    index, count = plan.data_shard()
-    optimizer = _optimizer(case, model.parameters())
+    task, plan, model, index, count, optimizer = start_rank(case)
     losses = []
     counter = CommCounter()
     for step in range(case.steps):
