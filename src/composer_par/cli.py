@@ -16,6 +16,7 @@ its ``run(args, out) -> exit code``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -118,15 +119,16 @@ class Command:
     run: Callable[[argparse.Namespace, Output], int]
 
 
-def _bounded_int(lowest: int, highest: int) -> Callable[[str], int]:
+def bounded_int(lowest: int, highest: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int from ``lowest`` to ``highest`` (None: no upper bound)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an int; got {text!r}") from None
-        if not lowest <= value <= highest:
-            raise argparse.ArgumentTypeError(
-                f"expected an int from {lowest} to {highest}; got {value}")
+        if value < lowest or (highest is not None and value > highest):
+            wanted = f">= {lowest}" if highest is None else f"from {lowest} to {highest}"
+            raise argparse.ArgumentTypeError(f"expected an int {wanted}; got {value}")
         return value
 
     return parse
@@ -135,7 +137,7 @@ def _bounded_int(lowest: int, highest: int) -> Callable[[str], int]:
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from composer_par.planfile import MAX_RANKS
 
-    ranks = _bounded_int(1, MAX_RANKS)
+    ranks = bounded_int(1, MAX_RANKS)
     parser.add_argument("plan", metavar="PLAN.toml", help="the plan file ('-' reads stdin)")
     group = parser.add_argument_group("where it runs (overrides the plan's [topology])")
     group.add_argument("--nodes", type=ranks, metavar="N", help="number of nodes")
@@ -211,7 +213,7 @@ def run_validate(args: argparse.Namespace, out: Output) -> int:
     from composer_par.planfile import PlanFileError
 
     if getattr(args, "model", None):  # the dry run (imports torch)
-        return _plan_tools().run_validate_model(args, out)
+        return _module("cli_plan_tools").run_validate_model(args, out)
     try:
         plan, world = load_plan_for(args)
     except PlanFileError as exc:
@@ -261,7 +263,7 @@ def run_explain(args: argparse.Namespace, out: Output) -> int:
     }
     parts = [explanation.format()] if explanation else []
     if explanation is not None:
-        picture, layout = _plan_tools().layout_picture(
+        picture, layout = _module("cli_plan_tools").layout_picture(
             explanation, out, getattr(args, "svg", None), args.plan)
         parts += [picture] if picture else []
         data.update(layout)
@@ -306,21 +308,20 @@ def run_rules(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
-def _plan_tools() -> Any:
-    # The before-launch tools (dry run, pictures, estimate, suggest); torch-free on import.
-    from composer_par import cli_plan_tools
-
-    return cli_plan_tools
+def _module(name: str) -> Any:
+    """A subcommand's module, imported on use: the static commands stay fast and never
+    import torch (the before-launch tools, the checkpoint tools, the demo)."""
+    return importlib.import_module(f"composer_par.{name}")
 
 
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     _plan_arguments(parser)
-    _plan_tools().validate_arguments(parser)
+    _module("cli_plan_tools").validate_arguments(parser)
 
 
 def _explain_arguments(parser: argparse.ArgumentParser) -> None:
     _plan_arguments(parser)
-    _plan_tools().explain_arguments(parser)
+    _module("cli_plan_tools").explain_arguments(parser)
 
 
 COMMANDS: list[Command] = [
@@ -332,33 +333,22 @@ COMMANDS: list[Command] = [
             lambda parser: None, run_plugins),
     Command("rules", "the catalog of validation rule codes", lambda parser: None, run_rules),
     Command("demo", "train a small Llama with a plan on local processes (torch's launcher)",
-            lambda parser: _demo().add_arguments(parser), lambda a, o: _demo().run(a, o)),
-    # Imported on use (like the demo): the static commands stay fast.
+            lambda p: _module("demo").add_arguments(p), lambda a, o: _module("demo").run(a, o)),
     Command("inspect", "keys, shapes, dtypes, bytes, commit state and saved plan of a checkpoint "
             "(DCP or safetensors)",
-            lambda p: __import__("composer_par.cli_checkpoint").cli_checkpoint
-            .configure_inspect(p),
-            lambda a, o: __import__("composer_par.cli_checkpoint").cli_checkpoint
-            .run_inspect(a, o)),
+            lambda p: _module("cli_checkpoint").configure_inspect(p),
+            lambda a, o: _module("cli_checkpoint").run_inspect(a, o)),
     Command("convert", "convert a checkpoint DCP <-> safetensors, streaming, with progress",
-            lambda p: __import__("composer_par.cli_checkpoint").cli_checkpoint
-            .configure_convert(p),
-            lambda a, o: __import__("composer_par.cli_checkpoint").cli_checkpoint
-            .run_convert(a, o)),
+            lambda p: _module("cli_checkpoint").configure_convert(p),
+            lambda a, o: _module("cli_checkpoint").run_convert(a, o)),
     Command("estimate", "per-rank memory and per-mesh-dim communication of a plan",
-            lambda parser: _plan_tools().estimate_arguments(parser),
-            lambda a, o: _plan_tools().run_estimate(a, o)),
+            lambda p: _module("cli_plan_tools").estimate_arguments(p),
+            lambda a, o: _module("cli_plan_tools").run_estimate(a, o)),
     Command("suggest", "rank candidate layouts for a model and a cluster; print the best plan",
-            lambda parser: _plan_tools().suggest_arguments(parser),
-            lambda a, o: _plan_tools().run_suggest(a, o)),
+            lambda p: _module("cli_plan_tools").suggest_arguments(p),
+            lambda a, o: _module("cli_plan_tools").run_suggest(a, o)),
 ]
 
-
-def _demo() -> Any:
-    # Imported on use: the demo module is only needed when the demo runs.
-    from composer_par import demo
-
-    return demo
 
 
 # -- entry point ---------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_par.cli import bounded_int
+
 if TYPE_CHECKING:
     from composer_par.cli import Output
     from composer_par.estimate import ModelShape
@@ -27,24 +29,9 @@ def _input_error(message: str) -> Any:
     return InputError(message)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1; got {value}")
-    return value
-
-
-def _rank(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rank (an int >= 0); got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a rank (an int >= 0); got {value}")
-    return value
+# Ranks are counted from 0; everything else here counts from 1.
+_positive_int = bounded_int(1)
+_rank = bounded_int(0)
 
 
 def _count(text: str) -> int:
@@ -295,12 +282,7 @@ def suggest_arguments(parser: argparse.ArgumentParser) -> None:
 
     where = parser.add_argument_group("the cluster")
 
-    def ranks(text: str) -> int:
-        value = _positive_int(text)
-        if value > MAX_RANKS:
-            raise argparse.ArgumentTypeError(f"expected at most {MAX_RANKS}; got {value}")
-        return value
-
+    ranks = bounded_int(1, MAX_RANKS)
     where.add_argument("--nodes", type=ranks, required=True, metavar="N")
     where.add_argument("--devices-per-node", type=ranks, required=True, metavar="M")
     where.add_argument("--device-memory", type=_size, required=True, metavar="SIZE",
