@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 
-from composer_par.blocks import BlockSpec
 from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
 from composer_par.validate import Finding
 
@@ -177,10 +176,6 @@ class ActivationCheckpoint(Plugin):
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
-
-    @hookimpl
-    def composer_par_block_spec(self) -> BlockSpec | None:
-        return BlockSpec.parse(self.blocks)
 
     @hookimpl
     def composer_par_validate_model(self, blocks: list[Block]) -> list[Finding]:

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 from composer_par.plugins.activation_checkpoint import wrapped_block_findings
 
-from composer_par.blocks import BlockSpec
 from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
 from composer_par.validate import Finding, did_you_mean
 
@@ -87,10 +86,6 @@ class Compile(Plugin):
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
-
-    @hookimpl
-    def composer_par_block_spec(self) -> BlockSpec | None:
-        return BlockSpec.parse(self.blocks)
 
     @hookimpl
     def composer_par_validate_plan(self, plan: ParallelPlan, mesh: MeshSpec) -> list[Finding]:

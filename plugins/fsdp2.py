@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 
-from composer_par.blocks import BlockSpec
 from composer_par.comm import install_all_reduce, install_shard_comms
 from composer_par.hooks import Hooks
 from composer_par.plugin import (
@@ -118,10 +117,6 @@ class FSDP2(Plugin):
 
     def claims(self) -> tuple[Claim, ...]:
         return (Claim(self.dim, Role.SHARD),)
-
-    @hookimpl
-    def composer_par_block_spec(self) -> BlockSpec | None:
-        return BlockSpec.parse(self.blocks)
 
     @hookimpl
     def composer_par_validate_plan(

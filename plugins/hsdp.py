@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.blocks import BlockSpec
 from composer_par.comm import install_all_reduce
 from composer_par.hooks import Hooks
 from composer_par.plugin import (
@@ -104,10 +103,6 @@ class HSDP(Plugin):
     @hookimpl
     def composer_par_replicate_dims(self) -> list[str]:
         return [self.dim]
-
-    @hookimpl
-    def composer_par_block_spec(self) -> BlockSpec | None:
-        return BlockSpec.parse(self.blocks)
 
     # -- validation ----------------------------------------------------------------------
 

@@ -129,6 +129,8 @@ def composer_par_block_spec(plan: ParallelPlan) -> BlockSpec | None:
     Called: once per validate/apply; the shared block finder uses the answer. Two
     plugins answering differently is a validation error (CP208).
     Returns: a :class:`~composer_par.blocks.BlockSpec`, or None to let the finder detect.
+    The base class answers it from a ``blocks`` option (``composer_par.plugin.blocks_option``),
+    so a plugin with that option needs no implementation of its own.
     """
 
 

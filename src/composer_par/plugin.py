@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 import attrs
 import pluggy
 
+from composer_par.blocks import BlockSpec
+
 PROJECT = "composer_par"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -99,6 +101,11 @@ class Plugin:
     @hookimpl
     def composer_par_declare(self) -> Declaration:
         return self.declare()
+
+    @hookimpl
+    def composer_par_block_spec(self) -> BlockSpec | None:
+        # Plugins with a ``blocks`` option (see blocks_option) tell the shared block finder.
+        return BlockSpec.parse(getattr(self, "blocks", None))
 
     # -- options (the plan file's view of the plugin) ----------------------------------
 
