@@ -40,7 +40,7 @@ def llama_1b() -> Any:
 
 
 def plan_text(world: int) -> tuple[str, str]:
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
     nodes = max(1, world // 8)
     hsdp = "hsdp" in Registry().names() and nodes > 1
@@ -71,7 +71,7 @@ def cold(path: Path, runs: int) -> tuple[list[float], int]:
 
 def warm(path: Path, runs: int) -> list[float]:
     from composer_par import ParallelPlan
-    from composer_par.dryrun import dry_run
+    from composer_par.tools.dryrun import dry_run
 
     plan = ParallelPlan.from_toml(path)
     dry_run(plan, llama_1b)  # imports (torch, the fake backend, dynamo for meta init) once

@@ -24,7 +24,7 @@ TARGET_S = 0.3
 
 def plan_text() -> tuple[str, str]:
     """An HSDP-shaped 64-rank plan: replicate across 8 nodes, shard inside each."""
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
     names = Registry().names()
     # Without an HSDP plugin the replicate dim is unowned (CP201): still a full run.

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
-from composer_par.demo import corpus_bytes
 from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
+from composer_par.tools.demo import corpus_bytes
 
 log = get_logger("train")
 

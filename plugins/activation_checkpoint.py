@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 
+from composer_par.findings import Finding
 from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
-from composer_par.validate import Finding
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.blocks import Block
+    from composer_par.plugin.context import ApplyContext
 
 # The instance attribute that marks a block this plugin checkpointed (and in which mode).
 MARK = "_composer_par_checkpoint"

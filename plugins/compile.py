@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 from composer_par.plugins.activation_checkpoint import wrapped_block_findings
 
+from composer_par.findings import Finding, did_you_mean
 from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
-from composer_par.validate import Finding, did_you_mean
 
 if TYPE_CHECKING:
-    from composer_par.apply_context import ApplyContext
     from composer_par.blocks import Block
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.context import ApplyContext
 
 # torch.compile's modes; each configures inductor, and torch hands ``mode`` to whatever
 # backend is named, so with another backend the first forward fails with a TypeError.
@@ -170,8 +170,8 @@ class Compile(Plugin):
 
 def _model_parallel_dims(plan: ParallelPlan, mesh: MeshSpec) -> list[tuple[str, str]]:
     """(plugin, dim) of every model-parallel claim on a mesh dim not of size 1."""
-    from composer_par.hooks import Hooks
     from composer_par.plugin import Role
+    from composer_par.plugin.caller import Hooks
 
     return [(d.plugin, c.dim) for d in Hooks(plan.plugins).declarations() for c in d.claims
             if c.role is Role.MODEL_PARALLEL and c.dim in mesh and mesh.size(c.dim) != 1]

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 
-from composer_par.comm import install_all_reduce, install_shard_comms
-from composer_par.hooks import Hooks
+from composer_par.findings import Finding
 from composer_par.plugin import (
     Claim,
     Plugin,
@@ -21,12 +20,13 @@ from composer_par.plugin import (
     hookimpl,
     ordering_option,
 )
-from composer_par.validate import Finding
+from composer_par.plugin.caller import Hooks
+from composer_par.plugin.fsdp_state import install_all_reduce, install_shard_comms
 
 if TYPE_CHECKING:
-    from composer_par.apply_context import ApplyContext
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.context import ApplyContext
     from composer_par.topology import Topology
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.comm import install_all_reduce
-from composer_par.hooks import Hooks
+from composer_par.findings import Finding
 from composer_par.plugin import (
     Claim,
     Plugin,
@@ -46,15 +45,20 @@ from composer_par.plugin import (
     hookimpl,
     ordering_option,
 )
-from composer_par.validate import Finding
+from composer_par.plugin.caller import Hooks
+from composer_par.plugin.fsdp_state import (
+    install_all_reduce,
+    premul_sum_supported,
+    set_gradient_divide_factor,
+)
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
     from composer_par.plugin import Declaration
+    from composer_par.plugin.context import ApplyContext
 
 
 def _divide_factor(value: Any) -> float | None:
@@ -66,7 +70,7 @@ def _divide_factor(value: Any) -> float | None:
 
 
 def _declarations(plan: ParallelPlan) -> list[Declaration]:
-    from composer_par.hooks import Hooks
+    from composer_par.plugin.caller import Hooks
 
     return Hooks(plan.plugins).declarations()
 
@@ -172,7 +176,7 @@ class HSDP(Plugin):
         ctx.notes.setdefault("fsdp_modules", []).extend(replicated)
         if hook is not None and hook.all_reduce:
             # torch's replicate all-reduces before its all-reduce hook runs: its own
-            # all-reduce goes to a 1-rank group, and the hook reduces (composer_par.comm).
+            # all-reduce goes to a 1-rank group, and the hook reduces (composer_par.plugin.comm).
             install_all_reduce(ctx, replicated, hook, owner=self.name, replace_native=True)
             return (f"replicate on {len(ctx.blocks)} block(s) + root over {size}; all-reduce "
                     f"by {hook.plugin}'s comm hook")
@@ -191,49 +195,4 @@ class HSDP(Plugin):
                 f"{len(modules)} FSDP module(s){note}")
 
 
-def premul_sum_supported(ctx: ApplyContext) -> bool:
-    """Whether the data-parallel collectives can use ``ReduceOp.PREMUL_SUM`` (NCCL only).
-
-    Measured: gloo raises ``RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo`` in
-    both all_reduce and reduce_scatter, i.e. in the first backward.
-    """
-    import torch.distributed as dist
-
-    if ctx.device_mesh is None or not dist.is_initialized():
-        return True  # one process: no collective runs
-    backend = str(dist.get_backend(ctx.device_mesh.get_group(0)))
-    return ctx.device_mesh.device_type == "cuda" and "nccl" in backend
-
-
-def reduce_scatters(module: Any) -> bool:
-    """Whether an FSDP module reduce-scatters its gradients (a shard group of size > 1)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-
-    state = module._get_fsdp_state()
-    return any(
-        isinstance(group.mesh_info, FSDPMeshInfo) and group.mesh_info.shard_mesh_size > 1
-        for group in state._fsdp_param_groups
-    )
-
-
-def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_only: bool) -> int:
-    """Set ``factor`` on every FSDP module; returns how many were switched to SUM-only.
-
-    ``FSDPModule.set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms`` act
-    on the module they are called on, not on its FSDP submodules, so each module gets the
-    call. With a factor, FSDP2 reduce-scatters with ``PREMUL_SUM(1/factor)`` (unless the
-    factor equals the shard size); backends without PREMUL_SUM (gloo) get SUM reductions
-    and a division afterwards instead. Modules that do not reduce-scatter (replicate-only)
-    keep torch's path: it divides locally before a SUM all-reduce, and forcing SUM there
-    would divide twice (measured on torch 2.13).
-    """
-    forced = 0
-    for module in modules:
-        module.set_gradient_divide_factor(factor)
-        if sum_only and reduce_scatters(module):
-            module.set_force_sum_reduction_for_comms(True)
-            forced += 1
-    return forced
-
-
-__all__ = ["HSDP", "set_gradient_divide_factor"]
+__all__ = ["HSDP"]

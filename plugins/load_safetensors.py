@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.blocks import clean_name
+from composer_par.findings import Finding
 from composer_par.plugin import Plugin, hookimpl
-from composer_par.validate import Finding
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.checkpoint.adapter import StateDictAdapter
     from composer_par.checkpoint.matching import Match, Spec
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.context import ApplyContext
 
 
 def _path(value: Any) -> str:
@@ -189,7 +189,7 @@ class WeightsLoader(Plugin):
 
         from composer_par.checkpoint.adapter import combine
         from composer_par.checkpoint.weights import aliases, retie
-        from composer_par.initialize import init_module
+        from composer_par.plugin.initialize import init_module
 
         adapter = combine(ctx.hooks.state_dict_adapters(ctx.plan, ctx.model))
         device = torch.device(self.device) if self.device else ctx.device

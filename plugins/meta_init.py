@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.blocks import clean_name
+from composer_par.findings import Finding
 from composer_par.plugin import Plugin, hookimpl
-from composer_par.validate import Finding
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
+    from composer_par.plugin.context import ApplyContext
 
 InitFn = Callable[["nn.Module"], None]
 
@@ -162,7 +162,7 @@ class MetaInit(Plugin):
     def composer_par_materialize(self, ctx: ApplyContext) -> str:
         import torch
 
-        from composer_par.initialize import init_module, to_empty_keeping_ties
+        from composer_par.plugin.initialize import init_module, to_empty_keeping_ties
 
         device = torch.device(self.device) if self.device else ctx.device
         model = ctx.model

@@ -22,7 +22,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, int], tuple[str, ...]]] = {
 
 
 def plugin(name: str) -> Any:
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
     return Registry().get(name)()
 

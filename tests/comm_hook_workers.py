@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import attrs
 
 from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan
-from composer_par.comm import CommHook, CommSetup, GradBucket, all_reduce_mean
 from composer_par.plugin import Plugin, hookimpl
+from composer_par.plugin.comm import CommHook, CommSetup, GradBucket, all_reduce_mean
 
 # What the hooks saw on this rank (each rank is its own process).
 SEEN: dict[str, list[Any]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}

@@ -42,10 +42,11 @@ def divide_factor_paths() -> dict[str, Any]:
     """
     import torch
     import torch.distributed as dist
-    from composer_par.plugins.hsdp import set_gradient_divide_factor
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from composer_par.plugin.fsdp_state import set_gradient_divide_factor
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))

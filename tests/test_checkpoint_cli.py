@@ -12,8 +12,8 @@ import torch
 
 from composer_par import checkpoint as ck
 from composer_par.checkpoint import steps
-from composer_par.cli import main
-from composer_par.cli_checkpoint import ProgressBar, parse_size
+from composer_par.cli.checkpoint import ProgressBar, parse_size
+from composer_par.cli.main import main
 from composer_par.plan import ParallelPlan
 from tests.test_checkpoint_io import reference, state, write_weights
 

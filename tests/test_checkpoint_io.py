@@ -26,9 +26,9 @@ from composer_par.checkpoint.errors import (
 )
 from composer_par.checkpoint.safetensors_io import read_header, save_file
 from composer_par.checkpoint.sources import WeightsSource
+from composer_par.findings import PlanError
 from composer_par.plugin import Plugin, hookimpl
 from composer_par.testing.tasks import LlamaTask, llama
-from composer_par.validate import PlanError
 
 #: Our Llama's names -> Hugging Face Llama's (model name -> file key), as a rename.
 HF_RENAME = [

@@ -23,11 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from composer_par import ParallelPlan, PlanFileError
-from composer_par.cli import COMMANDS, TRACEBACK_ENV, Output, main, use_color
-from composer_par.hooks import HookError
+from composer_par.cli.main import COMMANDS, TRACEBACK_ENV, Output, main, use_color
+from composer_par.findings import RULES
 from composer_par.planfile import MAX_RANKS
-from composer_par.registry import ALLOW_ENV, BLOCK_ENV, GROUP
-from composer_par.validate import RULES
+from composer_par.plugin.caller import HookError
+from composer_par.plugin.registry import ALLOW_ENV, BLOCK_ENV, GROUP
 from tests.test_planfile import FUZZ, plan_data, to_toml_document
 
 CLEAN = """
@@ -408,7 +408,7 @@ def test_cli_on_random_text(text: str) -> None:
 PROBE = """
 import contextlib, io, json, sys, time
 started = time.perf_counter()
-from composer_par.cli import main
+from composer_par.cli.main import main
 imported = time.perf_counter()
 codes, seconds = [], []
 for argv in json.loads(sys.argv[1]):

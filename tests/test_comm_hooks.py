@@ -15,8 +15,8 @@ import attrs
 import pytest
 
 from composer_par import FSDP2, HSDP, TP, MeshSpec, MetaInit, ParallelPlan
-from composer_par.comm import CommHook
 from composer_par.plugin import Claim, Plugin, Role, hookimpl
+from composer_par.plugin.comm import CommHook
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ParityCase
 from tests.comm_hook_workers import PlainAllReduce, PlainShardComms
@@ -138,7 +138,7 @@ def test_apply_refuses_a_hook_no_owner_installed() -> None:
 
 
 def test_hooks_facade_names_the_plugin_of_each_hook() -> None:
-    from composer_par.hooks import Hooks
+    from composer_par.plugin.caller import Hooks
 
     plan = hsdp_plan(PlainAllReduce(), PlainShardComms())
     hooks = Hooks(plan.plugins).comm_hooks(plan)

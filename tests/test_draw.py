@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from composer_par import MeshSpec, Topology
-from composer_par.cli import main
-from composer_par.draw import MAX_ROWS, SVG_MAX_RANKS, Grid, render_svg, render_text
+from composer_par.cli.main import main
+from composer_par.tools.draw import MAX_ROWS, SVG_MAX_RANKS, Grid, render_svg, render_text
 
 SVG = "{http://www.w3.org/2000/svg}"
 

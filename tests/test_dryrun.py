@@ -14,8 +14,10 @@ import attrs
 import pytest
 
 from composer_par import FSDP2, MeshSpec, MetaInit, ParallelPlan, Registry
-from composer_par.cli import main
-from composer_par.dryrun import (
+from composer_par.cli.main import main
+from composer_par.models.llama import parameter_count
+from composer_par.plugin import Plugin, hookimpl
+from composer_par.tools.dryrun import (
     DryRunError,
     SkippedInDryRun,
     default_ranks,
@@ -23,8 +25,6 @@ from composer_par.dryrun import (
     format_result,
     resolve_factory,
 )
-from composer_par.models.llama import parameter_count
-from composer_par.plugin import Plugin, hookimpl
 from tests.dryrun_models import SMALL
 
 SMALL_MODEL = "tests.dryrun_models:small_llama"

@@ -15,7 +15,7 @@ import attrs
 import pytest
 
 from composer_par import MeshSpec, ParallelPlan, Registry, Role, Topology
-from composer_par.cli import main
+from composer_par.cli.main import main
 from composer_par.estimate import (
     ACCOUNTING,
     Collective,
@@ -405,7 +405,7 @@ def test_estimate_with_a_model(plan_64: str) -> None:
 
 PROBE = """
 import contextlib, io, json, sys
-from composer_par.cli import main
+from composer_par.cli.main import main
 codes = []
 for argv in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_par.cli import main as cli
+from composer_par.cli.main import main as cli
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

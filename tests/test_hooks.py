@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from composer_par import Claim, Declaration, MeshSpec, ParallelPlan, Plugin, Role, hookimpl
-from composer_par.apply_context import ApplyContext
-from composer_par.hooks import Hooks
 from composer_par.plugin import STAGES, Stage
+from composer_par.plugin.caller import Hooks
+from composer_par.plugin.context import ApplyContext
 
 CALLS: list[tuple[str, str]] = []
 
@@ -141,7 +141,7 @@ def test_declare_carries_claims_and_capabilities() -> None:
 
 
 def test_stage_list_matches_the_hookspecs() -> None:
-    from composer_par import hookspecs
+    from composer_par.plugin import hookspecs
 
     specs = {n for n in dir(hookspecs) if n.startswith("composer_par_")}
     assert {s.value for s in Stage} <= specs

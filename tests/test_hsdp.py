@@ -23,10 +23,10 @@ from composer_par import (
     PlanFileError,
     Topology,
 )
+from composer_par.findings import Severity
 from composer_par.plugin import Claim, Plugin, Role
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ParityCase, check_parity
-from composer_par.validate import Severity
 
 LLAMA = "composer_par.testing.tasks:llama"
 ENCODER = "composer_par.testing.tasks:encoder"

@@ -21,7 +21,7 @@ from composer_par.planfile import (
     toml_string,
     toml_value,
 )
-from composer_par.registry import Registry
+from composer_par.plugin.registry import Registry
 
 REGISTRY = Registry()  # one discovery for the whole module: the fuzz tests run it a lot
 FUZZ = settings(max_examples=150, deadline=None,

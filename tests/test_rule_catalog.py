@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from composer_par import hookspecs
+from composer_par.plugin import hookspecs
+from composer_par.findings import RULES
 from composer_par.plugin import PROJECT
-from composer_par.validate import RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "rules.md"

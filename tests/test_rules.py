@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from composer_par import FSDP2, MetaInit, rules
 from composer_par.blocks import BlockSpec
+from composer_par.findings import RULES, Finding, PlanError, Report, Severity
 from composer_par.mesh import MeshSpec
 from composer_par.plan import ParallelPlan
 from composer_par.plugin import Claim, Plugin, Role, hookimpl
 from composer_par.topology import Topology
-from composer_par.validate import RULES, Finding, PlanError, Report, Severity
 
 # -- test plugins ----------------------------------------------------------------------------
 
@@ -426,7 +426,7 @@ def test_cp211_hook_that_does_not_exist(plugin: Plugin, hook: str) -> None:
     report = plan_of(MeshSpec(dp_shard=2), FSDP2(), plugin).validate(world_size=2)
     finding = only(report, "CP211")
     assert hook in finding.message
-    assert "composer_par.hookspecs" in finding.fix
+    assert "composer_par.plugin.hookspecs" in finding.fix
     assert not report.ok
     with pytest.raises(PlanError) as err:
         plan_of(MeshSpec(), plugin).apply(Net())

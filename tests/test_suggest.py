@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from composer_par import ParallelPlan, Registry, Topology
-from composer_par.cli import main
+from composer_par.cli.main import main
 from composer_par.estimate import ModelShape, parse_bytes
-from composer_par.suggest import Candidate, candidates, format_suggestion, suggest
+from composer_par.tools.suggest import Candidate, candidates, format_suggestion, suggest
 
 GIB80 = parse_bytes("80GiB")
 INSTALLED = set(Registry().names())

@@ -13,13 +13,13 @@ import torch.nn as nn
 from composer_par.plugins.tp import PlanMap, StyleSpec, matches, resolve
 
 from composer_par import TP, MeshSpec, MetaInit, ParallelPlan, PlanError, PlanFileError
+from composer_par.findings import Report
 from composer_par.models.llama import Llama, LlamaConfig
 from composer_par.plugin import Role, Stage
-from composer_par.registry import Registry
+from composer_par.plugin.registry import Registry
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ATOL, RTOL, ParityCase, ParityResult, check_parity
 from composer_par.testing.tasks import llama
-from composer_par.validate import Report
 from tests import tp_workers
 
 LLAMA = "composer_par.testing.tasks:llama"

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from composer_par.findings import Finding
 from composer_par.plugin import Claim, Plugin, Role, dim_option, hookimpl, ordering_option
-from composer_par.validate import Finding
 
 from .apply import (
     apply_resolution,
@@ -79,9 +79,9 @@ from .styles import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.context import ApplyContext
 
 
 def _bool(instance: Any, attribute: Any, value: Any) -> None:

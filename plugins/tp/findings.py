@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from composer_par.validate import Finding
+from composer_par.findings import Finding
 
 from .patterns import generalize
 from .styles import (

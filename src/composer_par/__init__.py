@@ -7,11 +7,13 @@ Importing this package does not import torch; applying a plan does.
 """
 
 from composer_par.blocks import BlockSpec, find_blocks
+from composer_par.findings import RULES, Finding, PlanError, Report, Severity
 from composer_par.logging import configure_logging, get_logger
 from composer_par.mesh import MeshError, MeshSpec
 from composer_par.plan import Explanation, ParallelPlan
 from composer_par.planfile import PlanFileError
 from composer_par.plugin import Claim, Declaration, Plugin, Role, Stage, hookimpl
+from composer_par.plugin.registry import Registry, RegistryError
 from composer_par.plugins.activation_checkpoint import ActivationCheckpoint
 from composer_par.plugins.compile import Compile
 from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
@@ -20,9 +22,7 @@ from composer_par.plugins.load_checkpoint import LoadCheckpoint
 from composer_par.plugins.load_safetensors import LoadSafetensors
 from composer_par.plugins.meta_init import MetaInit
 from composer_par.plugins.tp import TP
-from composer_par.registry import Registry, RegistryError
 from composer_par.topology import Topology
-from composer_par.validate import RULES, Finding, PlanError, Report, Severity
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.validate import did_you_mean
+from composer_par.findings import did_you_mean
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

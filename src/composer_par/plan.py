@@ -9,23 +9,30 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.apply_context import AppliedStep, ApplyContext
 from composer_par.blocks import Block, BlockSpec, find_blocks
-from composer_par.comm import check_installed, comm_hook_rules
-from composer_par.hooks import HookError, Hooks
+from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshError, MeshSpec
 from composer_par.plugin import STAGES, Plugin, Role, Stage
-from composer_par.rules import claim_rules, mesh_rules, model_rules, plugin_rules, topology_rules
+from composer_par.plugin.caller import HookError, Hooks
+from composer_par.plugin.context import AppliedStep, ApplyContext
+from composer_par.plugin.fsdp_state import check_installed
+from composer_par.rules import (
+    claim_rules,
+    comm_hook_rules,
+    mesh_rules,
+    model_rules,
+    plugin_rules,
+    topology_rules,
+)
 from composer_par.topology import Topology
-from composer_par.validate import Finding, PlanError, Report
 
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
 log = get_logger(__name__)
 
@@ -145,7 +152,7 @@ class ParallelPlan:
             # could check, and the broken plugin.
             findings.append(Finding(
                 "CP211", str(exc), plugin=exc.plugin,
-                fix="name the method after a hook in composer_par.hookspecs, with argument "
+                fix="name the method after a hook in composer_par.plugin.hookspecs, with argument "
                 "names from that hook's signature",
             ))
             return Report.of(findings), None, []

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.findings import Finding, Report, did_you_mean
 from composer_par.mesh import INFER, MeshError, MeshSpec
 from composer_par.topology import Topology, TopologyError
-from composer_par.validate import Finding, Report, did_you_mean
 
 if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan
     from composer_par.plugin import Plugin
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
 
 TOP_LEVEL = ("mesh", "topology", "plugins")
@@ -107,7 +107,7 @@ def plan_from_data(
 ) -> ParallelPlan:
     """A plan from a parsed plan file (the dict ``tomllib`` gives)."""
     from composer_par.plan import ParallelPlan
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
     problems: list[Finding] = []
     for key in data:
@@ -217,7 +217,7 @@ def _plugins(entries: Any, registry: Registry, problems: list[Finding]) -> list[
 
 
 def _plugin(where: str, entry: Any, registry: Registry, problems: list[Finding]) -> Plugin | None:
-    from composer_par.registry import RegistryError
+    from composer_par.plugin.registry import RegistryError
 
     if not isinstance(entry, Mapping):
         problems.append(_wrong(f"{where} must be a table", fix="write [[plugins]] then name = ..."))

@@ -1,7 +1,7 @@
 """The core validation rules: static ones (no torch) and model-aware ones.
 
 Each function takes what it needs and returns findings; :mod:`composer_par.plan`
-collects them all. Rule codes are documented in :data:`composer_par.validate.RULES`.
+collects them all. Rule codes are documented in :data:`composer_par.findings.RULES`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from composer_par.findings import Finding, did_you_mean
 from composer_par.mesh import INFER, MeshSpec
-from composer_par.plugin import Declaration, Plugin, Role, Stage
+from composer_par.plugin.base import Declaration, Plugin, Role, Stage
+from composer_par.plugin.comm import RUNS, CommHook
 from composer_par.topology import Topology
-from composer_par.validate import Finding, did_you_mean
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -373,3 +374,69 @@ def model_rules(
         )
     return found
 
+
+# -- comm hooks ----------------------------------------------------------------------------
+
+
+def comm_hook_rules(
+    mesh: MeshSpec, decls: Sequence[Declaration], hooks: Sequence[CommHook]
+) -> list[Finding]:
+    """CP218 (no data-parallel owner), CP219 (two hooks, one dim), CP220 (wrong collective)."""
+    found: list[Finding] = []
+    owners: dict[str, list[tuple[str, Role]]] = {}
+    for decl in decls:
+        for claim in decl.claims:
+            owners.setdefault(claim.dim, []).append((decl.plugin, claim.role))
+    by_dim: dict[str, list[CommHook]] = {}
+    for hook in hooks:
+        by_dim.setdefault(hook.dim, []).append(hook)
+        asked = hook.collectives()
+        if hook.dim not in mesh:
+            found.append(Finding(
+                "CP218",
+                f"comm hook on mesh dim {hook.dim!r}, which the mesh does not have"
+                f"{did_you_mean(hook.dim, mesh.names)}; the mesh has {list(mesh.names)}",
+                fix="point the hook at a data-parallel mesh dim (the plugin's `dim` option), "
+                "e.g. the replicate dim HSDP owns",
+                plugin=hook.plugin,
+            ))
+            continue
+        data_parallel = [(p, r) for p, r in owners.get(hook.dim, []) if r in RUNS]
+        if not data_parallel:
+            who = owners.get(hook.dim)
+            why = (f"{who[0][0]} claims it for {who[0][1].value}" if who
+                   else "no plugin claims it")
+            found.append(Finding(
+                "CP218",
+                f"comm hook on mesh dim {hook.dim!r}, which no data-parallel plugin owns "
+                f"({why}): no gradient reduction runs over it for the hook to customize",
+                fix=f"add the data-parallel plugin that owns {hook.dim!r} (HSDP for a replicate "
+                "dim, FSDP2 for a shard dim), or point the hook at a dim one owns",
+                plugin=hook.plugin,
+            ))
+            continue
+        owner, role = data_parallel[0]
+        runs = RUNS[role]
+        wrong = [c for c in asked if c not in runs]
+        if wrong or not asked:
+            what = ", ".join(wrong) if wrong else "no collective"
+            found.append(Finding(
+                "CP220",
+                f"comm hook customizes {what} on mesh dim {hook.dim!r}, which {owner} "
+                f"{'replicates' if role is Role.REPLICATE else 'shards'} over: that dim runs "
+                f"only {' and '.join(sorted(runs))}",
+                fix="hook all_reduce on a replicate dim, all_gather / reduce_scatter on a "
+                "shard dim",
+                plugin=hook.plugin,
+            ))
+    for dim, hooked in by_dim.items():
+        plugins = [h.plugin or "?" for h in hooked]
+        if len(hooked) > 1:
+            found.append(Finding(
+                "CP219",
+                f"mesh dim {dim!r} has comm hooks from {' and '.join(plugins)}: its "
+                "collectives can run only one plugin's code",
+                fix="keep one comm-hook plugin per mesh dim",
+                plugin=plugins[1],
+            ))
+    return found

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan, PlanFileError
-from composer_par.cli import main
-from composer_par.hooks import Hooks
-from composer_par.registry import Registry
+from composer_par.cli.main import main
+from composer_par.plugin.caller import Hooks
+from composer_par.plugin.registry import Registry
 
 from composer_par_compress import RULES, Compress
 

@@ -72,7 +72,7 @@ class Layout:
         """The layout a plan makes: roles from the plugins' claims, FSDP options from the
         plugin with the shard role, sequence/loss parallel from the model-parallel one,
         activation checkpointing from the plugin that implements that stage."""
-        from composer_par.hooks import Hooks
+        from composer_par.plugin.caller import Hooks
 
         world = world_size if world_size is not None else plan.world_size()
         if world is None:

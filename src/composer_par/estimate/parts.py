@@ -38,7 +38,7 @@ def plugin_parts(
 ) -> list[tuple[str, EstimatePart]]:
     """``(plugin name, part)`` for each plugin answering the estimate hook, in plan order;
     an answer that is not an :class:`EstimatePart` is an error."""
-    from composer_par.hooks import Hooks
+    from composer_par.plugin.caller import Hooks
 
     out = []
     for name, part in Hooks(plan.plugins).estimate_parts(plan, layout, model, workload):

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from composer_par.comm import GradBucket
+from composer_par.plugin.comm import GradBucket
 
 
 class LowPrecisionAllReduce:
-    """A :class:`~composer_par.comm.GradReducer` sending ``dtype`` and summing in fp32."""
+    """A :class:`~composer_par.plugin.comm.GradReducer` sending ``dtype`` and summing in fp32."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         if dtype not in (torch.bfloat16, torch.float16):

@@ -1,7 +1,7 @@
 """The ``compress`` plugin: compress the gradient all-reduce over a plan's replicate dim.
 
 It claims no mesh dim and acts in no transform stage: it answers the composition hook
-``composer_par_comm_hooks`` with one :class:`~composer_par.comm.CommHook` on its ``dim``,
+``composer_par_comm_hooks`` with one :class:`~composer_par.plugin.comm.CommHook` on its ``dim``,
 and the data-parallel plugin that owns that dim (HSDP, with or without FSDP2) installs
 it on every FSDP module. Its own validation rules have the prefix ``CPC`` (see
 :data:`RULES` and the README).
@@ -12,16 +12,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from composer_par.comm import CommHook, CommSetup, GradReducer
-from composer_par.hooks import Hooks
+from composer_par.findings import Finding, Severity
 from composer_par.plugin import Plugin, Role, dim_option, hookimpl
-from composer_par.validate import Finding, Severity
+from composer_par.plugin.caller import Hooks
+from composer_par.plugin.comm import CommHook, CommSetup, GradReducer
 
 if TYPE_CHECKING:
     import torch.nn as nn
-    from composer_par.apply_context import ApplyContext
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.context import ApplyContext
 
 METHODS = ("none", "bf16", "fp16", "powersgd")
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "off": "none"}

@@ -27,7 +27,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from composer_par.comm import GradBucket, all_reduce_mean
+from composer_par.plugin.comm import GradBucket, all_reduce_mean
 
 EPS = 1e-8
 DEPENDENT = 1e-4  # a column keeping less than this of its norm is in the others' span
@@ -67,7 +67,7 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
 
 
 class PowerSGD:
-    """A :class:`~composer_par.comm.GradReducer`; state is kept per bucket and parameter."""
+    """A :class:`~composer_par.plugin.comm.GradReducer`; state is kept per bucket and parameter."""
 
     def __init__(self, *, rank: int = 4, min_compress_numel: int = 4096, start_step: int = 0,
                  error_feedback: bool = True, warm_start: bool = True, seed: int = 0) -> None:

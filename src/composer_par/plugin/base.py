@@ -2,7 +2,7 @@
 
 A plugin is an attrs class whose fields are its options (the same names a plan file
 uses) and whose methods marked with :data:`hookimpl` act in the stages of
-:mod:`composer_par.hookspecs`. Built-ins and third-party plugins use exactly this API.
+:mod:`composer_par.plugin.hookspecs`. Built-ins and third-party plugins use exactly this API.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Plugin:
     """Base of every plugin. Subclasses are ``@attrs.frozen`` classes that set ``name``.
 
     Override :meth:`declare` (or the class attributes it reads) to claim mesh dims and
-    state requirements; implement the stage hooks of :mod:`composer_par.hookspecs`
+    state requirements; implement the stage hooks of :mod:`composer_par.plugin.hookspecs`
     as methods marked ``@hookimpl``.
     """
 
@@ -134,49 +134,6 @@ class Plugin:
     def stages(cls) -> tuple[Stage, ...]:
         """The stages this plugin class implements, in apply order."""
         return tuple(s for s in STAGES if _is_hookimpl(getattr(cls, s.value, None)))
-
-
-def _plugin_names(value: Any) -> tuple[str, ...]:
-    """``after = "meta_init"`` means one name, not its letters."""
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"after/before take a plugin name or a list of them; got {value!r}")
-    return tuple(value)
-
-
-def ordering_option() -> Any:
-    """An ``after`` / ``before`` option: plugin names to run after / before in a stage.
-
-    Plan files hand in any TOML value, so a wrong type fails here, naming the option.
-    """
-    return attrs.field(default=(), converter=_plugin_names)
-
-
-def _mesh_dim_name(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, str) or not value.isidentifier():
-        raise ValueError(f"{attribute.name} must be a mesh dim name; got {value!r}")
-
-
-def dim_option(default: str) -> Any:
-    """A ``dim`` option: the mesh dim the plugin claims (whether the mesh has it is CP203)."""
-    return attrs.field(default=default, validator=_mesh_dim_name)
-
-
-def _block_names(value: Any) -> str | tuple[str, ...] | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise ValueError(
-        f"blocks must be a module path or a non-empty list of class names; got {value!r}"
-    )
-
-
-def blocks_option() -> Any:
-    """A ``blocks`` option: a module path (``"layers"``) or block class names
-    (``["DecoderLayer"]``); None lets the shared block finder detect them."""
-    return attrs.field(default=None, converter=_block_names)
 
 
 def _is_hookimpl(fn: Any) -> bool:

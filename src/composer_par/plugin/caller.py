@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from composer_par import hookspecs
-from composer_par.plugin import PROJECT, Declaration, Plugin, Stage
-from composer_par.validate import Finding
+from composer_par.findings import Finding
+from composer_par.plugin import hookspecs
+from composer_par.plugin.base import PROJECT, Declaration, Plugin, Stage
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.blocks import Block, BlockSpec
-    from composer_par.comm import CommHook
     from composer_par.estimate import Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.comm import CommHook
+    from composer_par.plugin.context import ApplyContext
     from composer_par.topology import Topology
 
 TRACE_ENV = "COMPOSER_PAR_TRACE_HOOKS"
@@ -63,7 +63,7 @@ class Hooks:
             self._pm.check_pending()
         except pluggy.PluginValidationError as exc:
             owner = getattr(exc.plugin, "name", None)
-            raise HookError(f"{exc} (hook names are listed in composer_par.hookspecs)",
+            raise HookError(f"{exc} (hook names are listed in composer_par.plugin.hookspecs)",
                             owner) from exc
         if os.environ.get(TRACE_ENV):
             self._pm.trace.root.setwriter(print)

@@ -12,10 +12,10 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_par.cli import bounded_int
+from composer_par.cli.main import bounded_int
 
 if TYPE_CHECKING:
-    from composer_par.cli import Output
+    from composer_par.cli.main import Output
     from composer_par.estimate import ModelShape
     from composer_par.plan import Explanation, ParallelPlan
 
@@ -24,7 +24,7 @@ EXIT_OK, EXIT_ERRORS, EXIT_INPUT = 0, 1, 2
 
 def _input_error(message: str) -> Any:
     """The CLI's InputError: one line on stderr, exit 2."""
-    from composer_par.cli import InputError
+    from composer_par.cli.main import InputError
 
     return InputError(message)
 
@@ -87,14 +87,14 @@ def validate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_validate_model(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.cli import _plan_file_failure, _situation, load_plan_for
+    from composer_par.cli.main import _plan_file_failure, _situation, load_plan_for
     from composer_par.planfile import PlanFileError
 
     try:
         plan, world = load_plan_for(args)
     except PlanFileError as exc:
         return _plan_file_failure(args, out, exc.report)
-    from composer_par.dryrun import DryRunError, dry_run, format_result
+    from composer_par.tools.dryrun import DryRunError, dry_run, format_result
 
     try:
         result = dry_run(plan, args.model, world_size=world, ranks=args.rank)
@@ -134,7 +134,7 @@ def layout_picture(
     explanation: Explanation, out: Output, svg: Path | None, title: str,
 ) -> tuple[str, dict[str, Any]]:
     """(text, data) of the layout picture: the terminal grid, and the SVG if asked."""
-    from composer_par.draw import Grid, render_svg, render_text
+    from composer_par.tools.draw import Grid, render_svg, render_text
 
     if not explanation.mesh.is_resolved or not explanation.groups:
         if svg is not None:
@@ -197,7 +197,7 @@ def model_shape(args: argparse.Namespace, plan: ParallelPlan | None) -> ModelSha
     if args.model is not None:
         if args.params is not None:
             raise _input_error("give --model or --params, not both")
-        from composer_par.dryrun import DryRunError, build_on_meta, resolve_factory
+        from composer_par.tools.dryrun import DryRunError, build_on_meta, resolve_factory
 
         try:
             model = build_on_meta(resolve_factory(args.model), args.model)
@@ -219,7 +219,7 @@ def model_shape(args: argparse.Namespace, plan: ParallelPlan | None) -> ModelSha
 
 
 def estimate_arguments(parser: argparse.ArgumentParser) -> None:
-    from composer_par.cli import _plan_arguments
+    from composer_par.cli.main import _plan_arguments
 
     _plan_arguments(parser)
     _model_arguments(parser)
@@ -238,7 +238,7 @@ def estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_estimate(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.cli import _plan_file_failure, load_plan_for
+    from composer_par.cli.main import _plan_file_failure, load_plan_for
     from composer_par.estimate import EstimateError, Workload, estimate_plan
     from composer_par.planfile import PlanFileError
 
@@ -302,7 +302,7 @@ def suggest_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_suggest(args: argparse.Namespace, out: Output) -> int:
     from composer_par.estimate import EstimateError
-    from composer_par.suggest import format_suggestion, suggest
+    from composer_par.tools.suggest import format_suggestion, suggest
     from composer_par.topology import Topology
 
     if args.nodes * args.devices_per_node > 2**17:

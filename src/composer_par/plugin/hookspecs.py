@@ -21,20 +21,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from composer_par.plugin import hookspec
+from composer_par.plugin.base import hookspec
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.blocks import BlockSpec
-    from composer_par.comm import CommHook
     from composer_par.estimate import EstimatePart, Layout, ModelShape, Workload
+    from composer_par.findings import Finding
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin import Declaration
+    from composer_par.plugin.base import Declaration
+    from composer_par.plugin.comm import CommHook
+    from composer_par.plugin.context import ApplyContext
     from composer_par.topology import Topology
-    from composer_par.validate import Finding
 
 
 # -- declaration -----------------------------------------------------------------------
@@ -100,18 +100,18 @@ def composer_par_comm_hooks(plan: ParallelPlan) -> list[CommHook] | None:
 
     Called: by validation (statically: must not import torch) and, at apply, by the
     data-parallel plugin that owns each hooked dim, in its data_parallel stage.
-    Returns: :class:`~composer_par.comm.CommHook` values, each naming one mesh dim and
-    giving factories (called once per apply with a :class:`~composer_par.comm.CommSetup`)
+    Returns: :class:`~composer_par.plugin.comm.CommHook` values, each naming one mesh dim and
+    giving factories (called once per apply with a :class:`~composer_par.plugin.comm.CommSetup`)
     for what to customize there:
 
     * on a **replicate** dim (HSDP's), ``all_reduce``: a
-      :class:`~composer_par.comm.GradReducer` called once per FSDP module per backward
-      with a :class:`~composer_par.comm.GradBucket` (flat gradient buffer, per-parameter
+      :class:`~composer_par.plugin.comm.GradReducer` called once per FSDP module per backward
+      with a :class:`~composer_par.plugin.comm.GradBucket` (flat gradient buffer, per-parameter
       views, the dim's process group, the divisor); it reduces the buffer in place. With
       FSDP2, FSDP2 then shards over its own dim only (a 1-D mesh) and runs the reducer
       through ``set_all_reduce_hook`` on the reduce-scatter output of every FSDP module;
       with HSDP alone, the replicate modules' own all-reduce is pointed at a 1-rank group
-      and the reducer does the reduction (:mod:`composer_par.comm` says why);
+      and the reducer does the reduction (:mod:`composer_par.plugin.comm` says why);
     * on a **shard** dim (FSDP2's), ``all_gather`` / ``reduce_scatter``: instances of
       FSDP2's ``AllGather`` / ``ReduceScatter`` comm classes, installed on every FSDP
       module with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.

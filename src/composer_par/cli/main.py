@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 import attrs
 
 if TYPE_CHECKING:
+    from composer_par.findings import Report
     from composer_par.plan import ParallelPlan
     from composer_par.topology import Topology
-    from composer_par.validate import Report
 
 PROG = "composer-par"
 EPILOG = ("exit codes: 0 done (clean or warnings only), 1 the plan has errors, "
@@ -213,7 +213,7 @@ def run_validate(args: argparse.Namespace, out: Output) -> int:
     from composer_par.planfile import PlanFileError
 
     if getattr(args, "model", None):  # the dry run (imports torch)
-        return _module("cli_plan_tools").run_validate_model(args, out)
+        return _module("cli.plan_tools").run_validate_model(args, out)
     try:
         plan, world = load_plan_for(args)
     except PlanFileError as exc:
@@ -241,8 +241,8 @@ def run_validate(args: argparse.Namespace, out: Output) -> int:
 
 
 def run_explain(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.hooks import HookError
     from composer_par.planfile import PlanFileError
+    from composer_par.plugin.caller import HookError
 
     try:
         plan, world = load_plan_for(args)
@@ -263,7 +263,7 @@ def run_explain(args: argparse.Namespace, out: Output) -> int:
     }
     parts = [explanation.format()] if explanation else []
     if explanation is not None:
-        picture, layout = _module("cli_plan_tools").layout_picture(
+        picture, layout = _module("cli.plan_tools").layout_picture(
             explanation, out, getattr(args, "svg", None), args.plan)
         parts += [picture] if picture else []
         data.update(layout)
@@ -277,7 +277,7 @@ def run_explain(args: argparse.Namespace, out: Output) -> int:
 
 
 def run_plugins(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.registry import Registry
+    from composer_par.plugin.registry import Registry
 
     registry = Registry()
     rows = registry.describe()
@@ -298,7 +298,7 @@ def run_plugins(args: argparse.Namespace, out: Output) -> int:
 
 
 def run_rules(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.validate import RULES
+    from composer_par.findings import RULES
 
     rules = sorted(RULES.values(), key=lambda r: r.code)
     data = {"rules": [{"code": r.code, "severity": r.severity.value, "title": r.title}
@@ -316,12 +316,12 @@ def _module(name: str) -> Any:
 
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     _plan_arguments(parser)
-    _module("cli_plan_tools").validate_arguments(parser)
+    _module("cli.plan_tools").validate_arguments(parser)
 
 
 def _explain_arguments(parser: argparse.ArgumentParser) -> None:
     _plan_arguments(parser)
-    _module("cli_plan_tools").explain_arguments(parser)
+    _module("cli.plan_tools").explain_arguments(parser)
 
 
 COMMANDS: list[Command] = [
@@ -333,20 +333,21 @@ COMMANDS: list[Command] = [
             lambda parser: None, run_plugins),
     Command("rules", "the catalog of validation rule codes", lambda parser: None, run_rules),
     Command("demo", "train a small Llama with a plan on local processes (torch's launcher)",
-            lambda p: _module("demo").add_arguments(p), lambda a, o: _module("demo").run(a, o)),
+            lambda p: _module("tools.demo").add_arguments(p),
+            lambda a, o: _module("tools.demo").run(a, o)),
     Command("inspect", "keys, shapes, dtypes, bytes, commit state and saved plan of a checkpoint "
             "(DCP or safetensors)",
-            lambda p: _module("cli_checkpoint").configure_inspect(p),
-            lambda a, o: _module("cli_checkpoint").run_inspect(a, o)),
+            lambda p: _module("cli.checkpoint").configure_inspect(p),
+            lambda a, o: _module("cli.checkpoint").run_inspect(a, o)),
     Command("convert", "convert a checkpoint DCP <-> safetensors, streaming, with progress",
-            lambda p: _module("cli_checkpoint").configure_convert(p),
-            lambda a, o: _module("cli_checkpoint").run_convert(a, o)),
+            lambda p: _module("cli.checkpoint").configure_convert(p),
+            lambda a, o: _module("cli.checkpoint").run_convert(a, o)),
     Command("estimate", "per-rank memory and per-mesh-dim communication of a plan",
-            lambda p: _module("cli_plan_tools").estimate_arguments(p),
-            lambda a, o: _module("cli_plan_tools").run_estimate(a, o)),
+            lambda p: _module("cli.plan_tools").estimate_arguments(p),
+            lambda a, o: _module("cli.plan_tools").run_estimate(a, o)),
     Command("suggest", "rank candidate layouts for a model and a cluster; print the best plan",
-            lambda p: _module("cli_plan_tools").suggest_arguments(p),
-            lambda a, o: _module("cli_plan_tools").run_suggest(a, o)),
+            lambda p: _module("cli.plan_tools").suggest_arguments(p),
+            lambda a, o: _module("cli.plan_tools").run_suggest(a, o)),
 ]
 
 

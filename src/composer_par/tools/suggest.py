@@ -39,8 +39,8 @@ from composer_par.plugin import Role
 from composer_par.topology import Topology
 
 if TYPE_CHECKING:
-    from composer_par.registry import Registry
-    from composer_par.validate import Report
+    from composer_par.findings import Report
+    from composer_par.plugin.registry import Registry
 
 _AC_RANK = {m: i for i, m in enumerate(AC_MODES)}
 
@@ -281,7 +281,7 @@ def _rank_key(r: Ranked) -> tuple[float, int, int]:
 def _installed(registry: Registry | None) -> dict[str, tuple[str, ...]]:
     """Installed plugin names and their options ({} when the registry cannot be read)."""
     try:
-        from composer_par.registry import Registry
+        from composer_par.plugin.registry import Registry
 
         reg = registry or Registry()
         out = {}

@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.findings import Report
 from composer_par.plugin import Plugin, Stage, hookimpl
-from composer_par.validate import Report
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.apply_context import ApplyContext
     from composer_par.plan import ParallelPlan
     from composer_par.plugin import Declaration
+    from composer_par.plugin.context import ApplyContext
 
 __all__ = [
     "DryRunError",

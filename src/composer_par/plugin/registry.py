@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
-from composer_par.plugin import Plugin
-from composer_par.validate import did_you_mean
+from composer_par.findings import did_you_mean
+from composer_par.plugin.base import Plugin
 
 GROUP = "composer_par.plugins"
 ALLOW_ENV = "COMPOSER_PAR_PLUGINS_ALLOW"

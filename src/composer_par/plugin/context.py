@@ -14,9 +14,9 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from composer_par.comm import CommHook
-    from composer_par.hooks import Hooks
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin.caller import Hooks
+    from composer_par.plugin.comm import CommHook
 
 
 @attrs.define(eq=False)

@@ -1,0 +1,5 @@
+import sys
+
+from composer_par.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Before-launch and demonstration tools: the dry run, suggestions, drawings, the demo."""
