@@ -198,7 +198,7 @@ class FSDP2(Plugin):
             sharded.append(block)
         fully_shard(ctx.model, mp_policy=mp.policy(root=True), **common)
         sharded.append(ctx.model)
-        ctx.notes.setdefault("fsdp_modules", []).extend(sharded)
+        ctx.data_parallel_modules.extend(sharded)
         dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim))
         detail = f"fully_shard on {len(ctx.blocks)} block(s) + root over ({dims})"
         for dim in hooked:

@@ -173,7 +173,7 @@ class HSDP(Plugin):
         replicate(ctx.model, mesh=mesh)
         replicated.append(ctx.model)
         # The same list FSDP2 keeps: these are FSDPModules too, with the same setters.
-        ctx.notes.setdefault("fsdp_modules", []).extend(replicated)
+        ctx.data_parallel_modules.extend(replicated)
         if hook is not None and hook.all_reduce:
             # torch's replicate all-reduces before its all-reduce hook runs: its own
             # all-reduce goes to a 1-rank group, and the hook reduces (composer_par.plugin.comm).
@@ -186,7 +186,7 @@ class HSDP(Plugin):
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
         if self.gradient_divide_factor is None:
             return "gradients averaged over the data-parallel ranks (torch's default)"
-        modules = ctx.notes.get("fsdp_modules", [])
+        modules = ctx.data_parallel_modules
         sum_only = not premul_sum_supported(ctx)
         forced = set_gradient_divide_factor(modules, self.gradient_divide_factor,
                                             sum_only=sum_only)

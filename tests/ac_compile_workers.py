@@ -25,7 +25,7 @@ def fsdp_groups(checkpoint_mode: str | None, compile_backend: str | None = None)
     model = plan.apply(model)
     path = {id(m): n or "<root>" for n, m in model.named_modules()}
     groups = {}
-    for module in plan.notes["fsdp_modules"]:
+    for module in plan.data_parallel_modules:
         names = []
         for group in module._get_fsdp_state()._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:

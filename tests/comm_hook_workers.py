@@ -136,8 +136,8 @@ def hooked_layout(plan_name: str) -> dict[str, Any]:
                              if isinstance(p, DTensor)}),
         "placements": sorted({str(p.placements) for p in model.parameters()
                               if isinstance(p, DTensor)}),
-        "fsdp_modules": len(plan.notes.get("fsdp_modules", [])),
-        "installed": [attrs.asdict(r) for r in plan.notes.get("comm_hooks", [])],
+        "fsdp_modules": len(plan.data_parallel_modules),
+        "installed": [attrs.asdict(r) for r in plan.installed_comm_hooks],
         "seen": {k: list(v) for k, v in SEEN.items()},
         "summary": counter.summary(mesh, dist.get_rank()),
         "applied": [(s.stage, s.plugin, s.detail) for s in plan.applied],

@@ -133,7 +133,7 @@ def _layout(plan: Any) -> dict[str, Any]:
     model = plan.apply(model)
     params = dict(model.named_parameters())
     paths = {id(m): n or "<root>" for n, m in model.named_modules()}
-    modules = plan.notes["fsdp_modules"]
+    modules = plan.data_parallel_modules
     groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
     # One training step, so the gradient reductions really run.
     task_batch = llama.batch(0)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_par.plugin import hookspecs
 from composer_par.findings import RULES
-from composer_par.plugin import PROJECT
+from composer_par.plugin import PROJECT, hookspecs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "rules.md"

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from composer_par.plugin.comm import InstalledCommHook
     from composer_par.plugin.registry import Registry
 
 log = get_logger(__name__)
@@ -67,8 +68,11 @@ class ParallelPlan:
         self.device = device
         self.plugins: list[Plugin] = []
         self.applied: list[AppliedStep] = []
-        # Facts plugins recorded during the last apply (e.g. FSDP2's sharded modules).
+        # What the last apply left: plugins' own results by key (TP's resolved plan, a
+        # loader's report), the FSDP modules made, and the comm hooks installed.
         self.notes: dict[str, Any] = {}
+        self.data_parallel_modules: list[nn.Module] = []
+        self.installed_comm_hooks: list[InstalledCommHook] = []
 
     def use(self, plugin: Plugin) -> ParallelPlan:
         """Add a plugin; returns the plan so calls chain."""
@@ -191,6 +195,8 @@ class ParallelPlan:
         check_installed(ctx, hooks.comm_hooks(self))
         self._log_layout(ctx)
         self.applied, self.notes = ctx.applied, ctx.notes
+        self.data_parallel_modules = ctx.data_parallel_modules
+        self.installed_comm_hooks = ctx.installed_comm_hooks
         return ctx.model
 
     def _context(self, model: nn.Module, hooks: Hooks, blocks: list[Block]) -> ApplyContext:

@@ -127,7 +127,7 @@ class CommHook:
 
 @attrs.frozen
 class InstalledCommHook:
-    """A record, in ``ctx.notes["comm_hooks"]``, of one hook an owner installed."""
+    """A record, in ``ctx.installed_comm_hooks``, of one hook an owner installed."""
 
     dim: str
     plugin: str

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from composer_par.plan import ParallelPlan
     from composer_par.plugin.caller import Hooks
-    from composer_par.plugin.comm import CommHook
+    from composer_par.plugin.comm import CommHook, InstalledCommHook
 
 
 @attrs.define(eq=False)
@@ -38,7 +38,15 @@ class ApplyContext:
     blocks: list[Block]
     hooks: Hooks
     applied: list[AppliedStep] = attrs.Factory(list)
-    # Plugins may leave facts for later stages here (e.g. FSDP2 lists its FSDP modules).
+    # Every module a data-parallel plugin made an FSDP module (``fully_shard`` or torch's
+    # ``replicate``), each block before the root. Whoever shards or replicates appends
+    # here (built-in or not); finalize-stage plugins read it to call FSDPModule setters
+    # (divide factors, prefetch, comm hooks) on every FSDP module, whoever made it.
+    data_parallel_modules: list[nn.Module] = attrs.Factory(list)
+    # Each comm hook a data-parallel plugin installed (the plan checks none was ignored).
+    installed_comm_hooks: list[InstalledCommHook] = attrs.Factory(list)
+    # A plugin's own results for the user, by the plugin's choice of key (e.g. TP's
+    # resolved plan): ``plan.notes`` after apply. Not a channel between plugins.
     notes: dict[str, Any] = attrs.Factory(dict)
 
     @property

@@ -77,7 +77,7 @@ def module_names(model: nn.Module) -> dict[int, str]:
 
 
 def _record(ctx: ApplyContext, hook: CommHook, collective: str, count: int, owner: str) -> None:
-    ctx.notes.setdefault("comm_hooks", []).append(
+    ctx.installed_comm_hooks.append(
         InstalledCommHook(hook.dim, hook.plugin or "?", collective, count, owner)
     )
 
@@ -142,7 +142,7 @@ def install_shard_comms(
 
 def check_installed(ctx: ApplyContext, hooks: Iterable[CommHook]) -> None:
     """Raise if a declared hook was installed by no owner (a plugin that ignores hooks)."""
-    done = {(r.dim, r.collective) for r in ctx.notes.get("comm_hooks", [])}
+    done = {(r.dim, r.collective) for r in ctx.installed_comm_hooks}
     for hook in hooks:
         missing = [c for c in hook.collectives() if (hook.dim, c) not in done]
         if missing:

@@ -118,7 +118,7 @@ def composer_par_comm_hooks(plan: ParallelPlan) -> list[CommHook] | None:
 
     A hook on a dim that no data-parallel plugin owns is error CP218; two plugins hooking
     one dim CP219; a collective the dim does not run CP220. ``apply`` raises if a hook was
-    installed by no plugin. Installations are recorded in ``ctx.notes["comm_hooks"]``.
+    installed by no plugin. Installations are recorded in ``ctx.installed_comm_hooks``.
     """
 
 

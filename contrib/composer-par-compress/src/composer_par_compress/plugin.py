@@ -185,7 +185,7 @@ class Compress(Plugin):
     def composer_par_finalize(self, ctx: ApplyContext) -> str:
         if self.method == "none":
             return "compression off"
-        records = [r for r in ctx.notes.get("comm_hooks", [])
+        records = [r for r in ctx.installed_comm_hooks
                    if r.plugin == self.name and r.dim == self.dim]
         modules = sum(r.modules for r in records)
         owners = ", ".join(sorted({r.owner for r in records})) or "nobody"
