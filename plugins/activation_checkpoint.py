@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 
 from composer_par.findings import Finding
-from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
+from composer_par.plugin import Declaration, Plugin, blocks_option, hookimpl, ordering_option
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -176,6 +176,11 @@ class ActivationCheckpoint(Plugin):
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
+
+
+    def declare(self) -> Declaration:
+        # Compile (or any plugin) learns how the blocks are wrapped from this.
+        return attrs.evolve(super().declare(), checkpointing=self.mode)
 
     @hookimpl
     def composer_par_validate_model(self, blocks: list[Block]) -> list[Finding]:

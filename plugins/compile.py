@@ -27,8 +27,8 @@ from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
 if TYPE_CHECKING:
     from composer_par.blocks import Block
     from composer_par.mesh import MeshSpec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
 
 # torch.compile's modes; each configures inductor, and torch hands ``mode`` to whatever
 # backend is named, so with another backend the first forward fails with a TypeError.
@@ -88,7 +88,7 @@ class Compile(Plugin):
     before: tuple[str, ...] = ordering_option()
 
     @hookimpl
-    def composer_par_validate_plan(self, plan: ParallelPlan, mesh: MeshSpec) -> list[Finding]:
+    def composer_par_validate_plan(self, plan: PlanView, mesh: MeshSpec) -> list[Finding]:
         found = []
         name = backend_name(self.backend)
         split = _model_parallel_dims(plan, mesh)
@@ -115,11 +115,11 @@ class Compile(Plugin):
 
     @hookimpl
     def composer_par_validate_model(
-        self, plan: ParallelPlan, blocks: list[Block]
+        self, plan: PlanView, blocks: list[Block]
     ) -> list[Finding]:
-        checkpoint = plan.plugin("activation_checkpoint")
-        # ActivationCheckpoint reports wrapped blocks itself when it is in the plan.
-        found = wrapped_block_findings(blocks) if checkpoint is None else []
+        policies = [d.checkpointing for d in plan.declarations() if d.checkpointing]
+        # A checkpointing plugin reports already-wrapped blocks itself.
+        found = wrapped_block_findings(blocks) if not policies else []
         name = backend_name(self.backend)
         if isinstance(self.backend, str):
             import torch._dynamo
@@ -142,7 +142,7 @@ class Compile(Plugin):
                     fix='install g++ (or set CXX to a C++ compiler), or use backend = '
                     '"aot_eager"',
                 ))
-        if getattr(checkpoint, "mode", None) == "selective" and name not in SELECTIVE_AC_BACKENDS:
+        if "selective" in policies and name not in SELECTIVE_AC_BACKENDS:
             found.append(Finding(
                 "CP413",
                 f"selective activation checkpointing under compile backend {name!r}, which is "
@@ -168,16 +168,15 @@ class Compile(Plugin):
         return f"torch.compile on {len(ctx.blocks)} block(s), backend {backend_name(self.backend)}"
 
 
-def _model_parallel_dims(plan: ParallelPlan, mesh: MeshSpec) -> list[tuple[str, str]]:
+def _model_parallel_dims(plan: PlanView, mesh: MeshSpec) -> list[tuple[str, str]]:
     """(plugin, dim) of every model-parallel claim on a mesh dim not of size 1."""
     from composer_par.plugin import Role
-    from composer_par.plugin.caller import Hooks
 
-    return [(d.plugin, c.dim) for d in Hooks(plan.plugins).declarations() for c in d.claims
+    return [(d.plugin, c.dim) for d in plan.declarations() for c in d.claims
             if c.role is Role.MODEL_PARALLEL and c.dim in mesh and mesh.size(c.dim) != 1]
 
 
-def _is_cuda(plan: ParallelPlan) -> bool:
+def _is_cuda(plan: PlanView) -> bool:
     import torch
 
     if plan.device is not None:

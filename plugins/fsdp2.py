@@ -20,13 +20,12 @@ from composer_par.plugin import (
     hookimpl,
     ordering_option,
 )
-from composer_par.plugin.caller import Hooks
 from composer_par.plugin.fsdp_state import install_all_reduce, install_shard_comms
 
 if TYPE_CHECKING:
     from composer_par.mesh import MeshSpec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
     from composer_par.topology import Topology
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -120,12 +119,24 @@ class FSDP2(Plugin):
 
     @hookimpl
     def composer_par_validate_plan(
-        self, mesh: MeshSpec, topology: Topology | None
+        self, plan: PlanView, mesh: MeshSpec, topology: Topology | None
     ) -> list[Finding]:
+        found = []
+        replicated = [d for d in plan.replicate_dims() if d in mesh and d != self.dim]
+        if self.reshard_after_forward is False and replicated and self.dim in mesh:
+            found.append(Finding(
+                "CP216",
+                f"{self.name} keeps parameters unsharded from forward to backward "
+                f"(reshard_after_forward=false) under HSDP (replicating over {replicated[0]}): "
+                "at peak every rank holds every block's full parameters, as without sharding "
+                f"over {self.dim}",
+                fix="keep it if the model fits (it saves each block's all-gather in "
+                "backward); else set reshard_after_forward = true, or an int divisor of "
+                "the shard size",
+            ))
         value = self.reshard_after_forward
         if value is None or isinstance(value, bool) or self.dim not in mesh:
-            return []
-        found = []
+            return found
         size = mesh.size(self.dim)
         if size > 0 and (size % value or value > size):
             found.append(Finding(
@@ -155,8 +166,8 @@ class FSDP2(Plugin):
         return found
 
     @hookimpl
-    def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
-        hooked = {h.dim for h in Hooks(plan.plugins).comm_hooks(plan) if h.all_reduce}
+    def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
+        hooked = {h.dim for h in plan.comm_hooks() if h.all_reduce}
         dims = [*(d for d in plan.replicate_dims() if d in plan.mesh and d not in hooked),
                 self.dim]
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items() if k != "dim")

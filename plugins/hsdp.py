@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.findings import Finding
 from composer_par.plugin import (
     Claim,
     Plugin,
@@ -45,7 +44,6 @@ from composer_par.plugin import (
     hookimpl,
     ordering_option,
 )
-from composer_par.plugin.caller import Hooks
 from composer_par.plugin.fsdp_state import (
     install_all_reduce,
     premul_sum_supported,
@@ -56,9 +54,9 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.mesh import MeshSpec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin import Declaration
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
 
 
 def _divide_factor(value: Any) -> float | None:
@@ -69,10 +67,8 @@ def _divide_factor(value: Any) -> float | None:
     return float(value)
 
 
-def _declarations(plan: ParallelPlan) -> list[Declaration]:
-    from composer_par.plugin.caller import Hooks
-
-    return Hooks(plan.plugins).declarations()
+def _declarations(plan: PlanView) -> list[Declaration]:
+    return plan.declarations()
 
 
 def _claimed(decls: Iterable[Declaration], role: Role, mesh: MeshSpec) -> list[tuple[str, str]]:
@@ -108,34 +104,10 @@ class HSDP(Plugin):
     def composer_par_replicate_dims(self) -> list[str]:
         return [self.dim]
 
-    # -- validation ----------------------------------------------------------------------
-
     @hookimpl
-    def composer_par_validate_plan(self, plan: ParallelPlan, mesh: MeshSpec) -> list[Finding]:
-        if self.dim not in mesh:
-            return []  # CP203 reports it
-        decls = _declarations(plan)
-        found: list[Finding] = []
-        sharders = _claimed(decls, Role.SHARD, mesh)
-        for plugin in plan.plugins:
-            shards = [dim for who, dim in sharders if who == plugin.name]
-            if shards and getattr(plugin, "reshard_after_forward", None) is False:
-                found.append(Finding(
-                    "CP216",
-                    f"{plugin.name} keeps parameters unsharded from forward to backward "
-                    f"(reshard_after_forward=false) under HSDP: at peak every rank holds "
-                    f"every block's full parameters, as without sharding over {shards[0]}",
-                    fix="keep it if the model fits (it saves each block's all-gather in "
-                    "backward); else set reshard_after_forward = true, or an int divisor of "
-                    "the shard size",
-                    plugin=plugin.name,
-                ))
-        return found
-
-    @hookimpl
-    def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
+    def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
         sharders = _claimed(_declarations(plan), Role.SHARD, plan.mesh)
-        hooked = [h.plugin for h in Hooks(plan.plugins).comm_hooks(plan)
+        hooked = [h.plugin for h in plan.comm_hooks()
                   if h.dim == self.dim and h.all_reduce]
         if sharders and hooked:
             steps = [("data_parallel", f"replicate over {self.dim}: gradient all-reduce by "

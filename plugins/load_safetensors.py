@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
     from composer_par.checkpoint.adapter import StateDictAdapter
     from composer_par.checkpoint.matching import Match, Spec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
 
 
 def _path(value: Any) -> str:
@@ -111,7 +111,7 @@ class WeightsLoader(Plugin):
 
     # -- validation ----------------------------------------------------------------------
 
-    def match(self, plan: ParallelPlan, model: nn.Module) -> Match:
+    def match(self, plan: PlanView, model: nn.Module) -> Match:
         from composer_par.checkpoint.adapter import adapter_for
         from composer_par.checkpoint.matching import match, model_specs
 
@@ -120,7 +120,7 @@ class WeightsLoader(Plugin):
         return match(source, specs, found, adapter_for(plan, model), tied)
 
     @hookimpl
-    def composer_par_validate_model(self, plan: ParallelPlan, model: nn.Module
+    def composer_par_validate_model(self, plan: PlanView, model: nn.Module
                                     ) -> list[Finding]:
         from composer_par.checkpoint.errors import CheckpointError
 
@@ -191,7 +191,7 @@ class WeightsLoader(Plugin):
         from composer_par.checkpoint.weights import aliases, retie
         from composer_par.plugin.initialize import init_module
 
-        adapter = combine(ctx.hooks.state_dict_adapters(ctx.plan, ctx.model))
+        adapter = combine(ctx.hooks.state_dict_adapters(ctx.model))
         device = torch.device(self.device) if self.device else ctx.device
         model = ctx.model
         missing: set[str] = set()

@@ -138,10 +138,9 @@ def test_apply_refuses_a_hook_no_owner_installed() -> None:
 
 
 def test_hooks_facade_names_the_plugin_of_each_hook() -> None:
-    from composer_par.plugin.caller import Hooks
 
     plan = hsdp_plan(PlainAllReduce(), PlainShardComms())
-    hooks = Hooks(plan.plugins).comm_hooks(plan)
+    hooks = plan.hooks.comm_hooks()
     assert [(h.dim, h.plugin, h.collectives()) for h in hooks] == [
         ("dp_replicate", "plain_all_reduce", ("all_reduce",)),
         ("dp_shard", "plain_shard_comms", ("all_gather", "reduce_scatter")),

@@ -10,7 +10,7 @@ import torch
 
 from composer_par import Claim, Declaration, MeshSpec, ParallelPlan, Plugin, Role, hookimpl
 from composer_par.plugin import STAGES, Stage
-from composer_par.plugin.caller import Hooks
+from composer_par.plugin.caller import HookCaller
 from composer_par.plugin.context import ApplyContext
 
 CALLS: list[tuple[str, str]] = []
@@ -135,7 +135,7 @@ def test_declare_carries_claims_and_capabilities() -> None:
         def claims(self) -> tuple[Claim, ...]:
             return (Claim("dp_shard", Role.SHARD),)
 
-    (decl,) = Hooks([Claimer()]).declarations()
+    (decl,) = HookCaller([Claimer()]).declarations()
     assert decl == Declaration(plugin="claimer", claims=(Claim("dp_shard", Role.SHARD),),
                                provides=frozenset({"data_parallel"}))
 
@@ -148,10 +148,15 @@ def test_stage_list_matches_the_hookspecs() -> None:
     assert Recorder.stages() == tuple(s for s in STAGES if s is not Stage.MATERIALIZE)
 
 
-def test_trace_switch_prints_hook_calls(monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_trace_switch_traces_every_hook_call_of_validate_and_explain(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("COMPOSER_PAR_TRACE_HOOKS", "1")
-    Hooks([Recorder()]).replicate_dims(ParallelPlan(MeshSpec()))
-    Hooks([Recorder()])._pm.hook.composer_par_declare()
-    assert "composer_par_declare" in capsys.readouterr().out
+    plan = ParallelPlan(MeshSpec()).use(Recorder())
+    plan.validate()
+    traced = capsys.readouterr().err
+    for hook in ("composer_par_declare", "composer_par_block_spec", "composer_par_comm_hooks",
+                 "composer_par_validate_plan"):
+        assert hook in traced, hook
+    plan.explain()
+    assert "composer_par_describe" in capsys.readouterr().err
 

@@ -16,7 +16,7 @@ from composer_par.planfile import (
     MAX_RANKS,
     PlanFileError,
     dump_plan,
-    plan_from_data,
+    parts_from_data,
     toml_key,
     toml_string,
     toml_value,
@@ -244,7 +244,7 @@ def test_files_that_cannot_be_read(tmp_path: Path) -> None:
 def test_blocked_plugin_is_an_unknown_plugin_with_the_reason() -> None:
     registry = Registry(block=["fsdp2"])
     with pytest.raises(PlanFileError) as info:
-        plan_from_data({"mesh": {}, "plugins": [{"name": "fsdp2"}]}, registry=registry)
+        parts_from_data({"mesh": {}, "plugins": [{"name": "fsdp2"}]}, registry=registry)
     [finding] = info.value.report.findings
     assert finding.code == "CP504" and "blocked" in finding.message
 

@@ -80,8 +80,8 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.mesh import MeshSpec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
 
 
 def _bool(instance: Any, attribute: Any, value: Any) -> None:
@@ -147,7 +147,7 @@ class TP(Plugin):
         return found
 
     @hookimpl
-    def composer_par_describe(self, plan: ParallelPlan) -> list[tuple[str, str]]:
+    def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
         size = plan.mesh.size(self.dim) if self.dim in plan.mesh else "?"
         if isinstance(self.plan, PlanMap):
             counts = Counter(

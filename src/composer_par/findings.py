@@ -14,6 +14,7 @@ validation hooks using codes from this catalog (third parties use their own pref
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import enum
 import json
@@ -96,9 +97,19 @@ RULES: dict[str, Rule] = {
 }
 
 
+# The plugin whose hook is running now (set by the plan's hook caller): a finding made
+# without naming a plugin names this one.
+CURRENT_PLUGIN: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "composer_par_current_plugin", default=None
+)
+
+
 @attrs.frozen
 class Finding:
-    """One validation result: what is wrong, which plugin it concerns, and the fix."""
+    """One validation result: what is wrong, which plugin it concerns, and the fix.
+
+    Made inside a plugin's hook without ``plugin=``, it names that plugin.
+    """
 
     code: str
     message: str
@@ -108,6 +119,10 @@ class Finding:
     severity: Severity = attrs.field(default=None)  # type: ignore[assignment]
 
     def __attrs_post_init__(self) -> None:
+        if self.plugin is None:
+            current = CURRENT_PLUGIN.get()
+            if current is not None and getattr(current, "name", None):
+                object.__setattr__(self, "plugin", current.name)
         if self.severity is None:
             rule = RULES.get(self.code)
             object.__setattr__(self, "severity", rule.severity if rule else Severity.ERROR)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +13,10 @@ from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshError, MeshSpec
 from composer_par.plugin import STAGES, Plugin, Role, Stage
-from composer_par.plugin.caller import HookError, Hooks
+from composer_par.plugin.caller import HookCaller, HookError
 from composer_par.plugin.context import AppliedStep, ApplyContext
 from composer_par.plugin.fsdp_state import check_installed
+from composer_par.plugin.view import PlanView
 from composer_par.rules import (
     claim_rules,
     comm_hook_rules,
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from composer_par.planfile import PlanParts
     from composer_par.plugin.comm import InstalledCommHook
     from composer_par.plugin.registry import Registry
 
@@ -67,6 +68,7 @@ class ParallelPlan:
         self.topology = topology
         self.device = device
         self.plugins: list[Plugin] = []
+        self._caller: HookCaller | None = None
         self.applied: list[AppliedStep] = []
         # What the last apply left: plugins' own results by key (TP's resolved plan, a
         # loader's report), the FSDP modules made, and the comm hooks installed.
@@ -83,6 +85,27 @@ class ParallelPlan:
             )
         self.plugins.append(plugin)
         return self
+
+    @property
+    def hooks(self) -> HookCaller:
+        """The plan's one hook caller: built on first use, again only when the plugins
+        change. Raises HookError when a plugin implements a hook wrongly."""
+        caller = self._caller
+        if caller is None or len(caller.plugins) != len(self.plugins) or any(
+            a is not b for a, b in zip(caller.plugins, self.plugins, strict=True)
+        ):
+            self._caller = None
+            caller = HookCaller(self.plugins)
+            caller.plan = PlanView(self, caller)
+            self._caller = caller
+        return caller
+
+    @property
+    def view(self) -> PlanView:
+        """The read-only view of this plan that hooks receive as ``plan``."""
+        view = self.hooks.plan
+        assert view is not None
+        return view
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(p) for p in self.plugins)
@@ -108,13 +131,13 @@ class ParallelPlan:
 
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
-        return Hooks(self.plugins).replicate_dims(self)
+        return self.hooks.replicate_dims()
 
     def data_parallel_dims(self) -> list[str]:
         """Mesh dims over which ranks read different samples (sharded or replicated data
         parallelism), outermost first. Ranks that differ only in other (model-parallel)
         mesh dims read the same samples."""
-        roles = {c.dim for d in Hooks(self.plugins).declarations() for c in d.claims
+        roles = {c.dim for d in self.hooks.declarations() for c in d.claims
                  if c.role in (Role.SHARD, Role.REPLICATE)}
         return [n for n in self.mesh.names if n in roles]
 
@@ -144,13 +167,13 @@ class ParallelPlan:
 
     def _check(
         self, model: nn.Module | None, world_size: int | None
-    ) -> tuple[Report, Hooks | None, list[Block]]:
+    ) -> tuple[Report, HookCaller | None, list[Block]]:
         """The report, and the hooks and blocks it was made with (apply reuses them)."""
         world = world_size if world_size is not None else self.world_size()
         topology = self.effective_topology()
         findings = mesh_rules(self.mesh, world, topology)
         try:
-            hooks = Hooks(self.plugins)
+            hooks = self.hooks
         except HookError as exc:
             # Without the plugins' hooks nothing else can be asked: report what the core
             # could check, and the broken plugin.
@@ -164,18 +187,19 @@ class ParallelPlan:
         if world is not None and self.mesh.check_world_size(world) is None:
             mesh = self.mesh.resolve(world)
         decls = hooks.declarations()
-        block_specs = hooks.block_specs(self)
+        block_specs = hooks.block_specs()
+        materializers = [hooks.name_of(p) for p in hooks.implementers(Stage.MATERIALIZE)]
         findings += claim_rules(mesh, decls)
-        findings += plugin_rules(self.plugins, decls, block_specs)
+        findings += plugin_rules(materializers, decls, block_specs)
         findings += topology_rules(mesh, topology, decls)
-        findings += comm_hook_rules(mesh, decls, hooks.comm_hooks(self))
-        findings += hooks.validate_plan(self, mesh, topology)
+        findings += comm_hook_rules(mesh, decls, hooks.comm_hooks())
+        findings += hooks.validate_plan(mesh, topology)
         blocks: list[Block] = []
         if model is not None:
             spec = block_specs[0][1] if block_specs else None
             blocks = find_blocks(model, spec)
-            findings += model_rules(model, blocks, decls, self.plugins, spec)
-            findings += hooks.validate_model(self, model, blocks, mesh)
+            findings += model_rules(model, blocks, decls, materializers, spec)
+            findings += hooks.validate_model(model, blocks, mesh)
         return Report.of(findings), hooks, blocks
 
     # -- apply ------------------------------------------------------------------------
@@ -190,16 +214,16 @@ class ParallelPlan:
                         fix=finding.fix, plugin=finding.plugin)
         ctx = self._context(model, hooks, blocks)
         for stage in STAGES:
-            for plugin in ctx.hooks.implementers(stage):
-                self._run_step(ctx, stage, plugin)
-        check_installed(ctx, hooks.comm_hooks(self))
+            self._run_stage(ctx, stage)
+        check_installed(ctx, hooks.comm_hooks())
         self._log_layout(ctx)
         self.applied, self.notes = ctx.applied, ctx.notes
         self.data_parallel_modules = ctx.data_parallel_modules
         self.installed_comm_hooks = ctx.installed_comm_hooks
         return ctx.model
 
-    def _context(self, model: nn.Module, hooks: Hooks, blocks: list[Block]) -> ApplyContext:
+    def _context(self, model: nn.Module, hooks: HookCaller, blocks: list[Block]
+                 ) -> ApplyContext:
         import torch
 
         world = self.world_size() or 1
@@ -218,14 +242,15 @@ class ParallelPlan:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        return ApplyContext(self, mesh, device_mesh, device, model, list(blocks), hooks)
+        return ApplyContext(self.view, mesh, device_mesh, device, model, list(blocks), hooks)
 
-    def _run_step(self, ctx: ApplyContext, stage: Stage, plugin: Plugin) -> None:
-        started = time.perf_counter()
-        detail = ctx.hooks.call_stage(stage, plugin, ctx) or stage.label
-        ctx.applied.append(AppliedStep(stage.label, plugin.name, detail))
-        log.info("applied", stage=stage.label, plugin=plugin.name, detail=detail,
-                 seconds=round(time.perf_counter() - started, 4))
+    def _run_stage(self, ctx: ApplyContext, stage: Stage) -> None:
+        """One stage through pluggy; one applied step (and log event) per plugin."""
+        for call in ctx.hooks.call_stage(stage, ctx):
+            detail = stage.label if call.answer is None else str(call.answer)
+            ctx.applied.append(AppliedStep(stage.label, call.plugin.name, detail))
+            log.info("applied", stage=stage.label, plugin=call.plugin.name, detail=detail,
+                     seconds=round(call.seconds, 4))
 
     def _log_layout(self, ctx: ApplyContext) -> None:
         for name in ctx.mesh.names:
@@ -240,14 +265,14 @@ class ParallelPlan:
 
     def explain(self, *, world_size: int | None = None) -> Explanation:
         """The ordered steps each plugin will take and the rank groups of each mesh dim."""
-        hooks = Hooks(self.plugins)
+        hooks = self.hooks
         world = world_size if world_size is not None else self.world_size()
         mesh = self.mesh
         if world is not None and self.mesh.check_world_size(world) is None:
             mesh = self.mesh.resolve(world)
         labels = [s.label for s in STAGES]
         steps = sorted(
-            ((stage, p.name, text) for p, stage, text in hooks.describe(self)),
+            ((stage, p.name, text) for p, stage, text in hooks.describe()),
             key=lambda s: labels.index(s[0]) if s[0] in labels else len(labels),
         )
         topology = self.effective_topology()
@@ -267,9 +292,17 @@ class ParallelPlan:
         cls, source: str | Path, *, registry: Registry | None = None
     ) -> ParallelPlan:
         """A plan from TOML text or a ``.toml`` path; raises PlanFileError on bad input."""
-        from composer_par.planfile import load_plan
+        from composer_par.planfile import read_plan
 
-        return load_plan(source, registry=registry)
+        return cls.from_parts(read_plan(source, registry=registry))
+
+    @classmethod
+    def from_parts(cls, parts: PlanParts) -> ParallelPlan:
+        """A plan from what a plan file says (:func:`composer_par.planfile.parts_from_data`)."""
+        plan = cls(parts.mesh, topology=parts.topology)
+        for plugin in parts.plugins:
+            plan.use(plugin)
+        return plan
 
     def to_toml(self) -> str:
         from composer_par.planfile import dump_plan
@@ -277,7 +310,7 @@ class ParallelPlan:
         return dump_plan(self)
 
     def block_spec(self) -> BlockSpec | None:
-        specs = Hooks(self.plugins).block_specs(self)
+        specs = self.hooks.block_specs()
         return specs[0][1] if specs else None
 
 

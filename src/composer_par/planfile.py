@@ -96,17 +96,26 @@ def parse(text: str, name: str = "<plan>") -> dict[str, Any]:
         raise PlanFileError(report, name) from exc
 
 
-def load_plan(source: str | Path, *, registry: Registry | None = None) -> ParallelPlan:
-    """A plan from TOML text or a path; raises PlanFileError with every problem."""
+@attrs.frozen
+class PlanParts:
+    """What a plan file says: the parts ``ParallelPlan.from_parts`` builds a plan of."""
+
+    mesh: MeshSpec
+    topology: Topology | None
+    plugins: tuple[Plugin, ...]
+
+
+def read_plan(source: str | Path, *, registry: Registry | None = None) -> PlanParts:
+    """The parts of a plan from TOML text or a path; raises PlanFileError with every
+    problem."""
     text, name = read_source(source)
-    return plan_from_data(parse(text, name), registry=registry, name=name)
+    return parts_from_data(parse(text, name), registry=registry, name=name)
 
 
-def plan_from_data(
+def parts_from_data(
     data: Mapping[str, Any], *, registry: Registry | None = None, name: str = "<plan>"
-) -> ParallelPlan:
-    """A plan from a parsed plan file (the dict ``tomllib`` gives)."""
-    from composer_par.plan import ParallelPlan
+) -> PlanParts:
+    """The parts of a plan from a parsed plan file (the dict ``tomllib`` gives)."""
     from composer_par.plugin.registry import Registry
 
     problems: list[Finding] = []
@@ -118,10 +127,7 @@ def plan_from_data(
     plugins = _plugins(data.get("plugins", []), registry or Registry(), problems)
     if problems or mesh is None:
         raise PlanFileError(Report.of(problems), name)
-    plan = ParallelPlan(mesh, topology=topology)
-    for plugin in plugins:
-        plan.use(plugin)
-    return plan
+    return PlanParts(mesh, topology, tuple(plugins))
 
 
 def _unknown(key: str, known: tuple[str, ...] | list[str], what: str) -> Finding:
@@ -297,7 +303,7 @@ def _short(value: Any) -> str:
 
 
 def dump_plan(plan: ParallelPlan) -> str:
-    """The plan as plan-file text that :func:`load_plan` reads back to an equal plan.
+    """The plan as plan-file text that :func:`read_plan` reads back to an equal plan.
 
     Raises ValueError naming the option for what TOML cannot hold (a callable, None
     where the default is not None). ``plan.device`` is a runtime choice: not written.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from composer_par.findings import Finding, did_you_mean
 from composer_par.mesh import INFER, MeshSpec
-from composer_par.plugin.base import Declaration, Plugin, Role, Stage
+from composer_par.plugin.base import Declaration, Role
 from composer_par.plugin.comm import RUNS, CommHook
 from composer_par.topology import Topology
 
@@ -94,7 +94,7 @@ PROVIDERS = {"data_parallel": "FSDP2 or HSDP", "materialize": "MetaInit or a loa
 
 
 def plugin_rules(
-    plugins: Sequence[Plugin],
+    materializers: Sequence[str],
     decls: Sequence[Declaration],
     block_specs: Sequence[tuple[str, BlockSpec]],
 ) -> list[Finding]:
@@ -132,7 +132,6 @@ def plugin_rules(
                         plugin=decl.plugin,
                     )
                 )
-    materializers = [p.name for p in plugins if Stage.MATERIALIZE in p.stages()]
     if len(materializers) > 1:
         found.append(
             Finding(
@@ -313,7 +312,7 @@ def model_rules(
     model: nn.Module,
     blocks: list[Block],
     decls: Sequence[Declaration],
-    plugins: Sequence[Plugin],
+    materializers: Sequence[str],
     spec: BlockSpec | None,
 ) -> list[Finding]:
     from torch.distributed.tensor import DTensor
@@ -353,7 +352,7 @@ def model_rules(
                 "torch.device('meta'))",
             )
         )
-    materializes = any(Stage.MATERIALIZE in p.stages() for p in plugins)
+    materializes = bool(materializers)
     shards = any(c.role in (Role.SHARD, Role.MODEL_PARALLEL) for d in decls for c in d.claims)
     if materialized >= LARGE_MATERIALIZED_BYTES and shards:
         found.append(

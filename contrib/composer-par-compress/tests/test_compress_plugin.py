@@ -13,7 +13,6 @@ import pytest
 import torch
 from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan, PlanFileError
 from composer_par.cli.main import main
-from composer_par.plugin.caller import Hooks
 from composer_par.plugin.registry import Registry
 
 from composer_par_compress import RULES, Compress
@@ -86,11 +85,11 @@ def test_method_aliases() -> None:
 
 def test_one_comm_hook_on_its_dim_or_none_when_off() -> None:
     p = hsdp_plan(Compress(method="powersgd"))
-    (hook,) = Hooks(p.plugins).comm_hooks(p)
+    (hook,) = p.hooks.comm_hooks()
     assert (hook.dim, hook.plugin, hook.collectives()) == ("dp_replicate", "compress",
                                                            ("all_reduce",))
     off = hsdp_plan(Compress(method="none"))
-    assert Hooks(off.plugins).comm_hooks(off) == []
+    assert off.hooks.comm_hooks() == []
 
 
 def test_explain_says_what_it_does() -> None:

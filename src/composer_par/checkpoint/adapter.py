@@ -135,6 +135,5 @@ def file_names(names: Sequence[str], adapter: StateDictAdapter) -> dict[str, str
 def adapter_for(plan: Any, model: Any) -> StateDictAdapter:
     """The adapter a plan's plugins contribute through ``composer_par_state_dict_adapter``
     (their answers chained in the plan's order), or the identity."""
-    from composer_par.plugin.caller import Hooks
-
-    return combine(Hooks(plan.plugins).state_dict_adapters(plan, model))
+    view = getattr(plan, "view", plan)  # a ParallelPlan, or the view hooks are given
+    return combine(view.state_dict_adapters(model))

@@ -153,10 +153,11 @@ def load_plan_for(args: argparse.Namespace) -> tuple[ParallelPlan, int | None]:
     Raises PlanFileError for an unreadable plan, InputError for contradictory flags.
     """
     from composer_par.plan import ParallelPlan
-    from composer_par.planfile import parse, plan_from_data
+    from composer_par.planfile import parse, parts_from_data
 
     if args.plan == "-":
-        plan = plan_from_data(parse(sys.stdin.read(), "<stdin>"), name="<stdin>")
+        plan = ParallelPlan.from_parts(parts_from_data(parse(sys.stdin.read(), "<stdin>"),
+                                                       name="<stdin>"))
     else:
         plan = ParallelPlan.from_toml(Path(args.plan))
     plan.topology = _topology(plan, args)

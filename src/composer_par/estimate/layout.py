@@ -72,8 +72,6 @@ class Layout:
         """The layout a plan makes: roles from the plugins' claims, FSDP options from the
         plugin with the shard role, sequence/loss parallel from the model-parallel one,
         activation checkpointing from the plugin that implements that stage."""
-        from composer_par.plugin.caller import Hooks
-
         world = world_size if world_size is not None else plan.world_size()
         if world is None:
             raise EstimateError(f"{plan.mesh.equation()}: the world size is unknown; give "
@@ -82,7 +80,7 @@ class Layout:
         if problem:
             raise EstimateError(problem)
         mesh = plan.mesh.resolve(world)
-        hooks = Hooks(plan.plugins)
+        hooks = plan.hooks
         by_name = {hooks.name_of(p): p for p in plan.plugins}
         roles: dict[str, Role] = {}
         owners: dict[str, str] = {}

@@ -38,10 +38,9 @@ def plugin_parts(
 ) -> list[tuple[str, EstimatePart]]:
     """``(plugin name, part)`` for each plugin answering the estimate hook, in plan order;
     an answer that is not an :class:`EstimatePart` is an error."""
-    from composer_par.plugin.caller import Hooks
 
     out = []
-    for name, part in Hooks(plan.plugins).estimate_parts(plan, layout, model, workload):
+    for name, part in plan.hooks.estimate_parts(layout, model, workload):
         if not isinstance(part, EstimatePart):
             raise EstimateError(f"plugin {name!r}: composer_par_estimate must return an "
                                 f"EstimatePart or None; got {type(part).__name__}")

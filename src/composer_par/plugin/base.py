@@ -69,6 +69,9 @@ class Declaration:
     before: tuple[str, ...] = ()
     # Whether the plugin acts on the shared blocks (so "no blocks found" matters to it).
     needs_blocks: bool = False
+    # How the plugin wraps blocks for activation checkpointing, if it does: a policy name
+    # ("full", "selective", ...). Compile reads it to check its backend can trace that.
+    checkpointing: str | None = None
 
 
 class Plugin:
@@ -132,12 +135,14 @@ class Plugin:
 
     @classmethod
     def stages(cls) -> tuple[Stage, ...]:
-        """The stages this plugin class implements, in apply order."""
-        return tuple(s for s in STAGES if _is_hookimpl(getattr(cls, s.value, None)))
-
-
-def _is_hookimpl(fn: Any) -> bool:
-    return fn is not None and hasattr(fn, f"{PROJECT}_impl")
+        """The stages this plugin class implements, in apply order (an implementation
+        named otherwise counts through pluggy's ``specname``)."""
+        hooks = set()
+        for attr in dir(cls):
+            opts = getattr(getattr(cls, attr, None), f"{PROJECT}_impl", None)
+            if isinstance(opts, dict):
+                hooks.add(opts.get("specname") or attr)
+        return tuple(s for s in STAGES if s.value in hooks)
 
 
 def _plain(value: Any) -> Any:

@@ -1,19 +1,39 @@
-"""A typed facade over pluggy's hook caller, so core call sites are type-checked.
+"""One plan's hook caller: every hook call goes through pluggy, in the plan's order.
 
-The facade also fixes the call order. pluggy calls implementations last-registered
-first; composer_par calls them in the plan's order: ``use()`` order, adjusted within
-a stage by the plugins' declared ``after``/``before``.
+pluggy calls the implementations of a hook last-registered first, after moving
+``tryfirst`` ones to the front and ``trylast`` ones to the back, and runs wrappers
+(``wrapper=True`` and old-style ``hookwrapper=True``) around them. The caller keeps all
+of that: it registers the plan's plugins in the reverse of the plan's order (``use()``
+order, adjusted by the plugins' declared ``after``/``before``), so that pluggy's own
+hook calling yields the plan's order for every hook. Hook-call monitoring
+(``add_hookcall_monitoring``), tracing (``COMPOSER_PAR_TRACE_HOOKS=1``), wrappers,
+``tryfirst``/``trylast`` and ``firstresult`` therefore mean what pluggy says.
+
+What pluggy does not say is which plugin gave which answer, and the plan needs that
+(a finding names its plugin; ``explain`` lists each plugin's steps; ``apply`` logs one
+event per applied step). Each plugin is therefore registered through a small proxy whose
+hook functions call the plugin's own methods unchanged, and on the way record the
+answer and the plugin that gave it, and set the plugin as the *current plugin*, which
+:class:`~composer_par.findings.Finding` reads when no plugin is named.
+
+A plan builds one caller (``ParallelPlan.hooks``) and rebuilds it only when its plugins
+change; hooks reach it as ``ctx.hooks`` or through the plan view they are given.
 """
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import os
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import pluggy
 
-from composer_par.findings import Finding
+from composer_par.findings import CURRENT_PLUGIN, Finding
 from composer_par.plugin import hookspecs
 from composer_par.plugin.base import PROJECT, Declaration, Plugin, Stage
 
@@ -23,12 +43,13 @@ if TYPE_CHECKING:
     from composer_par.blocks import Block, BlockSpec
     from composer_par.estimate import Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
     from composer_par.topology import Topology
 
 TRACE_ENV = "COMPOSER_PAR_TRACE_HOOKS"
+_MARK = f"{PROJECT}_impl"
 
 
 class HookError(TypeError):
@@ -39,50 +60,110 @@ class HookError(TypeError):
         self.plugin = plugin
 
 
-class Hooks:
-    """The hooks of one plan's plugins, called in the plan's order."""
+@attrs.define
+class Call:
+    """One implementation's call during one hook call: who answered, what, how long."""
 
-    def __init__(self, plugins: Sequence[Plugin]) -> None:
-        self.plugins = list(plugins)
-        self._pm = pluggy.PluginManager(PROJECT)
-        self._pm.add_hookspecs(hookspecs)
-        # pluggy refuses a plugin equal to one it holds (frozen attrs compare by value),
-        # so an equal plugin used twice is registered once and answers for both; CP204
-        # still reports it, as each use declares.
-        self._held: dict[int, Plugin] = {}
-        for index, plugin in enumerate(self.plugins):
-            twin = next((p for p in self._held.values() if p == plugin), None)
-            self._held[id(plugin)] = twin or plugin
-            if twin is not None:
-                continue
+    plugin: Plugin
+    hook: str
+    answer: Any
+    seconds: float
+
+
+# The calls recorded during the hook call now in progress (nested hook calls, e.g. a
+# hook asking the plan view for the replicate dims, record into their own list).
+_CALLS: contextvars.ContextVar[list[Call] | None] = contextvars.ContextVar(
+    "composer_par_hook_calls", default=None
+)
+
+
+class HookCaller:
+    """The hooks of one plan's plugins, called through pluggy in the plan's order.
+
+    ``plan`` is the read-only view handed to hooks that take a ``plan`` argument; None
+    for a caller used on its own (tests, tools).
+    """
+
+    def __init__(self, plugins: Sequence[Plugin], plan: PlanView | None = None) -> None:
+        self.plugins: tuple[Plugin, ...] = tuple(plugins)
+        self.plan = plan
+        self._proxies = [_Proxy(p, f"{p.name or type(p).__name__}#{i}", self)
+                         for i, p in enumerate(self.plugins)]
+        self._pm = self._manager(reversed(self._proxies))
+        self._declarations: list[tuple[Plugin, Declaration]] | None = None
+        self._order: list[Plugin] | None = None
+        order = self.ordered()
+        if order != list(self.plugins):
+            by_plugin = {id(p.plugin): p for p in self._proxies}
+            self._pm = self._manager(by_plugin[id(p)] for p in reversed(order))
+
+    def _manager(self, proxies: Iterator[_Proxy] | Any) -> pluggy.PluginManager:
+        pm = pluggy.PluginManager(PROJECT)
+        pm.add_hookspecs(hookspecs)
+        for proxy in proxies:
             try:
-                self._pm.register(plugin, name=f"{plugin.name or type(plugin).__name__}#{index}")
+                pm.register(proxy, name=proxy.registered_name)
             except pluggy.PluginValidationError as exc:
-                raise HookError(f"plugin {plugin.name!r}: {exc}", plugin.name) from exc
+                raise HookError(f"plugin {proxy.plugin.name!r}: {exc}",
+                                proxy.plugin.name) from exc
         try:
-            self._pm.check_pending()
+            pm.check_pending()
         except pluggy.PluginValidationError as exc:
-            owner = getattr(exc.plugin, "name", None)
+            owner = getattr(getattr(exc.plugin, "plugin", None), "name", None)
             raise HookError(f"{exc} (hook names are listed in composer_par.plugin.hookspecs)",
                             owner) from exc
         if os.environ.get(TRACE_ENV):
-            self._pm.trace.root.setwriter(print)
-            self._pm.enable_tracing()
-        self._declarations: list[tuple[Plugin, Declaration]] | None = None
+            # stderr: stdout may carry a command's JSON answer.
+            pm.trace.root.setwriter(sys.stderr.write)
+            pm.enable_tracing()
+        return pm
 
-    # -- generic ordered calling -----------------------------------------------------
+    @property
+    def manager(self) -> pluggy.PluginManager:
+        """pluggy's manager, e.g. for ``add_hookcall_monitoring``."""
+        return self._pm
 
-    def _each(self, hook: str, **kwargs: Any) -> list[tuple[Plugin, Any]]:
-        """Call ``hook`` on every implementing plugin in ``use()`` order."""
+    # -- calling -------------------------------------------------------------------------
+
+    def call(self, hook: str, **kwargs: Any) -> tuple[Any, list[Call]]:
+        """Call ``hook`` through pluggy; returns pluggy's result and the calls made.
+
+        Arguments the hook's spec names but the caller does not give (``plan``) are
+        filled from the caller.
+        """
         caller = getattr(self._pm.hook, hook)
-        by_plugin = {id(impl.plugin): impl for impl in caller.get_hookimpls()}
-        results = []
-        for plugin in self.plugins:
-            impl = by_plugin.get(id(self._held[id(plugin)]))
-            if impl is not None:
-                args = {name: kwargs[name] for name in impl.argnames}
-                results.append((plugin, impl.function(**args)))
-        return results
+        if "plan" not in kwargs and "plan" in _spec_args(caller):
+            kwargs["plan"] = self.plan
+        calls: list[Call] = []
+        token = _CALLS.set(calls)
+        try:
+            result = caller(**kwargs)
+        finally:
+            _CALLS.reset(token)
+        return result, calls
+
+    def answers(self, hook: str, **kwargs: Any) -> list[tuple[Plugin, Any]]:
+        """Every non-None answer to ``hook`` with the plugin that gave it, in call order.
+
+        An answer a wrapper put in place of the implementations' is attributed to the
+        plugin of the implementation whose answer it replaced when that is known, else to
+        the wrapping plugin when there is one.
+        """
+        result, calls = self.call(hook, **kwargs)
+        caller = getattr(self._pm.hook, hook)
+        results = [result] if _is_firstresult(caller) else list(result or ())
+        owners = {id(c.answer): c.plugin for c in calls if c.answer is not None}
+        wrappers = [impl.plugin.plugin for impl in caller.get_hookimpls()
+                    if impl.wrapper or impl.hookwrapper]
+        fallback = wrappers[0] if len(wrappers) == 1 else None
+        out: list[tuple[Plugin, Any]] = []
+        for answer in results:
+            if answer is None:
+                continue
+            owner = owners.get(id(answer), fallback)
+            if owner is not None:
+                out.append((owner, answer))
+        return out
 
     # -- declaration, validation, composition -----------------------------------------
 
@@ -91,69 +172,63 @@ class Hooks:
 
     def _declared(self) -> list[tuple[Plugin, Declaration]]:
         if self._declarations is None:
-            self._declarations = [(p, d) for p, d in self._each("composer_par_declare") if d]
+            answered = self.answers("composer_par_declare")
+            by_plugin = {id(p): d for p, d in answered}
+            # In use() order: the plan's order is computed from these.
+            self._declarations = [(p, by_plugin[id(p)]) for p in self.plugins
+                                  if id(p) in by_plugin]
         return self._declarations
 
     def name_of(self, plugin: Plugin) -> str:
         """The name a plugin declared (what after/before refer to)."""
         return next((d.plugin for p, d in self._declared() if p is plugin), plugin.name)
 
-    def validate_plan(
-        self, plan: ParallelPlan, mesh: MeshSpec, topology: Topology | None
-    ) -> list[Finding]:
-        return _attributed(
-            self._each("composer_par_validate_plan", plan=plan, mesh=mesh, topology=topology)
-        )
+    def validate_plan(self, mesh: MeshSpec, topology: Topology | None) -> list[Finding]:
+        return _findings(self.answers("composer_par_validate_plan", mesh=mesh,
+                                      topology=topology), self)
 
-    def validate_model(
-        self, plan: ParallelPlan, model: nn.Module, blocks: list[Block], mesh: MeshSpec
-    ) -> list[Finding]:
-        return _attributed(self._each(
-            "composer_par_validate_model", plan=plan, model=model, blocks=blocks, mesh=mesh
-        ))
+    def validate_model(self, model: nn.Module, blocks: list[Block], mesh: MeshSpec
+                       ) -> list[Finding]:
+        return _findings(self.answers("composer_par_validate_model", model=model,
+                                      blocks=blocks, mesh=mesh), self)
 
-    def replicate_dims(self, plan: ParallelPlan) -> list[str]:
+    def replicate_dims(self) -> list[str]:
         dims: list[str] = []
-        for _, answer in self._each("composer_par_replicate_dims", plan=plan):
-            dims.extend(d for d in answer or () if d not in dims)
+        for _, answer in self.answers("composer_par_replicate_dims"):
+            dims.extend(d for d in answer if d not in dims)
         return dims
 
-    def comm_hooks(self, plan: ParallelPlan) -> list[CommHook]:
+    def comm_hooks(self) -> list[CommHook]:
         """Every plugin's comm hooks, in plan order, each naming the plugin that gave it."""
-        import attrs
-
         out: list[CommHook] = []
-        for plugin, answer in self._each("composer_par_comm_hooks", plan=plan):
-            for hook in answer or ():
+        for plugin, answer in self.answers("composer_par_comm_hooks"):
+            for hook in answer:
                 out.append(hook if hook.plugin else attrs.evolve(hook, plugin=self.name_of(plugin)))
         return out
 
-    def block_specs(self, plan: ParallelPlan) -> list[tuple[str, BlockSpec]]:
-        return [
-            (p.name, spec) for p, spec in self._each("composer_par_block_spec", plan=plan) if spec
-        ]
+    def block_specs(self) -> list[tuple[str, BlockSpec]]:
+        return [(self.name_of(p), spec) for p, spec in self.answers("composer_par_block_spec")]
 
-    def state_dict_adapters(self, plan: ParallelPlan, model: nn.Module) -> list[Any]:
+    def state_dict_adapters(self, model: nn.Module) -> list[Any]:
         """The name-mapping adapters plugins contribute, in the plan's order."""
-        return [a for _, a in self._each("composer_par_state_dict_adapter", plan=plan,
-                                         model=model) if a is not None]
+        return [a for _, a in self.answers("composer_par_state_dict_adapter", model=model)]
 
-    def estimate_parts(
-        self, plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload
-    ) -> list[tuple[str, Any]]:
+    def estimate_parts(self, layout: Layout, model: ModelShape, workload: Workload
+                       ) -> list[tuple[str, Any]]:
         """(plugin name, answer) for each plugin answering the estimate hook, in plan order."""
-        answers = self._each("composer_par_estimate", plan=plan, layout=layout, model=model,
-                             workload=workload)
-        return [(self.name_of(p), part) for p, part in answers if part is not None]
+        answers = self.answers("composer_par_estimate", layout=layout, model=model,
+                               workload=workload)
+        return [(self.name_of(p), part) for p, part in answers]
 
-    def describe(self, plan: ParallelPlan) -> list[tuple[Plugin, str, str]]:
-        described = {
-            id(p): steps for p, steps in self._each("composer_par_describe", plan=plan) if steps
-        }
+    def describe(self) -> list[tuple[Plugin, str, str]]:
+        described: dict[int, list[tuple[str, str]]] = {}
+        for plugin, steps in self.answers("composer_par_describe"):
+            if steps:
+                described.setdefault(id(plugin), []).extend(steps)
         out: list[tuple[Plugin, str, str]] = []
         for plugin in self.ordered():
             steps = described.get(id(plugin)) or [
-                (s.label, f"{s.label.replace('_', ' ')}") for s in plugin.stages()
+                (s.label, s.label.replace("_", " ")) for s in self.stages_of(plugin)
             ]
             out.extend((plugin, stage, text) for stage, text in steps)
         return out
@@ -162,9 +237,16 @@ class Hooks:
 
     def ordered(self, subset: Sequence[Plugin] | None = None) -> list[Plugin]:
         """Plugins in ``use()`` order adjusted by after/before (cycles: left as used)."""
+        if self._order is None:
+            self._order = self._sort(list(self.plugins))
+        if subset is None:
+            return list(self._order)
+        chosen = {id(p) for p in subset}
+        return [p for p in self._order if id(p) in chosen]
+
+    def _sort(self, pool: list[Plugin]) -> list[Plugin]:
         from composer_par.rules import ordering_edges
 
-        pool = list(self.plugins if subset is None else subset)
         edges = ordering_edges(self.declarations())
         ordered: list[Plugin] = []
         while pool:
@@ -180,25 +262,122 @@ class Hooks:
         return ordered
 
     def implementers(self, stage: Stage) -> list[Plugin]:
-        caller = getattr(self._pm.hook, stage.value)
-        ids = {id(impl.plugin) for impl in caller.get_hookimpls()}
-        return self.ordered([p for p in self.plugins if id(self._held[id(p)]) in ids])
+        """The plugins implementing ``stage``, in the order pluggy will call them."""
+        impls = getattr(self._pm.hook, stage.value).get_hookimpls()
+        return [impl.plugin.plugin for impl in reversed(impls)
+                if not (impl.wrapper or impl.hookwrapper)]
 
-    def call_stage(self, stage: Stage, plugin: Plugin, ctx: ApplyContext) -> str | None:
-        caller = getattr(self._pm.hook, stage.value)
-        for impl in caller.get_hookimpls():
-            if impl.plugin is self._held[id(plugin)]:
-                result = impl.function(**{name: ctx for name in impl.argnames})
-                return None if result is None else str(result)
-        raise HookError(f"plugin {plugin.name!r} does not implement {stage.value}")
+    def stages_of(self, plugin: Plugin) -> list[Stage]:
+        """The stages ``plugin`` implements (pluggy's ``specname`` included)."""
+        return [s for s in Stage if any(impl.plugin.plugin is plugin for impl in
+                                        getattr(self._pm.hook, s.value).get_hookimpls())]
+
+    def call_stage(self, stage: Stage, ctx: ApplyContext) -> list[Call]:
+        """Run one stage of the apply order through pluggy: every implementing plugin,
+        in plan order. Returns each implementation's call (answer: its description)."""
+        _, calls = self.call(stage.value, ctx=ctx)
+        return [c for c in calls if c.hook == stage.value]
 
 
-def _attributed(results: list[tuple[Plugin, Any]]) -> list[Finding]:
-    """Findings from a plugin's hook name that plugin unless they name another."""
-    import attrs
+def _spec_args(caller: Any) -> tuple[str, ...]:
+    spec = getattr(caller, "spec", None)
+    return tuple(spec.argnames) if spec is not None else ()
 
+
+def _is_firstresult(caller: Any) -> bool:
+    spec = getattr(caller, "spec", None)
+    return bool(spec is not None and spec.opts.get("firstresult"))
+
+
+def _findings(answers: list[tuple[Plugin, Any]], caller: HookCaller) -> list[Finding]:
+    """Findings name the plugin whose hook made them (the current plugin while it ran);
+    one made elsewhere, e.g. a constant, is attributed to the plugin that returned it."""
     out: list[Finding] = []
-    for plugin, findings in results:
-        for finding in findings or ():
-            out.append(finding if finding.plugin else attrs.evolve(finding, plugin=plugin.name))
+    for plugin, findings in answers:
+        for finding in findings:
+            if not finding.plugin:
+                finding = attrs.evolve(finding, plugin=caller.name_of(plugin))
+            out.append(finding)
     return out
+
+
+# -- the proxies pluggy holds --------------------------------------------------------------
+
+
+class _Proxy:
+    """What pluggy registers for one plugin: its hook implementations, wrapped.
+
+    Each wrapped function is a plain function carrying the original's hookimpl options
+    and ``__wrapped__`` (from which pluggy reads the argument names), so pluggy sees
+    exactly the implementation the plugin wrote.
+    """
+
+    def __init__(self, plugin: Plugin, registered_name: str, caller: HookCaller) -> None:
+        self.plugin = plugin
+        self.registered_name = registered_name
+        for attr in dir(type(plugin)):
+            static = inspect.getattr_static(plugin, attr, None)
+            function = getattr(static, "__func__", static)
+            opts = getattr(function, _MARK, None)
+            if not isinstance(opts, dict) or not callable(function):
+                continue
+            bound = getattr(plugin, attr)
+            hook = opts.get("specname") or attr
+            setattr(self, attr, _scoped(plugin, hook, bound, opts))
+
+    def __repr__(self) -> str:
+        return f"<{self.registered_name}: {self.plugin!r}>"
+
+
+def _scoped(plugin: Plugin, hook: str, method: Callable[..., Any], opts: dict[str, Any]
+            ) -> Callable[..., Any]:
+    """``method`` run with ``plugin`` as the current plugin, its answer recorded."""
+    if opts.get("wrapper") or opts.get("hookwrapper"):
+        def wrap(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            return _scoped_generator(plugin, method(*args, **kwargs))
+
+        function: Callable[..., Any] = wrap
+    else:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            token = CURRENT_PLUGIN.set(plugin)
+            started = time.perf_counter()
+            try:
+                answer = method(*args, **kwargs)
+            finally:
+                CURRENT_PLUGIN.reset(token)
+            calls = _CALLS.get()
+            if calls is not None:
+                calls.append(Call(plugin, hook, answer, time.perf_counter() - started))
+            return answer
+
+        function = run
+    function.__wrapped__ = method  # type: ignore[attr-defined]
+    function.__name__ = getattr(method, "__name__", hook)
+    function.__qualname__ = getattr(method, "__qualname__", hook)
+    setattr(function, _MARK, opts)
+    return function
+
+
+def _scoped_generator(plugin: Plugin, inner: Generator[Any, Any, Any]
+                      ) -> Generator[Any, Any, Any]:
+    """A wrapper implementation's generator, each of its steps run as ``plugin``."""
+    sent: Any = None
+    thrown: BaseException | None = None
+    while True:
+        token = CURRENT_PLUGIN.set(plugin)
+        try:
+            value = inner.throw(thrown) if thrown is not None else inner.send(sent)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            CURRENT_PLUGIN.reset(token)
+        try:
+            sent, thrown = (yield value), None
+        except GeneratorExit:
+            inner.close()
+            raise
+        except BaseException as exc:
+            sent, thrown = None, exc
+
+
+__all__ = ["Call", "HookCaller", "HookError"]

@@ -14,9 +14,9 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from composer_par.plan import ParallelPlan
-    from composer_par.plugin.caller import Hooks
+    from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook, InstalledCommHook
+    from composer_par.plugin.view import PlanView
 
 
 @attrs.define(eq=False)
@@ -30,13 +30,13 @@ class AppliedStep:
 class ApplyContext:
     """The state one ``ParallelPlan.apply`` call threads through the stages."""
 
-    plan: ParallelPlan
+    plan: PlanView  # what hooks may read of the plan
     mesh: MeshSpec  # resolved against the world size
     device_mesh: DeviceMesh | None  # None on a single process without a process group
     device: torch.device
     model: nn.Module
     blocks: list[Block]
-    hooks: Hooks
+    hooks: HookCaller  # the plan's one hook caller
     applied: list[AppliedStep] = attrs.Factory(list)
     # Every module a data-parallel plugin made an FSDP module (``fully_shard`` or torch's
     # ``replicate``), each block before the root. Whoever shards or replicates appends
@@ -71,11 +71,11 @@ class ApplyContext:
 
     def replicate_dims(self) -> list[str]:
         """The mesh dims data-parallel plugins should replicate over (composition hook)."""
-        return self.hooks.replicate_dims(self.plan)
+        return self.hooks.replicate_dims()
 
     def comm_hooks(self) -> dict[str, CommHook]:
         """The comm hooks plugins give, by mesh dim (validation allows one per dim)."""
-        return {hook.dim: hook for hook in self.hooks.comm_hooks(self.plan)}
+        return {hook.dim: hook for hook in self.hooks.comm_hooks()}
 
     def replace_block(self, index: int, new: nn.Module) -> None:
         """Swap block ``index`` for ``new`` (e.g. a checkpoint wrapper) in the model too."""

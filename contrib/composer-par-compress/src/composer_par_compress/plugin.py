@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 from composer_par.findings import Finding, Severity
 from composer_par.plugin import Plugin, Role, dim_option, hookimpl
-from composer_par.plugin.caller import Hooks
 from composer_par.plugin.comm import CommHook, CommSetup, GradReducer
 
 if TYPE_CHECKING:
     import torch.nn as nn
     from composer_par.mesh import MeshSpec
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
 
 METHODS = ("none", "bf16", "fp16", "powersgd")
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "off": "none"}
@@ -119,10 +118,10 @@ class Compress(Plugin):
     # -- validation ----------------------------------------------------------------------
 
     @hookimpl
-    def composer_par_validate_plan(self, plan: ParallelPlan, mesh: MeshSpec) -> list[Finding]:
+    def composer_par_validate_plan(self, plan: PlanView, mesh: MeshSpec) -> list[Finding]:
         if self.method == "none":
             return []
-        decls = Hooks(plan.plugins).declarations()
+        decls = plan.declarations()
         replicated = [(d.plugin, c.dim) for d in decls for c in d.claims
                       if c.role is Role.REPLICATE and c.dim in mesh]
         found: list[Finding] = []
