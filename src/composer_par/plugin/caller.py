@@ -333,8 +333,9 @@ def _scoped(plugin: Plugin, hook: str, method: Callable[..., Any], opts: dict[st
             ) -> Callable[..., Any]:
     """``method`` run with ``plugin`` as the current plugin, its answer recorded."""
     if opts.get("wrapper") or opts.get("hookwrapper"):
+        # A generator function itself: pluggy checks that wrappers are.
         def wrap(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            return _scoped_generator(plugin, method(*args, **kwargs))
+            return (yield from _scoped_generator(plugin, method(*args, **kwargs)))
 
         function: Callable[..., Any] = wrap
     else:
