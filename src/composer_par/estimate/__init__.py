@@ -57,7 +57,6 @@ from composer_par.estimate.memory import Memory, activation_bytes
 from composer_par.estimate.model_shape import ModelShape, ParamGroup, TensorShape
 from composer_par.estimate.parts import EstimatePart
 from composer_par.estimate.report import ACCOUNTING, format_estimate
-from composer_par.estimate.report import _table as _table  # dryrun and suggest draw with it
 from composer_par.estimate.timing import (
     DEFAULT_INTER_NODE_GBPS,
     DEFAULT_INTRA_NODE_GBPS,

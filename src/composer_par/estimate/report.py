@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_par.estimate.memory import optimizer_bytes
 from composer_par.estimate.units import bytes_of, format_bytes, format_count, format_seconds
 from composer_par.plugin import Role
+from composer_par.tables import table
 
 if TYPE_CHECKING:
     from composer_par.estimate.estimator import Estimate
@@ -38,18 +38,6 @@ ACCOUNTING: tuple[str, ...] = (
     "bandwidth + inter bytes / inter-node bandwidth (per device), summed over collectives: "
     "no overlap with each other or with compute, no latency term",
 )
-
-
-def _table(rows: Sequence[Sequence[str]], header: Sequence[str],
-           right: Iterable[int] = ()) -> list[str]:
-    right = set(right)
-    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
-    lines = []
-    for row in (header, *rows):
-        cells = [str(c).rjust(w) if i in right else str(c).ljust(w)
-                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    return lines
 
 
 def format_estimate(est: Estimate, paint: Any = None) -> str:
@@ -92,7 +80,7 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
         verdict = (paint(f"fits in {format_bytes(est.device_memory)}", "ok") if est.fits
                    else paint(f"does NOT fit in {format_bytes(est.device_memory)}", "ERROR"))
     rows.append(("total", total, verdict))
-    lines += ["  " + line for line in _table(rows, ("COMPONENT", "BYTES", "HOW"), right=(1,))]
+    lines.append(table(rows, ("COMPONENT", "BYTES", "HOW"), right=(1,), indent="  "))
     lines += ["", "communication per step and rank:"]
     if est.traffic:
         rows = []
@@ -106,9 +94,9 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
         rows.append(("total", "", "", "", format_bytes(est.payload),
                      format_bytes(sum(t.intra_bytes for t in est.traffic)),
                      format_bytes(est.inter_bytes), format_seconds(est.seconds)))
-        lines += ["  " + line for line in _table(
+        lines.append(table(
             rows, ("MESH DIM", "ROLE", "WHERE", "COLLECTIVES", "PAYLOAD", "INTRA-NODE",
-                   "INTER-NODE", "TIME"), right=(4, 5, 6, 7))]
+                   "INTER-NODE", "TIME"), right=(4, 5, 6, 7), indent="  "))
     else:
         lines.append("  none (a single rank, or no mesh dim of size > 1)")
     assumed = set(est.bandwidth_assumed)

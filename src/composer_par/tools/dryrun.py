@@ -407,11 +407,11 @@ def format_rank(layout: RankLayout, *, full: bool = False) -> str:
         rows.append((name, _shape(first.global_shape), _shape(first.local_shape), first.dtype,
                      format_bytes(first.bytes * len(members)), first.placements or "-"))
     rows.append(("total", "", "", "", format_bytes(layout.local_bytes), ""))
-    from composer_par.estimate import _table
+    from composer_par.tables import table
 
-    lines += ["  " + line for line in _table(
+    lines.append(table(
         rows, ("PARAMETER", "GLOBAL SHAPE", "LOCAL SHAPE", "DTYPE", "BYTES", "PLACEMENTS"),
-        right=(4,))]
+        right=(4,), indent="  "))
     return "\n".join(lines)
 
 

@@ -446,12 +446,12 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
         rows.append((str(index + 1), r.candidate.label(), format_bytes(est.memory.total),
                      "yes" if r.fits else "no", format_seconds(est.seconds),
                      format_bytes(est.inter_bytes), r.reason or "best"))
-    from composer_par.estimate import _table
+    from composer_par.tables import table
 
     lines += ["", "candidates (best first):"]
-    lines += ["  " + line for line in _table(
+    lines.append(table(
         rows, ("#", "LAYOUT", "MEMORY/RANK", "FITS", "COMM/STEP", "INTER-NODE/RANK", "WHY NOT"),
-        right=(0, 2, 4, 5))]
+        right=(0, 2, 4, 5), indent="  "))
     if len(s.ranked) > top + 1:
         lines.append(f"  ... {len(s.ranked) - top - 1} more (--top N shows more; --json has all)")
     if s.notes:
