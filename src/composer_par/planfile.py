@@ -27,7 +27,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
@@ -46,6 +46,9 @@ TOPOLOGY_KEYS = tuple(f.name for f in attrs.fields(Topology))
 # Static validation and explain do rank arithmetic in Python, linear in the number of
 # ranks (~0.5 s at this size). A file asking for more is a typo, not a cluster.
 MAX_RANKS = 2**17
+# A plan file is a few KiB. Reading stops past this many bytes, so a wrong file, a huge
+# one or an endless device (/dev/zero) is refused at once instead of filling memory.
+MAX_PLAN_BYTES = 2**20
 
 
 class PlanFileError(ValueError):
@@ -58,22 +61,40 @@ class PlanFileError(ValueError):
         super().__init__(f"{where}cannot read the plan\n{report.format()}")
 
 
-def read_source(source: str | Path) -> tuple[str, str]:
-    """(text, name): ``source`` is TOML text, or a path to a file holding it.
+def read_source(source: str | Path | IO[str] | IO[bytes]) -> tuple[str, str]:
+    """(text, name): ``source`` is TOML text, a path to a file holding it, or an open
+    stream (stdin). A file or stream is read up to :data:`MAX_PLAN_BYTES`; anything
+    longer is refused (CP501) without reading the rest.
 
     A one-line ``str`` is a path when it ends in ``.toml``, names a file, or could not
     be a plan anyway (no ``=`` and no ``[``): "no such file" beats a TOML syntax error.
     """
     if isinstance(source, str) and not _looks_like_path(source):
         return source, "<plan>"
-    path = Path(source)
+    path = Path(source) if isinstance(source, str | os.PathLike) else None
+    name = str(path) if path is not None else str(getattr(source, "name", "<stream>"))
+    limit = f"{MAX_PLAN_BYTES // 2**20} MiB ({MAX_PLAN_BYTES} bytes)"
     try:
-        return path.read_text(encoding="utf-8"), str(path)
+        if path is not None:
+            with path.open("rb") as stream:
+                data: str | bytes = stream.read(MAX_PLAN_BYTES + 1)
+        else:
+            data = source.read(MAX_PLAN_BYTES + 1)  # type: ignore[union-attr]
+        too_large = len(data) > MAX_PLAN_BYTES
+        text = "" if too_large else data.decode("utf-8") if isinstance(data, bytes) else data
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        report = Report.of([Finding("CP501", f"cannot read {path}: {reason}",
+        report = Report.of([Finding("CP501", f"cannot read {name}: {reason}",
                                     fix="check the path, and that the file is UTF-8 TOML")])
-        raise PlanFileError(report, str(path)) from exc
+        raise PlanFileError(report, name) from exc
+    if too_large:
+        report = Report.of([Finding(
+            "CP501", f"cannot read {name}: it is larger than {limit}, the limit for a plan "
+            "file (composer_par.planfile.MAX_PLAN_BYTES)",
+            fix="a plan file is a few KiB of TOML: check that this is the plan file")])
+        raise PlanFileError(report, name)
+    # The newlines text mode reads: \r\n and \r become \n, as Path.read_text gives.
+    return text.replace("\r\n", "\n").replace("\r", "\n"), name
 
 
 def _looks_like_path(text: str) -> bool:
