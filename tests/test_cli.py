@@ -23,9 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from composer_par import ParallelPlan, PlanFileError
-from composer_par.cli.main import COMMANDS, TRACEBACK_ENV, Output, main, use_color
+from composer_par.cli.common import TRACEBACK_ENV, Output, use_color
+from composer_par.cli.main import COMMANDS, main
 from composer_par.findings import RULES
-from composer_par.planfile import MAX_RANKS
+from composer_par.planfile import MAX_PLAN_BYTES, MAX_RANKS
 from composer_par.plugin.caller import HookError
 from composer_par.plugin.registry import ALLOW_ENV, BLOCK_ENV, GROUP
 from tests.test_planfile import FUZZ, plan_data, to_toml_document
@@ -226,7 +227,7 @@ def test_validate_reads_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run(["validate", "-"])[0] == 2
 
 
-def test_an_unexpected_failure_is_one_line_and_exit_2(
+def test_an_internal_error_is_exit_3_says_it_is_a_bug_and_how_to_see_the_traceback(
     files: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def boom(*args: Any, **kwargs: Any) -> None:
@@ -234,12 +235,77 @@ def test_an_unexpected_failure_is_one_line_and_exit_2(
 
     monkeypatch.setattr(ParallelPlan, "validate", boom)
     code, out, err = run(["validate", files["clean"]])
-    assert (code, out, err) == (2, "", "composer-par: error: RuntimeError: boom\n")
+    assert code == 3 and out == ""
+    first, *notes = err.splitlines()
+    assert first == "composer-par: internal error: RuntimeError: boom"
+    assert "a bug in composer_par" in notes[0] and "not in your input" in notes[0]
+    assert f"set {TRACEBACK_ENV}=1 to see the traceback" in notes[1]
+    assert "Traceback" not in err
     code, data = run_json(["validate", files["clean"]])
-    assert code == 2 and data == {"ok": False, "error": "RuntimeError: boom", "exit_code": 2}
-    monkeypatch.setenv(TRACEBACK_ENV, "1")  # for debugging the CLI itself
-    with pytest.raises(RuntimeError, match="boom"):
-        run(["validate", files["clean"]])
+    assert code == 3 and data == {"ok": False, "error": "RuntimeError: boom", "exit_code": 3,
+                                  "internal": True, "culprit": "composer_par"}
+    # The variable prints the traceback after the summary; the exit code and the one JSON
+    # document stay.
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    code, out, err = run(["validate", files["clean"], "--json"])
+    assert code == 3 and json.loads(out)["exit_code"] == 3
+    assert "Traceback (most recent call last)" in err and "RuntimeError: boom" in err
+
+
+FAULTY_PLUGIN = """
+from typing import ClassVar
+
+import attrs
+
+from composer_par.plugin import Plugin, hookimpl
+
+
+@attrs.frozen
+class Faulty(Plugin):
+    name: ClassVar[str] = "faulty"
+
+    @hookimpl
+    def composer_par_validate_plan(self, plan, mesh, topology):
+        return helper()
+
+
+def helper():
+    return {}["a bug in the plugin"]
+"""
+
+
+@pytest.fixture
+def faulty_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A third-party plugin, registered through its entry point, whose hook raises."""
+    package = tmp_path / "faulty_plugin_dist"
+    package.mkdir()
+    (package / "__init__.py").write_text(FAULTY_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = metadata.entry_points
+
+    def entry_points(**kwargs: Any) -> Any:
+        found = real(**kwargs)
+        if kwargs.get("group") != GROUP:
+            return found
+        return [*found, metadata.EntryPoint("faulty", "faulty_plugin_dist:Faulty", GROUP)]
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    plan = tmp_path / "faulty.toml"
+    plan.write_text(CLEAN + '[[plugins]]\nname = "faulty"\n')
+    return str(plan)
+
+
+def test_a_bug_in_a_plugin_names_the_plugin_and_its_module(faulty_plugin: str) -> None:
+    try:
+        code, out, err = run(["validate", faulty_plugin])
+        assert code == 3 and out == ""
+        assert err.startswith("composer-par: internal error: KeyError: 'a bug in the plugin'")
+        assert ("a bug in the plugin 'faulty' (module faulty_plugin_dist), not in composer_par"
+                in err)
+        code, data = run_json(["explain", faulty_plugin])
+        assert code == 3 and data["culprit"] == "the plugin 'faulty' (module faulty_plugin_dist)"
+    finally:
+        sys.modules.pop("faulty_plugin_dist", None)
 
 
 def test_a_broken_torchrun_environment_is_exit_2(
@@ -249,6 +315,56 @@ def test_a_broken_torchrun_environment_is_exit_2(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     code, _, err = run(["validate", files["inferred"]])
     assert code == 2 and err.startswith("composer-par: error: TopologyError")
+
+
+# -- bounded input: an endless device or a huge file is refused, not read ---------------------
+
+LIMIT_MESSAGE = f"larger than 1 MiB ({MAX_PLAN_BYTES} bytes), the limit for a plan file"
+
+
+def test_a_plan_file_over_the_limit_is_refused_by_the_python_api(tmp_path: Path) -> None:
+    huge = tmp_path / "huge.toml"
+    with huge.open("wb") as f:  # sparse: costs no disk
+        f.truncate(MAX_PLAN_BYTES + 1)
+    with pytest.raises(PlanFileError) as info:
+        ParallelPlan.from_toml(huge)
+    [finding] = info.value.report.findings
+    assert finding.code == "CP501" and LIMIT_MESSAGE in finding.message
+    at_limit = tmp_path / "at_limit.toml"
+    at_limit.write_text(CLEAN + "#" * (MAX_PLAN_BYTES - len(CLEAN.encode())))
+    assert at_limit.stat().st_size == MAX_PLAN_BYTES
+    assert ParallelPlan.from_toml(at_limit).mesh.world_size == 8
+    code, data = run_json(["validate", str(huge)])
+    assert code == 2 and LIMIT_MESSAGE in data["findings"][0]["message"]
+
+
+def test_stdin_is_read_with_the_same_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(CLEAN + " " * MAX_PLAN_BYTES))
+    code, data = run_json(["validate", "-"])
+    assert code == 2 and data["plan"] == "-"
+    assert LIMIT_MESSAGE in data["findings"][0]["message"]
+
+
+def limited_memory() -> None:
+    """A child that would read an endless device without a bound dies of MemoryError
+    instead of taking the machine's memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_an_endless_device_is_refused_at_the_limit(device: str) -> None:
+    for argv, stdin in (([device], subprocess.DEVNULL), (["-"], device)):
+        with contextlib.ExitStack() as stack:
+            source = stack.enter_context(open(stdin, "rb")) if stdin != subprocess.DEVNULL \
+                else stdin
+            done = subprocess.run([*cli_command(), "validate", *argv, "--json"], stdin=source,
+                                  env=clean_env(), capture_output=True, text=True, timeout=60,
+                                  preexec_fn=limited_memory)
+        assert done.returncode == 2, (argv, done.stderr)
+        [finding] = json.loads(done.stdout)["findings"]
+        assert finding["code"] == "CP501" and LIMIT_MESSAGE in finding["message"], finding
 
 
 # -- explain -----------------------------------------------------------------------------------
@@ -333,6 +449,232 @@ def test_rules_is_the_whole_catalog() -> None:
     _, data = run_json(["rules"])
     assert [r["code"] for r in data["rules"]] == sorted(RULES)
     assert {r["severity"] for r in data["rules"]} <= {"error", "warning", "info"}
+
+
+# -- --model: the user's code is input, whatever it raises or exits with ----------------------
+
+USER_MODELS = """
+import sys
+
+import torch.nn as nn
+
+
+class Stop(BaseException):
+    pass
+
+
+def exits():
+    sys.exit(3)
+
+
+def exits_cleanly():
+    sys.exit()
+
+
+def raises_base_exception():
+    raise Stop("stop")
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def named_modules(self, *args, **kwargs):
+        raise ValueError("odd model")
+
+
+def odd():
+    return Odd()
+"""
+
+
+@pytest.fixture
+def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``cli_user_models`` and ``cli_exits_on_import`` in the current directory, where
+    --model looks first."""
+    (tmp_path / "cli_user_models.py").write_text(USER_MODELS)
+    (tmp_path / "cli_exits_on_import.py").write_text("import sys\nsys.exit('no model here')\n")
+    monkeypatch.chdir(tmp_path)
+    yield
+    for name in ("cli_user_models", "cli_exits_on_import"):
+        sys.modules.pop(name, None)
+
+
+USER_CODE_FAILURES = [
+    ("cli_user_models:exits", "the model code called sys.exit(3)"),
+    ("cli_user_models:exits_cleanly", "the model code called sys.exit(None)"),
+    ("cli_exits_on_import:build", "the model code called sys.exit('no model here')"),
+    ("cli_user_models:raises_base_exception", "the model code raised Stop: stop"),
+    ("cli_user_models:odd", "the model code raised ValueError: odd model"),
+]
+
+
+@pytest.mark.usefixtures("user_models")
+@pytest.mark.parametrize(("spec", "message"), USER_CODE_FAILURES,
+                         ids=[spec.partition(":")[2] for spec, _ in USER_CODE_FAILURES])
+@pytest.mark.parametrize("command", ["validate", "estimate"])
+def test_model_code_that_exits_or_raises_is_exit_2_naming_it(
+    files: dict[str, str], spec: str, message: str, command: str
+) -> None:
+    argv = [command, files["clean"], "--model", spec]
+    argv += ["--seq", "8"] if command == "estimate" else []
+    code, out, err = run([*argv, "--json"])
+    assert code == 2, err
+    data = json.loads(out)  # all of stdout: one document
+    assert data["exit_code"] == 2 and data["ok"] is False
+    assert data["error"].startswith(f"--model {spec}: {message}")
+    assert "composer-par cannot use this model" in data["error"]
+    assert "internal error" not in err
+    code, out, err = run(argv)
+    assert code == 2 and out == "" and f"--model {spec}: {message}" in err
+
+
+# -- demo: argument errors are found before any process starts -------------------------------
+
+
+@pytest.fixture
+def demo_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The arguments of each demo that got as far as starting processes (it does not:
+    the run, which launches them, is replaced by a recorder)."""
+    from composer_par.tools import demo
+
+    started: list[Any] = []
+    monkeypatch.delenv(demo.FAIL_ENV, raising=False)
+    monkeypatch.setattr(demo, "run", lambda args, out=None: started.append(args) or 0)
+    return started
+
+
+BAD_DEMO_ARGUMENTS = [
+    (["--fail", "abc"], "argument --fail: expected RANK:STEP"),
+    (["--fail", "1"], "argument --fail: expected RANK:STEP"),
+    (["--fail=-1:2"], "argument --fail: expected RANK:STEP"),
+    (["--fail", "1:0"], "argument --fail: expected RANK:STEP"),
+    (["--fail", "4:2"], "rank 4 is not one of the 4 processes (0 .. 3)"),
+    (["--nproc", "2", "--fail", "2:1"], "rank 2 is not one of the 2 processes"),
+    (["--fail", "1:41"], "step 41 comes after the last step (--steps 40)"),
+    (["--timeout", "-1"], "argument --timeout: expected a finite number > 0"),
+    (["--timeout", "0"], "argument --timeout: expected a finite number > 0"),
+    (["--timeout", "nan"], "argument --timeout: expected a finite number > 0"),
+    (["--timeout", "1e300"], "argument --timeout: expected a finite number > 0 and <= 86400"),
+    (["--timeout", "soon"], "argument --timeout: expected a number"),
+    (["--steps", "0"], "argument --steps: expected an int >= 1"),
+    (["--steps", "-3"], "argument --steps: expected an int >= 1"),
+    (["--nproc", "0"], "argument --nproc: expected an int from 1 to 256"),
+    (["--nproc", "-1"], "argument --nproc: expected an int from 1 to 256"),
+    (["--seq-len", "1"], "argument --seq-len: expected an int from 2 to 1024"),
+    (["--batch", "0"], "argument --batch: expected an int from 1 to 4096"),
+    (["--batch", "1"], "--batch 1 is smaller than the plan's 2 data-parallel ranks"),
+    (["--lr", "0"], "argument --lr: expected a finite number > 0"),
+    (["--lr", "inf"], "argument --lr: expected a finite number > 0"),
+    (["--plan", "missing.toml"], "argument --plan: cannot read missing.toml"),
+    (["--plan", "/dev/zero"], "argument --plan: cannot read /dev/zero: it is larger than 1 MiB"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_DEMO_ARGUMENTS,
+                         ids=[" ".join(a) for a, _ in BAD_DEMO_ARGUMENTS])
+def test_demo_argument_errors_come_before_any_process(
+    demo_runs: list[Any], extra: list[str], message: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(["demo", *extra])
+    assert code == 2 and message in err and out == "", err
+    code, data = run_json(["demo", *extra])
+    assert code == 2 and message in data["error"] and data["exit_code"] == 2
+    assert demo_runs == []
+
+
+def test_demo_arguments_that_are_fine_reach_the_run(
+    demo_runs: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from composer_par.tools.demo import FAIL_ENV
+
+    assert run(["demo", "--fail", " 1:2", "--steps", "4", "--timeout", "0.5"])[0] == 0
+    [args] = demo_runs
+    assert (args.fail, args.steps, args.timeout, args.nproc) == ("1:2", 4, 0.5, None)
+    # The variable is the default of --fail, checked like the option.
+    monkeypatch.setenv(FAIL_ENV, "one:two")
+    code, _, err = run(["demo"])
+    assert code == 2 and "argument --fail: expected RANK:STEP" in err and len(demo_runs) == 1
+
+
+# -- --json: exactly one JSON document on stdout, whatever goes wrong -------------------------
+
+# A bad argument for every command (a value its type refuses, where it has one).
+BAD_ARGUMENTS = {
+    "validate": ["validate", "plan.toml", "--nodes", "0"],
+    "explain": ["explain", "plan.toml", "--world-size", "many"],
+    "plugins": ["plugins", "extra"],
+    "rules": ["rules", "--code", "CP101"],
+    "demo": ["demo", "--fail", "abc"],
+    "inspect": ["inspect"],
+    "convert": ["convert", "only-a-source"],
+    "estimate": ["estimate", "plan.toml", "--seq", "0", "--params", "1e9"],
+    "suggest": ["suggest", "--nodes", "0", "--devices-per-node", "8", "--device-memory",
+                "80GiB", "--params", "1e9", "--seq", "8"],
+}
+
+
+def test_every_command_has_a_bad_argument_case() -> None:
+    assert sorted(BAD_ARGUMENTS) == sorted(c.name for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", [c.name for c in COMMANDS])
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_a_bad_argument_gives_one_json_document_and_exit_2(
+    demo_runs: list[Any], command: str, where: str
+) -> None:
+    for argv in (BAD_ARGUMENTS[command], [command, "--no-such-option"]):
+        full = [*argv, "--json"] if where == "after" else ["--json", *argv]
+        code, out, err = run(full)
+        data = json.loads(out)  # raises on anything but exactly one document
+        assert code == 2 and data == {"ok": False, "error": data["error"], "exit_code": 2}, full
+        assert err.startswith("composer-par: error: ") and data["error"] in err
+    assert demo_runs == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "--help"], ["--version"], [],
+                                  ["demo", "--help"]], ids=str)
+def test_help_version_and_no_command_are_one_json_document(argv: list[str]) -> None:
+    code, out, _ = run([*argv, "--json"])
+    data = json.loads(out)
+    assert data["exit_code"] == code
+    if argv:
+        assert code == 0 and data["ok"] and ("usage: composer-par" in data["text"]
+                                             or "composer-par 0." in data["text"])
+    else:
+        assert code == 2 and "choose a command" in data["error"]
+
+
+def test_what_else_writes_to_stdout_goes_to_stderr_with_json(
+    files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = ParallelPlan.validate
+
+    def chatty(self: ParallelPlan, *args: Any, **kwargs: Any) -> Any:
+        print("a plugin that prints")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ParallelPlan, "validate", chatty)
+    code, out, err = run(["validate", files["clean"], "--json"])
+    assert code == 0 and json.loads(out)["ok"] and "a plugin that prints" in err
+    code, out, _ = run(["validate", files["clean"]])
+    assert "a plugin that prints" in out
+
+
+def test_a_command_that_reports_only_on_stderr_still_gives_a_document(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The demo says why it cannot start on stderr (here: a directory it did not make).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "composer-par-demo").mkdir()
+    (tmp_path / "composer-par-demo" / "precious.txt").write_text("keep me")
+    code, out, err = run(["demo", "--json"])
+    assert code == 2 and "not made by the demo" in err
+    assert json.loads(out) == {"ok": False, "exit_code": 2,
+                               "error": "see the messages on stderr"}
 
 
 # -- color ----------------------------------------------------------------------------------------

@@ -14,10 +14,9 @@ import argparse
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
-if TYPE_CHECKING:
-    from composer_par.cli.main import Output
+from composer_par.cli.common import EXIT_OK, InputError, Output
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -94,7 +93,6 @@ def configure_inspect(parser: argparse.ArgumentParser) -> None:
 def run_inspect(args: argparse.Namespace, out: Output) -> int:
     from composer_par.checkpoint.errors import CheckpointError
     from composer_par.checkpoint.inspect import describe, format_text
-    from composer_par.cli.main import EXIT_OK, InputError
 
     try:
         data = describe(args.path)
@@ -130,7 +128,6 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
     from composer_par.checkpoint.convert import dcp_to_safetensors, safetensors_to_dcp
     from composer_par.checkpoint.errors import CheckpointError
     from composer_par.checkpoint.inspect import kind_of
-    from composer_par.cli.main import EXIT_OK, InputError
 
     stream = out.stderr if out.stderr is not None else sys.stderr
     try:

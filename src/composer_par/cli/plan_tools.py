@@ -1,32 +1,64 @@
 """The CLI glue of the before-launch tools: ``validate --model`` (dry run), ``explain
 --svg`` (layout pictures), ``estimate`` and ``suggest``.
 
-:mod:`composer_par.cli` owns the commands; this module adds their arguments and runs
-them. Nothing here imports torch unless a model is given (``--model``): estimating
+:mod:`composer_par.cli.main` lists the commands; this module adds their arguments and
+runs them. Nothing here imports torch unless a model is given (``--model``): estimating
 from ``--params`` and suggesting stay on the static path.
+
+The model code named by ``--model MODULE:FACTORY`` is the user's: whatever it raises,
+and a ``sys.exit`` in it, ends the command with exit 2 naming ``MODULE:FACTORY``, not
+with composer-par's internal-error code nor with the model's own exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_par.cli.main import bounded_int
+from composer_par.cli.common import (
+    EXIT_ERRORS,
+    EXIT_INPUT,
+    EXIT_OK,
+    InputError,
+    Output,
+    bounded_int,
+    load_plan_for,
+    plan_arguments,
+    situation,
+)
+from composer_par.cli.failures import culprit, summary
+from composer_par.planfile import MAX_RANKS, PlanFileError
 
 if TYPE_CHECKING:
-    from composer_par.cli.main import Output
     from composer_par.estimate import ModelShape
     from composer_par.plan import Explanation, ParallelPlan
 
-EXIT_OK, EXIT_ERRORS, EXIT_INPUT = 0, 1, 2
 
+@contextlib.contextmanager
+def model_code(spec: str) -> Iterator[None]:
+    """Around what runs the user's model code (``--model spec``): what it raises, or an
+    exit it calls, becomes an InputError (exit 2) naming ``spec``. A failure whose
+    innermost owned frame is composer_par's or a plugin's stays a bug (exit 3)."""
+    from composer_par.tools.dryrun import DryRunError
 
-def _input_error(message: str) -> Any:
-    """The CLI's InputError: one line on stderr, exit 2."""
-    from composer_par.cli.main import InputError
-
-    return InputError(message)
+    try:
+        yield
+    except (InputError, KeyboardInterrupt):
+        raise
+    except DryRunError as exc:
+        raise InputError(str(exc)) from exc
+    except BaseException as exc:
+        if culprit(exc, user_module=spec.partition(":")[0]).kind != "user":
+            raise
+        if isinstance(exc, SystemExit):
+            what = f"called sys.exit({exc.code!r})"
+        else:
+            what = f"raised {summary(exc)}"
+        raise InputError(f"--model {spec}: the model code {what}; composer-par cannot use "
+                         "this model (fix the model code, or give another factory)") from exc
 
 
 # Ranks are counted from 0; everything else here counts from 1.
@@ -87,19 +119,11 @@ def validate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_validate_model(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.cli.main import _plan_file_failure, _situation, load_plan_for
-    from composer_par.planfile import PlanFileError
+    plan, world = load_plan_for(args)
+    from composer_par.tools.dryrun import dry_run, format_result
 
-    try:
-        plan, world = load_plan_for(args)
-    except PlanFileError as exc:
-        return _plan_file_failure(args, out, exc.report)
-    from composer_par.tools.dryrun import DryRunError, dry_run, format_result
-
-    try:
+    with model_code(args.model):
         result = dry_run(plan, args.model, world_size=world, ranks=args.rank)
-    except DryRunError as exc:
-        raise _input_error(str(exc)) from exc
     topology = plan.effective_topology()
     code = result.exit_code()
     data = {
@@ -110,7 +134,7 @@ def run_validate_model(args: argparse.Namespace, out: Output) -> int:
     body = result.report.format()
     if not result.report.findings:
         body = out.paint(body, "ok")
-    text = (f"{args.plan}: {_situation(plan, result.world_size)}\n"
+    text = (f"{args.plan}: {situation(plan, result.world_size)}\n"
             f"{out.severities(body)}\n{format_result(result, full=args.all_params)}")
     failed = [r.rank for r in result.ranks if r.failure is not None]
     if failed:
@@ -138,7 +162,7 @@ def layout_picture(
 
     if not explanation.mesh.is_resolved or not explanation.groups:
         if svg is not None:
-            raise _input_error("cannot draw the layout: the world size is unknown (a mesh size "
+            raise InputError("cannot draw the layout: the world size is unknown (a mesh size "
                                "is -1); give --world-size or --nodes/--devices-per-node")
         return "", {"layout": None}
     grid = Grid.of(explanation.mesh, explanation.topology, explanation.groups)
@@ -148,7 +172,7 @@ def layout_picture(
         try:
             svg.write_text(render_svg(grid, title=title), encoding="utf-8")
         except OSError as exc:
-            raise _input_error(f"cannot write {svg}: {exc.strerror or exc}") from exc
+            raise InputError(f"cannot write {svg}: {exc.strerror or exc}") from exc
         data["svg"] = str(svg)
         text += f"\nSVG written to {svg}"
     return text, data
@@ -196,32 +220,28 @@ def model_shape(args: argparse.Namespace, plan: ParallelPlan | None) -> ModelSha
              "kv_heads": args.kv_heads, "ffn_hidden": args.ffn_hidden, "vocab": args.vocab}
     if args.model is not None:
         if args.params is not None:
-            raise _input_error("give --model or --params, not both")
-        from composer_par.tools.dryrun import DryRunError, build_on_meta, resolve_factory
+            raise InputError("give --model or --params, not both")
+        from composer_par.tools.dryrun import build_on_meta, resolve_factory
 
-        try:
-            model = build_on_meta(resolve_factory(args.model), args.model)
-        except DryRunError as exc:
-            raise _input_error(str(exc)) from exc
         spec = plan.block_spec() if plan is not None else None
         overrides = {k: v for k, v in sizes.items() if k != "layers"}
-        return ModelShape.from_module(model, spec, source=args.model, **overrides)
+        with model_code(args.model):
+            model = build_on_meta(resolve_factory(args.model), args.model)
+            return ModelShape.from_module(model, spec, source=args.model, **overrides)
     if args.params is None and (args.layers is None or args.hidden is None):
-        raise _input_error("give the model: --model MODULE:FACTORY, or --params N (with "
+        raise InputError("give the model: --model MODULE:FACTORY, or --params N (with "
                            "--layers/--hidden/--heads if known)")
     try:
         return ModelShape.from_numbers(params=args.params, **sizes)
     except EstimateError as exc:
-        raise _input_error(str(exc)) from exc
+        raise InputError(str(exc)) from exc
 
 
 # -- estimate --------------------------------------------------------------------------------
 
 
 def estimate_arguments(parser: argparse.ArgumentParser) -> None:
-    from composer_par.cli.main import _plan_arguments
-
-    _plan_arguments(parser)
+    plan_arguments(parser)
     _model_arguments(parser)
     work = parser.add_argument_group("precision and checkpointing (default: the plan's)")
     work.add_argument("--dtype", type=_dtype, metavar="DTYPE",
@@ -238,17 +258,12 @@ def estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_estimate(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.cli.main import _plan_file_failure, load_plan_for
     from composer_par.estimate import EstimateError, Workload, estimate_plan
-    from composer_par.planfile import PlanFileError
 
-    try:
-        plan, world = load_plan_for(args)
-    except PlanFileError as exc:
-        return _plan_file_failure(args, out, exc.report)
+    plan, world = load_plan_for(args)
     report = plan.validate(world_size=world)
-    if report.exit_code() == EXIT_INPUT:
-        return _plan_file_failure(args, out, report)
+    if report.exit_code() == EXIT_INPUT:  # options only the plugins can check (CP5xx)
+        raise PlanFileError(report, args.plan)
     shape = model_shape(args, plan)
     try:
         workload = Workload(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
@@ -260,7 +275,7 @@ def run_estimate(args: argparse.Namespace, out: Output) -> int:
                             inter_node_gbps=args.inter_node_gbps,
                             device_memory=args.device_memory)
     except EstimateError as exc:
-        raise _input_error(str(exc)) from exc
+        raise InputError(str(exc)) from exc
     code = report.exit_code()
     if est.fits is False:
         code = max(code, EXIT_ERRORS)
@@ -278,8 +293,6 @@ def run_estimate(args: argparse.Namespace, out: Output) -> int:
 
 
 def suggest_arguments(parser: argparse.ArgumentParser) -> None:
-    from composer_par.planfile import MAX_RANKS
-
     where = parser.add_argument_group("the cluster")
 
     ranks = bounded_int(1, MAX_RANKS)
@@ -306,7 +319,7 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
     from composer_par.topology import Topology
 
     if args.nodes * args.devices_per_node > 2**17:
-        raise _input_error(f"{args.nodes} nodes x {args.devices_per_node} devices is too many "
+        raise InputError(f"{args.nodes} nodes x {args.devices_per_node} devices is too many "
                            "ranks")
     shape = model_shape(args, None)
     topology = Topology(nodes=args.nodes, devices_per_node=args.devices_per_node)
@@ -317,7 +330,7 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
                          inter_node_gbps=args.inter_node_gbps, max_tp=args.max_tp,
                          attention=args.attention)
     except EstimateError as exc:
-        raise _input_error(str(exc)) from exc
+        raise InputError(str(exc)) from exc
     code = EXIT_OK if result.best is not None else EXIT_ERRORS
     data = {"exit_code": code, **result.to_dict()}
     text = format_suggestion(result, top=args.top, paint=out.paint)
@@ -325,7 +338,7 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
         try:
             args.output.write_text(result.plan_toml, encoding="utf-8")
         except OSError as exc:
-            raise _input_error(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+            raise InputError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
         data["output"] = str(args.output)
         text += f"\nplan file written to {args.output}"
     out.result(data, text)
@@ -336,6 +349,8 @@ __all__ = [
     "estimate_arguments",
     "explain_arguments",
     "layout_picture",
+    "model_code",
+    "model_shape",
     "run_estimate",
     "run_suggest",
     "run_validate_model",

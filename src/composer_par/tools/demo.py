@@ -49,25 +49,96 @@ def corpus_bytes() -> bytes:
     return resources.files("composer_par").joinpath("data/corpus.txt").read_bytes()
 
 
+# Bounds of the options: a small model on a small corpus, on one machine's processes.
+MAX_NPROC = 256
+MAX_SEQ_LEN = 1024
+MAX_BATCH = 4096
+MAX_TIMEOUT_S = 24 * 3600.0
+DEFAULT_NPROC = 4  # DEFAULT_PLAN's world size
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", type=Path, help="a plan file (default: FSDP2 x TP 2x2 + "
-                        "activation checkpointing + MetaInit)")
-    parser.add_argument("--nproc", type=int, default=None,
+    # Every value is checked here, at parse time, and the options against each other by
+    # check_arguments: a bad command line must fail before any process starts.
+    from composer_par.cli.common import bounded_float, bounded_int
+
+    parser.add_argument("--plan", type=_plan_file, help="a plan file (default: FSDP2 x TP 2x2 "
+                        "+ activation checkpointing + MetaInit)")
+    parser.add_argument("--nproc", type=bounded_int(1, MAX_NPROC), default=None,
                         help="local processes (default: the plan's world size, else 4)")
-    parser.add_argument("--steps", type=int, default=40,
+    parser.add_argument("--steps", type=bounded_int(1), default=40,
                         help="train until this step (default 40)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest committed checkpoint")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("composer-par-demo"),
                         help="where checkpoints go (default ./composer-par-demo)")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--timeout", type=float, default=30.0,
+    parser.add_argument("--seq-len", type=bounded_int(2, MAX_SEQ_LEN), default=64,
+                        help="tokens per sequence (default 64)")
+    parser.add_argument("--batch", type=bounded_int(1, MAX_BATCH), default=8,
+                        help="global batch (sequences; default 8)")
+    parser.add_argument("--lr", type=bounded_float(0.0), default=3e-3,
+                        help="learning rate (default 3e-3)")
+    parser.add_argument("--timeout", type=bounded_float(0.0, MAX_TIMEOUT_S), default=30.0,
                         help="process-group timeout in seconds: how soon the other ranks "
                         "stop when one dies (default 30)")
-    parser.add_argument("--fail", metavar="RANK:STEP", default=os.environ.get(FAIL_ENV),
-                        help="make RANK raise at STEP, to see how a failure is reported")
+    parser.add_argument("--fail", metavar="RANK:STEP", type=_fail_at,
+                        default=os.environ.get(FAIL_ENV),
+                        help="make RANK raise at STEP, to see how a failure is reported "
+                        f"(default: ${FAIL_ENV})")
+
+
+def _plan_file(text: str) -> Path:
+    """--plan: a file that can be read as a plan file (with its size bound)."""
+    from composer_par.planfile import PlanFileError, read_source
+
+    path = Path(text)
+    try:
+        read_source(path)
+    except PlanFileError as exc:
+        raise argparse.ArgumentTypeError(exc.report.findings[0].message) from None
+    return path
+
+
+def _fail_at(text: str) -> str:
+    """--fail RANK:STEP, with RANK >= 0 and STEP >= 1."""
+    rank, colon, step = text.strip().partition(":")
+    try:
+        numbers = (int(rank), int(step)) if colon else None
+    except ValueError:
+        numbers = None
+    if numbers is None or numbers[0] < 0 or numbers[1] < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected RANK:STEP with RANK >= 0 and STEP >= 1 (e.g. 1:2); got {text!r}")
+    return f"{numbers[0]}:{numbers[1]}"
+
+
+def check_arguments(args: argparse.Namespace) -> str:
+    """What is wrong between the options ('' if nothing), found before any process
+    starts: a --fail rank that is not one of the processes or a step never reached, a
+    batch smaller than the plan's data-parallel ranks. A plan that cannot be read or
+    validated is left to :func:`run`, which reports its findings."""
+    from composer_par.plan import ParallelPlan
+    from composer_par.planfile import PlanFileError
+
+    try:
+        plan = ParallelPlan.from_toml(args.plan.read_text() if args.plan else DEFAULT_PLAN)
+    except (PlanFileError, OSError, UnicodeDecodeError):
+        return ""
+    nproc = args.nproc or (plan.mesh.world_size if plan.mesh.is_resolved else DEFAULT_NPROC)
+    if args.fail:
+        rank, step = (int(n) for n in args.fail.split(":"))
+        if rank >= nproc:
+            return (f"--fail {args.fail}: rank {rank} is not one of the {nproc} processes "
+                    f"(0 .. {nproc - 1})")
+        if step > args.steps:
+            return (f"--fail {args.fail}: step {step} comes after the last step "
+                    f"(--steps {args.steps}), so nothing would fail")
+    if plan.validate(world_size=nproc).ok:
+        _, shards = plan.data_shard(0, nproc)
+        if args.batch < shards:
+            return (f"--batch {args.batch} is smaller than the plan's {shards} data-parallel "
+                    "ranks: each needs at least one sequence")
+    return ""
 
 
 def _quiet_numpy_warning() -> None:
@@ -291,4 +362,8 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer-par demo", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    problem = check_arguments(args)
+    if problem:
+        parser.error(problem)
+    return run(args)
