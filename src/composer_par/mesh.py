@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -23,9 +24,36 @@ if TYPE_CHECKING:
 
 INFER = -1
 
+# How long a rank waits in one collective of the plan's process groups before it gives
+# up (torch's own default is 30 minutes for gloo, 10 for NCCL). A healthy collective
+# takes milliseconds to seconds; the longest legitimate wait is a peer that is still
+# compiling, loading or checkpointing, which takes a few minutes on the models this runs
+# on CPU. Five minutes bounds a dead or stuck peer without cutting those off; a job with
+# longer stalls raises it (``ParallelPlan(..., timeout=...)``, ``timeout`` in a plan file).
+DEFAULT_TIMEOUT_S = 300.0
+
 
 class MeshError(ValueError):
     """A mesh that cannot be laid out; the message gives the whole equation."""
+
+
+def as_timeout(value: Any) -> timedelta:
+    """A collective timeout from seconds (int or float) or a ``timedelta``; TypeError or
+    ValueError naming the value for anything not positive and finite."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(
+            f"timeout must be seconds (a number) or a datetime.timedelta; got {value!r}"
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0; got {value!r}")
+    try:
+        return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"timeout {value!r} s is longer than a timedelta can hold") from None
 
 
 def _check_dims(instance: MeshSpec, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -222,10 +250,17 @@ class MeshSpec:
 
     # -- building the real thing ------------------------------------------------------
 
-    def build(self, device_type: str | None = None) -> DeviceMesh:
+    def build(
+        self, device_type: str | None = None, *, timeout: float | timedelta | None = None
+    ) -> DeviceMesh:
         """Build the DeviceMesh on the current process group (cpu/gloo, cuda/nccl).
 
         The default process group must be initialized; its world size must fit.
+        ``timeout`` (seconds or a timedelta) is given to every process group the mesh
+        creates, for their creation and every collective on them; without it torch
+        uses its default (30 minutes on gloo). A mesh dim that spans every rank runs on
+        the default process group itself (torch makes no second group of the same
+        ranks), which keeps the timeout ``init_process_group`` was given.
         """
         import torch
         import torch.distributed as dist
@@ -236,14 +271,77 @@ class MeshSpec:
                 "building a DeviceMesh needs an initialized process group: run under "
                 "torchrun (or call torch.distributed.init_process_group) first"
             )
-        resolved = self.resolve(dist.get_world_size())
+        world = dist.get_world_size()
+        resolved = self.resolve(world)
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return init_device_mesh(device_type, resolved.sizes, mesh_dim_names=resolved.names)
-
+        wait = as_timeout(timeout) if timeout is not None else None
+        override: dict[str | int, Any] = {}
+        if wait is not None and device_type in ("cpu", "cuda"):
+            for name, size in resolved.dims:
+                if size != world or _new_group_for_whole_world():
+                    override[name] = _options_with_timeout(device_type, wait)
+        mesh = init_device_mesh(device_type, resolved.sizes, mesh_dim_names=resolved.names,
+                                backend_override=override or None)
+        if wait is not None:
+            default = dist.distributed_c10d._get_default_group()
+            for name in resolved.names:
+                group = mesh.get_group(name)
+                if group is default:
+                    _warn_if_longer(group, device_type, wait, name)
+                elif name not in override:
+                    # A device type whose backend options are not known here: the
+                    # group's creation waited on torch's default, its collectives do not.
+                    group.set_timeout(wait)
+        return mesh
     def to_dict(self) -> dict[str, int]:
         return dict(self.dims)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={s}" for n, s in self.dims)
         return f"MeshSpec({inner})"
+
+
+def _new_group_for_whole_world() -> bool:
+    """Whether torch makes a new group for a mesh dim spanning every rank (it does when
+    CUDA is present but the default group is gloo-only), rather than reusing the default."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.cuda.is_available() and dist.get_backend() == "gloo"
+
+
+def _options_with_timeout(device_type: str, wait: timedelta) -> Any:
+    """Backend options carrying ``wait``, of the class the device's backend accepts. A
+    fresh object per mesh dim: torch writes the group's name and ranks into it."""
+    import torch.distributed as dist
+
+    if device_type == "cuda" and dist.is_nccl_available():
+        options: Any = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = wait
+    return options
+
+
+def _group_timeout(group: Any, device_type: str) -> timedelta | None:
+    import torch
+
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _warn_if_longer(group: Any, device_type: str, wait: timedelta, name: str) -> None:
+    current = _group_timeout(group, device_type)
+    if current is not None and current > wait:
+        from composer_par.logging import get_logger
+
+        get_logger(__name__).warning(
+            "mesh dim runs on the default process group, whose timeout is longer than the "
+            "plan's",
+            dim=name, default_group_timeout_s=current.total_seconds(),
+            plan_timeout_s=wait.total_seconds(),
+            fix="pass timeout=plan.timeout to torch.distributed.init_process_group",
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ import attrs
 from composer_par.blocks import Block, BlockSpec, find_blocks
 from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
-from composer_par.mesh import MeshError, MeshSpec
+from composer_par.mesh import DEFAULT_TIMEOUT_S, MeshError, MeshSpec, as_timeout
 from composer_par.plugin import STAGES, Plugin, Role, Stage
 from composer_par.plugin.caller import HookCaller, HookError
 from composer_par.plugin.context import AppliedStep, ApplyContext
@@ -46,6 +47,8 @@ class ParallelPlan:
     ``topology`` says how ranks lie on nodes; under torchrun it is read from the
     environment when not given. ``device`` overrides the materialization device
     (default: the current CUDA device when the mesh is on CUDA, else the CPU).
+    ``timeout`` (seconds or a timedelta, default 300 s) bounds every wait in a collective
+    on the process groups the plan creates; give ``init_process_group`` the same.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class ParallelPlan:
         *,
         topology: Topology | None = None,
         device: str | torch.device | None = None,
+        timeout: float | timedelta | None = None,
     ) -> None:
         self._device_mesh: DeviceMesh | None = None
         if isinstance(mesh, MeshSpec):
@@ -67,6 +71,8 @@ class ParallelPlan:
             raise TypeError(f"topology must be a Topology; got {type(topology).__name__}")
         self.topology = topology
         self.device = device
+        # Every process group the plan creates waits at most this long in a collective.
+        self.timeout = as_timeout(DEFAULT_TIMEOUT_S if timeout is None else timeout)
         self.plugins: list[Plugin] = []
         self._caller: HookCaller | None = None
         self.applied: list[AppliedStep] = []
@@ -230,12 +236,12 @@ class ParallelPlan:
         mesh = self.mesh.resolve(world)
         device_mesh = self._device_mesh
         if device_mesh is None and world > 1:
-            device_mesh = mesh.build()
+            device_mesh = mesh.build(timeout=as_timeout(self.timeout))
         elif device_mesh is None and "torch.distributed" in sys.modules:
             import torch.distributed as dist
 
             if dist.is_initialized() and mesh.dims:
-                device_mesh = mesh.build()
+                device_mesh = mesh.build(timeout=as_timeout(self.timeout))
         if self.device is not None:
             device = torch.device(self.device)
         elif device_mesh is not None and device_mesh.device_type == "cuda":

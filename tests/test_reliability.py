@@ -1,0 +1,86 @@
+"""Bounded waits, the forward-before-optimizer guard and the plugin allow-list: each
+promise of docs/reliability.md that is not about checkpoints, on real gloo ranks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from composer_par import MeshSpec, ParallelPlan
+from composer_par.mesh import DEFAULT_TIMEOUT_S, as_timeout
+from composer_par.plugin.registry import ALLOW_ENV, BLOCK_ENV, Registry
+from composer_par.testing import run_ranks
+from tests import reliability_workers as workers
+
+# -- the one timeout setting ---------------------------------------------------------------
+
+
+def test_the_timeout_is_seconds_or_a_timedelta_with_a_default_well_under_torchs() -> None:
+    assert ParallelPlan(MeshSpec()).timeout == timedelta(seconds=DEFAULT_TIMEOUT_S)
+    assert DEFAULT_TIMEOUT_S <= 600  # torch's gloo default is 1800 s
+    assert ParallelPlan(MeshSpec(), timeout=12.5).timeout == timedelta(seconds=12.5)
+    assert ParallelPlan(MeshSpec(), timeout=timedelta(minutes=2)).timeout.total_seconds() == 120
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), 1e300, True, "10", None])
+def test_a_bad_timeout_is_refused_naming_it(bad: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="timeout"):
+        as_timeout(bad)
+    if bad is not None:
+        with pytest.raises((TypeError, ValueError), match="timeout"):
+            ParallelPlan(MeshSpec(), timeout=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_frozen_rank_in_a_subgroup_ends_its_peers_waits_at_the_timeout() -> None:
+    # Before the mesh passed a timeout, its groups had torch's 30 minutes: the peers of
+    # the frozen rank were still waiting when run_ranks gave up.
+    results = run_ranks(workers.frozen_peer_in_a_subgroup, 4, args=(3.0, 12.0), timeout=60)
+    for result in results:
+        assert result["timeouts"] == {"dp_shard": 3.0, "tp": 3.0}
+    for rank in (0, 3):
+        assert "Timed out" in results[rank]["error"], results[rank]
+        assert 2.5 < results[rank]["waited_s"] < 8.0, results[rank]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_apply_gives_every_group_it_creates_the_plans_timeout() -> None:
+    for timeout, expected in ((7.0, 7.0), (None, DEFAULT_TIMEOUT_S)):
+        results = run_ranks(workers.plan_groups_get_the_plan_timeout, 4, args=(timeout,),
+                            timeout=90)
+        assert all(r == {"dp_replicate": expected, "dp_shard": expected} for r in results)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_dim_over_every_rank_runs_on_the_default_group_and_keeps_its_timeout() -> None:
+    # run_ranks gives the default group its timeout plus 5 s: 65 s here.
+    results = run_ranks(workers.whole_world_dim_keeps_the_default_group, 2, args=(3.0,),
+                        timeout=60)
+    assert all(r == {"is_default": True, "timeouts": {"dp_shard": 65.0}} for r in results)
+
+
+# -- the plugin allow-list -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["", " ", ",", " , ,"])
+def test_a_set_but_empty_allow_list_allows_nothing(value: str) -> None:
+    registry = Registry(environ={ALLOW_ENV: value})
+    assert registry.names() == []
+    assert "fsdp2" in registry.blocked
+
+
+@pytest.mark.parametrize("value", ["", " ", ","])
+def test_a_set_but_empty_block_list_blocks_nothing(value: str) -> None:
+    assert Registry(environ={BLOCK_ENV: value}).names() == Registry(environ={}).names()
+
+
+def test_allow_and_block_lists_name_exactly_what_they_list() -> None:
+    everything = Registry(environ={}).names()
+    assert "fsdp2" in everything and "meta_init" in everything
+    assert Registry(environ={ALLOW_ENV: " fsdp2 ,"}).names() == ["fsdp2"]
+    assert "fsdp2" not in Registry(environ={BLOCK_ENV: "fsdp2"}).names()
+    assert Registry(allow=[]).names() == Registry(environ={ALLOW_ENV: ""}).names() == []
