@@ -6,6 +6,12 @@ environment variables narrow what is loaded (comma-separated registry names):
 * ``COMPOSER_PAR_PLUGINS_ALLOW`` -- only these (the built-ins are not exempt);
 * ``COMPOSER_PAR_PLUGINS_BLOCK`` -- never these.
 
+A variable that is set names exactly the plugins it lists, after splitting at commas and
+stripping blanks: set to ``""``, ``" "`` or ``","`` it lists none, so an empty
+``COMPOSER_PAR_PLUGINS_ALLOW`` allows nothing and an empty ``COMPOSER_PAR_PLUGINS_BLOCK``
+blocks nothing -- the same as ``Registry(allow=[])`` and ``Registry(block=[])``. Only an
+unset ``COMPOSER_PAR_PLUGINS_ALLOW`` allows every installed plugin.
+
 Loading a plugin class must not import torch: plugin modules import it lazily.
 """
 
@@ -58,7 +64,8 @@ class PluginInfo:
 
 
 def _names(value: str | None) -> frozenset[str] | None:
-    if value is None or not value.strip():
+    """The names a variable lists; None only when it is unset (set but empty: none)."""
+    if value is None:
         return None
     return frozenset(v.strip() for v in value.split(",") if v.strip())
 
