@@ -83,6 +83,7 @@ def optimizer_after_forward(when: str, no_grad: bool = False) -> dict[str, Any]:
         model = task.build()
     plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit(seed=0))
     model = plan.apply(model)
+    initial = full_parameters(model)
     batch = task.batch(0).chunk(2)[dist.get_rank()]
     optimizer = None
     if when == "before":
@@ -102,4 +103,6 @@ def optimizer_after_forward(when: str, no_grad: bool = False) -> dict[str, Any]:
     except RuntimeError as exc:
         error = f"{type(exc).__name__}: {exc}"
     full = full_parameters(model)
-    return {"held": held, "error": error, "full": full if dist.get_rank() == 0 else None}
+    first = dist.get_rank() == 0
+    return {"held": held, "error": error, "full": full if first else None,
+            "initial": initial if first else None}

@@ -84,3 +84,36 @@ def test_allow_and_block_lists_name_exactly_what_they_list() -> None:
     assert Registry(environ={ALLOW_ENV: " fsdp2 ,"}).names() == ["fsdp2"]
     assert "fsdp2" not in Registry(environ={BLOCK_ENV: "fsdp2"}).names()
     assert Registry(allow=[]).names() == Registry(environ={ALLOW_ENV: ""}).names() == []
+
+
+# -- the forward-before-optimizer guard ------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_optimizer_built_after_a_forward_fails_its_first_step_naming_the_parameter() -> None:
+    # Without the guard FSDP2's root kept its unsharded parameters registered after the
+    # forward, the optimizer took them, and the step silently left them untrained.
+    good = run_ranks(workers.optimizer_after_forward, 2, args=("before",), timeout=120)
+    assert good[0]["held"] == ["DTensor"] and good[0]["error"] is None
+    for no_grad in (False, True):
+        bad = run_ranks(workers.optimizer_after_forward, 2, args=("after", no_grad),
+                        timeout=120)
+        for result in bad:
+            assert result["held"] == ["DTensor", "Parameter"]
+            error = result["error"]
+            assert error.startswith("UnshardedParameterError: SGD holds 'tok_embeddings.weight'")
+            assert "before any forward" in error and "reshard()" in error
+        # Refused before anything was updated: the parameters are still the initial ones.
+        assert all((bad[0]["full"][k] == v).all() for k, v in bad[0]["initial"].items())
+    assert any((good[0]["full"][k] != v).any() for k, v in good[0]["initial"].items())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_the_fix_the_error_names_trains_like_an_optimizer_built_first() -> None:
+    good = run_ranks(workers.optimizer_after_forward, 2, args=("before",), timeout=120)
+    fixed = run_ranks(workers.optimizer_after_forward, 2, args=("after-reshard",), timeout=120)
+    assert fixed[0]["held"] == ["DTensor"] and fixed[0]["error"] is None
+    for name, value in good[0]["full"].items():
+        assert (fixed[0]["full"][name] == value).all(), name

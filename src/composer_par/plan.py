@@ -226,6 +226,10 @@ class ParallelPlan:
         self.applied, self.notes = ctx.applied, ctx.notes
         self.data_parallel_modules = ctx.data_parallel_modules
         self.installed_comm_hooks = ctx.installed_comm_hooks
+        if ctx.data_parallel_modules:
+            from composer_par.guard import guard_optimizers
+
+            guard_optimizers(ctx.model)  # an optimizer built after a forward fails to step
         return ctx.model
 
     def _context(self, model: nn.Module, hooks: HookCaller, blocks: list[Block]
