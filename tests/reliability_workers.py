@@ -106,3 +106,52 @@ def optimizer_after_forward(when: str, no_grad: bool = False) -> dict[str, Any]:
     first = dist.get_rank() == 0
     return {"held": held, "error": error, "full": full if first else None,
             "initial": initial if first else None}
+
+
+# -- naming the rank that never joins ------------------------------------------------------
+
+
+def frozen_rank_is_named(timeout_s: float, frozen: int, steps: int = 4) -> dict[str, Any]:
+    """A 2 x 2 mesh: every step all-reduces over tp, then dp_shard; ``frozen`` stops
+    (alive, joining nothing) at step 2. The other ranks report what ended their wait."""
+    import torch
+    import torch.distributed as dist
+
+    from composer_par.hangs import StuckRankError, name_stuck_ranks
+    from composer_par.mesh import MeshSpec
+
+    mesh = MeshSpec(dp_shard=2, tp=2).build("cpu", timeout=timeout_s)
+    rank = dist.get_rank()
+    started = time.monotonic()
+    try:
+        with name_stuck_ranks(timeout_s):
+            for step in range(steps):
+                if rank == frozen and step == 2:
+                    time.sleep(timeout_s + 12)
+                    return {"frozen": True}
+                for dim in ("tp", "dp_shard"):
+                    dist.all_reduce(torch.ones(1), group=mesh.get_group(dim))
+                if step == 1:
+                    started = time.monotonic()
+    except StuckRankError as exc:
+        return {"error": str(exc), "stuck": exc.stuck, "waiting": exc.waiting,
+                "seconds": time.monotonic() - started}
+    return {"finished": True}
+
+
+def everyone_waits_for_everyone(timeout_s: float) -> dict[str, Any]:
+    """Both ranks receive from each other: each waits in a collective, none is stuck."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from composer_par.hangs import StuckRankError, name_stuck_ranks
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout_s))
+    try:
+        with name_stuck_ranks():
+            dist.recv(torch.zeros(1), src=1 - dist.get_rank(), group=group)
+    except StuckRankError as exc:
+        return {"error": str(exc), "stuck": exc.stuck, "waiting": exc.waiting}
+    return {}

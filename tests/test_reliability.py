@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 
 from composer_par import MeshSpec, ParallelPlan
+from composer_par.hangs import ROLL_CALL_S, name_stuck_ranks
 from composer_par.mesh import DEFAULT_TIMEOUT_S, as_timeout
 from composer_par.plugin.registry import ALLOW_ENV, BLOCK_ENV, Registry
 from composer_par.testing import run_ranks
@@ -117,3 +118,38 @@ def test_the_fix_the_error_names_trains_like_an_optimizer_built_first() -> None:
     assert fixed[0]["held"] == ["DTensor"] and fixed[0]["error"] is None
     for name, value in good[0]["full"].items():
         assert (fixed[0]["full"][name] == value).all(), name
+
+
+# -- naming the rank that never joined -------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_the_ranks_waiting_for_a_frozen_rank_name_it_soon_after_the_timeout() -> None:
+    results = run_ranks(workers.frozen_rank_is_named, 4, args=(3.0, 1), timeout=90)
+    assert results[1] == {"frozen": True}
+    for rank in (0, 2, 3):
+        result = results[rank]
+        assert result["stuck"] == (1,) and result["waiting"] == (0, 2, 3), result
+        assert result["error"].startswith("rank 1 never joined: ranks 0, 2, 3 timed out "
+                                          "after 3 s waiting in a collective"), result
+        assert "rank 1: pid " in result["error"] and "py-spy" in result["error"]
+        # The timeout, then the roll call: well before torch's 30 minutes.
+        assert 3.0 <= result["seconds"] < 3.0 + ROLL_CALL_S + 4.0, result
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_when_every_rank_timed_out_none_is_named() -> None:
+    results = run_ranks(workers.everyone_waits_for_everyone, 2, args=(2.0,), timeout=60)
+    for result in results:
+        assert result["stuck"] == () and result["waiting"] == (0, 1)
+        assert result["error"].startswith("every rank timed out waiting in a collective "
+                                          "after 2 s: the ranks are in different collectives")
+
+
+def test_other_errors_and_errors_outside_a_job_pass_through_unchanged() -> None:
+    with pytest.raises(ValueError, match=r"^boom$"), name_stuck_ranks():
+        raise ValueError("boom")
+    with pytest.raises(RuntimeError, match=r"^Timed out waiting 10ms$"), name_stuck_ranks():
+        raise RuntimeError("Timed out waiting 10ms")
