@@ -39,12 +39,13 @@ seed = 0
 
 
 def packages_on_disk() -> set[str]:
-    """Every directory that installs as a package, named as setuptools' package-dir
+    """Every directory with files in it (code or data), named as setuptools' package-dir
     maps it (src/composer_par -> composer_par, plugins -> composer_par.plugins)."""
     found = set()
     for package, directory in PYPROJECT["tool"]["setuptools"]["package-dir"].items():
         for path in [ROOT / directory, *(ROOT / directory).rglob("*")]:
-            if not path.is_dir() or "__pycache__" in path.parts:
+            if (not path.is_dir() or "__pycache__" in path.parts
+                    or not any(entry.is_file() for entry in path.iterdir())):
                 continue
             relative = path.relative_to(ROOT / directory).parts
             if relative and relative[0] == "plugins" and package == "composer_par":
@@ -56,7 +57,10 @@ def packages_on_disk() -> set[str]:
 def test_the_package_list_is_every_directory_of_the_tree() -> None:
     listed = PYPROJECT["tool"]["setuptools"]["packages"]
     assert sorted(listed) == sorted(set(listed)), "a package is listed twice"
-    assert set(listed) == packages_on_disk()
+    on_disk = packages_on_disk()
+    missing, extra = sorted(on_disk - set(listed)), sorted(set(listed) - on_disk)
+    assert missing == [], "add them to [tool.setuptools] packages in pyproject.toml"
+    assert extra == [], "listed packages without a directory"
 
 
 def test_the_license_is_an_spdx_expression_that_the_build_requirement_reads() -> None:
