@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -119,8 +120,12 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     """
     path = str(path)
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptFileError(f"{path}: not a regular file (a safetensors file must "
+                                       "be one)")
+            size = info.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CorruptFileError(f"{path}: not a safetensors file ({size} bytes, "

@@ -7,7 +7,9 @@
 * a directory: its index json if it has one, else every ``*.safetensors`` in it.
 
 Only headers are read here. A key in two files, a key the index names that its file
-lacks, or a file the index names that is missing are errors naming the file and the key.
+lacks, or a file the index names that is missing are errors naming the file and the key;
+so is a file name in the index that is absolute or resolves (symlinks followed) outside
+the index's directory (see :mod:`~composer_par.checkpoint.paths`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import attrs
 
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
+from composer_par.checkpoint.paths import allowed_roots, contained, read_bounded
 from composer_par.checkpoint.safetensors_io import (
     INDEX_SUFFIX,
     SUFFIX,
@@ -27,6 +30,9 @@ from composer_par.checkpoint.safetensors_io import (
     TensorEntry,
     read_header,
 )
+
+#: An index json larger than this is not one (Hugging Face's are well under 1 MiB).
+INDEX_LIMIT = 256 * 1024 * 1024
 
 
 @attrs.frozen
@@ -73,10 +79,9 @@ class WeightsSource:
 
     @classmethod
     def _from_index(cls, index: Path, given: str) -> WeightsSource:
+        raw = read_bounded(index, INDEX_LIMIT, what="safetensors index")
         try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise CheckpointError(f"{index}: cannot read: {exc.strerror or exc}") from exc
+            data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptFileError(f"{index}: not valid JSON ({exc})") from exc
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -86,7 +91,11 @@ class WeightsSource:
             raise CorruptFileError(f"{index}: no weight_map of key -> file name")
         headers: dict[str, Header] = {}
         entries: dict[str, TensorEntry] = {}
+        roots = allowed_roots(index.parent)
         for name, file_name in weight_map.items():
+            if file_name not in headers:
+                # A name read from the index: it must stay inside the index's directory.
+                contained(index.parent, file_name, what=f"{index}: key {name}", roots=roots)
             file = index.parent / file_name
             if file_name not in headers:
                 if not file.is_file():
