@@ -265,3 +265,107 @@ def export_one(layout: str, directory: str, dtype: str | None) -> dict[str, Any]
     _, model = build(layout, MetaInit(seed=4))
     export_safetensors(model, directory, dtype=dtype)
     return full_state(model, None)
+
+
+# -- exclusive saves ----------------------------------------------------------------------
+
+
+def _wait_for_peer(sync: Path, trial: int, me: str, peer: str, timeout: float = 120.0) -> None:
+    """A barrier between two independent jobs (rank 0 of each), through files."""
+    import time
+
+    (sync / f"{trial}.{me}").touch()
+    deadline = time.monotonic() + timeout
+    while not (sync / f"{trial}.{peer}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {peer} never reached trial {trial}")
+        time.sleep(0.0005)
+
+
+def concurrent_saves(root: str, sync: str, me: str, peer: str, trials: int,
+                     seed: int) -> dict[str, Any] | None:
+    """One job of two that save into one root at the same explicit steps at the same
+    moment. Rank 0 returns its job id and, per trial, the outcome ("ok" or the error)
+    and the full model state it tried to save."""
+    import torch
+    import torch.distributed as dist
+
+    from composer_par import FSDP2, MeshSpec, MetaInit, ParallelPlan
+    from composer_par.checkpoint import CheckpointError, claims, save
+    from composer_par.testing.tasks import llama
+
+    plan = ParallelPlan(MeshSpec(dp_shard=dist.get_world_size())).use(FSDP2()).use(
+        MetaInit(seed=seed))
+    with torch.device("meta"):
+        model = llama.build()
+    model = plan.apply(model)
+    outcomes = []
+    for trial in range(trials):
+        with torch.no_grad():  # each trial's weights differ from every other's
+            for p in model.parameters():
+                p.add_(0.001 * (trial + 1))
+        if dist.get_rank() == 0:
+            _wait_for_peer(Path(sync), trial, me, peer)
+        dist.barrier()
+        try:
+            save(root, model, step=trial)
+            outcome = "ok"
+        except CheckpointError as exc:
+            outcome = str(exc)
+        outcomes.append((outcome, full_state(model, None)))
+    if dist.get_rank() != 0:
+        return None
+    return {"job": claims._JOB_ID, "outcomes": outcomes}
+
+
+def one_rank_fails_saving(root: str, bad_rank: int) -> str:
+    """Every rank saves; ``bad_rank`` passes a generator that is not one (its RNG file
+    cannot be written). Each rank returns the error it got."""
+    import torch.distributed as dist
+
+    from composer_par import MetaInit
+    from composer_par.checkpoint import CheckpointError, save
+
+    _, model = build("tp_2", MetaInit(seed=2))
+    generators: Any = {"data": object()} if dist.get_rank() == bad_rank else None
+    try:
+        save(root, model, step=1, generators=generators)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def save_and_load_verified(root: str, layout: str) -> dict[str, Any]:
+    """Save ``layout`` (model and optimizer), load it back on the same ranks; rank 0
+    returns both full states."""
+    from composer_par import MetaInit
+    from composer_par.checkpoint import load, save
+
+    plan, model = build(layout, MetaInit(seed=8))
+    optimizer = _adamw(model)
+    train(plan, model, optimizer, range(1))
+    save(root, model, optimizer, step=1, plan=plan)
+    saved = full_state(model, optimizer)
+    _, fresh = build(layout, MetaInit(seed=9))
+    fresh_optimizer = _adamw(fresh)
+    load(root, fresh, fresh_optimizer)
+    return {"saved": saved, "loaded": full_state(fresh, fresh_optimizer)}
+
+
+def load_expecting_error(path: str, layout: str, checkpoint_plugin: bool) -> str:
+    """Load ``path`` (with ``load``, or through the LoadCheckpoint plugin) and return the
+    error every rank gets."""
+    from composer_par import LoadCheckpoint, MetaInit
+    from composer_par.checkpoint import CheckpointError, load
+    from composer_par.findings import PlanError
+
+    try:
+        if checkpoint_plugin:
+            build(layout, LoadCheckpoint(path))
+        else:
+            _, model = build(layout, MetaInit(seed=9))
+            optimizer = _adamw(model)
+            load(path, model, optimizer)
+    except (CheckpointError, PlanError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"

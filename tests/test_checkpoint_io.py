@@ -211,23 +211,50 @@ def test_a_key_in_two_files_is_ambiguous(tmp_path: Path) -> None:
 # -- step directories and commit markers ----------------------------------------------------
 
 
-def _fake_step(root: Path, step: int, committed: bool) -> Path:
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    return int(child.stdout)
+
+
+def write_claim(directory: Path, *, pid: int | None = None, host: str | None = None) -> None:
+    """A claim of another job on this machine (``pid``: default, this process: live)."""
+    from composer_par.checkpoint.claims import CLAIM, Job
+
+    me = Job.current(world_size=2)
+    data = attrs.evolve(me, id="other-job", pid=pid or os.getpid(),
+                        pid_start=None if pid else me.pid_start,
+                        host=host or me.host).to_dict()
+    (directory / CLAIM).write_text(json.dumps(data))
+
+
+def _fake_step(root: Path, step: int, committed: bool, claim: str | None = None) -> Path:
+    """A step directory; ``claim``: None (no claim file), "dead" or "live" (its job)."""
     d = root / steps.step_name(step)
     d.mkdir(parents=True)
     (d / ".metadata").write_bytes(b"")
+    if claim is not None:
+        write_claim(d, pid=dead_pid() if claim == "dead" else None)
     if committed:
         steps.commit(d, step)
     return d
 
 
 def test_latest_skips_uncommitted_and_retention_keeps_the_newest(tmp_path: Path) -> None:
-    for step, committed in [(1, True), (2, False), (3, True), (4, True), (5, False)]:
-        _fake_step(tmp_path, step, committed)
+    for step, committed, claim in [(1, True, None), (2, False, "dead"), (3, True, None),
+                                   (4, True, None), (5, False, None), (0, False, "live")]:
+        _fake_step(tmp_path, step, committed, claim)
     assert steps.latest(tmp_path) == tmp_path / "step-000000004"
     removed = steps.retain(tmp_path, keep_last=2, current=4)
+    # Retention drops old committed steps, and unfinished ones whose writer is provably
+    # gone; an unfinished step that a live job (0) or an unknown one may write stays.
     assert sorted(d.name for d in removed) == ["step-000000001", "step-000000002"]
-    assert [(s, ok) for s, _, ok in steps.step_dirs(tmp_path)] == [(3, True), (4, True),
-                                                                   (5, False)]
+    assert [(s, ok) for s, _, ok in steps.step_dirs(tmp_path)] == [(0, False), (3, True),
+                                                                   (4, True), (5, False)]
     with pytest.raises(UncommittedError, match=r"step-000000005: uncommitted"):
         steps.resolve(tmp_path / "step-000000005")
     assert steps.resolve(tmp_path) == tmp_path / "step-000000004"
@@ -300,12 +327,18 @@ def test_steps_are_fresh_directories_numbered_on(tmp_path: Path) -> None:
     assert ck.save(tmp_path, model).name == "step-000000001"
     with pytest.raises(CheckpointError, match="already a committed checkpoint"):
         ck.save(tmp_path, model, step=1)
-    # An unfinished save of the same step (a crash, then a restart) is replaced.
-    partial = _fake_step(tmp_path, 5, committed=False)
+    # An unfinished save of the same step whose job is gone (a crash, then a restart) is
+    # replaced; one without a claim is not (whoever wrote it may still be writing).
+    partial = _fake_step(tmp_path, 5, committed=False, claim="dead")
     (partial / "garbage").write_text("x")
     assert ck.save(tmp_path, model, step=5, keep_last=2) == partial
     assert not (partial / "garbage").exists()
     assert [s for s, _, _ in ck.step_dirs(tmp_path)] == [1, 5]
+    unclaimed = _fake_step(tmp_path, 6, committed=False)
+    with pytest.raises(CheckpointError, match="step-000000006 is an unfinished save without "
+                       "a claim"):
+        ck.save(tmp_path, model, step=6)
+    assert (unclaimed / ".metadata").exists()
 
 
 def test_load_refuses_an_uncommitted_directory(tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ offline conversion and inspection.
     checkpoint.export_safetensors(model, "hf-out", adapter=checkpoint.Rename([...]))
 
 Modules, one job each: ``steps`` (step directories, commit markers, latest, retention),
-``dcp`` (save/load), ``rng`` (per-rank random state), ``safetensors_io`` (headers, region
+``claims`` (exclusive step directories, stale cleaning), ``integrity`` (digests of every
+file, their checks), ``paths`` (names read from files stay inside their directory; bounded
+reads), ``dcp`` (save/load), ``rng`` (per-rank random state), ``safetensors_io`` (headers, region
 reads and writes), ``sources`` (file / directory / index json), ``hf_reader`` (the DCP
 storage reader), ``weights`` (loading weights into a model), ``matching`` (missing and
 unexpected keys), ``adapter`` (name mapping), ``export``, ``convert``, ``inspect``.
@@ -18,6 +20,7 @@ Importing this package does not import torch.
 """
 
 from composer_par.checkpoint.adapter import Identity, Rename, StateDictAdapter, resolve_adapter
+from composer_par.checkpoint.claims import clean_stale
 from composer_par.checkpoint.convert import dcp_to_safetensors, safetensors_to_dcp
 from composer_par.checkpoint.dcp import CheckpointInfo, load, save
 from composer_par.checkpoint.errors import (
@@ -28,6 +31,7 @@ from composer_par.checkpoint.errors import (
 )
 from composer_par.checkpoint.export import export_safetensors
 from composer_par.checkpoint.inspect import describe
+from composer_par.checkpoint.integrity import verify
 from composer_par.checkpoint.sources import WeightsSource
 from composer_par.checkpoint.steps import is_committed, latest, step_dirs
 from composer_par.checkpoint.weights import (
@@ -47,6 +51,7 @@ __all__ = [
     "StateDictAdapter",
     "UncommittedError",
     "WeightsSource",
+    "clean_stale",
     "dcp_to_safetensors",
     "describe",
     "export_safetensors",
@@ -59,4 +64,5 @@ __all__ = [
     "safetensors_to_dcp",
     "save",
     "step_dirs",
+    "verify",
 ]

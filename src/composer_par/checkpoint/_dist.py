@@ -59,6 +59,18 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
+def gather_to_root(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` in rank order on rank 0 (None elsewhere): for records only
+    rank 0 needs, which need not travel to every rank."""
+    if not active():
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
 def barrier() -> None:
     if active():
         import torch.distributed as dist

@@ -9,7 +9,10 @@
   ``LoadCheckpoint`` accept.
 
 Both write into a temporary directory renamed into place at the end, so a failure leaves
-nothing at the destination. ``progress(done_bytes, total_bytes)`` is called as they go.
+nothing at the destination. Reading a DCP checkpoint checks every stored chunk read (and
+``.metadata``) against the commit record's digests; writing one records them. ``dtype``
+converts floating-point tensors to one of :data:`FLOAT_DTYPES`; other tensors keep their
+dtype. ``progress(done_bytes, total_bytes)`` is called as they go.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from composer_par.checkpoint.safetensors_io import (
     PlannedTensor,
     TensorEntry,
     dtype_code,
+    dtype_name,
     read_tensor,
     torch_dtype,
     write_region,
@@ -56,6 +60,30 @@ class ConvertResult:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+
+#: The dtypes ``convert --dtype`` may give floating-point weights. Integer and bool
+#: tensors (step counters, masks, quantized weights) keep their own: a cast would
+#: truncate them.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def float_dtype(dtype: torch.dtype | str) -> str:
+    """The name of ``dtype`` if it is one of :data:`FLOAT_DTYPES`, else ValueError."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"cannot convert weights to {name}: the target dtype must be one of "
+                         f"{', '.join(FLOAT_DTYPES)} (a cast to an integer dtype truncates)")
+    return name
+
+
+def _target(code: str | None, stored: str) -> str:
+    """The safetensors code a tensor stored as ``stored`` is written in: ``code`` for
+    floating point, its own for integers and bools."""
+    if code is None or dtype_name(stored) not in (*FLOAT_DTYPES, *_FLOAT8):
+        return stored
+    return code
 
 
 def _staging(target: Path) -> Path:
@@ -87,16 +115,21 @@ def dcp_to_safetensors(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+    from composer_par.checkpoint.dcp import read_metadata
+    from composer_par.checkpoint.integrity import verifying_reader
     from composer_par.checkpoint.weights import checkpoint_model_specs
 
     started = time.perf_counter()
+    code = dtype_code(float_dtype(dtype)) if dtype is not None else None
     directory = steps.resolve(source)
-    specs, prefix = checkpoint_model_specs(directory)
+    manifest = steps.read_manifest(directory)
+    steps.read_info(directory, manifest)
+    metadata = read_metadata(directory, manifest)
+    specs, prefix = checkpoint_model_specs(directory, metadata)
     if not specs:
         raise CheckpointError(f"{directory}: no model tensors to convert")
     names = file_names(list(specs), adapter or Identity())
-    code = dtype_code(dtype) if dtype is not None else None
-    planned = [PlannedTensor(names[k], code or dtype_code(s.dtype), s.shape)
+    planned = [PlannedTensor(names[k], _target(code, dtype_code(s.dtype)), s.shape)
                for k, s in specs.items()]
     layout = FileLayout.plan(planned, max_file_bytes)
     target = Path(destination)
@@ -133,7 +166,7 @@ def dcp_to_safetensors(
                  for k, s in specs.items()}
         try:
             with dcp_errors(f"reading {directory}"):
-                dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)),
+                dcp.load(state, storage_reader=verifying_reader(directory, metadata, manifest),
                          planner=Planner(flatten_state_dict=False), no_dist=True)
         finally:
             writer.close()
@@ -196,13 +229,15 @@ def safetensors_to_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from composer_par.checkpoint.integrity import Manifest, digest_file, digesting_writer
+
     started = time.perf_counter()
+    code = dtype_code(float_dtype(dtype)) if dtype is not None else None
     weights = WeightsSource.open(source)
     if not weights.entries:
         raise CheckpointError(f"{source}: no tensors to convert")
-    target_dtype = torch_dtype(dtype_code(dtype)) if dtype is not None else None
-    total = sum((e.numel * (target_dtype.itemsize if target_dtype else e.itemsize))
-                for e in weights.entries.values())
+    targets = {k: torch_dtype(_target(code, e.dtype)) for k, e in weights.entries.items()}
+    total = sum(e.numel * targets[k].itemsize for k, e in weights.entries.items())
     done = 0
 
     class Planner(DefaultSavePlanner):
@@ -211,26 +246,28 @@ def safetensors_to_dcp(
         def resolve_data(self, write_item: Any) -> Any:
             nonlocal done
             key = write_item.index.fqn[len(MODEL) + 1:]
-            tensor = read_tensor(weights.entries[key], target_dtype)
+            tensor = read_tensor(weights.entries[key], targets[key])
             done += tensor.numel() * tensor.element_size()
             if progress is not None:
                 progress(done, total)
             return tensor
 
-    state = {MODEL: {k: torch.empty(e.shape, device="meta",
-                                    dtype=target_dtype or torch_dtype(e.dtype))
+    state = {MODEL: {k: torch.empty(e.shape, device="meta", dtype=targets[k])
                      for k, e in weights.entries.items()}}
     target = Path(destination)
     staging = _staging(target)
     try:
-        with dcp_errors(f"writing {staging}"):
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging), sync_files=True),
-                     planner=Planner(), no_dist=True)
+        writer = digesting_writer(staging, sync_files=True)
+        with dcp_errors(f"writing {staging}", staging):
+            dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
         steps.write_json_atomic(staging / steps.INFO, {
             "format": FORMAT, "step": 0, "world_size": 1, "plan": None, "extra": None,
             "converted_from": str(source), "saved_at": time.time(),
             "torch": torch.__version__})
-        steps.commit(staging, 0)
+        records = dict(writer.records)
+        for name in (steps.INFO, steps.DCP_METADATA):
+            records[name] = digest_file(staging / name)
+        steps.commit(staging, 0, Manifest(staging, records))
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

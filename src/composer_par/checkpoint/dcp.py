@@ -22,9 +22,27 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.checkpoint import _dist, steps
-from composer_par.checkpoint.errors import CheckpointError, KeyMismatchError, dcp_errors
+from composer_par.checkpoint import _dist, claims, steps
+from composer_par.checkpoint.claims import Job
+from composer_par.checkpoint.errors import (
+    CheckpointError,
+    CorruptFileError,
+    KeyMismatchError,
+    UncommittedError,
+    dcp_errors,
+    describe_failure,
+    disk_full_message,
+    is_disk_full,
+)
+from composer_par.checkpoint.integrity import (
+    FileRecord,
+    Manifest,
+    digest_file,
+    digesting_writer,
+    verifying_reader,
+)
 from composer_par.checkpoint.matching import Spec, convertible
+from composer_par.checkpoint.paths import contained, read_bounded
 from composer_par.checkpoint.rng import rank_file, restore_rng, save_rng
 from composer_par.logging import get_logger
 
@@ -147,9 +165,13 @@ def save(
     ``torch.Generator`` objects (e.g. the data-order stream) saved per rank with torch's
     global RNG states. ``keep_last`` keeps that many committed steps and deletes the rest.
 
-    The directory is committed (its ``COMMITTED`` marker written, atomically, by rank 0)
-    only after every rank wrote everything; a save that fails or is killed midway leaves
-    an uncommitted directory that ``latest`` and ``load`` ignore.
+    Rank 0 first claims the step directory for this job (an existing one is an error
+    naming the job that has it, unless that job is provably gone). The directory is
+    committed (its ``COMMITTED`` marker written, atomically, by rank 0, with the size and
+    digests of every file each rank wrote) only after every rank wrote everything; a save
+    that fails is removed, one killed midway leaves an uncommitted directory that
+    ``latest`` and ``load`` ignore. A failure names every failing rank's error, on every
+    rank.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -157,10 +179,13 @@ def save(
     rank, world = _dist.rank(), _dist.world_size()
     extra_json = _to_json(extra, "extra")
     plan_toml = plan if isinstance(plan, str) or plan is None else plan.to_toml()
-    chosen: tuple[int, str] = (0, "")
+    chosen: tuple[int, str, str] = (0, "", "")
+    job: Job | None = None
     if rank == 0:
-        chosen = _prepare_step_dir(root, step)
-    step_value, problem = _dist.broadcast(chosen)
+        job = Job.current(world)
+        chosen = _claim_step_dir(root, step, job)
+    # The job id travels with the step: every rank's errors can name the claim.
+    step_value, job_id, problem = _dist.broadcast(chosen)
     if problem:
         raise CheckpointError(problem)
     directory = root / steps.step_name(step_value)
@@ -178,72 +203,147 @@ def save(
             "scalars": scalars,
             "class": type(optimizer).__name__,
         }
-    with dcp_errors(f"saving {directory}"):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
-                 no_dist=not _dist.active())
     failure = ""
+    records: dict[str, FileRecord] = {}
+    writer = digesting_writer(directory, sync_files=True)
     try:
-        save_rng(directory, rank, generators)
-        if rank == 0:
-            import torch
+        with dcp_errors(f"saving {directory}", directory):
+            dcp.save(state, storage_writer=writer, no_dist=not _dist.active())
+    except CheckpointError as exc:  # DCP raises it on every rank alike
+        failure = str(exc).removeprefix(f"saving {directory} failed: ")
+    if not failure:
+        try:
+            save_rng(directory, rank, generators)
+            records = dict(writer.records)
+            rng = rank_file(directory, rank)
+            records[rng.relative_to(directory).as_posix()] = digest_file(rng)
+            if rank == 0:
+                import torch
 
-            info["torch"] = torch.__version__
-            info["saved_at"] = time.time()
-            steps.write_json_atomic(directory / steps.INFO, info)
-    except Exception as exc:  # every rank must still reach agree() below
-        failure = f"rank {rank}: {type(exc).__name__}: {exc}"
-    if not _dist.agree(not failure):
-        raise CheckpointError(f"saving {directory} failed, left uncommitted"
-                              + (f": {failure}" if failure else " on another rank"))
+                info["torch"] = torch.__version__
+                info["saved_at"] = time.time()
+                steps.write_json_atomic(directory / steps.INFO, info)
+                records[steps.INFO] = digest_file(directory / steps.INFO)
+                records[steps.DCP_METADATA] = digest_file(directory / steps.DCP_METADATA)
+        except Exception as exc:  # every rank must still reach the gathers below
+            failure = describe_failure(exc, rank, directory, f"saving {directory}")
+    # Every rank learns every rank's failure (not only that one happened somewhere).
+    failures = [f for f in _dist.gather(failure) if f]
+    if failures:
+        unique = list(dict.fromkeys(failures))
+        if rank == 0:
+            _discard_own(directory, job_id)
+        raise CheckpointError(f"saving {directory} failed, nothing committed: "
+                              + "; ".join(unique))
+    gathered = _dist.gather_to_root(records)
     committed = ""
     if rank == 0:
-        try:
-            steps.commit(directory, step_value)
-            if keep_last is not None:
-                removed = steps.retain(root, keep_last, step_value)
+        committed = _commit(root, directory, step_value, job_id, gathered or [])
+        if not committed and keep_last is not None:
+            try:
+                removed = steps.retain(root, keep_last, step_value, job)
                 if removed:
                     log.info("checkpoint retention", removed=[d.name for d in removed])
-        except Exception as exc:
-            committed = f"{type(exc).__name__}: {exc}"
-    if not _dist.agree(not committed):
-        raise CheckpointError(f"committing {directory} failed: {committed or 'on rank 0'}")
+            except Exception as exc:
+                committed = f"committed, then retention failed: {type(exc).__name__}: {exc}"
+    committed = _dist.broadcast(committed)
+    if committed:
+        raise CheckpointError(f"committing {directory} failed: {committed}")
     log.info("checkpoint saved", path=str(directory), step=step_value,
              seconds=round(time.perf_counter() - started, 3))
     return directory
 
 
-def _prepare_step_dir(root: Path, step: int | None) -> tuple[int, str]:
-    """Rank 0: the step to save and an error message (empty when fine)."""
+def _claim_step_dir(root: Path, step: int | None, job: Job) -> tuple[int, str, str]:
+    """Rank 0: ``(step, job id, problem)``; the step directory is claimed for ``job``
+    unless ``problem`` says why not."""
     try:
-        existing = steps.step_dirs(root)
+        root.mkdir(parents=True, exist_ok=True)
         if step is None:
+            existing = steps.step_dirs(root)
             step = existing[-1][0] + 1 if existing else 0
-        directory = root / steps.step_name(step)
-        if directory.exists():
-            if steps.is_committed(directory):
-                return step, (f"{directory} is already a committed checkpoint; every save "
-                              "goes to a fresh step directory: pass another step")
-            # An unfinished save of the same step (a crashed run, restarted): never loadable.
-            steps.remove(directory)
-        directory.mkdir(parents=True)
-        return step, ""
+        claims.claim_step(root / steps.step_name(step), job)
+        return step, job.id, ""
+    except CheckpointError as exc:
+        return step or 0, "", str(exc)
     except (OSError, ValueError) as exc:
-        return step or 0, f"cannot create the step directory under {root}: {exc}"
+        if is_disk_full(exc):
+            return step or 0, "", disk_full_message(root, f"claiming a step under {root}")
+        return step or 0, "", f"cannot create the step directory under {root}: {exc}"
+
+
+def _commit(root: Path, directory: Path, step: int, job_id: str,
+            gathered: list[dict[str, FileRecord]]) -> str:
+    """Rank 0: write the commit marker with every rank's digest records, if the step
+    directory is still this job's. Returns a problem, or ''."""
+    files: dict[str, FileRecord] = {}
+    for records in gathered:
+        for name, record in records.items():
+            if name in files and files[name] != record:
+                return f"two ranks wrote {directory / name}"
+            files[name] = record
+    try:
+        with claims.root_lock(root):
+            problem = claims.still_ours(directory, job_id)
+            if problem:
+                return problem
+            steps.commit(directory, step, Manifest(directory, files), job=job_id)
+    except Exception as exc:
+        if is_disk_full(exc):
+            return disk_full_message(directory, f"committing {directory}")
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _discard_own(directory: Path, job_id: str) -> None:
+    """Rank 0, after a failed save that every rank has given up on: remove the step
+    directory if it is still this job's claim (it can never be committed), so a full disk
+    gets its space back."""
+    try:
+        with claims.root_lock(directory.parent):
+            if job_id and directory.is_dir() and not claims.still_ours(directory, job_id) \
+                    and not steps.is_committed(directory):
+                claims.discard(directory)
+    except Exception as exc:  # the save's own error is the one to report
+        log.warning("could not remove the failed save's directory", path=str(directory),
+                    error=str(exc))
 
 
 # -- load ---------------------------------------------------------------------------------
 
 
-def read_metadata(directory: Path) -> Any:
-    """DCP's metadata of a checkpoint directory (a pickle: trusted sources only)."""
-    from torch.distributed.checkpoint import FileSystemReader
+# DCP's metadata grows with the number of stored chunks; anything this large is not it.
+METADATA_LIMIT = 1 << 34
+_UNREAD = object()
+
+
+def read_metadata(directory: Path, manifest: Any = _UNREAD) -> Any:
+    """DCP's metadata of a checkpoint directory (a pickle: trusted sources only), checked
+    against the commit record's digest before it is unpickled (``manifest``: the record,
+    None for none; default: the directory's own), with every file it names inside the
+    directory."""
+    path = Path(directory) / steps.DCP_METADATA
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: not a DCP checkpoint (no .metadata)")
+    if manifest is _UNREAD:
+        manifest = steps.read_manifest(directory)
+    raw = read_bounded(path, METADATA_LIMIT, what="DCP metadata file")
+    if manifest is not None:
+        manifest.check_bytes(steps.DCP_METADATA, raw)
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        return FileSystemReader(str(directory)).read_metadata()
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{directory}: not a DCP checkpoint (no .metadata)") from exc
+        metadata = pickle.loads(raw)  # what DCP's reader does, from bytes already checked
     except Exception as exc:
-        raise CheckpointError(f"{directory}/.metadata: unreadable ({exc})") from exc
+        raise CorruptFileError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CorruptFileError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+    names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
+    for name in sorted(names, key=str):
+        contained(directory, name, what=str(path))  # type: ignore[arg-type]
+    return metadata
 
 
 def stored_specs(metadata: Any) -> dict[str, Spec]:
@@ -292,33 +392,49 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    directory = steps.resolve(path)
-    info = steps.read_info(directory)
-    metadata = read_metadata(directory)
+    directory = resolve_for_all(path)
+    rank = _dist.rank()
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
-    scalars_expected = False
-    if osd is not None:
-        tensors, _ = _split_optim_state(osd["state"])
-        state[OPTIM] = {"state": tensors}
-        if "optimizer" not in info:
-            raise KeyMismatchError(str(directory), ["optimizer state (saved without one)"])
-        scalars_expected = True
-    expected = _flat_specs(msd, MODEL)
-    if OPTIM in state:
-        expected.update(_flat_specs(state[OPTIM]["state"], f"{OPTIM}.state"))
-    found = stored_specs(metadata)
-    prefixes = (f"{MODEL}.",) + ((f"{OPTIM}.",) if osd is not None else ())
-    unexpected = [k for k in found if k.startswith(prefixes) and k not in expected]
-    check_keys(str(directory), expected, found, prefixes, strict=strict)
+    restore = has_rng = False
+    unexpected: list[str] = []
+    failure: CheckpointError | None = None
+    # Everything that can be wrong with the files is found here, on every rank, before
+    # anything is read into the model.
+    try:
+        manifest = steps.read_manifest(directory)
+        info = steps.read_info(directory, manifest)
+        metadata = read_metadata(directory, manifest)
+        if osd is not None:
+            tensors, _ = _split_optim_state(osd["state"])
+            state[OPTIM] = {"state": tensors}
+            if "optimizer" not in info:
+                raise KeyMismatchError(str(directory), ["optimizer state (saved without one)"])
+        expected = _flat_specs(msd, MODEL)
+        if OPTIM in state:
+            expected.update(_flat_specs(state[OPTIM]["state"], f"{OPTIM}.state"))
+        found = stored_specs(metadata)
+        prefixes = (f"{MODEL}.",) + ((f"{OPTIM}.",) if osd is not None else ())
+        unexpected = [k for k in found if k.startswith(prefixes) and k not in expected]
+        check_keys(str(directory), expected, found, prefixes, strict=strict)
+        saved_world = int(info.get("world_size", 0) or 0)
+        rng = rank_file(directory, rank)
+        has_rng = rng.is_file()
+        restore = restore_random and saved_world == _dist.world_size() and has_rng
+        if restore and manifest is not None:
+            manifest.verify_file(rng.relative_to(directory).as_posix())
+    except CheckpointError as exc:
+        failure = exc
+    _agree_or_raise(failure, f"loading {directory}")
     if unexpected:
         log.warning("checkpoint keys not loaded", path=str(directory), count=len(unexpected),
                     first=unexpected[:5])
     with dcp_errors(f"loading {directory}"):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)),
+        dcp.load(state, storage_reader=verifying_reader(directory, metadata, manifest,
+                                                        collective=_dist.active()),
                  no_dist=not _dist.active())
     optim_state = None
-    if osd is not None and scalars_expected:
+    if osd is not None:
         saved = info["optimizer"]
         full_state: dict[str, dict[str, Any]] = {
             fqn: dict(entry) for fqn, entry in state[OPTIM]["state"].items()}
@@ -334,11 +450,9 @@ def load(
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(model, msd)
-    saved_world = int(info.get("world_size", 0) or 0)
     restored = False
-    has_rng = rank_file(directory, _dist.rank()).is_file()
-    if restore_random and saved_world == _dist.world_size() and has_rng:
-        restore_rng(directory, _dist.rank(), generators)
+    if restore:
+        restore_rng(directory, rank, generators)
         restored = True
     elif restore_random and has_rng:
         log.warning("random state not restored: saved on another world size",
@@ -346,3 +460,33 @@ def load(
     step = info.get("step", steps.step_of(directory))
     return CheckpointInfo(directory, int(step or 0), _from_json(info.get("extra")),
                           info.get("plan"), saved_world, restored)
+
+
+_ERRORS: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls for cls in (CheckpointError, CorruptFileError, UncommittedError)}
+
+
+def resolve_for_all(path: str | os.PathLike[str]) -> Path:
+    """The step directory ``path`` means, decided by rank 0 for every rank (a save
+    committing meanwhile must not make ranks load different steps)."""
+    answer: tuple[str, str, str] = ("", "", "")
+    if _dist.rank() == 0:
+        try:
+            answer = (str(steps.resolve(path)), "", "")
+        except CheckpointError as exc:
+            answer = ("", type(exc).__name__, str(exc))
+    directory, kind, message = _dist.broadcast(answer)
+    if message:
+        raise _ERRORS.get(kind, CheckpointError)(message)
+    return Path(directory)
+
+
+def _agree_or_raise(failure: CheckpointError | None, what: str) -> None:
+    """Raise on every rank if the checks failed on any: a rank whose checks failed raises
+    its own error, the others an error quoting every failing rank's."""
+    messages = _dist.gather(str(failure) if failure is not None else "")
+    if failure is not None:
+        raise failure
+    failed = [(r, m) for r, m in enumerate(messages) if m]
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(f"rank {r}: {m}" for r, m in failed))

@@ -7,8 +7,11 @@ expected and the found shape/dtype (DESIGN.md section 7).
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -88,11 +91,63 @@ def _failures(exc: BaseException) -> str:
     return "; ".join(parts)
 
 
+# What torch's zip writer says when a write came back short (the disk filled up).
+_SHORT_WRITE = ("unexpected pos", "file write failed", "No space left on device",
+                "Disk quota exceeded")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures: Any = getattr(e, "failures", None) or {}
+        for failure in failures.values():
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)
+        stack += [c for c in (e.__cause__, e.__context__) if c is not None]
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it, on any rank) is a write that found no space."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, (RuntimeError, OSError)) and any(m in str(e) for m in _SHORT_WRITE):
+            return True
+    return False
+
+
+def disk_full_message(directory: str | os.PathLike[str], what: str) -> str:
+    """``what`` failed because the disk holding ``directory`` is full, and what to do."""
+    free = ""
+    with contextlib.suppress(OSError):
+        probe = Path(directory)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        st = os.statvfs(probe)
+        free = f"; {st.f_bavail * st.f_frsize} bytes free now"
+    return (f"{what} failed: the disk is full at {directory} (no space left, or the quota "
+            f"is used up{free}): free space or write elsewhere")
+
+
+def describe_failure(exc: BaseException, rank: int, directory: str | os.PathLike[str],
+                     what: str) -> str:
+    """One line for a rank's failure, the disk-full case said plainly."""
+    if is_disk_full(exc):
+        return f"rank {rank}: {disk_full_message(directory, what)} ({type(exc).__name__}: {exc})"
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
 @contextlib.contextmanager
-def dcp_errors(what: str) -> Iterator[None]:
+def dcp_errors(what: str, directory: str | os.PathLike[str] | None = None) -> Iterator[None]:
     """Re-raise DCP's ``CheckpointException`` (a ``BaseException``, which ``except
-    Exception`` would let through) as a :class:`CheckpointError` saying ``what`` failed;
-    silence DCP's warning that one process means no process group."""
+    Exception`` would let through) as a :class:`CheckpointError` saying ``what`` failed
+    (and, when a write found no space, that the disk at ``directory`` is full); silence
+    DCP's warning that one process means no process group."""
     wrapped = _checkpoint_exception()
     try:
         with warnings.catch_warnings():
@@ -104,11 +159,17 @@ def dcp_errors(what: str) -> Iterator[None]:
     except BaseException as exc:
         if wrapped is not None and isinstance(exc, wrapped):
             detail = _failures(exc) or str(exc)
+            if directory is not None and is_disk_full(exc):
+                raise CheckpointError(f"{disk_full_message(directory, what)} ({detail})") \
+                    from exc
             # A CheckpointError raised inside DCP on one rank keeps its own message.
             inner = _inner_checkpoint_error(exc)
             if inner is not None:
                 raise type(inner)(str(inner)) from exc
             raise CheckpointError(f"{what} failed: {detail}") from exc
+        if directory is not None and isinstance(exc, Exception) and is_disk_full(exc):
+            raise CheckpointError(f"{disk_full_message(directory, what)} "
+                                  f"({type(exc).__name__}: {exc})") from exc
         raise
 
 

@@ -1,10 +1,12 @@
 """Step directories, commit markers, ``latest`` and keep-last-N retention.
 
-A checkpoint root holds one directory per save, ``step-000000120``. A save writes into a
-fresh step directory and is *committed* by the marker file ``COMMITTED``, which rank 0
-writes (to a temporary name, then ``os.replace``) only after every rank has finished
-writing. A directory without the marker is a save that never finished (a crash, a
-killed job) and is ignored by :func:`latest` and refused by ``load``.
+A checkpoint root holds one directory per save, ``step-000000120``. A save claims a
+fresh step directory (see :mod:`~composer_par.checkpoint.claims`) and is *committed* by
+the marker file ``COMMITTED``, which rank 0 writes (to a temporary name, then
+``os.replace``) only after every rank has finished writing; the marker records the size
+and digests of every file of the step (see :mod:`~composer_par.checkpoint.integrity`).
+A directory without the marker is a save that never finished (a crash, a killed job, or
+one still running) and is ignored by :func:`latest` and refused by ``load``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from composer_par.checkpoint.errors import CheckpointError, UncommittedError
+from composer_par.checkpoint.errors import CheckpointError, CorruptFileError, UncommittedError
+from composer_par.checkpoint.paths import read_bounded
+
+if TYPE_CHECKING:
+    from composer_par.checkpoint.claims import Job
+    from composer_par.checkpoint.integrity import Manifest
 
 MARKER = "COMMITTED"
 INFO = "composer_par.json"
@@ -116,20 +123,100 @@ def fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def commit(directory: Path, step: int) -> None:
-    """Mark ``directory`` committed (rank 0, after every rank finished writing)."""
-    write_json_atomic(directory / MARKER, {"step": step, "committed_at": time.time()})
+# Bounds of the JSON files read whole (a device or a runaway file is refused).
+INFO_LIMIT = 1 << 30
+MARKER_LIMIT = 1 << 31
 
 
-def read_info(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(directory) / INFO
-    if not path.is_file():
-        return {}
+def commit(directory: Path, step: int, manifest: Manifest | None = None,
+           job: str | None = None) -> None:
+    """Mark ``directory`` committed (rank 0, after every rank finished writing), with the
+    digest record of its files."""
+    data: dict[str, Any] = {"step": step, "committed_at": time.time()}
+    if job is not None:
+        data["job"] = job
+    if manifest is not None:
+        data.update(manifest.to_json())
+    write_json_atomic(directory / MARKER, data)
+
+
+def read_commit(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The content of the commit marker (CorruptFileError naming it when unreadable)."""
+    path = Path(directory) / MARKER
+    raw = read_bounded(path, MARKER_LIMIT, what="commit marker")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable checkpoint info ({exc})") from exc
-    return data if isinstance(data, dict) else {}
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptFileError(f"{path}: the commit marker is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CorruptFileError(f"{path}: the commit marker is not a JSON object")
+    return data
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
+    """The digest record of a committed directory (None: committed before digests were
+    recorded, or not committed)."""
+    from composer_par.checkpoint.integrity import Manifest
+
+    p = Path(directory)
+    if not is_committed(p):
+        return None
+    return Manifest.from_commit(p, read_commit(p))
+
+
+def _positive_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+# field -> (what it must be, check)
+_INFO_FIELDS: dict[str, tuple[str, Any]] = {
+    "format": ("an integer", lambda v: _positive_int(v, 0)),
+    "step": ("a non-negative integer", lambda v: _positive_int(v, 0)),
+    "world_size": ("a positive integer", lambda v: _positive_int(v, 1)),
+    "plan": ("a string (the plan's TOML) or null", lambda v: v is None or isinstance(v, str)),
+    "torch": ("a string", lambda v: isinstance(v, str)),
+    "saved_at": ("a number", lambda v: isinstance(v, (int, float))
+                 and not isinstance(v, bool)),
+    "optimizer": ("an object with param_groups (a list of objects), scalars (an object) "
+                  "and class (a string)",
+                  lambda v: isinstance(v, dict)
+                  and isinstance(v.get("param_groups"), list)
+                  and all(isinstance(g, dict) for g in v.get("param_groups", []))
+                  and isinstance(v.get("scalars", {}), dict)
+                  and isinstance(v.get("class", ""), str)),
+}
+
+
+def parse_info(path: Path, raw: bytes) -> dict[str, Any]:
+    """The checkpoint info in ``raw`` (the bytes of ``path``), every field it uses checked:
+    CorruptFileError names the file and the field."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptFileError(f"{path}: unreadable checkpoint info ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CorruptFileError(f"{path}: the checkpoint info is not a JSON object")
+    for field, (expected, ok) in _INFO_FIELDS.items():
+        if field in data and not ok(data[field]):
+            raise CorruptFileError(f"{path}: field {field} must be {expected}; found "
+                                   f"{data[field]!r}")
+    return data
+
+
+def read_info(directory: str | os.PathLike[str], manifest: Manifest | None = None
+              ) -> dict[str, Any]:
+    """The checkpoint info (``{}`` when there is none), its fields checked, and with a
+    ``manifest`` its bytes checked against the commit record."""
+    path = Path(directory) / INFO
+    if not os.path.lexists(path):
+        if manifest is not None and INFO in manifest.files:
+            raise CorruptFileError(f"{path}: missing (the commit records it)")
+        return {}
+    raw = read_bounded(path, INFO_LIMIT, what="checkpoint info")
+    data = parse_info(path, raw)
+    if manifest is not None:
+        manifest.check_bytes(INFO, raw)
+    return data
 
 
 def remove(directory: Path) -> None:
@@ -141,16 +228,23 @@ def remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def retain(root: str | os.PathLike[str], keep_last: int, current: int) -> list[Path]:
-    """Keep the newest ``keep_last`` committed steps; drop older committed ones and the
-    unfinished saves older than ``current`` (the step just committed: they can never be
-    completed now). Returns the removed directories."""
+def retain(root: str | os.PathLike[str], keep_last: int, current: int,
+           job: Job | None = None) -> list[Path]:
+    """Keep the newest ``keep_last`` committed steps; drop older committed ones, and the
+    unfinished saves older than ``current`` (the step just committed) whose claim proves
+    their writer gone (one another job may still be writing is left alone: see
+    ``clean_stale``; ``job``, the job that saves, counts its own earlier claims as gone).
+    Returns the removed directories."""
+    from composer_par.checkpoint.claims import is_stale, root_lock
+
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1; got {keep_last}")
-    entries = step_dirs(root)
-    committed = [d for _, d, ok in entries if ok]
-    doomed = committed[:-keep_last]
-    doomed += [d for step, d, ok in entries if not ok and step < current]
-    for d in doomed:
-        remove(d)
+    with root_lock(Path(root)):
+        entries = step_dirs(root)
+        committed = [d for _, d, ok in entries if ok]
+        doomed = committed[:-keep_last]
+        doomed += [d for step, d, ok in entries if not ok and step < current
+                   and is_stale(d, job)]
+        for d in doomed:
+            remove(d)
     return doomed

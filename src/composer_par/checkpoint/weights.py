@@ -172,15 +172,17 @@ def load_safetensors(
                    bytes_read=reader.bytes_read, tied=tied)
 
 
-def checkpoint_model_specs(directory: str | os.PathLike[str]) -> tuple[dict[str, Spec], str]:
+def checkpoint_model_specs(directory: str | os.PathLike[str], metadata: Any = None
+                           ) -> tuple[dict[str, Spec], str]:
     """The model tensors of a DCP checkpoint by model name, and the key prefix they have
     in it (``"model."`` for composer_par checkpoints, ``""`` for a bare model state dict).
-    Reads DCP's pickled metadata: trusted sources only."""
+    Reads DCP's pickled metadata (checked against the commit record's digest) unless
+    given: trusted sources only."""
     from pathlib import Path
 
     from composer_par.checkpoint.dcp import MODEL, read_metadata, stored_specs
 
-    found = stored_specs(read_metadata(Path(directory)))
+    found = stored_specs(read_metadata(Path(directory)) if metadata is None else metadata)
     prefix = f"{MODEL}."
     if any(k.startswith(prefix) for k in found):
         return {k[len(prefix):]: v for k, v in found.items() if k.startswith(prefix)}, prefix
@@ -197,15 +199,20 @@ def load_checkpoint_weights(
 ) -> LoadReport:
     """Load the model part of a committed DCP checkpoint (a step directory or a root: its
     latest) into ``model``, resharding to its layout. Optimizer state is not touched (use
-    :func:`composer_par.checkpoint.load` to resume training)."""
+    :func:`composer_par.checkpoint.load` to resume training). Every stored chunk read is
+    checked against the commit record's digest first; an error names the file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from composer_par.checkpoint import steps
+    from composer_par.checkpoint.dcp import read_metadata, resolve_for_all
+    from composer_par.checkpoint.integrity import verifying_reader
 
     started = time.perf_counter()
-    directory = steps.resolve(path)
-    specs, prefix = checkpoint_model_specs(directory)
+    directory = resolve_for_all(path)
+    manifest = steps.read_manifest(directory)
+    metadata = read_metadata(directory, manifest)
+    specs, prefix = checkpoint_model_specs(directory, metadata)
     state_dict = get_model_state_dict(model)
     tied = aliases(model) if tied is None else tied
     m = match(str(directory), expected_specs(state_dict, tied), specs, adapter or Identity(),
@@ -214,8 +221,8 @@ def load_checkpoint_weights(
     if error is not None:
         raise error
     to_load = {prefix + m.keys[name]: state_dict[name] for name in m.keys}
+    reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
     with dcp_errors(f"loading {directory}"):
-        dcp.load(to_load, storage_reader=dcp.FileSystemReader(str(directory)),
-                 no_dist=not _dist.active())
-    return _finish(model, state_dict, m, strict=strict, started=started, bytes_read=0,
-                   tied=tied)
+        dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
+    return _finish(model, state_dict, m, strict=strict, started=started,
+                   bytes_read=reader.bytes_verified, tied=tied)

@@ -1,11 +1,14 @@
 """``composer-par inspect CKPT`` and ``composer-par convert SRC DST``.
 
 ``inspect`` reads headers and metadata only: keys, shapes, dtypes, bytes, the commit
-state, and for DCP checkpoints the step and the plan they were saved with. ``convert``
-turns a DCP checkpoint into consolidated safetensors or back, one tensor at a time, with
-a progress bar on stderr; it writes into a temporary directory renamed into place at the
-end, so a failure leaves nothing at DST. Both exit 2 on input they cannot use (a missing,
-truncated or corrupt file; an uncommitted checkpoint), naming the file and the key.
+state (committed, verified with ``--verify``, corrupt naming the file, or uncommitted
+with the job that claimed it), and for DCP checkpoints the step and the plan they were
+saved with; it exits 1 when what it shows is corrupt. ``convert`` turns a DCP checkpoint
+into consolidated safetensors or back, one tensor at a time, with a progress bar on
+stderr, checking what it reads against the commit's digests; it writes into a temporary
+directory renamed into place at the end, so a failure leaves nothing at DST. Both exit 2
+on input they cannot use (a missing, truncated or corrupt file; an uncommitted
+checkpoint), naming the file and the key.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 import time
 from typing import TextIO
 
-from composer_par.cli.common import EXIT_OK, InputError, Output
+from composer_par.cli.common import EXIT_ERRORS, EXIT_OK, InputError, Output
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -33,6 +36,19 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"the size must be positive; got {text!r}")
     return value
+
+
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+
+
+def parse_age(text: str) -> float:
+    """``"90"`` or ``"90s"`` -> 90.0, ``"30m"`` -> 1800.0, ``"2h"``, ``"1d"``."""
+    m = _AGE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected an age like 3600, 30m, 2h or 1d; got "
+                                         f"{text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[
+        m.group(2).lower()]
 
 
 class ProgressBar:
@@ -88,21 +104,40 @@ def configure_inspect(parser: argparse.ArgumentParser) -> None:
                         "checkpoint directory, or a root of step directories")
     parser.add_argument("--all", action="store_true",
                         help="list every key (default: the first 50)")
+    parser.add_argument("--verify", action="store_true",
+                        help="read every byte of every file of each committed step against "
+                        "the digests its commit recorded (default: sizes, and the digests of "
+                        "the small files); exit 1 if anything is corrupt")
+    parser.add_argument("--clean-stale", type=parse_age, metavar="AGE",
+                        help="first remove the unfinished steps of a root that nothing can "
+                        "still be writing: unchanged for AGE (e.g. 30m, 2h, 3600) and without "
+                        "a live claim; committed steps are never touched")
 
 
 def run_inspect(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.checkpoint.claims import clean_stale
     from composer_par.checkpoint.errors import CheckpointError
-    from composer_par.checkpoint.inspect import describe, format_text
+    from composer_par.checkpoint.inspect import corrupt, describe, format_text
 
+    cleaned = None
     try:
-        data = describe(args.path)
+        if args.clean_stale is not None:
+            cleaned = clean_stale(args.path, older_than=args.clean_stale)
+        data = describe(args.path, verify=args.verify)
     except CheckpointError as exc:
         raise InputError(str(exc)) from exc
-    out.result({"ok": True, **data}, format_text(data, limit=None if args.all else 50))
+    bad = corrupt(data)
+    text = format_text(data, limit=None if args.all else 50)
+    if cleaned is not None:
+        data["cleaned"] = {"removed": [str(p) for p in cleaned.removed],
+                           "kept": [{"path": str(p), "why": why} for p, why in cleaned.kept]}
+        text = "\n".join([f"removed stale: {p}" for p in cleaned.removed]
+                         + [f"kept: {p}: {why}" for p, why in cleaned.kept] + [text])
+    out.result({"ok": not bad, **data}, text)
     if data.get("kind") == "dcp" and not data.get("committed") and not out.json_mode:
         out.note("note: this checkpoint is uncommitted (its save never finished): "
                  "load and latest() ignore it")
-    return EXIT_OK
+    return EXIT_ERRORS if bad else EXIT_OK
 
 
 # -- convert ----------------------------------------------------------------------------------
@@ -116,7 +151,8 @@ def configure_convert(parser: argparse.ArgumentParser) -> None:
                         help="the directory to create (must not exist): safetensors when SRC "
                         "is DCP, a committed DCP checkpoint when SRC is safetensors")
     parser.add_argument("--dtype", metavar="DTYPE",
-                        help="convert tensors to this dtype (e.g. bfloat16, float32)")
+                        help="convert floating-point tensors to DTYPE: one of float16, "
+                        "bfloat16, float32, float64 (integer and bool tensors keep theirs)")
     parser.add_argument("--max-file-size", type=parse_size, metavar="SIZE",
                         help="to safetensors: split into files of at most SIZE (e.g. 5GB) "
                         "with an index json; default: one file")
@@ -125,11 +161,18 @@ def configure_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.checkpoint.convert import dcp_to_safetensors, safetensors_to_dcp
+    from composer_par.checkpoint.convert import (
+        FLOAT_DTYPES,
+        dcp_to_safetensors,
+        safetensors_to_dcp,
+    )
     from composer_par.checkpoint.errors import CheckpointError
     from composer_par.checkpoint.inspect import kind_of
 
     stream = out.stderr if out.stderr is not None else sys.stderr
+    if args.dtype is not None and args.dtype.removeprefix("torch.") not in FLOAT_DTYPES:
+        raise InputError(f"--dtype {args.dtype}: weights convert only to "
+                         f"{', '.join(FLOAT_DTYPES)} (a cast to an integer dtype truncates)")
     try:
         kind = kind_of(args.source)
         target = "safetensors" if kind in ("dcp", "root") else "dcp"

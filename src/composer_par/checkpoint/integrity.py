@@ -1,0 +1,372 @@
+"""Digests of every file of a step, recorded in its commit marker, and their checks.
+
+Plain DCP stores no checksum: a flipped byte in a shard file, or two storage entries
+swapped in ``.metadata``, load as wrong weights without a word. composer_par's commit
+marker (``COMMITTED``) records, for every file of the step, its size and the CRC-32 of
+each *segment*: for a DCP shard file, each stored chunk (the byte range DCP reads as one
+unit), so that a rank loading a checkpoint checks exactly the bytes it reads; for the
+other files (``.metadata``, ``composer_par.json``, the RNG files) the whole file.
+Segments tile their file, so checking every segment of a file checks every byte.
+
+Each rank digests the files it wrote, right after writing them (from the page cache);
+rank 0 gathers the records and writes them into the marker, last. ``load`` checks
+``.metadata`` and ``composer_par.json`` before using them, and each stored chunk before
+DCP reads it, so corrupt bytes never reach the model; ``inspect --verify`` checks every
+byte of every file.
+
+Why CRC-32 (zlib's): it is in the standard library, the fastest digest there on the
+development machine (about 1.9 GiB/s on one core against 1.1 for SHA-1, 0.7 for SHA-256
+and 0.4 for BLAKE2b) and it releases the GIL. It is made to catch accidents (bit rot, torn
+or truncated writes, a file of another step or copy): every burst of up to 32 flipped
+bits is caught, any other damage with probability 1 - 2**-32 per chunk. It is no defence
+against someone who edits files on purpose (they can recompute it; DCP's ``.metadata``
+is a pickle anyway: trusted sources only).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
+from composer_par.checkpoint.paths import contained
+
+DIGEST = "crc32"
+BLOCK = 16 * 1024 * 1024  # bytes hashed per read: bounds the scratch memory
+SHARD_SUFFIX = ".distcp"  # DCP's shard files; everything else of a step is small
+
+
+@attrs.frozen
+class FileRecord:
+    """A file's size and the ``(offset, length, crc32)`` of each segment (tiling it)."""
+
+    size: int
+    segments: tuple[tuple[int, int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "segments": [list(s) for s in self.segments]}
+
+    @classmethod
+    def from_json(cls, name: str, data: Any, where: str) -> FileRecord:
+        try:
+            size = int(data["size"])
+            segments = tuple((int(o), int(n), int(c)) for o, n, c in data["segments"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptFileError(f"{where}: the record of {name} is malformed ({exc})") \
+                from None
+        position = 0
+        for offset, length, _ in segments:
+            if offset != position or length < 0:
+                raise CorruptFileError(f"{where}: the segments of {name} do not tile it")
+            position += length
+        if position != size:
+            raise CorruptFileError(f"{where}: the segments of {name} do not cover its "
+                                   f"{size} bytes")
+        return cls(size, segments)
+
+
+def crc_range(fd: int, offset: int, length: int, scratch: memoryview | None = None) -> int:
+    """The CRC-32 of ``length`` bytes of ``fd`` at ``offset`` (short files read short)."""
+    view = scratch if scratch is not None else memoryview(bytearray(min(BLOCK, max(length, 1))))
+    crc = 0
+    done = 0
+    while done < length:
+        n = min(len(view), length - done)
+        got = os.preadv(fd, [view[:n]], offset + done)
+        if got <= 0:
+            break
+        crc = zlib.crc32(view[:got], crc)
+        done += got
+    return crc
+
+
+def digest_file(path: str | os.PathLike[str]) -> FileRecord:
+    """One segment over the whole file."""
+    return digest_ranges(path, [])
+
+
+def digest_ranges(path: str | os.PathLike[str], ranges: Iterable[tuple[int, int]]
+                  ) -> FileRecord:
+    """Segments for ``ranges`` (the chunks written at ``offset, length``) and for any gap
+    between them, so that the segments tile the file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        cuts: list[tuple[int, int]] = []
+        position = 0
+        for offset, length in sorted(set(ranges)):
+            if offset < position or offset + length > size:
+                raise CheckpointError(f"{path}: chunks at {offset}+{length} overlap or end past "
+                                      f"the {size} bytes written")
+            if offset > position:
+                cuts.append((position, offset - position))
+            if length:
+                cuts.append((offset, length))
+            position = offset + length
+        if position < size or not cuts:
+            cuts.append((position, size - position))
+        scratch = memoryview(bytearray(min(BLOCK, max(size, 1))))
+        return FileRecord(size, tuple((o, n, crc_range(fd, o, n, scratch)) for o, n in cuts))
+    finally:
+        os.close(fd)
+
+
+class Manifest:
+    """The digest records of one committed step directory, by file name (relative)."""
+
+    def __init__(self, directory: Path, files: Mapping[str, FileRecord]) -> None:
+        self.directory = directory
+        self.files = dict(files)
+        self._verified: set[tuple[str, int]] = set()
+
+    @classmethod
+    def from_commit(cls, directory: Path, data: Mapping[str, Any]) -> Manifest | None:
+        """The manifest of a commit marker's content (None: it predates digests)."""
+        files = data.get("files")
+        if files is None:
+            return None
+        where = str(directory / "COMMITTED")
+        if data.get("digest") != DIGEST or not isinstance(files, dict):
+            raise CorruptFileError(f"{where}: unknown digest {data.get('digest')!r} or no file "
+                                   "table")
+        records = {}
+        for name, record in files.items():
+            contained(directory, name, what=where)
+            records[name] = FileRecord.from_json(name, record, where)
+        return cls(directory, records)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"digest": DIGEST,
+                "files": {name: r.to_json() for name, r in sorted(self.files.items())}}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.size for r in self.files.values())
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _record(self, name: str) -> FileRecord:
+        record = self.files.get(name)
+        if record is None:
+            raise CorruptFileError(f"{self.directory / name}: not part of the commit record "
+                                   "of this step (was it added afterwards?)")
+        return record
+
+    def check_size(self, name: str) -> None:
+        record = self._record(name)
+        path = self.directory / name
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CorruptFileError(f"{path}: missing (the commit recorded {record.size} "
+                                   "bytes)") from None
+        if size != record.size:
+            what = "truncated" if size < record.size else "longer than committed"
+            raise CorruptFileError(f"{path}: {what}: {size} bytes, the commit recorded "
+                                   f"{record.size}")
+
+    def check_bytes(self, name: str, data: bytes) -> None:
+        """``data`` is the whole file ``name`` as read: its size and every segment."""
+        record = self._record(name)
+        path = self.directory / name
+        if len(data) != record.size:
+            what = "truncated" if len(data) < record.size else "longer than committed"
+            raise CorruptFileError(f"{path}: {what}: {len(data)} bytes, the commit recorded "
+                                   f"{record.size}")
+        view = memoryview(data)
+        for offset, length, crc in record.segments:
+            got = zlib.crc32(view[offset:offset + length])
+            if got != crc:
+                raise _differs(path, offset, length, crc, got)
+
+    def check_range(self, name: str, offset: int, length: int, fd: int,
+                    scratch: memoryview | None = None, key: str = "") -> int:
+        """Check every segment of ``name`` that overlaps ``offset, offset + length`` (each
+        once per manifest). Returns the bytes hashed."""
+        record = self._record(name)
+        path = self.directory / name
+        hashed = 0
+        for seg_offset, seg_length, crc in record.segments:
+            if seg_offset + seg_length <= offset or seg_offset >= offset + length:
+                continue
+            if (name, seg_offset) in self._verified:
+                continue
+            got = crc_range(fd, seg_offset, seg_length, scratch)
+            if got != crc:
+                raise _differs(path, seg_offset, seg_length, crc, got, key)
+            self._verified.add((name, seg_offset))
+            hashed += seg_length
+        return hashed
+
+    def verify_file(self, name: str) -> None:
+        self.check_size(name)
+        path = self.directory / name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            record = self.files[name]
+            self.check_range(name, 0, record.size, fd)
+        finally:
+            os.close(fd)
+
+    def verify_all(self) -> list[str]:
+        """Every file, every byte: the problems found (empty: all verified)."""
+        problems = []
+        for name in sorted(self.files):
+            try:
+                self.verify_file(name)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def quick_check(self) -> list[str]:
+        """Every recorded file exists with its recorded size, and the files that are not
+        shards (``.metadata``, the info, the RNG states: small) match their digests."""
+        problems = []
+        for name in sorted(self.files):
+            try:
+                if name.endswith(SHARD_SUFFIX):
+                    self.check_size(name)
+                else:
+                    self.verify_file(name)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return problems
+
+
+def _differs(path: Path, offset: int, length: int, expected: int, got: int,
+             key: str = "") -> CorruptFileError:
+    what = f" ({key})" if key else ""
+    return CorruptFileError(
+        f"{path}: bytes {offset}-{offset + length - 1}{what} differ from what was committed "
+        f"({DIGEST} {got:08x}, recorded {expected:08x}): the file changed after the save; "
+        "load another step")
+
+
+# -- DCP storage ------------------------------------------------------------------------------
+
+
+def digesting_writer(path: Path, **kwargs: Any) -> Any:
+    """A DCP ``FileSystemWriter`` that digests every file it wrote, by chunk, once the
+    file is written (``writer.records``: file name -> FileRecord)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class DigestingWriter(FileSystemWriter):
+        records: dict[str, FileRecord]
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            ranges: dict[str, list[tuple[int, int]]] = {}
+            for result in future.wait():
+                info = result.storage_data
+                ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+            self.records = {name: digest_ranges(Path(self.path) / name, spans)
+                            for name, spans in ranges.items()}
+            return future
+
+    writer = DigestingWriter(path, **kwargs)
+    writer.records = {}
+    return writer
+
+
+def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, *,
+                     collective: bool = False) -> Any:
+    """A DCP ``FileSystemReader`` of ``directory`` that takes the (already checked)
+    ``metadata`` and, before DCP reads anything, checks the size of each file this rank
+    will read and, with a ``manifest``, every stored chunk it will read. With
+    ``collective`` (every rank of the default process group loads) the ranks agree on
+    the checks before any rank reads a byte into the model, so a corrupt file leaves
+    every rank's model as it was. Errors name the file (and the key)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from composer_par.checkpoint import _dist
+
+    class VerifyingReader(FileSystemReader):
+        bytes_verified = 0
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            import dataclasses
+
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                                    []).append(item)
+            scratch = memoryview(bytearray(BLOCK))
+            problem: CheckpointError | None = None
+            try:
+                for name, items in per_file.items():
+                    self._check(name, items, scratch)
+            except CheckpointError as exc:
+                problem = exc
+            if collective:
+                messages = _dist.gather(str(problem) if problem is not None else "")
+                failed = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
+                if problem is None and failed:
+                    raise CorruptFileError("; ".join(failed))
+            if problem is not None:
+                raise problem
+            future = None
+            for name, items in per_file.items():
+                try:
+                    future = super().read_data(dataclasses.replace(plan, items=items), planner)
+                    future.wait()
+                except CheckpointError:
+                    raise
+                except (EOFError, OSError, RuntimeError, ValueError) as exc:
+                    raise CorruptFileError(f"{directory / name}: unreadable: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+            if future is None:
+                future = super().read_data(plan, planner)
+            return future
+
+        def _check(self, name: str, items: list[Any], scratch: memoryview) -> None:
+            path = contained(directory, name, what=str(directory / ".metadata"))
+            spans = [(self.storage_data[i.storage_index], i.storage_index.fqn) for i in items]
+            if manifest is not None:
+                manifest.check_size(name)
+            else:
+                try:
+                    size = os.stat(path).st_size
+                except FileNotFoundError:
+                    raise CorruptFileError(f"{path}: missing (.metadata names it)") from None
+                end = max(info.offset + info.length for info, _ in spans)
+                if size < end:
+                    raise CorruptFileError(f"{path}: truncated: {size} bytes, .metadata "
+                                           f"places data up to byte {end}")
+                return
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for info, key in sorted(spans, key=lambda s: s[0].offset):
+                    self.bytes_verified += manifest.check_range(
+                        name, info.offset, info.length, fd, scratch, key)
+            finally:
+                os.close(fd)
+
+    return VerifyingReader(str(directory))
+
+
+def verify(path: str | os.PathLike[str]) -> list[str]:
+    """Read every byte of every file of a committed checkpoint (a step directory, or a
+    root: its latest committed step) against its commit record. Returns the problems,
+    each naming the file (empty: verified). CheckpointError when it cannot be verified:
+    uncommitted, or committed before digests were recorded."""
+    from composer_par.checkpoint import steps
+
+    directory = steps.resolve(path)
+    manifest = steps.read_manifest(directory)
+    if manifest is None:
+        raise CheckpointError(f"{directory}: no digests recorded (saved by an older version): "
+                              "it cannot be verified")
+    return manifest.verify_all()

@@ -1,0 +1,376 @@
+"""Integrity: every file of a step is digested in its commit and checked on use; names read
+from indexes and metadata stay inside their directory; inputs are read with bounds; and
+the smaller refusals (a corrupt info file, a truncating dtype, a full disk)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from composer_par import LoadCheckpoint, LoadSafetensors, MeshSpec, ParallelPlan
+from composer_par import checkpoint as ck
+from composer_par.checkpoint import steps
+from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
+from composer_par.checkpoint.safetensors_io import read_header, save_file
+from composer_par.checkpoint.sources import WeightsSource
+from composer_par.cli.main import main
+from composer_par.findings import PlanError
+from composer_par.testing.distributed import run_ranks
+from tests import checkpoint_io_workers as workers
+from tests.test_checkpoint_dist import assert_bitwise
+from tests.test_checkpoint_io import _trained, assert_same, meta_model, reference, state
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """A committed step of a trained model and its optimizer (one shard file)."""
+    model, optimizer = _trained()
+    return ck.save(tmp_path / "ckpt", model, optimizer, step=3)
+
+
+def flip(path: Path, at: int, count: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(at, at + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    model = reference(seed=9)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01), state(model)
+
+
+# -- digests -------------------------------------------------------------------------------
+
+
+def test_the_commit_records_every_file_and_a_clean_step_verifies(
+        saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record = json.loads((saved / steps.MARKER).read_text())
+    assert record["digest"] == "crc32"
+    assert set(record["files"]) == {".metadata", "__0_0.distcp", "composer_par.json",
+                                    "rng/rank-00000.safetensors"}
+    shard = record["files"]["__0_0.distcp"]
+    assert shard["size"] == (saved / "__0_0.distcp").stat().st_size
+    assert len(shard["segments"]) > 10  # one per stored chunk: a loader checks what it reads
+    assert ck.verify(saved) == []
+    code, out, _ = cli(["inspect", str(saved), "--verify"], capsys)
+    assert code == 0 and "commit: committed and verified: every byte of its 4 file(s)" in out
+    code, out, _ = cli(["inspect", str(saved.parent), "--verify", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and data["steps"][0]["state"] == "verified"
+
+
+def test_flipped_bytes_in_a_shard_are_found_by_every_reader(
+        saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shard = saved / "__0_0.distcp"
+    flip(shard, 5000)  # inside the first stored chunk: a model tensor, read by every reader
+    model, optimizer, before = fresh()
+    with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes \d+-\d+ \(\S+\) differ "
+                       r"from what was committed \(crc32"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)  # checked before a byte reached the model
+    with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes"):
+        ck.load_checkpoint_weights(model, saved)
+    with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes"):
+        ParallelPlan(MeshSpec()).use(LoadCheckpoint(saved)).apply(meta_model())
+    assert ck.verify(saved)[0].startswith(f"{shard}: bytes")
+    code, out, _ = cli(["inspect", str(saved), "--verify", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 1 and not data["ok"] and data["state"] == "corrupt"
+    assert data["commit"].startswith(f"CORRUPT: {shard}: bytes")
+    code, out, err = cli(["convert", str(saved), str(tmp_path / "st")], capsys)
+    assert code == 2 and f"{shard}: bytes" in err and not (tmp_path / "st").exists()
+
+
+def test_swapped_entries_in_the_metadata_are_found(
+        saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = saved / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    a, b = [k for k in metadata.storage_data if k.fqn.startswith("model.layers.0")][:2]
+    metadata.storage_data[a], metadata.storage_data[b] = (metadata.storage_data[b],
+                                                          metadata.storage_data[a])
+    path.write_bytes(pickle.dumps(metadata))
+    model, optimizer, before = fresh()
+    with pytest.raises(CorruptFileError, match=r"\.metadata: bytes 0-\d+ differ from what was "
+                       "committed"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    code, out, _ = cli(["inspect", str(saved)], capsys)  # found without --verify
+    assert code == 1 and "commit: CORRUPT:" in out and ".metadata: bytes 0-" in out
+
+
+def test_a_truncated_shard_names_the_file_and_inspect_says_corrupt(
+        saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shard = saved / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-100])
+    model, optimizer, _ = fresh()
+    with pytest.raises(CorruptFileError, match=rf"{shard}: truncated: {size - 100} bytes, "
+                       rf"the commit recorded {size}"):
+        ck.load(saved, model, optimizer)
+    code, out, _ = cli(["inspect", str(saved.parent)], capsys)
+    assert code == 1 and "step         3  CORRUPT" in out and "committed" not in out.split(
+        "\n")[1]
+    # A checkpoint committed before digests existed: the size check still names the file.
+    record = json.loads((saved / steps.MARKER).read_text())
+    (saved / steps.MARKER).write_text(json.dumps({"step": 3,
+                                                  "committed_at": record["committed_at"]}))
+    with pytest.raises(CorruptFileError, match=rf"{shard}: truncated: {size - 100} bytes, "
+                       r"\.metadata places data up to byte"):
+        ck.load(saved, model, optimizer)
+    assert "no digests recorded" in ck.describe(saved)["commit"]
+
+
+def test_a_corrupt_info_field_is_named_before_any_weight_is_set(saved: Path) -> None:
+    path = saved / steps.INFO
+    info = json.loads(path.read_text())
+    info["world_size"] = "abc"
+    path.write_text(json.dumps(info))
+    model, optimizer, before = fresh()
+    with pytest.raises(CorruptFileError, match=rf"{path}: field world_size must be a positive "
+                       r"integer; found 'abc'"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    info["world_size"], info["optimizer"] = 1, {"param_groups": "x"}
+    path.write_text(json.dumps(info))
+    with pytest.raises(CorruptFileError, match="field optimizer must be an object with "
+                       "param_groups"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+
+
+def test_a_loaded_checkpoint_is_bitwise_and_files_added_later_are_not_trusted(
+        saved: Path) -> None:
+    model, optimizer, _ = fresh()
+    ck.load(saved, model, optimizer)
+    shutil.copy(saved / "__0_0.distcp", saved / "__1_0.distcp")
+    metadata = pickle.loads((saved / ".metadata").read_bytes())
+    assert {i.relative_path for i in metadata.storage_data.values()} == {"__0_0.distcp"}
+    manifest = steps.read_manifest(saved)
+    assert manifest is not None
+    with pytest.raises(CorruptFileError, match=r"__1_0\.distcp: not part of the commit"):
+        manifest.check_size("__1_0.distcp")
+
+
+def test_convert_keeps_the_digests_and_checks_them(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    ck.save(tmp_path / "ckpt", model, optimizer)
+    ck.dcp_to_safetensors(tmp_path / "ckpt", tmp_path / "st")
+    back = Path(ck.safetensors_to_dcp(tmp_path / "st", tmp_path / "dcp").destination)
+    assert ck.verify(back) == []
+    assert set(json.loads((back / steps.MARKER).read_text())["files"]) == {
+        ".metadata", "__0_0.distcp", "composer_par.json"}
+
+
+# -- a full disk -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_disk(directory: Path, size: str) -> Iterator[bool]:
+    """A tmpfs of ``size`` mounted at ``directory`` (True), or False where mounting is not
+    allowed (then the caller simulates the full disk)."""
+    directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(directory)], capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def test_a_full_disk_is_said_plainly_and_the_previous_step_survives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, optimizer = _trained()
+    with small_disk(tmp_path / "disk", "1m") as mounted:
+        root = tmp_path / "disk" / "ckpt"
+        first = ck.save(root, model, step=1)  # the model alone fits, with its optimizer not
+        if not mounted:  # no permission to mount: a writer that finds no space
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            def no_space(self: Any, plan: Any, planner: Any) -> Any:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            monkeypatch.setattr(FileSystemWriter, "write_data", no_space)
+        with pytest.raises(CheckpointError) as err:
+            ck.save(root, model, optimizer, step=2)
+        text = str(err.value)
+        assert f"the disk is full at {root / 'step-000000002'}" in text, text
+        assert "free space or write elsewhere" in text
+        assert ck.latest(root) == first and [s for s, _, _ in ck.step_dirs(root)] == [1]
+        loaded = reference(seed=9)
+        ck.load(root, loaded)
+        assert_same(state(loaded), state(model))
+
+
+# -- convert --dtype ------------------------------------------------------------------------
+
+
+def test_convert_refuses_a_truncating_dtype_and_keeps_integer_tensors(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "w.safetensors"
+    save_file({"w": torch.full((3,), 1.75), "count": torch.tensor([7, 300], dtype=torch.int64)},
+              source)
+    for dtype in ("int8", "uint8", "bool", "float8_e4m3fn"):
+        code, out, err = cli(["convert", str(source), str(tmp_path / "out"), "--dtype", dtype,
+                              "--json"], capsys)
+        assert code == 2 and json.loads(out)["ok"] is False, dtype
+        assert "float16, bfloat16, float32, float64" in err and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="target dtype must be one of"):
+        ck.safetensors_to_dcp(source, tmp_path / "out", dtype="int8")
+    code, _, _ = cli(["convert", str(source), str(tmp_path / "out"), "--dtype", "bfloat16"],
+                     capsys)
+    assert code == 0
+    back = tmp_path / "back"
+    ck.dcp_to_safetensors(tmp_path / "out", back)
+    entries = WeightsSource.open(back).entries
+    assert entries["w"].dtype == "BF16" and entries["count"].dtype == "I64"
+    assert main(["convert", "--help"]) == 0
+    assert "float16, bfloat16, float32, float64" in " ".join(capsys.readouterr().out.split())
+
+
+# -- paths stay inside ----------------------------------------------------------------------
+
+
+def _index(directory: Path, weight_map: dict[str, str]) -> Path:
+    path = directory / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+@pytest.mark.parametrize("case", ["climbs", "absolute", "symlink"])
+def test_index_entries_that_leave_the_directory_are_refused(
+        tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ref = state(reference())
+    outside = tmp_path / "outside.safetensors"
+    save_file(ref, outside)
+    weights = tmp_path / "a" / "b"
+    weights.mkdir(parents=True)
+    name = {"climbs": "../../outside.safetensors", "absolute": str(outside),
+            "symlink": "inner.safetensors"}[case]
+    if case == "symlink":
+        (weights / name).symlink_to(outside)
+    index = _index(weights, dict.fromkeys(ref, name))
+    expected = "absolute path" if case == "absolute" else "outside"
+    with pytest.raises(CheckpointError, match=f"key .*: entry '{name}' .*{expected}"):
+        WeightsSource.open(index)
+    with pytest.raises(PlanError, match="CP417"):
+        ParallelPlan(MeshSpec()).use(LoadSafetensors(index)).apply(meta_model())
+    code, _, err = cli(["inspect", str(index)], capsys)
+    assert code == 2 and name in err
+    code, _, err = cli(["convert", str(weights), str(tmp_path / "out")], capsys)
+    assert code == 2 and name in err and not (tmp_path / "out").exists()
+
+
+def test_a_hugging_face_cache_snapshot_may_point_into_its_blobs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ref = state(reference())
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    (snapshot / "sub").mkdir(parents=True)
+    keys = list(ref)
+    for i, part in enumerate(("sub/part-1.safetensors", "part-2.safetensors")):
+        save_file({k: ref[k] for k in keys[i::2]}, repo / "blobs" / f"blob{i}")
+        (snapshot / part).symlink_to(repo / "blobs" / f"blob{i}")
+    _index(snapshot, {k: ("sub/part-1.safetensors", "part-2.safetensors")[i % 2]
+                      for i, k in enumerate(keys)})
+    model = ParallelPlan(MeshSpec()).use(LoadSafetensors(snapshot)).apply(meta_model())
+    assert_same(state(model), ref)
+    code, out, _ = cli(["inspect", str(snapshot), "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and {k["file"] for k in data["keys"]} == {"sub/part-1.safetensors",
+                                                               "part-2.safetensors"}
+    code, out, _ = cli(["inspect", str(snapshot)], capsys)
+    assert "files: sub/part-1.safetensors, part-2.safetensors" in out
+
+
+def test_metadata_naming_a_file_outside_the_step_is_refused(saved: Path,
+                                                            tmp_path: Path) -> None:
+    path = saved / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    shutil.copy(saved / "__0_0.distcp", tmp_path / "elsewhere.distcp")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../elsewhere.distcp"
+    path.write_bytes(pickle.dumps(metadata))
+    # Recommit with digests of the edited metadata: the path check alone must refuse it.
+    manifest = steps.read_manifest(saved)
+    assert manifest is not None
+    from composer_par.checkpoint.integrity import Manifest, digest_file
+
+    files = dict(manifest.files)
+    files[".metadata"] = digest_file(path)
+    steps.commit(saved, 3, Manifest(saved, files))
+    model, optimizer, before = fresh()
+    with pytest.raises(CheckpointError, match=r"\.metadata: entry '\.\./\.\./elsewhere\.distcp' "
+                       "resolves to .* outside"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    assert "outside" in ck.describe(saved)["commit"]
+
+
+# -- bounded reads ---------------------------------------------------------------------------
+
+
+def test_a_huge_header_length_is_refused_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    started = time.perf_counter()
+    with pytest.raises(CorruptFileError, match="header length 1152921504606846976 does not fit"):
+        read_header(path)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_endless_inputs_are_refused_without_reading(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(fifo)  # a writer could feed it forever
+    with pytest.raises(CorruptFileError, match="not a regular file"):
+        WeightsSource.open(fifo)
+    with pytest.raises(CorruptFileError, match="not a regular file"):
+        read_header("/dev/zero")
+    directory = tmp_path / "step-000000001"
+    directory.mkdir()
+    os.mkfifo(directory / steps.INFO)
+    (directory / ".metadata").write_bytes(b"")
+    with pytest.raises(CorruptFileError, match="not a regular file"):
+        steps.read_info(directory)
+
+
+# -- real ranks -------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_corrupt_shard_of_one_rank_is_named_on_every_rank(tmp_path: Path) -> None:
+    got = run_ranks(workers.save_and_load_verified, 2, args=(str(tmp_path), "tp_2"),
+                    timeout=300)[0]
+    assert_bitwise(got["saved"], got["loaded"], "a verified load on 2 ranks")
+    directory = tmp_path / "step-000000001"
+    shard = directory / "__1_0.distcp"
+    flip(shard, 1000)  # in its first stored chunk, a model tensor
+    for plugin in (False, True):
+        errors = run_ranks(workers.load_expecting_error, 2,
+                           args=(str(tmp_path), "tp_2", plugin), timeout=300)
+        for rank, error in enumerate(errors):
+            assert f"{shard}: bytes" in error and "differ from what was committed" in error, (
+                plugin, rank, error)
