@@ -252,6 +252,26 @@ def test_an_internal_error_is_exit_3_says_it_is_a_bug_and_how_to_see_the_traceba
     assert "Traceback (most recent call last)" in err and "RuntimeError: boom" in err
 
 
+def test_an_os_error_on_a_file_named_on_the_command_line_is_input(tmp_path: Path) -> None:
+    from composer_par.cli.common import fail
+
+    def exit_code(exc: OSError, argv: list[str]) -> tuple[int, str]:
+        err = io.StringIO()
+        code = fail(exc, Output(json_mode=False, stdout=io.StringIO(), stderr=err), None, argv)
+        return code, err.getvalue()
+
+    given = str(tmp_path / "ckpt")
+    inside = FileNotFoundError(2, "No such file or directory", f"{given}/step-1/x.distcp")
+    assert exit_code(inside, ["inspect", given]) == (
+        2, f"composer-par: error: cannot read {given}/step-1/x.distcp: No such file or "
+        "directory\n")
+    assert exit_code(NotADirectoryError(20, "Not a directory", given),
+                     ["demo", f"--checkpoint-dir={given}"])[0] == 2
+    # A file nobody named is composer-par's own business: a bug.
+    code, err = exit_code(FileNotFoundError(2, "No such file", "/elsewhere/x"), ["inspect", given])
+    assert code == 3 and "internal error: FileNotFoundError" in err
+
+
 FAULTY_PLUGIN = """
 from typing import ClassVar
 
