@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from importlib import resources
@@ -43,6 +44,9 @@ seed = 0
 _QUIET_NUMPY = "ignore:Failed to initialize NumPy"
 # Set to "RANK:STEP" to make that rank raise at that step (shows the failure path).
 FAIL_ENV = "COMPOSER_PAR_DEMO_FAIL"
+# A testing aid: "RANK:STEP" makes that rank stop at that step, alive but joining no
+# collective, to show that the others give up at --timeout and name it.
+FREEZE_ENV = "COMPOSER_PAR_DEMO_FREEZE"
 
 
 def corpus_bytes() -> bytes:
@@ -178,6 +182,13 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     if problem:
         say(problem)
         return 2
+    freeze = os.environ.get(FREEZE_ENV) or None
+    if freeze is not None:
+        try:
+            freeze = _fail_at(freeze)
+        except argparse.ArgumentTypeError as exc:
+            say(f"{FREEZE_ENV}: {exc}")
+            return 2
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -189,20 +200,25 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     settings = {k: getattr(args, k) for k in
                 ("steps", "resume", "seq_len", "batch", "lr", "timeout", "fail")}
     settings["checkpoint_dir"] = str(args.checkpoint_dir)
+    settings["freeze"] = freeze
     started = time.perf_counter()
     try:
         result = elastic_launch(config, train_rank)(text, settings)[0]
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        # With @record the launcher hands back the rank's error file: a dict whose
-        # "message" is "Type: text"; without one, a plain string.
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", str(message))
-        say(f"demo failed: rank {rank} exited with code {failure.exitcode}: {message.strip()}")
+        rank, failure, message = _first_failure(exc)
+        stuck = _STUCK.match(message)
+        if stuck:
+            say(f"demo failed: {message.removeprefix('StuckRankError: ')} (reported by rank "
+                f"{rank}, exit code {failure.exitcode})")
+        else:
+            say(f"demo failed: rank {rank} exited with code {failure.exitcode}: {message}")
         if out is not None and out.json_mode:
-            out.result({"ok": False, "failed_rank": rank, "exit_code": failure.exitcode,
-                        "error": message.strip()}, "")
+            failed: dict[str, Any] = {"ok": False, "failed_rank": rank,
+                                      "exit_code": failure.exitcode,
+                                      "error": message}
+            if stuck:
+                failed["stuck_ranks"] = [int(r) for r in stuck.group(1).split(",")]
+            out.result(failed, "")
         return 1
     seconds = time.perf_counter() - started
     losses = result["losses"]
@@ -221,6 +237,37 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     else:
         print("\n".join(summary))
     return 0
+
+
+_STUCK = re.compile(r"StuckRankError: ranks? ([\d, ]+) never joined")
+
+
+def _first_failure(exc: Any) -> tuple[int, Any, str]:
+    """(rank, failure, message) to report. A rank's StuckRankError comes first: it names
+    the rank the others waited for, which the launcher only stopped; otherwise the
+    launcher's first failure (its timestamps count whole seconds, so ties go to the
+    lowest rank)."""
+
+    def text(failure: Any) -> str:
+        # With @record the launcher hands back the rank's error file: a dict whose
+        # "message" is "Type: text"; without one, a plain string.
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", str(message))
+        return str(message).strip()
+
+    for rank, failure in sorted(exc.failures.items()):
+        if _STUCK.match(text(failure)):
+            return rank, failure, text(failure)
+    rank, failure = exc.get_first_failure()
+    return rank, failure, text(failure)
+
+
+def _freeze(rank: int, step: int) -> None:
+    print(f"rank {rank}: frozen at step {step} ({FREEZE_ENV}): alive, joining no collective",
+          file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
 
 
 # Written into a checkpoint directory the demo created, so that a fresh run may clear it
@@ -301,6 +348,7 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from composer_par import checkpoint
+    from composer_par.hangs import name_stuck_ranks
     from composer_par.logging import configure_logging
     from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
     from composer_par.plan import ParallelPlan
@@ -315,46 +363,52 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=settings["timeout"]))
     try:
-        rank = dist.get_rank()
-        fail_rank, _, fail_step = (settings["fail"] or "-1:-1").partition(":")
-        plan = ParallelPlan.from_toml(plan_text)
-        seq_len, batch = settings["seq_len"], settings["batch"]
-        cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
-                          max_seq_len=seq_len)
-        with torch.device("meta"):
-            built = Llama(cfg)
-        model = plan.apply(built)
-        device = next(model.parameters()).device
-        index, count = plan.data_shard()
-        data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
-        first = 0
-        if settings["resume"]:
-            first = checkpoint.load(settings["checkpoint_dir"], model, optimizer).step
-        progress = _Progress(first, settings["steps"])
-        losses: list[float] = []
-        for step in range(first + 1, settings["steps"] + 1):
-            if rank == int(fail_rank) and step == int(fail_step):
-                raise RuntimeError(f"failure injected at step {step} (--fail)")
-            started = time.perf_counter()
-            tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
-            loss = next_token_loss(model(tokens), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(float(total) / dist.get_world_size())
-            if rank == 0:
-                progress.update(step, losses[-1], batch * seq_len / (time.perf_counter() - started))
-        saved = checkpoint.latest(settings["checkpoint_dir"])
-        if losses:
-            saved = checkpoint.save(settings["checkpoint_dir"], model, optimizer,
-                                    step=settings["steps"], plan=plan, keep_last=2)
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, _peak_bytes(device))
-        return {"first_step": first, "losses": losses, "peak_bytes": peaks,
-                "checkpoint": str(saved)}
+        with name_stuck_ranks(settings["timeout"]):
+            rank = dist.get_rank()
+            fail_rank, _, fail_step = (settings["fail"] or "-1:-1").partition(":")
+            plan = ParallelPlan.from_toml(plan_text)
+            plan.timeout = timedelta(seconds=settings["timeout"])  # --timeout: every group
+            freeze_rank, _, freeze_step = (settings.get("freeze") or "-1:-1").partition(":")
+            seq_len, batch = settings["seq_len"], settings["batch"]
+            cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
+                              max_seq_len=seq_len)
+            with torch.device("meta"):
+                built = Llama(cfg)
+            model = plan.apply(built)
+            device = next(model.parameters()).device
+            index, count = plan.data_shard()
+            data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
+            first = 0
+            if settings["resume"]:
+                first = checkpoint.load(settings["checkpoint_dir"], model, optimizer).step
+            progress = _Progress(first, settings["steps"])
+            losses: list[float] = []
+            for step in range(first + 1, settings["steps"] + 1):
+                if rank == int(fail_rank) and step == int(fail_step):
+                    raise RuntimeError(f"failure injected at step {step} (--fail)")
+                if rank == int(freeze_rank) and step == int(freeze_step):
+                    _freeze(rank, step)
+                started = time.perf_counter()
+                tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
+                loss = next_token_loss(model(tokens), tokens)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(float(total) / dist.get_world_size())
+                if rank == 0:
+                    tokens_per_s = batch * seq_len / (time.perf_counter() - started)
+                    progress.update(step, losses[-1], tokens_per_s)
+            saved = checkpoint.latest(settings["checkpoint_dir"])
+            if losses:
+                saved = checkpoint.save(settings["checkpoint_dir"], model, optimizer,
+                                        step=settings["steps"], plan=plan, keep_last=2)
+            peaks = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, _peak_bytes(device))
+            return {"first_step": first, "losses": losses, "peak_bytes": peaks,
+                    "checkpoint": str(saved)}
     finally:
         dist.destroy_process_group()
 
