@@ -6,11 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from composer_par import dtypes
 from composer_par.estimate.errors import EstimateError
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                  "float": "float32", "fp64": "float64", "double": "float64"}
+DTYPE_BYTES = dtypes.BYTES  # the project's one dtype table (composer_par.dtypes)
 
 
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -54,13 +53,12 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 def dtype_name(value: Any) -> str:
-    """``"bf16"``, ``torch.bfloat16``, ``"bfloat16"`` -> ``"bfloat16"``."""
-    name = str(value).removeprefix("torch.").lower()
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise EstimateError(f"dtype must be one of {sorted(DTYPE_BYTES)} (or bf16, fp16, fp32); "
-                            f"got {value!r}")
-    return name
+    """``"bf16"``, ``torch.bfloat16``, ``"bfloat16"`` -> ``"bfloat16"``
+    (:func:`composer_par.dtypes.dtype_name`, raising :class:`EstimateError`)."""
+    try:
+        return dtypes.dtype_name(value)
+    except dtypes.DtypeError as exc:
+        raise EstimateError(str(exc)) from None
 
 
 def optional_dtype(value: Any) -> str | None:

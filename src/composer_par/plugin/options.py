@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from composer_par.dtypes import CANONICAL, DtypeError, dtype_name, optional_dtype_name
+
 
 def _plugin_names(value: Any) -> tuple[str, ...]:
     """``after = "meta_init"`` means one name, not its letters."""
@@ -52,3 +54,74 @@ def blocks_option() -> Any:
     """A ``blocks`` option: a module path (``"layers"``) or block class names
     (``["DecoderLayer"]``); None lets the shared block finder detect them."""
     return attrs.field(default=None, converter=_block_names)
+
+
+class OptionError(TypeError, ValueError):
+    """An option value of the wrong type or out of range; the message names the option.
+
+    Both a TypeError and a ValueError, as attrs' own validators raise either.
+    """
+
+
+def _int_between(low: int | None, high: int | None) -> Any:
+    if low is not None and high is not None:
+        wanted = f"an int in [{low}, {high}]"
+    elif low is not None:
+        wanted = f"an int >= {low}"
+    elif high is not None:
+        wanted = f"an int <= {high}"
+    else:
+        wanted = "an int"
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        # bool is an int in Python; `every = true` in a plan file is a mistake, not 1.
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or (low is not None and value < low) or (high is not None and value > high)):
+            raise OptionError(f"{attribute.name} must be {wanted}; got {value!r}")
+
+    return check
+
+
+def int_option(default: int, *, low: int | None = None, high: int | None = None) -> Any:
+    """An int option within ``[low, high]`` (either bound may be left open).
+
+    Refuses bools and floats: ``every = true`` or ``rank = 2.0`` fail, naming the option.
+    """
+    return attrs.field(default=default, validator=_int_between(low, high))
+
+
+def _true_or_false(instance: Any, attribute: Any, value: Any) -> None:
+    # Not bool(value): 0, 1 and "false" would silently mean something.
+    if not isinstance(value, bool):
+        raise OptionError(f"{attribute.name} must be true or false; got {value!r}")
+
+
+def bool_option(default: bool) -> Any:
+    """A true/false option; 0, 1 and strings such as ``"yes"`` are refused."""
+    return attrs.field(default=default, validator=_true_or_false)
+
+
+def dtype_option(default: str | None = None) -> Any:
+    """A floating-point dtype option, stored by its canonical name (``"bfloat16"``).
+
+    Takes every spelling of :mod:`composer_par.dtypes` (``"bf16"``, ``"BF16"``, ``"fp32"``,
+    ``torch.bfloat16``, ...); None means unset. A bad value fails naming the option.
+    """
+    return attrs.field(default=default, converter=_canonical_dtype, validator=_known_dtype)
+
+
+def _canonical_dtype(value: Any) -> Any:
+    # A converter is not told the option's name: a bad value passes through unchanged
+    # for the validator, which is, to refuse.
+    try:
+        return optional_dtype_name(value)
+    except DtypeError:
+        return value
+
+
+def _known_dtype(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and value not in CANONICAL:
+        try:
+            dtype_name(value)
+        except DtypeError as exc:
+            raise OptionError(f"{attribute.name}: {exc}") from None
