@@ -56,10 +56,11 @@ def _by_hand(blocks: int) -> tuple[float, float]:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from composer_par.plugins.meta_init import module_seed, post_order
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from composer_par.plugin.initialize import module_seed, post_order
 
     model = _build(blocks)
     clock = _Clock()

@@ -25,65 +25,35 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 
-from composer_par.findings import Finding
-from composer_par.plugin import Declaration, Plugin, blocks_option, hookimpl, ordering_option
+from composer_par.plugin import (
+    ALREADY_WRAPPED,
+    Declaration,
+    EstimateSettings,
+    Finding,
+    Plugin,
+    Rule,
+    already_wrapped,
+    blocks_option,
+    hookimpl,
+    int_option,
+    ordering_option,
+    wrapped_block_findings,
+)
+from composer_par.plugin.wrapping import CHECKPOINT_MARK
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.blocks import Block
+    from composer_par.plugin import Block
     from composer_par.plugin.context import ApplyContext
 
-# The instance attribute that marks a block this plugin checkpointed (and in which mode).
-MARK = "_composer_par_checkpoint"
+# The instance attribute that marks a block this plugin checkpointed (and in which mode);
+# the shared already-wrapped check knows it.
+MARK = CHECKPOINT_MARK
 
 # aten ops whose outputs selective mode saves: the matrix multiplications, which are what
 # a recompute would spend its time on. nn.Linear reaches the dispatcher as mm/addmm.
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-
-
-def _every(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"every must be an int >= 1 (1: every block); got {value!r}")
-
-
-def already_wrapped(module: nn.Module) -> str | None:
-    """Why ``module`` cannot be checkpointed or compiled again, or None.
-
-    A wrapper module (``checkpoint_wrapper``, ``torch.compile``'s OptimizedModule) would
-    put its prefix into parameter names; a second checkpoint or compile on top of the
-    first doubles the work silently.
-    """
-    kind = type(module).__name__
-    if kind == "OptimizedModule" or hasattr(module, "_orig_mod"):
-        return "is a torch.compile wrapper (OptimizedModule: names gain '_orig_mod.')"
-    if kind == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
-        return "is a checkpoint_wrapper (names gain '_checkpoint_wrapped_module.')"
-    if MARK in module.__dict__:
-        return "is already checkpointed by composer_par"
-    if "forward" in module.__dict__:
-        return "has an instance-level forward (already wrapped or patched)"
-    from torch.distributed._composable.contract import _get_registry
-
-    if "checkpoint" in (_get_registry(module) or {}):
-        return "already has torch's composable checkpoint applied"
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        return "is already compiled (Module.compile())"
-    return None
-
-
-def wrapped_block_findings(blocks: list[Block], code: str = "CP411") -> list[Finding]:
-    found = []
-    for path, block in blocks:
-        why = already_wrapped(block)
-        if why:
-            found.append(Finding(
-                code,
-                f"block {path} ({type(block).__name__}) {why}",
-                fix="apply the plan to the model as built: let ActivationCheckpoint and "
-                "Compile wrap the blocks (they keep the model's own parameter names)",
-            ))
-    return found
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -168,19 +138,23 @@ class ActivationCheckpoint(Plugin):
 
     name: ClassVar[str] = "activation_checkpoint"
     needs_blocks: ClassVar[bool] = True
+    rules: ClassVar[tuple[Rule, ...]] = (ALREADY_WRAPPED,)
 
     mode: Literal["full", "selective"] = attrs.field(
         default="full", validator=attrs.validators.in_(("full", "selective"))
     )
-    every: int = attrs.field(default=1, validator=_every)
+    every: int = int_option(1, low=1)
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
-
     def declare(self) -> Declaration:
         # Compile (or any plugin) learns how the blocks are wrapped from this.
         return attrs.evolve(super().declare(), checkpointing=self.mode)
+
+    @hookimpl
+    def composer_par_estimate_settings(self) -> EstimateSettings:
+        return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every)
 
     @hookimpl
     def composer_par_validate_model(self, blocks: list[Block]) -> list[Finding]:

@@ -19,16 +19,25 @@ import shutil
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from composer_par.plugins.activation_checkpoint import wrapped_block_findings
 
-from composer_par.findings import Finding, did_you_mean
-from composer_par.plugin import Plugin, blocks_option, hookimpl, ordering_option
+from composer_par.plugin import (
+    ALREADY_WRAPPED,
+    Finding,
+    Plugin,
+    Role,
+    Rule,
+    Severity,
+    blocks_option,
+    bool_option,
+    did_you_mean,
+    hookimpl,
+    ordering_option,
+    wrapped_block_findings,
+)
 
 if TYPE_CHECKING:
-    from composer_par.blocks import Block
-    from composer_par.mesh import MeshSpec
+    from composer_par.plugin import Block, MeshSpec, PlanView
     from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
 
 # torch.compile's modes; each configures inductor, and torch hands ``mode`` to whatever
 # backend is named, so with another backend the first forward fails with a TypeError.
@@ -52,6 +61,35 @@ SELECTIVE_AC_BACKENDS = frozenset({
 # its first forward (a DeviceMesh among the tensors saved for backward). ``eager``
 # (dynamo's capture, no AOTAutograd) trains at parity. Rule CP221.
 AOT_BACKEND_PREFIXES = ("aot_", "inductor")
+
+
+RULES = (
+    Rule("CP217", Severity.ERROR, "a compile mode with a backend other than inductor",
+         'drop mode, or use backend = "inductor"',
+         '[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = "fsdp2"\n\n[[plugins]]\n'
+         'name = "compile"\nbackend = "aot_eager"\nmode = "max-autotune"\n'),
+    Rule("CP221", Severity.ERROR, "compile through AOTAutograd under tensor parallelism",
+         'use backend = "eager" (dynamo capture without AOTAutograd), or drop compile or '
+         "the tensor-parallel plugin",
+         '[mesh]\ndp_shard = 2\ntp = 2\n\n[[plugins]]\nname = "tp"\n\n[[plugins]]\n'
+         'name = "fsdp2"\n\n[[plugins]]\nname = "compile"\nbackend = "aot_eager"\n'),
+    Rule("CP410", Severity.ERROR, "the compile backend is not registered with torch",
+         "use a registered backend (torch._dynamo.list_backends(exclude_tags=()) lists "
+         "them), or register yours before validating",
+         'ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Compile(backend="inductr"))'
+         ".use(MetaInit()).validate(model)"),
+    ALREADY_WRAPPED,
+    Rule("CP412", Severity.ERROR, "inductor on CPU finds no C++ compiler",
+         'install g++ (or set CXX to a C++ compiler), or use backend = "aot_eager"',
+         "# on a CPU machine without g++:\n"
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Compile()).use(MetaInit())"
+         ".validate(model)"),
+    Rule("CP413", Severity.WARNING, "selective checkpointing under an unverified backend",
+         'use a backend verified with selective checkpointing (inductor, aot_eager, eager), '
+         'or mode = "full" for activation checkpointing',
+         'plan.use(ActivationCheckpoint(mode="selective")).use(Compile(backend="my_backend"))'
+         ".validate(model)"),
+)
 
 
 def _mode(instance: Any, attribute: Any, value: Any) -> None:
@@ -79,9 +117,10 @@ class Compile(Plugin):
 
     name: ClassVar[str] = "compile"
     needs_blocks: ClassVar[bool] = True
+    rules: ClassVar[tuple[Rule, ...]] = RULES
 
     mode: str | None = attrs.field(default=None, validator=_mode)
-    fullgraph: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    fullgraph: bool = bool_option(False)
     backend: Any = attrs.field(default="inductor", validator=_backend)
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
@@ -170,8 +209,6 @@ class Compile(Plugin):
 
 def _model_parallel_dims(plan: PlanView, mesh: MeshSpec) -> list[tuple[str, str]]:
     """(plugin, dim) of every model-parallel claim on a mesh dim not of size 1."""
-    from composer_par.plugin import Role
-
     return [(d.plugin, c.dim) for d in plan.declarations() for c in d.claims
             if c.role is Role.MODEL_PARALLEL and c.dim in mesh and mesh.size(c.dim) != 1]
 

@@ -10,37 +10,43 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 
-from composer_par.findings import Finding
 from composer_par.plugin import (
     Claim,
+    EstimateSettings,
+    Finding,
     Plugin,
     Role,
+    Rule,
+    Severity,
     blocks_option,
+    bool_option,
     dim_option,
+    dtype_option,
     hookimpl,
     ordering_option,
 )
 from composer_par.plugin.fsdp_state import install_all_reduce, install_shard_comms
 
 if TYPE_CHECKING:
-    from composer_par.mesh import MeshSpec
+    from composer_par.plugin import MeshSpec, PlanView, Topology
     from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
-    from composer_par.topology import Topology
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def _dtype_name(value: Any) -> str | None:
-    if value is None:
-        return None
-    name = str(value).removeprefix("torch.")
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16",
-               "float": "float32", "double": "float64"}
-    name = aliases.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}; got {value!r}")
-    return name
+RULES = (
+    Rule("CP216", Severity.WARNING, "reshard_after_forward=false under HSDP",
+         "keep it if the model fits (it saves each block's all-gather in backward); else set "
+         "reshard_after_forward = true, or an int divisor of the shard size",
+         "[mesh]\ndp_replicate = 2\ndp_shard = 4\n\n[[plugins]]\nname = \"hsdp\"\n\n"
+         "[[plugins]]\nname = \"fsdp2\"\nreshard_after_forward = false\n"),
+    Rule("CP303", Severity.ERROR, "int reshard_after_forward does not divide the shard size",
+         "use a divisor of the shard size (e.g. the devices per node), or true/false",
+         "[mesh]\ndp_shard = 8\n\n[[plugins]]\nname = \"fsdp2\"\n"
+         "reshard_after_forward = 3\n"),
+    Rule("CP304", Severity.ERROR, "int reshard_after_forward regroups ranks across nodes",
+         "use a divisor of the shard size whose runs of ranks fit in a node, or true/false",
+         "[mesh]\ndp_replicate = 2\ndp_shard = 8\n\n[topology]\nnodes = 4\n"
+         "devices_per_node = 4\n\n[[plugins]]\nname = \"hsdp\"\n\n[[plugins]]\n"
+         "name = \"fsdp2\"\nreshard_after_forward = 8\n"),
+)
 
 
 @attrs.frozen
@@ -51,10 +57,10 @@ class MixedPrecision:
     block's outputs would be cast back and forth.
     """
 
-    param_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
-    reduce_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
-    output_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
-    cast_forward_inputs: bool = True
+    param_dtype: str | None = dtype_option()
+    reduce_dtype: str | None = dtype_option()
+    output_dtype: str | None = dtype_option()
+    cast_forward_inputs: bool = bool_option(True)
 
     def policy(self, *, root: bool) -> Any:
         import torch
@@ -103,6 +109,7 @@ class FSDP2(Plugin):
     name: ClassVar[str] = "fsdp2"
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
     needs_blocks: ClassVar[bool] = True
+    rules: ClassVar[tuple[Rule, ...]] = RULES
 
     dim: str = dim_option("dp_shard")
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
@@ -164,6 +171,12 @@ class FSDP2(Plugin):
                     f"{topology.devices_per_node} devices per node, counting inner mesh dims)",
                 ))
         return found
+
+    @hookimpl
+    def composer_par_estimate_settings(self) -> EstimateSettings:
+        mp = self.mixed_precision or MixedPrecision()
+        return EstimateSettings(reshard_after_forward=self.reshard_after_forward,
+                                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -53,10 +53,8 @@ from composer_par.plugin.fsdp_state import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.mesh import MeshSpec
-    from composer_par.plugin import Declaration
+    from composer_par.plugin import Declaration, MeshSpec, PlanView
     from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
 
 
 def _divide_factor(value: Any) -> float | None:

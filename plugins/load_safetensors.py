@@ -23,17 +23,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.blocks import clean_name
-from composer_par.findings import Finding
-from composer_par.plugin import Plugin, hookimpl
+from composer_par.plugin import Finding, Plugin, Rule, Severity, clean_name, hookimpl
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.checkpoint.adapter import StateDictAdapter
     from composer_par.checkpoint.matching import Match, Spec
+    from composer_par.plugin import PlanView
     from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
 
 
 def _path(value: Any) -> str:
@@ -65,6 +63,32 @@ def _bool(instance: Any, attribute: Any, value: Any) -> None:
         raise TypeError(f"{attribute.name} must be true or false; got {value!r}")
 
 
+# The loaders' rule codes (LoadSafetensors and LoadCheckpoint share them).
+_LOAD = 'ParallelPlan(MeshSpec()).use(LoadSafetensors("{}")).validate(model)'
+RULES = (
+    Rule("CP414", Severity.ERROR, "the weights lack keys the model needs",
+         "map the model's names to the file's (rename, adapter), load weights of this model, "
+         "or pass strict=false to initialize the missing tensors",
+         _LOAD.format("missing.safetensors")),
+    Rule("CP415", Severity.ERROR, "the weights hold keys the model does not have",
+         "map the names with rename/adapter, or pass strict=false to skip them",
+         _LOAD.format("extra.safetensors")),
+    Rule("CP416", Severity.ERROR, "a weight's shape or dtype does not fit the model",
+         "build the model with the configuration the weights were saved from",
+         _LOAD.format("other_shapes.safetensors")),
+    Rule("CP417", Severity.ERROR, "the weights or checkpoint cannot be read",
+         "point path at complete, readable weights (download or save them again)",
+         _LOAD.format("truncated.safetensors")),
+    Rule("CP418", Severity.ERROR, "a tensor no weights provide and nothing can initialize",
+         "give the module a reset_parameters() that fills its tensors, pass init_fn, or save "
+         "them with the weights", _LOAD.format("weights_without_a_buffer.safetensors")),
+    Rule("CP419", Severity.WARNING, "loading the weights loses precision",
+         "build the model in the file's dtype (compute in lower precision with FSDP2's "
+         "mixed_precision) if the precision matters",
+         _LOAD.format("fp32_into_bf16.safetensors")),
+)
+
+
 @attrs.frozen
 class WeightsLoader(Plugin):
     """Shared by the loaders: options, validation, and materialize-then-load.
@@ -75,6 +99,7 @@ class WeightsLoader(Plugin):
 
     provides: ClassVar[frozenset[str]] = frozenset({"materialize"})
     source_kind: ClassVar[str] = "weights"
+    rules: ClassVar[tuple[Rule, ...]] = RULES
 
     path: str = attrs.field(converter=_path)
     strict: bool = attrs.field(default=True, validator=_bool)
@@ -161,9 +186,9 @@ class WeightsLoader(Plugin):
         return found
 
     def _uninitializable(self, model: nn.Module, missing: set[str]) -> list[Finding]:
-        from composer_par.plugins.meta_init import post_order
+        from composer_par.plugin.initialize import initializer, post_order
 
-        pick = self._meta_init().initializer(model)
+        pick = initializer(model, self.init_fn)
         found = []
         for path, module, why in _needing_init(post_order(model), missing):
             if pick(module) is None:
@@ -175,21 +200,15 @@ class WeightsLoader(Plugin):
                     "buffers, pass init_fn=..., or save those tensors in the weights"))
         return found
 
-    def _meta_init(self) -> Any:
-        from composer_par.plugins.meta_init import MetaInit
-
-        return MetaInit(seed=self.seed, device=self.device, init_fn=self.init_fn)
-
     # -- apply ---------------------------------------------------------------------------
 
     @hookimpl
     def composer_par_materialize(self, ctx: ApplyContext) -> str:
         import torch
-        from composer_par.plugins.meta_init import module_seed, post_order
 
         from composer_par.checkpoint.adapter import combine
         from composer_par.checkpoint.weights import aliases, retie
-        from composer_par.plugin.initialize import init_module
+        from composer_par.plugin.initialize import init_module, initializer, module_seed, post_order
 
         adapter = combine(ctx.hooks.state_dict_adapters(ctx.model))
         device = torch.device(self.device) if self.device else ctx.device
@@ -201,7 +220,7 @@ class WeightsLoader(Plugin):
         tied = aliases(model)  # to_empty unties them; retie() and the load restore them
         model.to_empty(device=device)
         retie(model, tied)
-        pick = self._meta_init().initializer(model)
+        pick = initializer(model, self.init_fn)
         for path, module in needing:
             init = pick(module)
             if init is None:  # validation reported it (CP418)

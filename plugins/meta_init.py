@@ -11,16 +11,12 @@ only its shard of the result. A rank holds one module's full parameters at a tim
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.blocks import clean_name
-from composer_par.findings import Finding
-from composer_par.plugin import Plugin, hookimpl
+from composer_par.plugin import Finding, Plugin, Rule, Severity, clean_name, hookimpl, int_option
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -29,6 +25,15 @@ if TYPE_CHECKING:
 
 InitFn = Callable[["nn.Module"], None]
 
+RULES = (
+    Rule("CP404", Severity.ERROR, "a module that MetaInit cannot initialize",
+         "give the module a reset_parameters() that initializes its own tensors (buffers "
+         "too), or pass MetaInit(init_fn=...)",
+         "class Scale(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.gain = nn.Parameter(torch.ones(8))  # no reset_parameters()\n\n"
+         "ParallelPlan(MeshSpec()).use(MetaInit()).validate(model_holding_a_scale)"),
+)
+
 
 def _init_fn(value: Any) -> str | InitFn | None:
     if value is None or callable(value):
@@ -36,49 +41,6 @@ def _init_fn(value: Any) -> str | InitFn | None:
     if isinstance(value, str) and ":" in value:
         return value
     raise TypeError(f"init_fn must be a callable or 'module:function'; got {value!r}")
-
-
-def _seed(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2**63); got {value!r}")
-
-
-def module_seed(seed: int, path: str) -> int:
-    """A per-module seed that depends on the module's name only, not on the layout."""
-    digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Modules children-first, the order ``nn.Module.apply`` initializes in."""
-    seen: set[int] = set()
-
-    def walk(mod: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
-        if id(mod) in seen:
-            return
-        seen.add(id(mod))
-        for name, child in mod.named_children():
-            yield from walk(child, f"{path}.{name}" if path else name)
-        yield path, mod
-
-    yield from walk(module, prefix)
-
-
-def _call_method(method: Callable[[], Any]) -> InitFn:
-    """An InitFn for a module's own init method (it takes the module; the method has it)."""
-
-    def init(_module: nn.Module) -> None:
-        method()
-
-    return init
-
-
-def _own_tensors(module: nn.Module) -> bool:
-    # The registries directly: parameters(recurse=False) builds a generator per call,
-    # and this runs for every module, twice (validation, then materialization).
-    return any(p is not None for p in module._parameters.values()) or any(
-        b is not None for b in module._buffers.values()
-    )
 
 
 @attrs.frozen
@@ -94,44 +56,26 @@ class MetaInit(Plugin):
 
     name: ClassVar[str] = "meta_init"
     provides: ClassVar[frozenset[str]] = frozenset({"materialize"})
+    rules: ClassVar[tuple[Rule, ...]] = RULES
 
-    seed: int = attrs.field(default=0, validator=_seed)
+    seed: int = int_option(0, low=0, high=2**63 - 1)
     device: str | None = None
     init_fn: str | InitFn | None = attrs.field(default=None, converter=_init_fn)
 
     # -- which function initializes a module --------------------------------------------
 
-    def _resolve_init_fn(self) -> InitFn | None:
-        if self.init_fn is None or callable(self.init_fn):
-            return self.init_fn
-        module_name, _, attr = self.init_fn.partition(":")
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        return obj  # type: ignore[no-any-return]
-
     def initializer(self, root: nn.Module) -> Callable[[nn.Module], InitFn | None]:
         """For each module, the call that initializes it, or None if there is none."""
-        user = self._resolve_init_fn()
-        hf_init = getattr(root, "_init_weights", None)
+        from composer_par.plugin.initialize import initializer
 
-        def pick(module: nn.Module) -> InitFn | None:
-            if user is not None:
-                return user
-            if callable(hf_init):
-                return hf_init  # type: ignore[no-any-return]
-            for method in ("reset_parameters", "_reset_parameters"):
-                fn = getattr(module, method, None)
-                if callable(fn):
-                    return _call_method(fn)
-            return None
-
-        return pick
+        return initializer(root, self.init_fn)
 
     # -- hooks -----------------------------------------------------------------------
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module) -> list[Finding]:
+        from composer_par.plugin.initialize import owns_tensors, post_order
+
         try:
             pick = self.initializer(model)
         except (ImportError, AttributeError) as exc:
@@ -139,7 +83,7 @@ class MetaInit(Plugin):
                             fix="give init_fn as 'importable.module:function'")]
         found = []
         for path, module in post_order(model):
-            if _own_tensors(module) and pick(module) is None:
+            if owns_tensors(module) and pick(module) is None:
                 owned = [n for n, _ in module.named_parameters(recurse=False)]
                 owned += [n for n, _ in module.named_buffers(recurse=False)]
                 found.append(Finding(
@@ -162,7 +106,13 @@ class MetaInit(Plugin):
     def composer_par_materialize(self, ctx: ApplyContext) -> str:
         import torch
 
-        from composer_par.plugin.initialize import init_module, to_empty_keeping_ties
+        from composer_par.plugin.initialize import (
+            init_module,
+            module_seed,
+            owns_tensors,
+            post_order,
+            to_empty_keeping_ties,
+        )
 
         device = torch.device(self.device) if self.device else ctx.device
         model = ctx.model
@@ -172,7 +122,7 @@ class MetaInit(Plugin):
         peak = 0
         for path, module in post_order(model):
             init = pick(module)
-            if init is None or not _own_tensors(module):
+            if init is None or not owns_tensors(module):
                 continue
             seed = module_seed(self.seed, clean_name(path))
             peak = max(peak, init_module(module, init, device, seed))

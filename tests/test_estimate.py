@@ -34,7 +34,7 @@ from composer_par.estimate import (
     parse_count,
     split_bytes,
 )
-from composer_par.plugin import Claim, Plugin, hookimpl
+from composer_par.plugin import Claim, EstimateSettings, Plugin, hookimpl
 from composer_par.testing.comm_count import group_label
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -324,6 +324,130 @@ def test_a_wrong_hook_answer_is_an_error() -> None:
     plan = ParallelPlan(MeshSpec(dp_shard=1)).use(Wrong())
     with pytest.raises(EstimateError, match="must return an EstimatePart"):
         estimate_plan(plan, HAND, Workload(seq=8), world_size=1)
+
+
+# -- the settings hook: what the estimate knows of a plan's plugins ---------------------------
+
+
+@attrs.frozen
+class OtherShard(Plugin):
+    """A third-party FSDP: shards over dp_shard and states its settings through
+    composer_par_estimate_settings (the estimate cannot read its options)."""
+
+    name: ClassVar[str] = "other_shard"
+    provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
+
+    keep_gathered: bool = False
+    low_precision: bool = False
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim("dp_shard", Role.SHARD),)
+
+    @hookimpl
+    def composer_par_estimate_settings(self) -> EstimateSettings:
+        return EstimateSettings(
+            reshard_after_forward=False if self.keep_gathered else None,
+            param_dtype="BF16" if self.low_precision else None,  # any spelling of dtypes
+            reduce_dtype="fp32" if self.low_precision else None)
+
+
+def _same_estimate(a: Any, b: Any) -> None:
+    assert (a.dtype, a.reduce_dtype, a.activation_checkpoint) == (
+        b.dtype, b.reduce_dtype, b.activation_checkpoint)
+    assert a.memory == b.memory
+    assert [(t.dim.name, t.collectives) for t in a.traffic] == [
+        (t.dim.name, t.collectives) for t in b.traffic]
+
+
+def test_a_third_party_shard_plugin_changes_the_estimate_as_fsdp2_options_do() -> None:
+    from composer_par import FSDP2
+
+    work = Workload(seq=128)
+
+    def est(plugin: Plugin) -> Any:
+        return estimate_plan(ParallelPlan(MeshSpec(dp_shard=4)).use(plugin), HAND, work,
+                             world_size=4)
+
+    # as configured, the two agree; and the answers do change the estimate
+    tuned = est(OtherShard(keep_gathered=True, low_precision=True))
+    _same_estimate(tuned, est(FSDP2(reshard_after_forward=False, mixed_precision="bf16")))
+    _same_estimate(est(OtherShard()), est(FSDP2()))
+    plain = est(OtherShard())
+    assert (plain.dtype, tuned.dtype) == ("float32", "bfloat16")
+    assert tuned.layout.reshard_after_forward is False
+    assert plain.layout.reshard_after_forward is None
+    assert [c.kind for c in tuned.traffic[0].collectives] == ["all_gather", "reduce_scatter"]
+    assert [c.kind for c in plain.traffic[0].collectives] == [
+        "all_gather", "all_gather", "reduce_scatter"]
+
+
+def test_settings_answers_merge_in_plan_order_and_are_checked() -> None:
+    @attrs.frozen
+    class States(Plugin):
+        name: ClassVar[str] = "states"
+        label: str = "states"
+        settings: EstimateSettings = attrs.field(factory=EstimateSettings)
+
+        def declare(self) -> Any:
+            return attrs.evolve(super().declare(), plugin=self.label)
+
+        @hookimpl
+        def composer_par_estimate_settings(self) -> Any:
+            return self.settings
+
+    first = States("first", EstimateSettings(sequence_parallel=True, activation_checkpoint="full",
+                                             checkpoint_every=2))
+    second = States("second", EstimateSettings(activation_checkpoint="selective_matmuls"))
+    plan = ParallelPlan(MeshSpec(dp_shard=1)).use(first).use(second)
+    layout = Layout.from_plan(plan, world_size=1)
+    # the later answer's set field wins; an unset (None) field keeps the earlier answer's
+    assert (layout.sequence_parallel, layout.activation_checkpoint, layout.checkpoint_every) == (
+        True, "selective", 2)
+    assert layout.loss_parallel is False  # nobody set it: the default
+    for bad, message in [({"x": 1}, "must return EstimateSettings or None; got dict"),
+                         (EstimateSettings(param_dtype="int8"), "dtype must be one of"),
+                         (EstimateSettings(checkpoint_every=0), "checkpoint_every must be")]:
+        wrong = ParallelPlan(MeshSpec(dp_shard=1)).use(States("bad", bad))  # type: ignore[arg-type]
+        with pytest.raises(EstimateError, match=message) as info:
+            Layout.from_plan(wrong, world_size=1)
+        assert "plugin 'bad'" in str(info.value)
+
+
+def test_the_built_ins_answer_the_settings_hook() -> None:
+    from composer_par import FSDP2, TP, ActivationCheckpoint
+
+    plan = (ParallelPlan(MeshSpec(dp_shard=2, tp=2))
+            .use(TP(sequence_parallel=True, loss_parallel=True))
+            .use(FSDP2(reshard_after_forward=2, mixed_precision={"param_dtype": "fp16"}))
+            .use(ActivationCheckpoint(mode="selective", every=3)))
+    answers = dict(plan.hooks.estimate_settings())
+    assert answers == {
+        "tp": EstimateSettings(sequence_parallel=True, loss_parallel=True),
+        "fsdp2": EstimateSettings(reshard_after_forward=2, param_dtype="float16"),
+        "activation_checkpoint": EstimateSettings(activation_checkpoint="selective",
+                                                  checkpoint_every=3),
+    }
+    layout = Layout.from_plan(plan, world_size=4)
+    assert (layout.reshard_after_forward, layout.param_dtype, layout.reduce_dtype) == (
+        2, "float16", None)
+    assert (layout.sequence_parallel, layout.loss_parallel) == (True, True)
+    assert (layout.activation_checkpoint, layout.checkpoint_every) == ("selective", 3)
+
+
+def test_a_declared_checkpointing_policy_is_the_estimates_fallback() -> None:
+    @attrs.frozen
+    class Wraps(Plugin):
+        """Checkpoints blocks, declares its policy, and does not answer the settings hook."""
+
+        name: ClassVar[str] = "wraps"
+
+        def declare(self) -> Any:
+            return attrs.evolve(super().declare(), checkpointing="selective_attention")
+
+    layout = Layout.from_plan(ParallelPlan(MeshSpec()).use(Wraps()), world_size=1)
+    assert layout.activation_checkpoint == "selective"
+    assert Layout.from_plan(ParallelPlan(MeshSpec()).use(OtherShard()),
+                            world_size=1).activation_checkpoint is None
 
 
 # -- the CLI -----------------------------------------------------------------------------------

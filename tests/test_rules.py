@@ -236,11 +236,19 @@ def only(report: Report, code: str) -> Finding:
 
 
 def test_the_catalog_codes_are_well_formed() -> None:
+    import re
+
+    from composer_par.rules import catalogs
+
     for code, rule in RULES.items():
         assert rule.code == code
-        assert code[:2] == "CP" and code[2:].isdigit() and len(code) == 5
+        assert re.fullmatch(r"[A-Z]+\d{3}", code), code
         assert isinstance(rule.severity, Severity)
-        assert rule.title
+        assert rule.title and rule.fix and rule.example, code
+    for source, rule in catalogs():
+        if source == "core" or source.endswith("(composer-par)"):
+            # the core's and the built-ins' codes: CP and three digits
+            assert re.fullmatch(r"CP\d{3}", rule.code), (source, rule.code)
 
 
 # -- CP1xx: mesh and world size ----------------------------------------------------------------

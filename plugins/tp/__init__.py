@@ -28,12 +28,22 @@ class is here.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from composer_par.findings import Finding
-from composer_par.plugin import Claim, Plugin, Role, dim_option, hookimpl, ordering_option
+from composer_par.plugin import (
+    Claim,
+    EstimateSettings,
+    Finding,
+    Plugin,
+    Role,
+    Rule,
+    bool_option,
+    dim_option,
+    hookimpl,
+    ordering_option,
+)
 
 from .apply import (
     apply_resolution,
@@ -53,6 +63,7 @@ from .auto import (
 from .findings import (
     HEAD_ATTRS,
     KV_HEAD_ATTRS,
+    RULES,
     fit_findings,
     head_findings,
     option_conflicts,
@@ -79,14 +90,8 @@ from .styles import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.mesh import MeshSpec
+    from composer_par.plugin import MeshSpec, PlanView
     from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
-
-
-def _bool(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{attribute.name} must be true or false; got {value!r}")
 
 
 @attrs.frozen
@@ -102,12 +107,13 @@ class TP(Plugin):
     """
 
     name: ClassVar[str] = "tp"
+    rules: ClassVar[tuple[Rule, ...]] = RULES
 
     dim: str = dim_option("tp")
     plan: str | PlanMap = attrs.field(default="auto", converter=plan_option)
-    sequence_parallel: bool = attrs.field(default=False, validator=_bool)
-    loss_parallel: bool = attrs.field(default=False, validator=_bool)
-    replicate_rest: bool = attrs.field(default=True, validator=_bool)
+    sequence_parallel: bool = bool_option(False)
+    loss_parallel: bool = bool_option(False)
+    replicate_rest: bool = bool_option(True)
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
@@ -145,6 +151,11 @@ class TP(Plugin):
             return found
         found += option_conflicts(parsed, self.sequence_parallel, self.loss_parallel)
         return found
+
+    @hookimpl
+    def composer_par_estimate_settings(self) -> EstimateSettings:
+        return EstimateSettings(sequence_parallel=self.sequence_parallel,
+                                loss_parallel=self.loss_parallel)
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
@@ -222,6 +233,7 @@ __all__ = [
     "LLAMA_LEAVES",
     "OUTPUT_NAMES",
     "PARAM_STYLES",
+    "RULES",
     "STYLES",
     "STYLE_KEYS",
     "TP",

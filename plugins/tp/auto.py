@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.blocks import clean_name
+from composer_par.plugin import clean_name
 
 from .patterns import generalize, matches
 from .styles import HF_STYLES, StyleSpec

@@ -1,5 +1,6 @@
-"""What can be wrong with a TP plan: the options against the explicit plan (CP214,
-static), and the resolved plan against the model (CP406, CP407, CP409)."""
+"""What can be wrong with a TP plan: the plugin's rule catalog (:data:`RULES`), the
+options against the explicit plan (CP214, static), and the resolved plan against the
+model (CP406, CP407, CP409)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from composer_par.findings import Finding
+from composer_par.plugin import Finding, Rule, Severity
 
 from .patterns import generalize
 from .styles import (
@@ -19,6 +20,43 @@ from .styles import (
 
 if TYPE_CHECKING:
     import torch.nn as nn
+
+_TP_PLAN = '[mesh]\ntp = 2\n\n[[plugins]]\nname = "tp"\n'
+
+# TP's rule codes: static ones on the plan alone (CP21x), model-aware ones (CP40x).
+RULES = (
+    Rule("CP212", Severity.ERROR, "a TP plan entry names an unknown style",
+         "use one of TP's styles (docs/tp.md lists them)",
+         _TP_PLAN + '\n[plugins.plan]\n"layers.*.attention.wo" = "rowwse"\n'),
+    Rule("CP213", Severity.ERROR, "a TP plan entry has invalid style arguments",
+         "give the arguments the style takes (docs/tp.md lists them per style)",
+         _TP_PLAN + '\n[plugins.plan."layers.*.attention"]\nstyle = "prepare_input"\n'
+         'input_layouts = ["shard(1)", "none"]\n'),
+    Rule("CP214", Severity.ERROR, "TP options contradict the TP plan",
+         'map the norms to "sequence_parallel" (and the output head to "colwise_gather" for '
+         "loss parallel), or turn the option off",
+         '[mesh]\ntp = 2\n\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n\n'
+         '[plugins.plan]\n"layers.*.attention.wq" = "colwise"\n'
+         '"layers.*.attention.wo" = "rowwise"\n'),
+    Rule("CP406", Severity.ERROR, "the TP size does not divide a feature size it splits",
+         "use a tp size that divides every feature the plan splits, or change the model's "
+         "widths",
+         "ParallelPlan(MeshSpec(tp=4)).use(TP()).use(MetaInit())"
+         ".validate(llama_with_ffn_hidden_130)"),
+    Rule("CP407", Severity.ERROR, "the TP size does not divide the attention head count",
+         "use a tp size that divides the head and KV-head counts",
+         "ParallelPlan(MeshSpec(tp=4)).use(TP()).use(MetaInit())"
+         ".validate(llama_with_2_kv_heads)"),
+    Rule("CP408", Severity.ERROR, "a TP plan pattern matches no module",
+         "correct the pattern (the model's own module names, '*' one component), or give "
+         "an explicit plan",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP(plan={\"layers.*.attention.wqq\": "
+         "\"colwise\"})).use(MetaInit()).validate(llama)"),
+    Rule("CP409", Severity.ERROR, "a TP plan entry does not fit the module it matches",
+         "use the style the fix names, or map the module's children instead",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP(plan={\"tok_embeddings\": \"rowwise\"}))"
+         ".use(MetaInit()).validate(llama)"),
+)
 
 
 def option_conflicts(

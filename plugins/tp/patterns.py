@@ -7,8 +7,8 @@ import fnmatch
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from composer_par import blocks
-from composer_par.blocks import clean_name
+from composer_par.plugin import clean_name
+from composer_par.plugin import names_near as module_names_near
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -36,7 +36,7 @@ def names_near(model: nn.Module, modules: Mapping[str, Any], pattern: str, n: in
     """Module names close to ``pattern`` (a glob: its stars are read as '0')."""
     import difflib
 
-    close = blocks.names_near(model, pattern.replace("*", "0"), n=n)
+    close = module_names_near(model, pattern.replace("*", "0"), n=n)
     if not close:  # compare leaf names: a misspelled last component
         names = [m for m in modules if m]
         leaf = pattern.rsplit(".", 1)[-1]

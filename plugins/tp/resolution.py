@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.findings import Finding
+from composer_par.plugin import Finding
 
 from .auto import auto_plan
 from .findings import (

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from composer_par.findings import did_you_mean
+from composer_par.plugin import did_you_mean
 
 #: Style name -> what it does (for docs, describe() and error messages).
 STYLES: dict[str, str] = {

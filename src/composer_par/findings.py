@@ -8,8 +8,11 @@ Every rule has a stable code. Codes group by what they look at:
 * ``CP4xx`` the model (found at apply or by ``validate --model``)
 * ``CP5xx`` the plan file itself (the CLI exits 2 on these)
 
-The core rules live in :mod:`composer_par.rules`; plugins add findings through the
-validation hooks using codes from this catalog (third parties use their own prefix).
+The core's codes are :data:`CORE_RULES` (its checks live in :mod:`composer_par.rules`).
+Each plugin brings its own catalog, the class attribute ``rules`` of its plugin class,
+and adds findings through the validation hooks. A finding's severity, unless given, is
+its rule's: the core's, else the catalog of the plugin whose hook made it, else any
+known catalog's; a code no catalog has is an error. :data:`RULES` maps every code known.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import contextvars
 import difflib
 import enum
 import json
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -32,69 +37,304 @@ class Severity(enum.StrEnum):
 
 @attrs.frozen
 class Rule:
+    """One rule code and what it means: the catalog entry behind every finding of it.
+
+    ``title`` is its meaning in a line (the heading of its section in docs/rules.md),
+    ``fix`` what usually resolves it, ``example`` a short plan file or Python snippet that
+    triggers it. The core's rules are :data:`CORE_RULES`; a plugin lists its own in its
+    class attribute ``rules`` (see :class:`composer_par.plugin.Plugin`).
+    """
+
     code: str
-    severity: Severity
+    severity: Severity = attrs.field(converter=Severity)
     title: str
+    fix: str = ""
+    example: str = ""
+
+    def means_the_same_as(self, other: Rule) -> bool:
+        """Same code, severity and meaning (fix and example may be worded differently)."""
+        return (self.code, self.severity, self.title) == (other.code, other.severity,
+                                                          other.title)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "severity": self.severity.value, "title": self.title,
+                "fix": self.fix, "example": self.example}
 
 
-RULES: dict[str, Rule] = {
-    r.code: r
-    for r in [
-        Rule("CP101", Severity.ERROR, "mesh sizes do not multiply to the world size"),
-        Rule("CP102", Severity.ERROR, "topology does not match the world size"),
-        Rule("CP201", Severity.ERROR, "a mesh dim of size > 1 is owned by no plugin"),
-        Rule("CP202", Severity.ERROR, "a mesh dim is claimed by two plugins"),
-        Rule("CP203", Severity.ERROR, "a plugin claims a mesh dim the mesh does not have"),
-        Rule("CP204", Severity.ERROR, "the same plugin is used twice"),
-        Rule("CP205", Severity.ERROR, "plugins' after/before declarations form a cycle"),
-        Rule("CP206", Severity.ERROR, "a plugin's requirement is met by no plugin in the plan"),
-        Rule("CP207", Severity.ERROR, "two plugins provide a single-provider stage"),
-        Rule("CP208", Severity.ERROR, "plugins disagree on where the blocks are"),
-        Rule("CP209", Severity.WARNING, "after/before names a plugin that is not in the plan"),
-        Rule("CP210", Severity.ERROR, "a plugin option has an invalid value"),
-        Rule("CP211", Severity.ERROR, "a plugin implements a hook that does not exist"),
-        Rule("CP212", Severity.ERROR, "a TP plan entry names an unknown style"),
-        Rule("CP213", Severity.ERROR, "a TP plan entry has invalid style arguments"),
-        Rule("CP214", Severity.ERROR, "TP options contradict the TP plan"),
-        Rule("CP216", Severity.WARNING, "reshard_after_forward=false under HSDP"),
-        Rule("CP217", Severity.ERROR, "a compile mode with a backend other than inductor"),
-        Rule("CP218", Severity.ERROR, "a comm hook on a mesh dim no data-parallel plugin owns"),
-        Rule("CP219", Severity.ERROR, "two comm hooks on one mesh dim"),
-        Rule("CP220", Severity.ERROR,
-             "a comm hook customizes a collective its mesh dim does not run"),
-        Rule("CP221", Severity.ERROR, "compile through AOTAutograd under tensor parallelism"),
-        Rule("CP301", Severity.ERROR, "reversed HSDP mesh: the shard dim crosses nodes"),
-        Rule("CP302", Severity.ERROR, "the tensor-parallel dim crosses nodes"),
-        Rule("CP303", Severity.ERROR, "int reshard_after_forward does not divide the shard size"),
-        Rule("CP304", Severity.ERROR, "int reshard_after_forward regroups ranks across nodes"),
-        Rule("CP305", Severity.WARNING, "the shard dim spans nodes"),
-        Rule("CP401", Severity.ERROR, "no blocks found in the model"),
-        Rule("CP402", Severity.ERROR, "parameters are already DTensors"),
-        Rule("CP403", Severity.WARNING, "the model is already materialized and large"),
-        Rule("CP404", Severity.ERROR, "a module that MetaInit cannot initialize"),
-        Rule("CP405", Severity.ERROR, "the model has tensors on meta and no plugin materializes"),
-        Rule("CP406", Severity.ERROR, "the TP size does not divide a feature size it splits"),
-        Rule("CP407", Severity.ERROR, "the TP size does not divide the attention head count"),
-        Rule("CP408", Severity.ERROR, "a TP plan pattern matches no module"),
-        Rule("CP409", Severity.ERROR, "a TP plan entry does not fit the module it matches"),
-        Rule("CP410", Severity.ERROR, "the compile backend is not registered with torch"),
-        Rule("CP411", Severity.ERROR, "a block is already compiled or checkpoint-wrapped"),
-        Rule("CP412", Severity.ERROR, "inductor on CPU finds no C++ compiler"),
-        Rule("CP413", Severity.WARNING, "selective checkpointing under an unverified backend"),
-        Rule("CP414", Severity.ERROR, "the weights lack keys the model needs"),
-        Rule("CP415", Severity.ERROR, "the weights hold keys the model does not have"),
-        Rule("CP416", Severity.ERROR, "a weight's shape or dtype does not fit the model"),
-        Rule("CP417", Severity.ERROR, "the weights or checkpoint cannot be read"),
-        Rule("CP418", Severity.ERROR, "a tensor no weights provide and nothing can initialize"),
-        Rule("CP419", Severity.WARNING, "loading the weights loses precision"),
-        Rule("CP501", Severity.ERROR, "the plan file could not be read"),
-        Rule("CP502", Severity.ERROR, "the plan file is not valid TOML"),
-        Rule("CP503", Severity.ERROR, "unknown key or table in the plan file"),
-        Rule("CP504", Severity.ERROR, "unknown plugin name"),
-        Rule("CP505", Severity.ERROR, "unknown plugin option"),
-        Rule("CP506", Severity.ERROR, "a value in the plan file has the wrong type or range"),
+def _catalog(*rules: Rule) -> Mapping[str, Rule]:
+    table: dict[str, Rule] = {}
+    for rule in rules:
+        if rule.code in table:
+            raise ValueError(f"rule code {rule.code} is listed twice")
+        table[rule.code] = rule
+    return MappingProxyType(table)
+
+
+_E, _W = Severity.ERROR, Severity.WARNING
+
+# The core's own codes: the mesh, the plugins as a whole, the topology, the model as a
+# whole and the plan file. Each plugin's own codes live on the plugin (``rules``).
+CORE_RULES: Mapping[str, Rule] = _catalog(
+    Rule("CP101", _E, "mesh sizes do not multiply to the world size",
+         "change the [mesh] sizes so their product equals the world size, or set one size "
+         "to -1 to infer it",
+         "[mesh]\ndp_shard = 8\n\n[topology]\nnodes = 1\ndevices_per_node = 4\n\n"
+         "[[plugins]]\nname = \"fsdp2\"\n"),
+    Rule("CP102", _E, "topology does not match the world size",
+         "make nodes * devices_per_node equal the number of ranks (under torchrun, leave "
+         "[topology] out)",
+         "ParallelPlan(MeshSpec(dp_shard=8), topology=Topology(nodes=2, devices_per_node=8))"
+         ".use(FSDP2()).validate(world_size=8)"),
+    Rule("CP201", _E, "a mesh dim of size > 1 is owned by no plugin",
+         "use a plugin that claims the dim, or set its size to 1",
+         "[mesh]\ndp_shard = 4\ntp = 2\n\n[[plugins]]\nname = \"fsdp2\"\n"),
+    Rule("CP202", _E, "a mesh dim is claimed by two plugins",
+         "give each plugin its own mesh dim (option `dim`), or drop one plugin",
+         "[mesh]\ndp_shard = 4\n\n[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\n"
+         "name = \"hsdp\"\ndim = \"dp_shard\"\n"),
+    Rule("CP203", _E, "a plugin claims a mesh dim the mesh does not have",
+         "set the plugin's `dim` to a dim of [mesh], or add the dim to [mesh]",
+         "[mesh]\ndp_shard = 4\n\n[[plugins]]\nname = \"fsdp2\"\ndim = \"dp_shrad\"\n"),
+    Rule("CP204", _E, "the same plugin is used twice",
+         "use each plugin once; put all its options on one instance",
+         "[mesh]\ndp_shard = 4\n\n[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\n"
+         "name = \"fsdp2\"\nreshard_after_forward = true\n"),
+    Rule("CP205", _E, "plugins' after/before declarations form a cycle",
+         "remove one of the after/before constraints in the cycle",
+         "[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\n"
+         "name = \"activation_checkpoint\"\nafter = [\"compile\"]\n\n[[plugins]]\n"
+         "name = \"compile\"\nafter = [\"activation_checkpoint\"]\n"),
+    Rule("CP206", _E, "a plugin's requirement is met by no plugin in the plan",
+         "add a plugin that provides the capability (data_parallel: FSDP2 or HSDP; "
+         "materialize: MetaInit or a loader), or drop the plugin that needs it",
+         "class NeedsDP(Plugin):\n    name = \"needs_dp\"\n"
+         "    requires = frozenset({\"data_parallel\"})\n\n"
+         "ParallelPlan(MeshSpec()).use(NeedsDP()).validate()"),
+    Rule("CP207", _E, "two plugins provide a single-provider stage",
+         "keep one of them: MetaInit to initialize, or a loader to load weights",
+         "[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\n"
+         "name = \"meta_init\"\n\n[[plugins]]\nname = \"load_safetensors\"\n"
+         "path = \"model/\"\n"),
+    Rule("CP208", _E, "plugins disagree on where the blocks are",
+         "give `blocks` on one plugin only, or the same value on each",
+         "[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = \"fsdp2\"\nblocks = \"layers\"\n\n"
+         "[[plugins]]\nname = \"activation_checkpoint\"\nblocks = [\"Block\"]\n"),
+    Rule("CP209", _W, "after/before names a plugin that is not in the plan",
+         "correct the name, add that plugin, or remove it from after/before",
+         "[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\n"
+         "name = \"compile\"\nafter = [\"fsdp\"]\n"),
+    Rule("CP210", _E, "a plugin option has an invalid value",
+         "set the option to a value the message lists",
+         "ParallelPlan(MeshSpec()).use(ActivationCheckpoint(every=3)).use(MetaInit())"
+         ".validate(model_with_two_blocks)"),
+    Rule("CP211", _E, "a plugin implements a hook that does not exist",
+         "name the method after a hook in composer_par.plugin.hookspecs, with argument "
+         "names from that hook's signature",
+         "class MyLoader(Plugin):\n    name = \"my_loader\"\n\n    @hookimpl\n"
+         "    def composer_par_materialise(self, ctx): ...  # British spelling"),
+    Rule("CP218", _E, "a comm hook on a mesh dim no data-parallel plugin owns",
+         "point the hook at a mesh dim a data-parallel plugin owns, or add that plugin",
+         "class Compress(Plugin):\n    name = \"compress\"\n\n    @hookimpl\n"
+         "    def composer_par_comm_hooks(self):\n"
+         "        return [CommHook(\"dp_replicate\", all_reduce=make_reducer)]\n\n"
+         "ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()).use(Compress()).validate()"),
+    Rule("CP219", _E, "two comm hooks on one mesh dim",
+         "keep one comm-hook plugin per mesh dim",
+         "ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())"
+         ".use(PlainAllReduce()).use(OtherAllReduce()).validate()  # both hook dp_replicate"),
+    Rule("CP220", _E, "a comm hook customizes a collective its mesh dim does not run",
+         "hook all_reduce on a replicate dim, all_gather / reduce_scatter on a shard dim",
+         "class Compress(Plugin):\n    name = \"compress\"\n\n    @hookimpl\n"
+         "    def composer_par_comm_hooks(self):\n"
+         "        return [CommHook(\"dp_shard\", all_reduce=make_reducer)]\n\n"
+         "ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()).use(Compress()).validate()"),
+    Rule("CP222", _W, "two plugins give one rule code different meanings",
+         "read each such finding with the plugin it names; the plugins' authors should "
+         "give their codes distinct prefixes",
+         "class A(Plugin):\n    name = \"a\"\n"
+         "    rules = (Rule(\"XYZ101\", \"error\", \"one meaning\"),)\n\n"
+         "class B(Plugin):\n    name = \"b\"\n"
+         "    rules = (Rule(\"XYZ101\", \"warning\", \"another meaning\"),)\n\n"
+         "ParallelPlan(MeshSpec()).use(A()).use(B()).validate()"),
+    Rule("CP301", _E, "reversed HSDP mesh: the shard dim crosses nodes",
+         "swap the order of the shard and replicate dims in [mesh]",
+         "[mesh]\ndp_shard = 8\ndp_replicate = 4\n\n[topology]\nnodes = 4\n"
+         "devices_per_node = 8\n\n[[plugins]]\nname = \"hsdp\"\n\n[[plugins]]\n"
+         "name = \"fsdp2\"\n"),
+    Rule("CP302", _E, "the tensor-parallel dim crosses nodes",
+         "make the tensor-parallel dim the innermost mesh dim (list it last), no larger "
+         "than a node",
+         "[mesh]\ntp = 4\ndp_shard = 4\n\n[topology]\nnodes = 2\ndevices_per_node = 8\n\n"
+         "[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\nname = \"tp\"\n"),
+    Rule("CP305", _W, "the shard dim spans nodes",
+         "shard inside a node and replicate across nodes (HSDP), or keep full sharding "
+         "knowingly",
+         "[mesh]\ndp_shard = 32\n\n[topology]\nnodes = 4\ndevices_per_node = 8\n\n"
+         "[[plugins]]\nname = \"fsdp2\"\n"),
+    Rule("CP401", _E, "no blocks found in the model",
+         "pass blocks= to the plugin: a module path like 'layers' or block class names "
+         "like ['DecoderLayer']",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).validate(torch.nn.Linear(4, 4))"),
+    Rule("CP402", _E, "parameters are already DTensors",
+         "apply the plan to a freshly built model (ideally under torch.device('meta'))",
+         "model = plan.apply(model)\nplan.apply(model)  # again"),
+    Rule("CP403", _W, "the model is already materialized and large",
+         "build the model under torch.device('meta') and use MetaInit or a loader",
+         "model = build_model()  # 7B parameters, on CPU, on every rank\n"
+         "ParallelPlan(MeshSpec(dp_shard=8)).use(FSDP2()).apply(model)"),
+    Rule("CP405", _E, "the model has tensors on meta and no plugin materializes",
+         "add MetaInit(seed=...) to initialize, or a loader to load weights",
+         "with torch.device(\"meta\"):\n    model = build_model()\n"
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).apply(model)"),
+    Rule("CP501", _E, "the plan file could not be read",
+         "check the path, and that the file is UTF-8 TOML",
+         "composer-par validate /nonexistent/plan.toml"),
+    Rule("CP502", _E, "the plan file is not valid TOML",
+         "fix the TOML syntax at the line shown",
+         "[mesh\ndp_shard = 8\n"),
+    Rule("CP503", _E, "unknown key or table in the plan file",
+         "use one of the names the message lists",
+         "[mesh]\ndp_shard = 8\n\n[topolgy]\nnodes = 1\n"),
+    Rule("CP504", _E, "unknown plugin name",
+         "install the plugin or fix the name (composer-par plugins lists what is installed)",
+         "[mesh]\ndp_shard = 8\n\n[[plugins]]\nname = \"fsdp\"\n"),
+    Rule("CP505", _E, "unknown plugin option",
+         "use one of the options the fix lists",
+         "[mesh]\ndp_shard = 8\n\n[[plugins]]\nname = \"fsdp2\"\n"
+         "reshard_after_foward = true\n"),
+    Rule("CP506", _E, "a value in the plan file has the wrong type or range",
+         "give a value of the type and range the message states",
+         "[mesh]\ndp_shard = 0\n"),
+)
+
+
+# -- the plugins' catalogs -----------------------------------------------------------------
+
+# Every class that lists rules of its own, as weak references: a plugin class defined and
+# dropped (in a test, a notebook) takes its catalog with it.
+_CATALOG_OWNERS: list[weakref.ref[type]] = []
+_INSTALLED_LOADED = False
+
+
+def register_catalog(owner: type) -> None:
+    """Make ``owner.rules`` known to finding severities and :data:`RULES`.
+
+    :class:`composer_par.plugin.Plugin` calls it for every subclass it sees defined, so a
+    plugin's codes are known as soon as its class is (no torch import needed).
+    """
+    rules = owner.__dict__.get("rules")
+    if not rules:
+        return
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise TypeError(f"{owner.__qualname__}.rules must hold Rule values; got {rule!r}")
+    # attrs' slotted classes replace the class they decorate: the newer one stands for both.
+    _CATALOG_OWNERS[:] = [
+        ref for ref in _CATALOG_OWNERS
+        if (cls := ref()) is not None
+        and (cls.__module__, cls.__qualname__) != (owner.__module__, owner.__qualname__)
     ]
-}
+    _CATALOG_OWNERS.append(weakref.ref(owner))
+
+
+def plugin_catalogs() -> list[tuple[type, tuple[Rule, ...]]]:
+    """``(class, its rules)`` for every plugin class with rules of its own that exists now,
+    in the order they were defined."""
+    out: list[tuple[type, tuple[Rule, ...]]] = []
+    alive: list[weakref.ref[type]] = []
+    for ref in _CATALOG_OWNERS:
+        owner = ref()
+        if owner is None:
+            continue
+        alive.append(ref)
+        out.append((owner, tuple(owner.__dict__.get("rules", ()))))
+    _CATALOG_OWNERS[:] = alive
+    return out
+
+
+def _catalog_rule(owner: Any, code: str) -> Rule | None:
+    for rule in getattr(owner, "rules", None) or ():
+        if isinstance(rule, Rule) and rule.code == code:
+            return rule
+    return None
+
+
+def rule_for(code: str, plugin: str | None = None) -> Rule | None:
+    """The rule behind ``code``: the core's; else the catalog of the plugin whose hook is
+    running now; else that of a plugin class named ``plugin``; else any known catalog's."""
+    rule = CORE_RULES.get(code)
+    if rule is not None:
+        return rule
+    current = CURRENT_PLUGIN.get()
+    if current is not None:
+        rule = _catalog_rule(current, code)
+        if rule is not None:
+            return rule
+    catalogs = plugin_catalogs()
+    if plugin:
+        for owner, _ in catalogs:
+            if getattr(owner, "name", None) == plugin:
+                rule = _catalog_rule(owner, code)
+                if rule is not None:
+                    return rule
+    for owner, _ in catalogs:
+        rule = _catalog_rule(owner, code)
+        if rule is not None:
+            return rule
+    return None
+
+
+def _load_installed_plugins() -> None:
+    """Import every installed plugin class once, so their catalogs are registered.
+
+    Plugin classes are importable without torch, so neither is this.
+    """
+    global _INSTALLED_LOADED
+    if _INSTALLED_LOADED:
+        return
+    _INSTALLED_LOADED = True
+    from composer_par.plugin.registry import Registry, RegistryError
+
+    registry = Registry()
+    for name in registry.names():
+        try:
+            registry.get(name)
+        except RegistryError:  # `composer-par plugins` reports a broken one
+            continue
+
+
+class KnownRules(Mapping[str, Rule]):
+    """Every rule code known, read-only and sorted by code: the core's, every installed
+    plugin's (loaded through the entry-point registry on first use) and those of any
+    other plugin class defined since. Where two catalogs give one code different
+    meanings, the core's wins, else the first defined (``composer-par rules`` reports it).
+    """
+
+    def _table(self) -> dict[str, Rule]:
+        _load_installed_plugins()
+        table = dict(CORE_RULES)
+        for _, rules in plugin_catalogs():
+            for rule in rules:
+                table.setdefault(rule.code, rule)
+        return dict(sorted(table.items()))
+
+    def __getitem__(self, code: str) -> Rule:
+        return self._table()[code]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __contains__(self, code: object) -> bool:
+        return code in self._table()
+
+    def __repr__(self) -> str:
+        return f"KnownRules({len(self)} codes)"
+
+
+RULES: Mapping[str, Rule] = KnownRules()
 
 
 # The plugin whose hook is running now (set by the plan's hook caller): a finding made
@@ -115,7 +355,7 @@ class Finding:
     message: str
     fix: str = ""
     plugin: str | None = None
-    # None means the rule's own severity from RULES.
+    # None means the rule's own severity (see rule_for); a code no catalog has: ERROR.
     severity: Severity = attrs.field(default=None)  # type: ignore[assignment]
 
     def __attrs_post_init__(self) -> None:
@@ -124,7 +364,7 @@ class Finding:
             if current is not None and getattr(current, "name", None):
                 object.__setattr__(self, "plugin", current.name)
         if self.severity is None:
-            rule = RULES.get(self.code)
+            rule = rule_for(self.code, self.plugin)
             object.__setattr__(self, "severity", rule.severity if rule else Severity.ERROR)
         elif not isinstance(self.severity, Severity):
             object.__setattr__(self, "severity", Severity(self.severity))

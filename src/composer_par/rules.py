@@ -1,7 +1,10 @@
 """The core validation rules: static ones (no torch) and model-aware ones.
 
 Each function takes what it needs and returns findings; :mod:`composer_par.plan`
-collects them all. Rule codes are documented in :data:`composer_par.findings.RULES`.
+collects them all. The core's codes are :data:`composer_par.findings.CORE_RULES`; each
+plugin lists its own in its class attribute ``rules``. :func:`catalogs` gathers them all
+(``composer-par rules``, docs/rules.md) and :func:`rule_conflicts` finds a code two
+catalogs give different meanings, which validation reports as CP222.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from composer_par.findings import Finding, did_you_mean
+from composer_par.findings import CORE_RULES, Finding, Rule, did_you_mean
 from composer_par.mesh import INFER, MeshSpec
 from composer_par.plugin.base import Declaration, Role
 from composer_par.plugin.comm import RUNS, CommHook
@@ -20,6 +23,87 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.blocks import Block, BlockSpec
+    from composer_par.plugin.registry import Registry
+
+CORE = "core"
+
+
+# -- the catalogs ----------------------------------------------------------------------------
+
+
+def catalogs(registry: Registry | None = None) -> list[tuple[str, Rule]]:
+    """``(source, rule)`` for every rule code of the core and of every installed plugin:
+    source is ``"core"`` or ``"<plugin> (<distribution>)"``. A plugin that fails to load
+    is left out (``composer-par plugins`` reports it). Loads no torch."""
+    from composer_par.plugin.registry import Registry, RegistryError
+
+    registry = registry if registry is not None else Registry()
+    out: list[tuple[str, Rule]] = [(CORE, rule) for rule in CORE_RULES.values()]
+    for name in registry.names():
+        try:
+            cls = registry.get(name)
+        except RegistryError:
+            continue
+        source = f"{name} ({registry.info(name).distribution})"
+        out.extend((source, rule) for rule in cls.rules)
+    return out
+
+
+def rule_conflicts(entries: Sequence[tuple[str, Rule]]) -> dict[str, list[tuple[str, Rule]]]:
+    """The codes two sources give different meanings (severity or title), each with every
+    ``(source, rule)`` that defines it, in the order given."""
+    by_code: dict[str, list[tuple[str, Rule]]] = defaultdict(list)
+    for source, rule in entries:
+        by_code[rule.code].append((source, rule))
+    return {code: defined for code, defined in sorted(by_code.items())
+            if any(not rule.means_the_same_as(defined[0][1]) for _, rule in defined[1:])}
+
+
+def listing(entries: Sequence[tuple[str, Rule]]) -> list[tuple[Rule, list[str]]]:
+    """One row per code and meaning, sorted by code, with every source that defines it
+    that way (a shared rule, e.g. CP411 of ActivationCheckpoint and Compile, is one row)."""
+    rows: dict[tuple[str, str, str], tuple[Rule, list[str]]] = {}
+    for source, rule in entries:
+        key = (rule.code, rule.severity.value, rule.title)
+        if key not in rows:
+            rows[key] = (rule, [])
+        if source not in rows[key][1]:
+            rows[key][1].append(source)
+    return [rows[key] for key in sorted(rows)]
+
+
+def sources_text(sources: Sequence[str]) -> str:
+    """Sources as one column: ``"load_checkpoint, load_safetensors (composer-par)"``."""
+    by_dist: dict[str, list[str]] = {}
+    for source in sources:
+        name, _, dist = source.partition(" (")
+        by_dist.setdefault(f" ({dist}" if dist else "", []).append(name)
+    return "; ".join(", ".join(names) + dist for dist, names in by_dist.items())
+
+
+def _conflict_findings(decls: Sequence[Declaration]) -> list[Finding]:
+    """CP222: the plan's plugins (or a plugin and the core) give one code two meanings."""
+    entries: list[tuple[str, Rule]] = []
+    for decl in decls:
+        entries.extend((decl.plugin, rule) for rule in decl.rules)
+    codes = {rule.code for _, rule in entries}
+    entries = [(CORE, CORE_RULES[c]) for c in sorted(codes) if c in CORE_RULES] + entries
+    found = []
+    for code, defined in rule_conflicts(entries).items():
+        meanings = "; ".join(f"{source}: {rule.severity.value} {rule.title!r}"
+                             for source, rule in defined)
+        redefines_core = defined[0][0] == CORE
+        found.append(Finding(
+            "CP222",
+            f"rule code {code} means different things ({meanings}): its findings cannot be "
+            "told apart by code" + (", and the core's meaning wins" if redefines_core else ""),
+            fix=("a plugin must not redefine a core code: its authors should give it a code "
+                 "of their own prefix" if redefines_core else
+                 "read each such finding with the plugin it names; the plugins' authors "
+                 "should give their codes distinct prefixes"),
+            plugin=next(source for source, _ in defined[1:] if source != CORE),
+        ))
+    return found
 
 
 def mesh_rules(mesh: MeshSpec, world_size: int | None, topology: Topology | None) -> list[Finding]:
@@ -162,6 +246,7 @@ def plugin_rules(
                 plugin=cycle[0],
             )
         )
+    found += _conflict_findings(decls)
     return found
 
 

@@ -114,14 +114,29 @@ def run_plugins(args: argparse.Namespace, out: Output) -> int:
 
 
 def run_rules(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.findings import RULES
+    from composer_par.rules import catalogs, listing, rule_conflicts, sources_text
 
-    rules = sorted(RULES.values(), key=lambda r: r.code)
-    data = {"rules": [{"code": r.code, "severity": r.severity.value, "title": r.title}
-                      for r in rules]}
-    cells = [(r.code, r.severity.value, r.title) for r in rules]
-    out.result(data, table(cells, ("CODE", "SEVERITY", "TITLE")))
-    return EXIT_OK
+    # Every installed plugin's catalog and the core's; a code two give different
+    # meanings is an error of the installation (exit 1), listed under each meaning.
+    entries = catalogs()
+    rows = listing(entries)
+    conflicts = rule_conflicts(entries)
+    data = {
+        "rules": [{**rule.to_dict(), "source": sources_text(sources), "sources": sources}
+                  for rule, sources in rows],
+        "conflicts": [{"code": code, "definitions": [{"source": source, **rule.to_dict()}
+                                                     for source, rule in defined]}
+                      for code, defined in conflicts.items()],
+    }
+    cells = [(r.code, r.severity.value, r.title, sources_text(sources)) for r, sources in rows]
+    lines = [table(cells, ("CODE", "SEVERITY", "TITLE", "SOURCE"))]
+    for code, defined in conflicts.items():
+        meanings = "; ".join(f"{source}: {rule.title!r}" for source, rule in defined)
+        lines.append(out.paint("ERROR", "ERROR") + f" {code} means different things to "
+                     f"different catalogs ({meanings}); such plugins' authors should give "
+                     "their codes distinct prefixes")
+    out.result(data, "\n".join(lines))
+    return EXIT_ERRORS if conflicts else EXIT_OK
 
 
 __all__ = [

@@ -1,5 +1,6 @@
 """The mesh as the estimator sees it: each mesh dim's size, role, owning plugin and the
-nodes its groups span, with the plan options that change the estimate."""
+nodes its groups span, with the settings that change the estimate (which the plugins
+state through the ``composer_par_estimate_settings`` hook)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import attrs
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.units import optional_dtype
 from composer_par.mesh import MeshSpec
-from composer_par.plugin import Role, Stage
+from composer_par.plugin import EstimateSettings, Role
 from composer_par.topology import Topology
 
 if TYPE_CHECKING:
@@ -69,9 +70,9 @@ class Layout:
 
     @classmethod
     def from_plan(cls, plan: ParallelPlan, world_size: int | None = None) -> Layout:
-        """The layout a plan makes: roles from the plugins' claims, FSDP options from the
-        plugin with the shard role, sequence/loss parallel from the model-parallel one,
-        activation checkpointing from the plugin that implements that stage."""
+        """The layout a plan makes: roles from the plugins' claims, the settings from the
+        plugins' answers to ``composer_par_estimate_settings`` (merged in plan order),
+        activation checkpointing else from a declared ``checkpointing`` policy."""
         world = world_size if world_size is not None else plan.world_size()
         if world is None:
             raise EstimateError(f"{plan.mesh.equation()}: the world size is unknown; give "
@@ -81,31 +82,20 @@ class Layout:
             raise EstimateError(problem)
         mesh = plan.mesh.resolve(world)
         hooks = plan.hooks
-        by_name = {hooks.name_of(p): p for p in plan.plugins}
         roles: dict[str, Role] = {}
         owners: dict[str, str] = {}
-        for decl in hooks.declarations():
+        declarations = hooks.declarations()
+        for decl in declarations:
             for claim in decl.claims:
                 if claim.dim in mesh and claim.dim not in roles:
                     roles[claim.dim] = claim.role
                     owners[claim.dim] = decl.plugin
-        options: dict[str, Any] = {"plugins": tuple(by_name)}
-        for dim, role in roles.items():
-            plugin = by_name.get(owners[dim])
-            if role is Role.SHARD and plugin is not None:
-                options["reshard_after_forward"] = getattr(plugin, "reshard_after_forward", None)
-                mp = getattr(plugin, "mixed_precision", None)
-                options["param_dtype"] = optional_dtype(getattr(mp, "param_dtype", None))
-                options["reduce_dtype"] = optional_dtype(getattr(mp, "reduce_dtype", None))
-            if role is Role.MODEL_PARALLEL and plugin is not None:
-                options["sequence_parallel"] = bool(getattr(plugin, "sequence_parallel", False))
-                options["loss_parallel"] = bool(getattr(plugin, "loss_parallel", False))
-        for plugin in plan.plugins:
-            if Stage.ACTIVATION_CHECKPOINT in plugin.stages():
-                mode = str(getattr(plugin, "mode", "full"))
-                options["activation_checkpoint"] = "selective" if "selective" in mode else "full"
-                every = getattr(plugin, "every", 1)
-                options["checkpoint_every"] = every if isinstance(every, int) and every > 0 else 1
+        names = dict.fromkeys(hooks.name_of(p) for p in plan.plugins)
+        options: dict[str, Any] = {"plugins": tuple(names)}
+        policies = [d.checkpointing for d in declarations if d.checkpointing]
+        if policies:
+            options["activation_checkpoint"] = _policy(policies[-1])
+        options.update(merge_settings(hooks.estimate_settings()))
         return cls.build(mesh, plan.effective_topology(), roles, owners, **options)
 
     def dims_with(self, role: Role) -> list[DimInfo]:
@@ -116,6 +106,44 @@ class Layout:
 
     def describe(self) -> str:
         return self.mesh.equation() + (f" on {self.topology.describe()}" if self.topology else "")
+
+
+def _policy(name: str) -> str:
+    # A plugin's own policy names ("selective_matmul", "offload_full") map onto the
+    # estimator's three.
+    name = str(name).lower()
+    if name == "none":
+        return "none"
+    return "selective" if "selective" in name else "full"
+
+
+def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Layout fields from ``(plugin, EstimateSettings)`` answers in plan order: a later
+    answer's set fields over an earlier one's. A wrong answer is an EstimateError."""
+    merged: dict[str, Any] = {}
+    for who, answer in answers:
+        if not isinstance(answer, EstimateSettings):
+            raise EstimateError(f"plugin {who!r}: composer_par_estimate_settings must return "
+                                f"EstimateSettings or None; got {type(answer).__name__}")
+        fields = answer.set_fields()
+        try:
+            for key in ("param_dtype", "reduce_dtype"):
+                if key in fields:
+                    fields[key] = optional_dtype(fields[key])
+            if "activation_checkpoint" in fields:
+                fields["activation_checkpoint"] = _policy(fields["activation_checkpoint"])
+            every = fields.get("checkpoint_every")
+            if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                      or every < 1):
+                raise EstimateError(f"checkpoint_every must be an int >= 1; got {every!r}")
+        except EstimateError as exc:
+            raise EstimateError(f"plugin {who!r}: composer_par_estimate_settings: {exc}"
+                                ) from None
+        for key in ("sequence_parallel", "loss_parallel"):
+            if key in fields:
+                fields[key] = bool(fields[key])
+        merged.update(fields)
+    return merged
 
 
 def run_nodes(layout: Layout, dim: str, run: int) -> int:

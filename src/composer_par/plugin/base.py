@@ -14,6 +14,7 @@ import attrs
 import pluggy
 
 from composer_par.blocks import BlockSpec
+from composer_par.findings import Rule, register_catalog
 
 PROJECT = "composer_par"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -72,6 +73,35 @@ class Declaration:
     # How the plugin wraps blocks for activation checkpointing, if it does: a policy name
     # ("full", "selective", ...). Compile reads it to check its backend can trace that.
     checkpointing: str | None = None
+    # The plugin's rule catalog (its class attribute ``rules``): validation reports two
+    # plugins giving one code different meanings (CP222). Not part of equality.
+    rules: tuple[Rule, ...] = attrs.field(default=(), eq=False, repr=False)
+
+
+@attrs.frozen
+class EstimateSettings:
+    """What a plugin tells ``composer-par estimate`` about how it runs (the
+    ``composer_par_estimate_settings`` hook): each field None unless it decides it.
+
+    The answers of a plan's plugins are merged in plan order, a later plugin's set field
+    over an earlier one's; fields no plugin sets keep the estimator's defaults.
+    """
+
+    # Data-parallel sharding (FSDP2 and the like): torch's reshard_after_forward
+    # (True, False, or an int group size), and the mixed-precision dtypes by name.
+    reshard_after_forward: bool | int | None = None
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    # Model parallelism (TP and the like).
+    sequence_parallel: bool | None = None
+    loss_parallel: bool | None = None
+    # Activation checkpointing: "none", "selective" or "full", on every N-th block.
+    activation_checkpoint: str | None = None
+    checkpoint_every: int | None = None
+
+    def set_fields(self) -> dict[str, Any]:
+        """The fields this answer sets (not None)."""
+        return {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
 
 
 class Plugin:
@@ -86,6 +116,17 @@ class Plugin:
     provides: ClassVar[frozenset[str]] = frozenset()
     requires: ClassVar[frozenset[str]] = frozenset()
     needs_blocks: ClassVar[bool] = False
+    # The plugin's own rule codes (code, severity, meaning, fix, example): what its
+    # findings mean, listed by `composer-par rules`. A finding made in one of its hooks
+    # takes its severity from here unless it gives one. Third parties: a prefix of their
+    # own (e.g. "ACME101"), so no code means two things.
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Known as soon as the class exists: severities are looked up without importing
+        # anything else (torch included).
+        register_catalog(cls)
 
     def claims(self) -> tuple[Claim, ...]:
         return ()
@@ -99,11 +140,16 @@ class Plugin:
             after=tuple(getattr(self, "after", ()) or ()),
             before=tuple(getattr(self, "before", ()) or ()),
             needs_blocks=self.needs_blocks,
+            rules=self.rules,
         )
 
     @hookimpl
     def composer_par_declare(self) -> Declaration:
-        return self.declare()
+        decl = self.declare()
+        if isinstance(decl, Declaration) and self.rules and not decl.rules:
+            # A declare() built from scratch still carries the class's catalog.
+            decl = attrs.evolve(decl, rules=self.rules)
+        return decl
 
     @hookimpl
     def composer_par_block_spec(self) -> BlockSpec | None:

@@ -278,6 +278,12 @@ class HookCaller:
         _, calls = self.call(stage.value, ctx=ctx)
         return [c for c in calls if c.hook == stage.value]
 
+    def estimate_settings(self) -> list[tuple[str, Any]]:
+        """(plugin name, answer) for each plugin answering the estimate-settings hook, in
+        plan order (the estimator merges and checks them)."""
+        return [(self.name_of(p), answer)
+                for p, answer in self.answers("composer_par_estimate_settings")]
+
 
 def _spec_args(caller: Any) -> tuple[str, ...]:
     spec = getattr(caller, "spec", None)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from composer_par.findings import Finding
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration
+    from composer_par.plugin.base import Declaration, EstimateSettings
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
     from composer_par.topology import Topology
@@ -225,4 +225,24 @@ def composer_par_estimate(
     bytes per step and rank, see :mod:`composer_par.testing.comm_count`) replace the
     built-in estimate of the plugin's claimed dims; ``memory`` adds per-rank bytes;
     ``activation_checkpoint`` states the activation policy the plugin applies.
+    """
+
+
+@hookspec
+def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | None:
+    """How this plugin runs, as far as it changes ``composer-par estimate``.
+
+    Called: by :meth:`composer_par.estimate.Layout.from_plan` (the ``estimate`` and
+    ``suggest`` commands), once per estimate, before the layout is built; must not
+    import torch.
+    Returns: a :class:`~composer_par.plugin.EstimateSettings` setting the fields this
+    plugin decides, each left None otherwise: a data-parallel sharding plugin its
+    ``reshard_after_forward`` and mixed-precision ``param_dtype`` / ``reduce_dtype``
+    (dtype names), a model-parallel one ``sequence_parallel`` / ``loss_parallel``, an
+    activation-checkpointing one ``activation_checkpoint`` (``"none"``, ``"selective"``
+    or ``"full"``) and ``checkpoint_every``. Or None. The answers are merged in plan
+    order, a later plugin's set field over an earlier one's; what no plugin sets keeps
+    the estimator's default (torch's reshard default, the workload's dtypes, no
+    sequence or loss parallelism, the declared ``checkpointing`` policy if any).
+    This is how the estimate learns these facts: it never reads a plugin's options.
     """

@@ -1,12 +1,23 @@
-"""Layout-invariant initialization of one module: the torch side of MetaInit.
+"""Layout-invariant initialization, shared by every plugin that materializes a model
+(MetaInit, and the loaders for the tensors their files lack).
 
-Plugins import this module when they materialize (it imports torch at its top: it runs
-for every module of the model, so its helpers must not import anything per call).
+The same seed gives bitwise the same full tensors on any mesh layout: each module,
+children before parents (:func:`post_order`), is initialized by the call
+:func:`initializer` picks for it, under a generator seeded from (seed, module path)
+(:func:`module_seed`), with full-size scratch tensors of which each rank keeps its part
+(:func:`init_module`).
+
+Plugins import this module inside their hooks, never at their top (it imports torch at
+its own top: its helpers run for every module of the model and must not import anything
+per call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,6 +25,79 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 InitFn = Callable[[nn.Module], None]
 TieGroup = list[tuple[nn.Module, str]]
+
+
+def module_seed(seed: int, path: str) -> int:
+    """A per-module seed that depends on the module's name only, not on the layout."""
+    digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Modules children-first, the order ``nn.Module.apply`` initializes in."""
+    seen: set[int] = set()
+
+    def walk(mod: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        for name, child in mod.named_children():
+            yield from walk(child, f"{path}.{name}" if path else name)
+        yield path, mod
+
+    yield from walk(module, prefix)
+
+
+def owns_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` registers parameters or buffers of its own."""
+    # The registries directly: parameters(recurse=False) builds a generator per call,
+    # and this runs for every module, twice (validation, then materialization).
+    return any(p is not None for p in module._parameters.values()) or any(
+        b is not None for b in module._buffers.values()
+    )
+
+
+def resolve_init_fn(init_fn: str | InitFn | None) -> InitFn | None:
+    """A user's ``init_fn``: a callable, or ``"module:function"`` imported now (raising
+    ImportError or AttributeError when it cannot be)."""
+    if init_fn is None or callable(init_fn):
+        return init_fn
+    module_name, _, attr = init_fn.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _call_method(method: Callable[[], Any]) -> InitFn:
+    """An InitFn for a module's own init method (it takes the module; the method has it)."""
+
+    def init(_module: nn.Module) -> None:
+        method()
+
+    return init
+
+
+def initializer(root: nn.Module, init_fn: str | InitFn | None = None
+                ) -> Callable[[nn.Module], InitFn | None]:
+    """For each module of ``root``, the call that initializes it, or None if there is none:
+    ``init_fn`` when given, else a Hugging Face model's ``_init_weights``, else the
+    module's ``reset_parameters()`` (or ``_reset_parameters()``)."""
+    user = resolve_init_fn(init_fn)
+    hf_init = getattr(root, "_init_weights", None)
+
+    def pick(module: nn.Module) -> InitFn | None:
+        if user is not None:
+            return user
+        if callable(hf_init):
+            return hf_init  # type: ignore[no-any-return]
+        for method in ("reset_parameters", "_reset_parameters"):
+            fn = getattr(module, method, None)
+            if callable(fn):
+                return _call_method(fn)
+        return None
+
+    return pick
 
 
 def seed_device(device: torch.device, seed: int) -> None:

@@ -3,54 +3,74 @@
 It claims no mesh dim and acts in no transform stage: it answers the composition hook
 ``composer_par_comm_hooks`` with one :class:`~composer_par.plugin.comm.CommHook` on its ``dim``,
 and the data-parallel plugin that owns that dim (HSDP, with or without FSDP2) installs
-it on every FSDP module. Its own validation rules have the prefix ``CPC`` (see
-:data:`RULES` and the README).
+it on every FSDP module. Its own validation rules have the prefix ``CPC``: the class
+attribute ``rules`` (:data:`CATALOG`), documented in the README and docs/rules.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from composer_par.findings import Finding, Severity
-from composer_par.plugin import Plugin, Role, dim_option, hookimpl
-from composer_par.plugin.comm import CommHook, CommSetup, GradReducer
+from composer_par.plugin import (
+    CommHook,
+    CommSetup,
+    DtypeError,
+    Finding,
+    GradReducer,
+    Plugin,
+    Role,
+    Rule,
+    Severity,
+    bool_option,
+    dim_option,
+    dtype_name,
+    hookimpl,
+    int_option,
+)
 
 if TYPE_CHECKING:
     import torch.nn as nn
-    from composer_par.mesh import MeshSpec
+    from composer_par.plugin import MeshSpec, PlanView
     from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
 
 METHODS = ("none", "bf16", "fp16", "powersgd")
-_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "off": "none"}
+# A dtype spelled any way composer_par accepts ("bfloat16", "BF16", "half") names the
+# low-precision method sending in it.
+_BY_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
-# The plugin's own rule codes (documented in the README, tested in tests/).
-RULES: dict[str, tuple[Severity, str]] = {
-    "CPC101": (Severity.ERROR, "compression on a plan that replicates over no mesh dim"),
-    "CPC102": (Severity.WARNING, "the replicate dim has size 1: nothing to compress"),
-    "CPC103": (Severity.WARNING, "PowerSGD finds no parameter large enough to compress"),
-}
+# The plugin's own rule codes (documented in the README and docs/rules.md, tested in
+# tests/).
+CATALOG: tuple[Rule, ...] = (
+    Rule("CPC101", Severity.ERROR, "compression on a plan that replicates over no mesh dim",
+         "replicate across nodes with HSDP and point dim at its replicate dim, or drop the "
+         "compress plugin",
+         '[mesh]\ndp_shard = 4\n\n[[plugins]]\nname = "fsdp2"\n\n[[plugins]]\n'
+         'name = "compress"\nmethod = "powersgd"\n'),
+    Rule("CPC102", Severity.WARNING, "the replicate dim has size 1: nothing to compress",
+         "drop the compress plugin on single-node runs, or grow the replicate dim",
+         '[mesh]\ndp_replicate = 1\ndp_shard = 4\n\n[[plugins]]\nname = "hsdp"\n\n'
+         '[[plugins]]\nname = "fsdp2"\n\n[[plugins]]\nname = "compress"\n'),
+    Rule("CPC103", Severity.WARNING, "PowerSGD finds no parameter large enough to compress",
+         'lower min_compress_numel or rank, or use method = "bf16"',
+         "ParallelPlan(MeshSpec(dp_replicate=2)).use(HSDP()).use(Compress(method=\"powersgd\"))"
+         ".use(MetaInit()).validate(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))"),
+)
+# code -> (severity, title), as earlier versions exported it.
+RULES: dict[str, tuple[Severity, str]] = {r.code: (r.severity, r.title) for r in CATALOG}
 
 
 def _method(value: Any) -> str:
-    name = _ALIASES.get(str(value).lower(), str(value).lower()) if isinstance(value, str) else value
+    name = value.lower() if isinstance(value, str) else value
+    if name == "off":
+        name = "none"
+    elif isinstance(value, str) and name not in METHODS:
+        with contextlib.suppress(DtypeError):  # not a dtype either: refused below
+            name = _BY_DTYPE.get(dtype_name(value), name)
     if name not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}; got {value!r}")
     return str(name)
-
-
-def _at_least(low: int) -> Any:
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{attribute.name} must be an int >= {low}; got {value!r}")
-
-    return check
-
-
-def _bool(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{attribute.name} must be true or false; got {value!r}")
 
 
 @attrs.frozen
@@ -73,15 +93,16 @@ class Compress(Plugin):
 
     name: ClassVar[str] = "compress"
     requires: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
+    rules: ClassVar[tuple[Rule, ...]] = CATALOG
 
     method: str = attrs.field(default="bf16", converter=_method)
     dim: str = dim_option("dp_replicate")
-    rank: int = attrs.field(default=4, validator=_at_least(1))
-    min_compress_numel: int = attrs.field(default=4096, validator=_at_least(0))
-    start_step: int = attrs.field(default=0, validator=_at_least(0))
-    error_feedback: bool = attrs.field(default=True, validator=_bool)
-    warm_start: bool = attrs.field(default=True, validator=_bool)
-    seed: int = attrs.field(default=0, validator=_at_least(0))
+    rank: int = int_option(4, low=1)
+    min_compress_numel: int = int_option(4096, low=0)
+    start_step: int = int_option(0, low=0)
+    error_feedback: bool = bool_option(True)
+    warm_start: bool = bool_option(True)
+    seed: int = int_option(0, low=0)
 
     # -- composition ---------------------------------------------------------------------
 
@@ -139,7 +160,6 @@ class Compress(Plugin):
                 f"{self.method} compresses the gradient all-reduce over a replicate dim, and "
                 f"no plugin replicates over {self.dim!r}{context}",
                 fix=f"{fix}, or drop the compress plugin",
-                severity=RULES["CPC101"][0],
             ))
         elif mesh.is_resolved and mesh.size(self.dim) == 1:
             found.append(Finding(
@@ -147,7 +167,6 @@ class Compress(Plugin):
                 f"replicate dim {self.dim!r} has size 1: no gradient crosses it, so "
                 f"{self.method} saves nothing and only adds work",
                 fix=f"drop the compress plugin, or grow {self.dim}",
-                severity=RULES["CPC102"][0],
             ))
         return found
 
@@ -168,7 +187,6 @@ class Compress(Plugin):
             f"factorization at least 2x smaller (largest: {list(largest)}); every "
             "gradient would be sent uncompressed",
             fix="lower min_compress_numel or rank, or use method = \"bf16\"",
-            severity=RULES["CPC103"][0],
         )]
 
     # -- explain and apply ---------------------------------------------------------------
