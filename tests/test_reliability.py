@@ -153,3 +153,16 @@ def test_other_errors_and_errors_outside_a_job_pass_through_unchanged() -> None:
         raise ValueError("boom")
     with pytest.raises(RuntimeError, match=r"^Timed out waiting 10ms$"), name_stuck_ranks():
         raise RuntimeError("Timed out waiting 10ms")
+
+
+# -- the topology torchrun gives -----------------------------------------------------------
+
+
+def test_from_env_agrees_with_the_number_of_nodes_that_joined() -> None:
+    from composer_par.topology import Topology, TopologyError
+
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}
+    assert Topology.from_env(env) == Topology(nodes=2, devices_per_node=2)
+    # Two nodes of 2 and 4 processes: the node with 2 would see 3 nodes of 2.
+    with pytest.raises(TopologyError, match="GROUP_WORLD_SIZE=2 nodes x LOCAL_WORLD_SIZE=2"):
+        Topology.from_env({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"})

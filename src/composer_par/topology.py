@@ -54,7 +54,12 @@ class Topology:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Topology | None:
-        """Read the topology torchrun exports (WORLD_SIZE, LOCAL_WORLD_SIZE); None outside it."""
+        """Read the topology torchrun exports (WORLD_SIZE, LOCAL_WORLD_SIZE, and
+        GROUP_WORLD_SIZE: the number of nodes that joined); None outside it.
+
+        The rank layout (node ``k`` holds ranks ``k * L ... k * L + L - 1``) needs the same
+        ``L`` processes on every node; a node that sees otherwise is an error.
+        """
         env = os.environ if environ is None else environ
         try:
             world = int(env["WORLD_SIZE"])
@@ -65,6 +70,13 @@ class Topology:
             raise TopologyError(
                 f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: "
                 "torchrun needs the same number of processes on every node"
+            )
+        nodes = env.get("GROUP_WORLD_SIZE", "")
+        if nodes.strip().isdigit() and int(nodes) * local != world:
+            raise TopologyError(
+                f"GROUP_WORLD_SIZE={nodes} nodes x LOCAL_WORLD_SIZE={local} processes != "
+                f"WORLD_SIZE={world}: the nodes run different numbers of processes; give "
+                "every node the same --nproc-per-node"
             )
         return cls(nodes=world // local, devices_per_node=local)
 
