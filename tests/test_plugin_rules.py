@@ -172,8 +172,10 @@ def test_each_plan_file_example_triggers_its_code(source: str, rule: Rule) -> No
         report = ParallelPlan.from_toml(rule.example).validate()
     except PlanFileError as exc:
         report = exc.report
-    assert rule.code in report.codes(), f"{source}: {rule.code}'s example gives\n" + (
-        report.format())
+    assert rule.code in report.codes(), (
+        f"{source}: {rule.code}'s example is a plan file, so validating it alone must report "
+        f"{rule.code} (a rule that needs a model gives a Python example); it gives\n"
+        + report.format())
 
 
 def test_most_static_codes_have_a_plan_file_example() -> None:

@@ -41,8 +41,10 @@ class Rule:
 
     ``title`` is its meaning in a line (the heading of its section in docs/rules.md),
     ``fix`` what usually resolves it, ``example`` a short plan file or Python snippet that
-    triggers it. The core's rules are :data:`CORE_RULES`; a plugin lists its own in its
-    class attribute ``rules`` (see :class:`composer_par.plugin.Plugin`).
+    triggers it. A plan-file example (text starting with ``[``) is complete: validating it
+    alone reports the code. A rule that needs a model (or a plugin of the example's own)
+    gives a Python example. The core's rules are :data:`CORE_RULES`; a plugin lists its
+    own in its class attribute ``rules`` (see :class:`composer_par.plugin.Plugin`).
     """
 
     code: str
