@@ -3,28 +3,37 @@
     torchrun --nproc-per-node 4 examples/train.py examples/plans/fsdp_tp.toml --steps 50
 
 The plan says how the model is parallelized; this file only builds the model on meta,
-applies the plan, reads its data shard, trains, and checkpoints. Resume by rerunning
-with --resume.
+applies the plan, reads its data shard, trains, and checkpoints. The batch of a step
+depends only on the step, so a run resumed with --resume from its last committed
+checkpoint (by hand, or by torchrun's --max-restarts after a lost node) ends with the
+parameters an uninterrupted run would have had, bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
+from composer_par.hangs import name_stuck_ranks
 from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
 from composer_par.tools.demo import corpus_bytes
 
 log = get_logger("train")
 
+# A testing aid: "RANK:STEP" makes that rank stop at that step, alive but joining no
+# collective, to show that the others give up at the plan's timeout and name it.
+FREEZE_ENV = "COMPOSER_PAR_TRAIN_FREEZE"
 
-class ByteWindows(Dataset):
+
+class ByteWindows(Dataset[torch.Tensor]):
     """Every window of ``seq_len`` bytes of the corpus, stepping by half a window."""
 
     def __init__(self, data: torch.Tensor, seq_len: int) -> None:
@@ -38,59 +47,124 @@ class ByteWindows(Dataset):
         return self.data[start : start + self.seq_len]
 
 
-def main() -> None:
+class StepBatches:
+    """This data shard's micro-batch of each step, a function of the step alone: step
+    ``s`` reads position ``s`` of the shuffled order of its epoch, so a run resumed at any
+    step reads what an uninterrupted one would have read."""
+
+    def __init__(self, dataset: ByteWindows, shards: int, shard: int, micro_batch: int) -> None:
+        self.dataset, self.micro_batch = dataset, micro_batch
+        # The same order on every replica of the shard: the seed and epoch decide it.
+        self.sampler: DistributedSampler[int] = DistributedSampler(
+            dataset, num_replicas=shards, rank=shard, seed=0, drop_last=True)
+        self.per_epoch = len(self.sampler) // micro_batch
+        if self.per_epoch < 1:
+            raise ValueError(f"--micro-batch {micro_batch} is more than the {len(self.sampler)} "
+                             "sequences of a data shard")
+        self._epoch, self._order = -1, list[int]()
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, index = divmod(step - 1, self.per_epoch)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._epoch, self._order = epoch, list(self.sampler)
+        rows = self._order[index * self.micro_batch : (index + 1) * self.micro_batch]
+        return torch.stack([self.dataset[i] for i in rows])
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plan", type=Path)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per data shard")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("train-checkpoints"))
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="commit a checkpoint every N steps (default: only at the end)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest committed checkpoint, if there is one")
+    parser.add_argument("--final-weights", type=Path, metavar="DIR",
+                        help="at the end, export the trained parameters as safetensors to DIR")
     args = parser.parse_args()
+    for name in ("steps", "micro_batch", "seq_len"):
+        if getattr(args, name) < (2 if name == "seq_len" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    if args.save_every < 0:
+        parser.error(f"--save-every must be >= 0; got {args.save_every}")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
+    # Read before any process group: its timeout is the plan's, so that no wait of this
+    # job (the plan's groups, the default group's checkpoint collectives) is unbounded.
+    plan = ParallelPlan.from_toml(args.plan)  # topology comes from torchrun's environment
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=plan.timeout)
     configure_logging()  # rank 0 only; JSON lines when not on a terminal
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"):
+        # torch 2.13's torchrun keeps the store it shares with the workers across
+        # restarts: a restarted group reads the dead workers' addresses and cannot connect.
+        log.warning("torchrun restarts will fail to reconnect: export "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (docs/multi-node.md)")
+    try:
+        # A collective that times out names the ranks that never joined it.
+        with name_stuck_ranks(plan.timeout):
+            train(args, plan, torch.device("cuda") if cuda else torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
 
-    plan = ParallelPlan.from_toml(args.plan)  # topology comes from torchrun's environment
+
+def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) -> None:
     with torch.device("meta"):
-        model = Llama(LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4,
+        built = Llama(LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4,
                                   ffn_hidden=256, max_seq_len=args.seq_len))
-    model = plan.apply(model)  # validated first: a PlanError lists every problem
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model = plan.apply(built)  # validated first: a PlanError lists every problem
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     step = 0
-    if args.resume:
+    if args.resume and checkpoint.latest(args.checkpoint_dir) is not None:
         step = checkpoint.load(args.checkpoint_dir, model, optimizer).step
-        log.info("resumed", step=step)
+        log.info("resumed", step=step, restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
 
     # Ranks that differ only in TP read the same samples; data-parallel ranks differ.
     shard, shards = plan.data_shard()
     data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-    dataset = ByteWindows(data, args.seq_len)
-    sampler = DistributedSampler(dataset, num_replicas=shards, rank=shard, seed=0)
-    device = torch.device("cuda") if cuda else torch.device("cpu")
+    batches = StepBatches(ByteWindows(data, args.seq_len), shards, shard, args.micro_batch)
+    freeze = os.environ.get(FREEZE_ENV, "")
+    if step >= args.steps:
+        log.info("nothing to train", step=step, steps=args.steps)
 
     while step < args.steps:
-        sampler.set_epoch(step)  # a new order per pass, the same on every replica
-        for tokens in DataLoader(dataset, batch_size=args.micro_batch, sampler=sampler,
-                                 drop_last=True):
-            tokens = tokens.to(device)
-            loss = next_token_loss(model(tokens), tokens)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            if step % 10 == 0 or step == args.steps:
-                log.info("step", step=step, loss=round(loss.item(), 4))
-            if step == args.steps:
-                break
+        step += 1
+        if freeze == f"{dist.get_rank()}:{step}":
+            _freeze(step)
+        tokens = batches(step).to(device)
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 10 == 0 or step == args.steps:
+            log.info("step", step=step, loss=round(loss.item(), 4))
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            path = checkpoint.save(args.checkpoint_dir, model, optimizer, step=step, plan=plan,
+                                   keep_last=2)
+            log.info("saved", step=step, path=str(path))
 
-    checkpoint.save(args.checkpoint_dir, model, optimizer, step=step, plan=plan, keep_last=2)
-    log.info("saved", path=str(checkpoint.latest(args.checkpoint_dir)))
-    dist.destroy_process_group()
+    if args.final_weights is not None:
+        checkpoint.export_safetensors(model, args.final_weights)
+        log.info("exported", path=str(args.final_weights))
+
+
+def _freeze(step: int) -> None:
+    print(f"rank {dist.get_rank()}: frozen at step {step} ({FREEZE_ENV}): alive, joining no "
+          "collective", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from composer_par.hangs import ROLL_CALL_S
 from composer_par.tools.demo import FREEZE_ENV
+from tests import processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -63,31 +62,18 @@ def test_a_fresh_run_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None
     assert (tmp_path / "ckpt" / "precious.txt").read_text() == "keep me"
 
 
-def _processes_marked(mark: str) -> list[int]:
-    """Pids of live processes whose environment holds ``mark`` (children inherit it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if mark.encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:  # gone meanwhile, or not ours
-                pass
-    return found
-
-
 def test_a_frozen_rank_ends_the_run_at_the_timeout_named_leaving_no_process(
         tmp_path: Path) -> None:
     # Before the plan's groups had a timeout, the ranks waiting for a frozen one sat in
     # torch's 30-minute default even with --timeout 10.
-    mark = f"composer-par-demo-test-{uuid.uuid4().hex}"
+    mark = processes.new_mark()
     timeout = 10.0
     lines: list[tuple[float, str]] = []
     with (tmp_path / "stdout").open("w") as stdout, subprocess.Popen(
         [sys.executable, "-m", "composer_par.cli", "demo", "--json", "--checkpoint-dir",
          str(tmp_path / "ckpt"), "--seq-len", "32", "--steps", "4", "--timeout", str(timeout)],
         stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, FREEZE_ENV: "0:2", "COMPOSER_PAR_TEST_MARK": mark},
+        env={**os.environ, FREEZE_ENV: "0:2", processes.MARK_ENV: mark},
     ) as demo_proc:
         assert demo_proc.stderr is not None
         stream = demo_proc.stderr
@@ -98,11 +84,10 @@ def test_a_frozen_rank_ends_the_run_at_the_timeout_named_leaving_no_process(
             code = demo_proc.wait(timeout=400)
             ended = time.monotonic()
             reader.join(timeout=10)
-            stray = _processes_marked(mark)
+            stray = processes.marked(mark)
         finally:
             demo_proc.kill()
-            for pid in _processes_marked(mark):
-                os.kill(pid, signal.SIGKILL)
+            processes.kill_marked(mark)
     stderr = "".join(line for _, line in lines)
     assert code == 1, stderr[-3000:]
     assert stray == [], f"processes left behind: {stray}"

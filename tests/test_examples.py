@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from composer_par.cli.main import main as cli
+from composer_par.hangs import ROLL_CALL_S
+from tests import processes
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -18,6 +23,7 @@ LAUNCHES = {
     "hsdp.toml": ["--nodes", "2", "--devices-per-node", "4"],
     "fsdp_tp.toml": ["--world-size", "4"],
     "hsdp_fsdp_tp.toml": [],  # its [topology] says 2 x 4
+    "hsdp_two_nodes.toml": ["--nodes", "2", "--devices-per-node", "2"],
 }
 
 
@@ -50,3 +56,44 @@ def test_train_py_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
     assert "step-000000002" in first
     resumed = train("--steps", "4", "--resume")
     assert '"resumed"' in resumed and "step-000000004" in resumed
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_train_py_ends_a_job_with_a_frozen_rank_at_the_plans_timeout_naming_it(
+        tmp_path: Path) -> None:
+    # The plan's timeout is the job's: init_process_group gets it too (a 1-D mesh runs on
+    # the default group). Before, train.py's default group waited torch's 30 minutes.
+    timeout = 8
+    plan = tmp_path / "plan.toml"
+    plan.write_text((EXAMPLES / "plans" / "fsdp.toml").read_text()
+                    + f"\n[plan]\ntimeout = {timeout}\n")
+    mark = processes.new_mark()
+    lines: list[tuple[float, str]] = []
+    with subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--monitor-interval", "0.2", str(EXAMPLES / "train.py"), str(plan), "--seq-len", "32",
+         "--steps", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "COMPOSER_PAR_TRAIN_FREEZE": "1:2", processes.MARK_ENV: mark},
+    ) as run:
+        assert run.stderr is not None
+        stream = run.stderr
+        reader = threading.Thread(target=lambda: lines.extend(
+            (time.monotonic(), line) for line in stream), daemon=True)
+        reader.start()
+        try:
+            code = run.wait(timeout=240)
+            ended = time.monotonic()
+            reader.join(timeout=10)
+            left = processes.marked(mark)
+        finally:
+            run.kill()
+            processes.kill_marked(mark)
+    stderr = "".join(line for _, line in lines)
+    assert code == 1, stderr[-3000:]
+    assert left == [], f"processes left behind: {left}"
+    frozen_at = next(t for t, line in lines if "rank 1: frozen at step 2" in line)
+    assert ended - frozen_at < timeout + ROLL_CALL_S + 15, stderr[-3000:]
+    assert ("StuckRankError: rank 1 never joined: rank 0 timed out after 8 s" in stderr), \
+        stderr[-3000:]
