@@ -31,6 +31,7 @@ FUZZ = settings(max_examples=150, deadline=None,
 def assert_same_plan(a: ParallelPlan, b: ParallelPlan) -> None:
     assert b.mesh == a.mesh  # names, sizes and order
     assert b.topology == a.topology
+    assert b.timeout == a.timeout
     assert [type(p) for p in b.plugins] == [type(p) for p in a.plugins]
     assert b.plugins == a.plugins
     # attrs equality says 1 == True; the text also tells an int from a bool.
@@ -95,6 +96,22 @@ def test_odd_strings_and_keys_round_trip() -> None:
     plan = ParallelPlan(MeshSpec(**{"é": 2, "_x1": 1})).use(FSDP2(dim="é", blocks=odd, after=[odd]))
     plan.use(MetaInit(device=odd, init_fn=f"{odd}:{odd}"))
     assert_same_plan(plan, ParallelPlan.from_toml(plan.to_toml()))
+
+
+def test_the_timeout_is_written_only_when_not_the_default_and_reads_back() -> None:
+    assert "[plan]" not in ParallelPlan(MeshSpec(a=1), timeout=300).to_toml()
+    plan = ParallelPlan(MeshSpec(a=1), timeout=45)
+    assert plan.to_toml() == "[mesh]\na = 1\n\n[plan]\ntimeout = 45\n"
+    assert_same_plan(plan, ParallelPlan.from_toml(plan.to_toml()))
+    read = ParallelPlan.from_toml("[plan]\ntimeout = 2.5\n[mesh]\na = 1")
+    assert read.timeout.total_seconds() == 2.5
+
+
+def test_a_bad_timeout_names_the_value() -> None:
+    with pytest.raises(PlanFileError) as info:
+        ParallelPlan.from_toml("[mesh]\na = 1\n[plan]\ntimeout = -5")
+    [finding] = info.value.report.findings
+    assert finding.message == "[plan]: timeout must be a finite number of seconds > 0; got -5"
 
 
 def test_a_path_reads_like_text(tmp_path: Path) -> None:
@@ -203,6 +220,15 @@ def test_every_problem_is_reported_at_once() -> None:
         (f"[mesh]\na = {MAX_RANKS}\nb = 2", ["CP506"]),
         (f"[mesh]\na = {2**63 - 1}\nb = -1", ["CP506"]),
         (f"[mesh]\na = 1\n[topology]\nnodes = {MAX_RANKS}\ndevices_per_node = 2", ["CP506"]),
+        ("plan = 3\n[mesh]\na = 1", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = 0", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = -5", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = nan", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = inf", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = 1e300", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = '300'", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeout = true", ["CP506"]),
+        ("[mesh]\na = 1\n[plan]\ntimeut = 30", ["CP503"]),
     ],
 )
 def test_bad_files_give_their_code(text: str, codes: list[str]) -> None:
@@ -300,9 +326,12 @@ def meshes(draw: st.DrawFn) -> MeshSpec:
     return MeshSpec.from_pairs(dims)
 
 
+timeouts = st.one_of(st.none(), st.integers(1, 10**9), st.floats(1e-3, 1e9))
+
+
 @st.composite
 def plans(draw: st.DrawFn) -> ParallelPlan:
-    plan = ParallelPlan(draw(meshes()), topology=draw(topologies))
+    plan = ParallelPlan(draw(meshes()), topology=draw(topologies), timeout=draw(timeouts))
     for plugin in draw(st.lists(st.one_of(fsdp2s, meta_inits), max_size=4)):
         plan.use(plugin)
     return plan

@@ -309,7 +309,7 @@ class ParallelPlan:
     @classmethod
     def from_parts(cls, parts: PlanParts) -> ParallelPlan:
         """A plan from what a plan file says (:func:`composer_par.planfile.parts_from_data`)."""
-        plan = cls(parts.mesh, topology=parts.topology)
+        plan = cls(parts.mesh, topology=parts.topology, timeout=parts.timeout)
         for plugin in parts.plugins:
             plan.use(plugin)
         return plan

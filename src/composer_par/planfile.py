@@ -12,6 +12,9 @@ devices_per_node = 8
 [[plugins]]            # each names a registered plugin and gives its options
 name = "fsdp2"
 reshard_after_forward = true
+
+[plan]                 # optional
+timeout = 300          # seconds a rank waits in a collective of the plan's groups
 ```
 
 Reading collects every problem before reporting (codes CP5xx) and never raises
@@ -32,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from composer_par.findings import Finding, Report, did_you_mean
-from composer_par.mesh import INFER, MeshError, MeshSpec
+from composer_par.mesh import DEFAULT_TIMEOUT_S, INFER, MeshError, MeshSpec, as_timeout
 from composer_par.topology import Topology, TopologyError
 
 if TYPE_CHECKING:
@@ -41,7 +44,8 @@ if TYPE_CHECKING:
     from composer_par.plugin.registry import Registry
 
 
-TOP_LEVEL = ("mesh", "topology", "plugins")
+TOP_LEVEL = ("mesh", "topology", "plugins", "plan")
+PLAN_KEYS = ("timeout",)
 TOPOLOGY_KEYS = tuple(f.name for f in attrs.fields(Topology))
 # Static validation and explain do rank arithmetic in Python, linear in the number of
 # ranks (~0.5 s at this size). A file asking for more is a typo, not a cluster.
@@ -124,6 +128,7 @@ class PlanParts:
     mesh: MeshSpec
     topology: Topology | None
     plugins: tuple[Plugin, ...]
+    timeout: float | None = None  # [plan] timeout, seconds; None: the default
 
 
 def read_plan(source: str | Path, *, registry: Registry | None = None) -> PlanParts:
@@ -146,9 +151,10 @@ def parts_from_data(
     mesh = _mesh(data.get("mesh"), problems)
     topology = _topology(data.get("topology"), problems)
     plugins = _plugins(data.get("plugins", []), registry or Registry(), problems)
+    timeout = _plan_table(data.get("plan"), problems)
     if problems or mesh is None:
         raise PlanFileError(Report.of(problems), name)
-    return PlanParts(mesh, topology, tuple(plugins))
+    return PlanParts(mesh, topology, tuple(plugins), timeout)
 
 
 def _unknown(key: str, known: tuple[str, ...] | list[str], what: str) -> Finding:
@@ -228,6 +234,28 @@ def _topology(table: Any, problems: list[Finding]) -> Topology | None:
             "lay out", fix="check nodes and devices_per_node for a typo"))
         return None
     return topology
+
+
+def _plan_table(table: Any, problems: list[Finding]) -> float | None:
+    """[plan]: settings of the whole plan; its timeout in seconds, or None."""
+    if table is None:
+        return None
+    if not isinstance(table, Mapping):
+        problems.append(_wrong("[plan] must be a table", fix="write [plan] and timeout = SECONDS"))
+        return None
+    for key in table:
+        if key not in PLAN_KEYS:
+            problems.append(_unknown(str(key), PLAN_KEYS, "[plan] key"))
+    value = table.get("timeout")
+    if value is None:
+        return None
+    try:
+        as_timeout(value)
+    except (TypeError, ValueError) as exc:
+        problems.append(_wrong(f"[plan]: {exc}", fix="timeout = seconds, a number > 0, "
+                               "e.g. 300"))
+        return None
+    return float(value)
 
 
 def _plugins(entries: Any, registry: Registry, problems: list[Finding]) -> list[Plugin]:
@@ -331,6 +359,10 @@ def dump_plan(plan: ParallelPlan) -> str:
     """
     lines = ["[mesh]"]
     lines += [f"{toml_key(name)} = {size}" for name, size in plan.mesh.dims]
+    seconds = as_timeout(plan.timeout).total_seconds()
+    if seconds != DEFAULT_TIMEOUT_S:
+        whole = seconds.is_integer()
+        lines += ["", "[plan]", f"timeout = {toml_value(int(seconds) if whole else seconds)}"]
     if plan.topology is not None:
         lines += ["", "[topology]"]
         lines += [f"{k} = {toml_value(v)}" for k, v in plan.topology.to_dict().items()]
