@@ -13,7 +13,7 @@ from composer_par.estimate.layout import DimInfo, Layout, run_nodes
 from composer_par.estimate.model_shape import ModelShape
 from composer_par.estimate.units import bytes_of
 from composer_par.estimate.workload import Workload
-from composer_par.plugin import Role
+from composer_par.plugin.base import Role
 
 if TYPE_CHECKING:
     from composer_par.estimate.parts import EstimatePart

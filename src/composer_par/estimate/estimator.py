@@ -14,7 +14,7 @@ from composer_par.estimate.parts import EstimatePart, plugin_parts
 from composer_par.estimate.report import ACCOUNTING, format_estimate
 from composer_par.estimate.timing import DimTraffic, bandwidths, dim_traffic
 from composer_par.estimate.workload import Workload
-from composer_par.plugin import Role
+from composer_par.plugin.base import Role
 
 if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan

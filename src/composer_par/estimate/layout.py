@@ -13,7 +13,7 @@ import attrs
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.units import optional_dtype
 from composer_par.mesh import MeshSpec
-from composer_par.plugin import EstimateSettings, Role
+from composer_par.plugin.base import EstimateSettings, Role
 from composer_par.topology import Topology
 
 if TYPE_CHECKING:

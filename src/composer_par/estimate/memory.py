@@ -13,7 +13,7 @@ from composer_par.estimate.layout import Layout
 from composer_par.estimate.model_shape import ModelShape
 from composer_par.estimate.units import bytes_of
 from composer_par.estimate.workload import AC_MODES, Workload
-from composer_par.plugin import Role
+from composer_par.plugin.base import Role
 
 if TYPE_CHECKING:
     from composer_par.estimate.parts import EstimatePart

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_par.estimate.memory import optimizer_bytes
 from composer_par.estimate.units import bytes_of, format_bytes, format_count, format_seconds
-from composer_par.plugin import Role
+from composer_par.plugin.base import Role
 from composer_par.tables import table
 
 if TYPE_CHECKING:

@@ -1,7 +1,81 @@
-"""Everything a plugin author touches, in one import (placeholder; the guide follows)."""
+"""Everything a plugin author touches, in one import: ``composer_par.plugin``.
+
+The built-in plugins (FSDP2, HSDP, TP, ...) are written against exactly this package, and
+so is a third party's. A plugin is a frozen attrs class deriving from :class:`Plugin`:
+its fields are its options (the names a plan file uses), ``name`` is its registry name,
+``rules`` its catalog of finding codes, and its methods marked ``@hookimpl`` act in the
+hooks of :mod:`composer_par.plugin.hookspecs` (the reference: one docstring per hook)::
+
+    from typing import Any, ClassVar
+
+    import attrs
+
+    from composer_par.plugin import Finding, Plugin, Rule, Severity, hookimpl
+
+    @attrs.frozen
+    class Freeze(Plugin):
+        name: ClassVar[str] = "freeze"
+        rules: ClassVar[tuple[Rule, ...]] = (Rule(
+            "HELLO01", Severity.ERROR, "no parameter name starts with the prefix",
+            fix="set prefix to the start of a parameter name", example='prefix = "embed"'),)
+
+        prefix: str = attrs.field(default="embed")
+
+        @hookimpl
+        def composer_par_validate_model(self, model: Any) -> list[Finding]:
+            if any(n.startswith(self.prefix) for n, _ in model.named_parameters()):
+                return []
+            return [Finding("HELLO01", f"no parameter name starts with {self.prefix!r}")]
+
+        @hookimpl
+        def composer_par_convert(self, ctx: Any) -> str:
+            frozen = [p.requires_grad_(False) for n, p in ctx.model.named_parameters()
+                      if n.startswith(self.prefix)]
+            return f"froze {len(frozen)} parameter(s)"
+
+Register it under the entry-point group ``composer_par.plugins`` and a plan file names it
+with ``[[plugins]] name = "freeze"``. What the package holds:
+
+* **The plugin**: :class:`Plugin`, :data:`hookimpl`; :class:`Claim` and :class:`Role` (the
+  mesh dims a plugin owns: shard, replicate, model parallel, other), :class:`Declaration`
+  (claims, ``provides``/``requires`` capabilities, ``after``/``before`` ordering, whether it
+  needs blocks, its checkpointing policy), :class:`Stage` and :data:`STAGES` (the apply
+  order: convert, pipeline split, tensor parallel, activation checkpoint, compile, data
+  parallel, materialize, finalize).
+* **Options** that check what a plan file hands in and name the option when it is wrong:
+  :func:`dim_option`, :func:`blocks_option`, :func:`ordering_option`, :func:`int_option`,
+  :func:`bool_option`, :func:`dtype_option` (one table of dtype names for the project,
+  :func:`dtype_name`).
+* **Findings**: :class:`Finding` (code, message, fix; made inside a hook it names the
+  plugin), :class:`Severity`, :class:`Rule` (a catalog entry: code, severity, meaning, fix,
+  example), :func:`did_you_mean`. Third parties use their own code prefix.
+* **What hooks read**: :class:`PlanView`, the read-only view of the plan hooks receive as
+  ``plan`` (mesh, topology, world size, declarations, replicate dims, comm hooks; no plugin
+  objects, so no plugin reads another's options); :class:`ApplyContext`, what stage hooks
+  receive (the model, the shared blocks, the mesh, ``submesh()``, the device, the typed
+  ``data_parallel_modules`` and ``installed_comm_hooks``); :class:`HookCaller`, the plan's
+  one hook caller (``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
+  :class:`BlockSpec`, :func:`clean_name`.
+* **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
+  :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
+  (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`).
+* **Helpers more than one plugin needs**: :mod:`composer_par.plugin.wrapping` (blocks
+  already wrapped), :mod:`composer_par.plugin.initialize` (layout-invariant
+  initialization), :mod:`composer_par.plugin.loader` (the weights-loader base),
+  :mod:`composer_par.plugin.fsdp_state` (every read or write of torch-private FSDP state,
+  behind one torch-version gate).
+
+Facts pass between plugins only through hook answers and the typed fields of the context:
+never import another plugin or read its options. docs/writing-plugins.md is the long
+form, starting from the plugin above.
+"""
 
 from composer_par.blocks import Block, BlockSpec, clean_name, names_near
 from composer_par.dtypes import DtypeError, dtype_name
+
+# The estimator's modules import composer_par.plugin.base, not this package: no cycle.
+from composer_par.estimate.collectives import Collective
+from composer_par.estimate.parts import EstimatePart
 from composer_par.findings import Finding, Report, Rule, Severity, did_you_mean
 from composer_par.mesh import MeshSpec
 from composer_par.plugin.base import (
@@ -54,10 +128,12 @@ __all__ = [
     "Block",
     "BlockSpec",
     "Claim",
+    "Collective",
     "CommHook",
     "CommSetup",
     "Declaration",
     "DtypeError",
+    "EstimatePart",
     "EstimateSettings",
     "Finding",
     "GradBucket",
