@@ -166,3 +166,21 @@ def test_from_env_agrees_with_the_number_of_nodes_that_joined() -> None:
     # Two nodes of 2 and 4 processes: the node with 2 would see 3 nodes of 2.
     with pytest.raises(TopologyError, match="GROUP_WORLD_SIZE=2 nodes x LOCAL_WORLD_SIZE=2"):
         Topology.from_env({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"})
+
+
+# -- the document of these promises -----------------------------------------------------------
+
+
+def test_every_test_named_in_docs_reliability_exists() -> None:
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    text = (root / "docs" / "reliability.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text)
+    assert len(named) >= 20
+    for path, name in named:
+        tree = ast.parse((root / path).read_text())
+        functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in functions, f"docs/reliability.md names {path}::{name}, which is gone"
