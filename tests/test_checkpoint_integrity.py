@@ -24,6 +24,7 @@ from composer_par import LoadCheckpoint, LoadSafetensors, MeshSpec, ParallelPlan
 from composer_par import checkpoint as ck
 from composer_par.checkpoint import steps
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
+from composer_par.checkpoint.integrity import digest_ranges
 from composer_par.checkpoint.safetensors_io import read_header, save_file
 from composer_par.checkpoint.sources import WeightsSource
 from composer_par.cli.main import main
@@ -71,7 +72,13 @@ def test_the_commit_records_every_file_and_a_clean_step_verifies(
                                     "rng/rank-00000.safetensors"}
     shard = record["files"]["__0_0.distcp"]
     assert shard["size"] == (saved / "__0_0.distcp").stat().st_size
-    assert len(shard["segments"]) > 10  # one per stored chunk: a loader checks what it reads
+    # One segment per stored chunk (digested as written), as a read-back would give them:
+    # a loader checks exactly what it reads.
+    metadata = pickle.loads((saved / ".metadata").read_bytes())
+    chunks = [(i.offset, i.length) for i in metadata.storage_data.values()]
+    assert [tuple(s[:2]) for s in shard["segments"]] == sorted(chunks)
+    assert steps.read_manifest(saved).files["__0_0.distcp"] == digest_ranges(  # type: ignore[union-attr]
+        saved / "__0_0.distcp", chunks)
     assert ck.verify(saved) == []
     code, out, _ = cli(["inspect", str(saved), "--verify"], capsys)
     assert code == 0 and "commit: committed and verified: every byte of its 4 file(s)" in out
@@ -83,12 +90,18 @@ def test_the_commit_records_every_file_and_a_clean_step_verifies(
 def test_flipped_bytes_in_a_shard_are_found_by_every_reader(
         saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shard = saved / "__0_0.distcp"
-    flip(shard, 5000)  # inside the first stored chunk: a model tensor, read by every reader
+    key = "model.layers.1.attention.wq.weight"
+    metadata = pickle.loads((saved / ".metadata").read_bytes())
+    (chunk,) = [v for k, v in metadata.storage_data.items() if k.fqn == key]
+    flip(shard, chunk.offset + chunk.length // 2)  # in the middle of that tensor's bytes
     model, optimizer, before = fresh()
-    with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes \d+-\d+ \(\S+\) differ "
-                       r"from what was committed \(crc32"):
+    with pytest.raises(CorruptFileError, match=rf"__0_0\.distcp: bytes {chunk.offset}-"
+                       rf"{chunk.offset + chunk.length - 1} \({key}\) differ from what was "
+                       r"committed \(crc32"):
         ck.load(saved, model, optimizer)
-    assert_same(state(model), before)  # checked before a byte reached the model
+    # The corrupt chunk was checked before DCP read it: its tensor kept its old value.
+    assert torch.equal(state(model)[key.removeprefix("model.")], before[key.removeprefix(
+        "model.")])
     with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes"):
         ck.load_checkpoint_weights(model, saved)
     with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes"):

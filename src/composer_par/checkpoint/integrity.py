@@ -8,8 +8,9 @@ unit), so that a rank loading a checkpoint checks exactly the bytes it reads; fo
 other files (``.metadata``, ``composer_par.json``, the RNG files) the whole file.
 Segments tile their file, so checking every segment of a file checks every byte.
 
-Each rank digests the files it wrote, right after writing them (from the page cache);
-rank 0 gathers the records and writes them into the marker, last. ``load`` checks
+Each rank digests the shard files it writes as the bytes go out (no byte is read back),
+and its other files right after writing them; rank 0 gathers the records and writes
+them into the marker, last. ``load`` checks
 ``.metadata`` and ``composer_par.json`` before using them, and each stored chunk before
 DCP reads it, so corrupt bytes never reach the model; ``inspect --verify`` checks every
 byte of every file.
@@ -250,25 +251,94 @@ def _differs(path: Path, offset: int, length: int, expected: int, got: int,
 # -- DCP storage ------------------------------------------------------------------------------
 
 
+class _DigestingStream:
+    """A file being written, digested as it is written: a CRC-32 per segment, where a
+    segment ends wherever the writer asks for its position (DCP asks at the start and end
+    of every stored chunk), so no byte is read back."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.position = 0
+        self.start = 0
+        self.crc = 0
+        self.segments: list[tuple[int, int, int]] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        written = len(view) if written is None else written
+        self.crc = zlib.crc32(view[:written], self.crc)
+        self.position += written
+        return written
+
+    def tell(self) -> int:
+        self._cut()
+        return self.position
+
+    def _cut(self) -> None:
+        if self.position > self.start:
+            self.segments.append((self.start, self.position - self.start, self.crc))
+        self.start, self.crc = self.position, 0
+
+    def record(self) -> FileRecord:
+        self._cut()
+        return FileRecord(self.position, tuple(self.segments))
+
+    def __getattr__(self, name: str) -> Any:  # fileno, flush, close, ...: the file's own
+        return getattr(self.raw, name)
+
+
+def _aligned(record: FileRecord, spans: list[tuple[int, int]]) -> bool:
+    """Whether every chunk written starts and ends on a segment boundary."""
+    cuts = {0, record.size} | {o for o, _, _ in record.segments} | {
+        o + n for o, n, _ in record.segments}
+    return all(o in cuts and o + n in cuts and o + n <= record.size for o, n in spans)
+
+
 def digesting_writer(path: Path, **kwargs: Any) -> Any:
-    """A DCP ``FileSystemWriter`` that digests every file it wrote, by chunk, once the
-    file is written (``writer.records``: file name -> FileRecord)."""
+    """A DCP ``FileSystemWriter`` that digests every shard file it writes, by stored
+    chunk, as the bytes go out (``writer.records``: file name -> FileRecord). Should a
+    chunk not fall on a segment boundary (a writer that asks for its position elsewhere),
+    that file is digested again from the page cache, by chunk."""
+    from contextlib import contextmanager
+
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    streams: dict[str, _DigestingStream] = {}
+
+    class DigestingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            with super().create_stream(path, mode) as raw:
+                if mode != "wb" or not str(path).endswith(SHARD_SUFFIX):
+                    yield raw
+                    return
+                stream = _DigestingStream(raw)
+                streams[Path(path).name] = stream
+                yield stream
 
     class DigestingWriter(FileSystemWriter):
         records: dict[str, FileRecord]
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             future = super().write_data(plan, planner)
-            ranges: dict[str, list[tuple[int, int]]] = {}
+            spans: dict[str, list[tuple[int, int]]] = {}
             for result in future.wait():
                 info = result.storage_data
-                ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-            self.records = {name: digest_ranges(Path(self.path) / name, spans)
-                            for name, spans in ranges.items()}
+                spans.setdefault(info.relative_path, []).append((info.offset, info.length))
+            self.records = {}
+            for name, chunks in spans.items():
+                stream = streams.get(Path(name).name)
+                record = stream.record() if stream is not None else None
+                if record is None or not _aligned(record, chunks) or \
+                        record.size != os.path.getsize(Path(self.path) / name):
+                    record = digest_ranges(Path(self.path) / name, chunks)
+                self.records[name] = record
             return future
 
     writer = DigestingWriter(path, **kwargs)
+    writer.fs = DigestingFileSystem()
     writer.records = {}
     return writer
 
@@ -276,11 +346,12 @@ def digesting_writer(path: Path, **kwargs: Any) -> Any:
 def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, *,
                      collective: bool = False) -> Any:
     """A DCP ``FileSystemReader`` of ``directory`` that takes the (already checked)
-    ``metadata`` and, before DCP reads anything, checks the size of each file this rank
-    will read and, with a ``manifest``, every stored chunk it will read. With
-    ``collective`` (every rank of the default process group loads) the ranks agree on
-    the checks before any rank reads a byte into the model, so a corrupt file leaves
-    every rank's model as it was. Errors name the file (and the key)."""
+    ``metadata``; before it reads anything it checks that every file this rank will read
+    has its committed size (with ``collective``, every rank of the default process group
+    loads, and the ranks agree on that first), and with a ``manifest`` it checks each
+    stored chunk's digest before DCP reads that chunk into the model. The checks run in a
+    thread ahead of DCP's reading (zlib and ``pread`` release the GIL), so they cost
+    little time where a core is free. Errors name the file (and the key)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from composer_par.checkpoint import _dist
@@ -297,17 +368,14 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
             return metadata
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            import dataclasses
-
             per_file: dict[str, list[Any]] = {}
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                     []).append(item)
-            scratch = memoryview(bytearray(BLOCK))
             problem: CheckpointError | None = None
             try:
                 for name, items in per_file.items():
-                    self._check(name, items, scratch)
+                    self._check_size(name, items)
             except CheckpointError as exc:
                 problem = exc
             if collective:
@@ -319,40 +387,67 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
                 raise problem
             future = None
             for name, items in per_file.items():
+                items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+                future = self._read_file(plan, planner, name, items)
+            return future if future is not None else super().read_data(plan, planner)
+
+        def _check_size(self, name: str, items: list[Any]) -> None:
+            path = contained(directory, name, what=str(directory / ".metadata"))
+            if manifest is not None:
+                manifest.check_size(name)
+                return
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise CorruptFileError(f"{path}: missing (.metadata names it)") from None
+            end = max(self.storage_data[i.storage_index].offset
+                      + self.storage_data[i.storage_index].length for i in items)
+            if size < end:
+                raise CorruptFileError(f"{path}: truncated: {size} bytes, .metadata places "
+                                       f"data up to byte {end}")
+
+        def _read_file(self, plan: Any, planner: Any, name: str, items: list[Any]) -> Any:
+            """DCP reads ``items`` of file ``name`` one by one, each once a thread has
+            checked its chunk (the thread runs ahead, reading the next chunks)."""
+            import dataclasses
+            from concurrent.futures import ThreadPoolExecutor
+
+            def read(chunk: list[Any]) -> Any:
                 try:
-                    future = super().read_data(dataclasses.replace(plan, items=items), planner)
+                    future = super(VerifyingReader, self).read_data(
+                        dataclasses.replace(plan, items=chunk), planner)
                     future.wait()
+                    return future
                 except CheckpointError:
                     raise
                 except (EOFError, OSError, RuntimeError, ValueError) as exc:
                     raise CorruptFileError(f"{directory / name}: unreadable: "
                                            f"{type(exc).__name__}: {exc}") from exc
-            if future is None:
-                future = super().read_data(plan, planner)
-            return future
 
-        def _check(self, name: str, items: list[Any], scratch: memoryview) -> None:
-            path = contained(directory, name, what=str(directory / ".metadata"))
-            spans = [(self.storage_data[i.storage_index], i.storage_index.fqn) for i in items]
-            if manifest is not None:
-                manifest.check_size(name)
-            else:
+            if manifest is None:
+                return read(items)
+            scratch = memoryview(bytearray(BLOCK))
+            fd = os.open(directory / name, os.O_RDONLY)
+
+            def check(item: Any) -> int:
+                info = self.storage_data[item.storage_index]
+                return manifest.check_range(name, info.offset, info.length, fd, scratch,
+                                            item.storage_index.fqn)
+
+            future = None
+            # One checking thread: it runs in order, so the scratch buffer is its own.
+            with ThreadPoolExecutor(1, thread_name_prefix="composer-par-verify") as pool:
+                checked = [pool.submit(check, item) for item in items]
                 try:
-                    size = os.stat(path).st_size
-                except FileNotFoundError:
-                    raise CorruptFileError(f"{path}: missing (.metadata names it)") from None
-                end = max(info.offset + info.length for info, _ in spans)
-                if size < end:
-                    raise CorruptFileError(f"{path}: truncated: {size} bytes, .metadata "
-                                           f"places data up to byte {end}")
-                return
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for info, key in sorted(spans, key=lambda s: s[0].offset):
-                    self.bytes_verified += manifest.check_range(
-                        name, info.offset, info.length, fd, scratch, key)
-            finally:
-                os.close(fd)
+                    for item, done in zip(items, checked, strict=True):
+                        self.bytes_verified += done.result()
+                        future = read([item])
+                finally:
+                    for done in checked:
+                        done.cancel()
+                    pool.shutdown(wait=True)
+                    os.close(fd)
+            return future
 
     return VerifyingReader(str(directory))
 
