@@ -369,3 +369,16 @@ def load_expecting_error(path: str, layout: str, checkpoint_plugin: bool) -> str
     except (CheckpointError, PlanError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "loaded"
+
+
+def export_expecting_error(directory: str) -> str:
+    """Export the TP 2 model into ``directory``; every rank returns the error it got."""
+    from composer_par import MetaInit
+    from composer_par.checkpoint import CheckpointError, export_safetensors
+
+    _, model = build("tp_2", MetaInit(seed=4))
+    try:
+        export_safetensors(model, directory)
+    except CheckpointError as exc:
+        return str(exc)
+    return "exported"

@@ -132,6 +132,31 @@ def test_inspect_shows_who_claims_an_unfinished_step(tmp_path: Path) -> None:
     assert rows[3]["claim"]["state"] == "dead" and "not running" in rows[3]["claim"]["why"]
 
 
+def test_inspect_clean_stale_removes_only_what_nothing_writes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_par.cli.main import main
+
+    ck.save(tmp_path, reference(), step=1)
+    gone = _unfinished(tmp_path, 2, pid=dead_pid())
+    live = _unfinished(tmp_path, 3)
+    old = time.time() - 7200
+    for directory in (gone, live):
+        for path in [directory, *directory.rglob("*")]:
+            os.utime(path, (old, old))
+        data = json.loads((directory / claims.CLAIM).read_text())
+        data["claimed_at"] = old
+        (directory / claims.CLAIM).write_text(json.dumps(data))
+        os.utime(directory / claims.CLAIM, (old, old))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path), "--clean-stale", "1h", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cleaned"]["removed"] == [str(gone)]
+    assert [k["path"] for k in data["cleaned"]["kept"]] == [str(live)]
+    assert [s["step"] for s in data["steps"]] == [1, 3]
+    assert main(["inspect", str(tmp_path), "--clean-stale", "soon"]) == 2
+    assert "expected an age like 3600, 30m, 2h or 1d" in capsys.readouterr().err
+
+
 # -- real jobs ------------------------------------------------------------------------------
 
 TRIALS = 20

@@ -387,3 +387,20 @@ def test_a_corrupt_shard_of_one_rank_is_named_on_every_rank(tmp_path: Path) -> N
         for rank, error in enumerate(errors):
             assert f"{shard}: bytes" in error and "differ from what was committed" in error, (
                 plugin, rank, error)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_export_onto_a_full_disk_names_the_rank_and_the_disk_on_every_rank(
+        tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "128k") as mounted:
+        if not mounted:
+            pytest.skip("mounting a small tmpfs needs root")
+        target = tmp_path / "disk" / "out"
+        errors = run_ranks(workers.export_expecting_error, 2, args=(str(target),),
+                           timeout=200)
+        assert errors[0] == errors[1], errors  # every rank says the same
+        assert f"exporting to {target} failed, nothing written: rank " in errors[0]
+        assert f"the disk is full at {target}" in errors[0]
+        assert "another rank" not in errors[0]
+        assert list((tmp_path / "disk").iterdir()) == []  # the staging directory is gone

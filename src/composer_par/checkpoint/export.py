@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_par.checkpoint import _dist
 from composer_par.checkpoint.adapter import Identity, StateDictAdapter, file_names
-from composer_par.checkpoint.errors import CheckpointError
+from composer_par.checkpoint.errors import CheckpointError, describe_failure
 from composer_par.checkpoint.safetensors_io import (
     FileLayout,
     PlannedTensor,
@@ -117,21 +117,23 @@ def export_safetensors(
     written = 0
     try:
         written = _write_owned(tensors, names, layout.entries(staging))
-    except Exception as exc:  # every rank must still reach agree()
-        failure = f"rank {_dist.rank()}: {type(exc).__name__}: {exc}"
-    ok = _dist.agree(not failure)
-    if ok and _dist.rank() == 0:
+    except Exception as exc:  # every rank must still reach the gather
+        failure = describe_failure(exc, _dist.rank(), target, f"exporting to {target}")
+    # Every rank learns every failing rank's error, not only that one failed somewhere.
+    failures = [f for f in _dist.gather(failure) if f]
+    if not failures and _dist.rank() == 0:
         try:
             os.replace(staging, target)
             fsync_dir(target.parent)
         except OSError as exc:
             failure = f"cannot move the export into place at {target}: {exc}"
-    ok = _dist.agree(ok and not failure)
-    if not ok:
+    if not failures:
+        failures = [f for f in [_dist.broadcast(failure)] if f]
+    if failures:
         if _dist.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(f"exporting to {target} failed, nothing written"
-                              + (f": {failure}" if failure else " (on another rank)"))
+        raise CheckpointError(f"exporting to {target} failed, nothing written: "
+                              + "; ".join(dict.fromkeys(failures)))
     log.info("exported safetensors", path=str(target), files=len(layout.files),
              bytes=layout.total_bytes, written_here=written,
              seconds=round(time.perf_counter() - started, 3))
