@@ -155,3 +155,21 @@ def everyone_waits_for_everyone(timeout_s: float) -> dict[str, Any]:
     except StuckRankError as exc:
         return {"error": str(exc), "stuck": exc.stuck, "waiting": exc.waiting}
     return {}
+
+
+def lost_connections(roll_call_s: float) -> list[tuple[str, float]]:
+    """On one rank: a lost connection before any roll call, a timeout, then a lost
+    connection once the roll call is open. What each became, and how long it took."""
+    from composer_par.hangs import name_stuck_ranks
+
+    outcomes = []
+    for error in ("[pair.cc:553] Connection closed by peer [127.0.0.1]:1",
+                  "[unbound_buffer.cc:78] Timed out waiting 10ms for recv operation",
+                  "[pair.cc:553] Connection closed by peer [127.0.0.1]:1"):
+        started = time.monotonic()
+        try:
+            with name_stuck_ranks(roll_call_s=roll_call_s):
+                raise RuntimeError(error)
+        except RuntimeError as exc:
+            outcomes.append((f"{type(exc).__name__}: {exc}", time.monotonic() - started))
+    return outcomes

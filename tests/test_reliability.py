@@ -148,6 +148,20 @@ def test_when_every_rank_timed_out_none_is_named() -> None:
                                           "after 2 s: the ranks are in different collectives")
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_lost_connection_joins_an_open_roll_call_and_is_left_alone_without_one() -> None:
+    # gloo closes a pair whose wait timed out: the rank at its other end sees a lost
+    # connection, and must not be named as the one that never joined. A lost connection
+    # without a roll call is a dead peer: its error goes on unchanged.
+    [outcomes] = run_ranks(workers.lost_connections, 1, args=(0.5,), timeout=60)
+    (alone, waited), (timed_out, _), (joined, _) = outcomes
+    assert alone.startswith("RuntimeError: [pair.cc:553] Connection closed by peer")
+    assert 0.5 <= waited < 5
+    assert timed_out.startswith("StuckRankError: every rank timed out")
+    assert joined.startswith("StuckRankError: every rank timed out")
+
+
 def test_other_errors_and_errors_outside_a_job_pass_through_unchanged() -> None:
     with pytest.raises(ValueError, match=r"^boom$"), name_stuck_ranks():
         raise ValueError("boom")

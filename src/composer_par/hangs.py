@@ -7,7 +7,8 @@ until the process-group timeout, and each then reports only that *it* timed out.
 
 Inside :func:`name_stuck_ranks`, a rank whose collective times out adds itself to a roll
 call in the job's store (the one ``init_process_group`` met through), waits up to
-:data:`ROLL_CALL_S` for the other ranks that time out too, and raises
+:data:`ROLL_CALL_S` for the other ranks that time out too (or lose their connection to
+one that did: gloo closes a pair whose wait timed out), and raises
 :class:`StuckRankError` naming the ranks that never answered, with the host and pid each
 recorded on entry, so that its stack can be looked at. A job with one stuck rank thus
 ends about ``timeout + ROLL_CALL_S`` after the rank stopped, and says which one.
@@ -40,6 +41,7 @@ __all__ = ["ROLL_CALL_S", "StuckRankError", "name_stuck_ranks"]
 ROLL_CALL_S = 3.0
 _PREFIX = "composer_par/roll_call/"
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_LOST = re.compile(r"connection (closed|reset)|broken pipe|closed by peer", re.IGNORECASE)
 
 
 class StuckRankError(RuntimeError):
@@ -73,9 +75,15 @@ def name_stuck_ranks(timeout: float | timedelta | None = None, *,
     except StuckRankError:
         raise
     except Exception as exc:
-        if store is None or not _timed_out(exc):
+        if store is None:
             raise
-        raise _roll_call(store, exc, timeout, roll_call_s) from exc
+        # gloo closes a pair whose wait timed out, so the rank at its other end fails with
+        # a lost connection: that rank joins the roll call the timed-out one started. A
+        # lost connection with no roll call is a dead peer, which torchrun names.
+        if _timed_out(exc) or (_lost_connection(exc) and _roll_call_started(store,
+                                                                            roll_call_s)):
+            raise _roll_call(store, exc, timeout, roll_call_s) from exc
+        raise
 
 
 def _store() -> Any:
@@ -90,14 +98,37 @@ def _store() -> Any:
 
 
 def _timed_out(exc: BaseException) -> bool:
+    return _matches(exc, _TIMED_OUT)
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    return _matches(exc, _LOST)
+
+
+def _matches(exc: BaseException, pattern: re.Pattern[str]) -> bool:
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (RuntimeError, TimeoutError)) and _TIMED_OUT.search(str(current)):
+        if isinstance(current, (RuntimeError, TimeoutError, ConnectionError)) and \
+                pattern.search(str(current)):
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def _roll_call_started(store: Any, wait_s: float) -> bool:
+    """Whether a rank that timed out opened the roll call (within ``wait_s``: it closes
+    the connection before it can say so)."""
+    deadline = time.monotonic() + wait_s
+    try:
+        while not store.check(["timed_out"]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _roll_call(store: Any, exc: BaseException, timeout: float | timedelta | None,
