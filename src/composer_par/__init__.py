@@ -21,6 +21,7 @@ from composer_par.plugins.hsdp import HSDP
 from composer_par.plugins.load_checkpoint import LoadCheckpoint
 from composer_par.plugins.load_safetensors import LoadSafetensors
 from composer_par.plugins.meta_init import MetaInit
+from composer_par.plugins.pp import PP
 from composer_par.plugins.tp import TP
 from composer_par.topology import Topology
 
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FSDP2",
     "HSDP",
+    "PP",
     "RULES",
     "TP",
     "ActivationCheckpoint",

@@ -6,7 +6,8 @@ activation checkpointing recomputes and compile traces. In order of precedence:
 1. an explicit spec: a module path (``"layers"``: the children of that container;
    ``"model.layers.*"``: modules matching a glob) or block class names;
 2. a Hugging Face model's ``_no_split_modules`` class names;
-3. the same-class children of a ModuleList / Sequential holding the most parameters.
+3. the same-class children of a ModuleList / ModuleDict / Sequential holding the most
+   parameters (torchtitan's models keep their layers in a ModuleDict keyed "0", "1", ...).
 """
 
 from __future__ import annotations
@@ -113,15 +114,15 @@ def _by_class(model: nn.Module, classes: set[str]) -> list[Block]:
 
 
 def _largest_repeated_children(model: nn.Module) -> list[Block]:
-    """Same-class children of a list container (ModuleList / Sequential): the group
-    holding the most parameters wins. Plain attributes are not considered: a module's
+    """Same-class children of a container (ModuleList / ModuleDict / Sequential): the
+    group holding the most parameters wins. Plain attributes are not considered: a module's
     q/k/v projections are same-class siblings but not repeated units."""
     import torch.nn as nn
 
     best: list[Block] = []
     best_key = (0, 0)
     for parent_name, parent in [("", model), *_named_modules(model)]:
-        if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         children = list(parent.named_children())
         for cls, count in Counter(type(c) for _, c in children).items():

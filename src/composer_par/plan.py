@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
 
     from composer_par.planfile import PlanParts
     from composer_par.plugin.comm import InstalledCommHook
+    from composer_par.plugin.pipeline import Pipeline
     from composer_par.plugin.registry import Registry
+    from composer_par.training import TrainingStep
 
 log = get_logger(__name__)
 
@@ -81,6 +84,8 @@ class ParallelPlan:
         self.notes: dict[str, Any] = {}
         self.data_parallel_modules: list[nn.Module] = []
         self.installed_comm_hooks: list[InstalledCommHook] = []
+        # This rank's pipeline stages after apply, when a plugin split the model.
+        self.pipeline: Pipeline | None = None
 
     def use(self, plugin: Plugin) -> ParallelPlan:
         """Add a plugin; returns the plan so calls chain."""
@@ -196,6 +201,12 @@ class ParallelPlan:
         block_specs = hooks.block_specs()
         materializers = [hooks.name_of(p) for p in hooks.implementers(Stage.MATERIALIZE)]
         findings += claim_rules(mesh, decls)
+        splitters = [hooks.name_of(p) for p in hooks.implementers(Stage.PIPELINE_SPLIT)]
+        if len(splitters) > 1:
+            findings.append(Finding(
+                "CP207", f"{' and '.join(splitters)} each split the model into pipeline "
+                "stages (stage pipeline_split): a plan has one pipeline",
+                fix=f"keep one of {', '.join(splitters)}"))
         findings += plugin_rules(materializers, decls, block_specs)
         findings += topology_rules(mesh, topology, decls)
         findings += comm_hook_rules(mesh, decls, hooks.comm_hooks())
@@ -219,18 +230,40 @@ class ParallelPlan:
             log.warning("plan warning", code=finding.code, message=finding.message,
                         fix=finding.fix, plugin=finding.plugin)
         ctx = self._context(model, hooks, blocks)
+        contexts = [ctx]
         for stage in STAGES:
-            self._run_stage(ctx, stage)
+            for each in contexts:
+                self._run_stage(each, stage)
+            if stage is Stage.PIPELINE_SPLIT and ctx.pipeline is not None:
+                # Every later stage acts on each local pipeline stage: its own model and
+                # blocks, everything else (applied steps, notes, FSDP modules) shared.
+                contexts = [attrs.evolve(ctx, model=part.module, blocks=part.blocks)
+                            for part in ctx.pipeline.parts]
         check_installed(ctx, hooks.comm_hooks())
         self._log_layout(ctx)
         self.applied, self.notes = ctx.applied, ctx.notes
         self.data_parallel_modules = ctx.data_parallel_modules
         self.installed_comm_hooks = ctx.installed_comm_hooks
+        self.pipeline = ctx.pipeline
         if ctx.data_parallel_modules:
             from composer_par.guard import guard_optimizers
 
-            guard_optimizers(ctx.model)  # an optimizer built after a forward fails to step
+            # An optimizer built after a forward fails to step; with a pipeline the
+            # forwards run on the parts.
+            for each in contexts:
+                guard_optimizers(each.model)
         return ctx.model
+
+    def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]
+                      ) -> TrainingStep:
+        """The one training loop for every plan: ``step(inputs, targets)`` runs forward,
+        loss and backward (through the pipeline schedule when the plan has one) and
+        returns the global-batch mean loss; ``clip_grad_norm_`` clips across meshes and
+        pipeline stages. ``model`` is what :meth:`apply` returned; ``loss_fn(outputs,
+        targets)`` gives the mean loss of a batch. See :mod:`composer_par.training`."""
+        from composer_par.training import TrainingStep
+
+        return TrainingStep(self, model, loss_fn)
 
     def _context(self, model: nn.Module, hooks: HookCaller, blocks: list[Block]
                  ) -> ApplyContext:
@@ -256,8 +289,13 @@ class ParallelPlan:
 
     def _run_stage(self, ctx: ApplyContext, stage: Stage) -> None:
         """One stage through pluggy; one applied step (and log event) per plugin."""
+        # A stage after the split acts on one pipeline stage: the detail says which.
+        part = next((p.stage for p in ctx.pipeline.parts if p.module is ctx.model), None
+                    ) if ctx.pipeline is not None else None
         for call in ctx.hooks.call_stage(stage, ctx):
             detail = stage.label if call.answer is None else str(call.answer)
+            if part is not None:
+                detail = f"pipeline stage {part}: {detail}"
             ctx.applied.append(AppliedStep(stage.label, call.plugin.name, detail))
             log.info("applied", stage=stage.label, plugin=call.plugin.name, detail=detail,
                      seconds=round(call.seconds, 4))

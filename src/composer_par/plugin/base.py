@@ -25,6 +25,7 @@ class Stage(enum.Enum):
     """The canonical apply order (DESIGN.md section 4); the value is the hook name."""
 
     CONVERT = "composer_par_convert"
+    PIPELINE_SPLIT = "composer_par_pipeline_split"
     TENSOR_PARALLEL = "composer_par_tensor_parallel"
     ACTIVATION_CHECKPOINT = "composer_par_activation_checkpoint"
     COMPILE = "composer_par_compile"

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook, InstalledCommHook
+    from composer_par.plugin.pipeline import Pipeline
     from composer_par.plugin.view import PlanView
 
 
@@ -48,6 +49,10 @@ class ApplyContext:
     # A plugin's own results for the user, by the plugin's choice of key (e.g. TP's
     # resolved plan): ``plan.notes`` after apply. Not a channel between plugins.
     notes: dict[str, Any] = attrs.Factory(dict)
+    # The pipeline stages this rank holds, set in the pipeline_split stage. The stages
+    # after it run once per local part, each with its own context whose ``model`` and
+    # ``blocks`` are that part's (the other fields are shared); None without a pipeline.
+    pipeline: Pipeline | None = None
 
     @property
     def rank(self) -> int:

@@ -10,7 +10,7 @@ Kinds of hook:
 * **validation** -- findings about the plan (static, no torch) or the model.
 * **composition** -- how plugins cooperate without knowing each other: one plugin
   contributes (HSDP: its replicate dim), another asks (FSDP2: which dims to replicate over).
-* **stage** -- the seven steps of the apply order. ``ParallelPlan.apply`` calls them in
+* **stage** -- the eight steps of the apply order. ``ParallelPlan.apply`` calls them in
   the order of :class:`~composer_par.plugin.Stage`, never in registration order. Within a
   stage, plugins run in ``use()`` order adjusted by their declared ``after``/``before``.
   Each stage hook returns a short description of what it did (or None): one log event
@@ -154,6 +154,18 @@ def composer_par_state_dict_adapter(plan: ParallelPlan, model: nn.Module) -> Any
 @hookspec
 def composer_par_convert(ctx: ApplyContext) -> str | None:
     """Stage 1: module swaps (float8, quantization, adapters) before any sharding."""
+
+
+@hookspec
+def composer_par_pipeline_split(ctx: ApplyContext) -> str | None:
+    """Stage 1b: cut the model into pipeline stages over a pipeline mesh dim.
+
+    Called: once per apply, after convert (so the split sees the final module types) and
+    before tensor parallel. The plugin keeps only this rank's part(s) of ``ctx.model`` and
+    sets ``ctx.pipeline`` (a :class:`~composer_par.plugin.pipeline.Pipeline`); every later
+    stage then runs once per local part, with ``ctx.model`` and ``ctx.blocks`` that part's.
+    At most one plugin may split a plan.
+    """
 
 
 @hookspec

@@ -1,0 +1,369 @@
+"""PP: pipeline parallelism over the ``pp`` mesh dim with torch's own schedules.
+
+The model is cut into stages of contiguous blocks (:mod:`.split`) in its own stage of the
+apply order, ``pipeline_split``: after convert, before tensor parallel, so that every
+later stage (TP, activation checkpointing, compile, FSDP2, materialize, finalize) acts
+only on this rank's part(s) and a rank never materializes another stage's weights. Each
+part is the model's own root module with the other stages' modules taken out
+(:mod:`.parts`), so any model whose blocks sit in a ModuleList, ModuleDict or
+Sequential runs without edits. The training step (``plan.training_step``) runs
+``torch.distributed.pipelining``'s schedule over the parts (:mod:`.runtime`).
+
+Under FSDP2 torch's stage runs every microbatch's backward with gradient sync off and
+parameters kept unsharded after backward, then reduce-scatters the accumulated
+gradients once, after the last microbatch; the FSDP2 plugin's ``reshard_after_forward``
+is left as the user set it (docs/pp.md says why and what each choice costs).
+
+This package imports torch only inside functions: the plugin class is importable on a
+laptop, and its rules (CP601-CP610) run there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from composer_par.plugin import (
+    Claim,
+    Finding,
+    Plugin,
+    Role,
+    Rule,
+    Severity,
+    did_you_mean,
+    dim_option,
+    hookimpl,
+    ordering_option,
+)
+
+from .schedules import (
+    SCHEDULES,
+    ScheduleInfo,
+    canonical,
+    fitting_microbatches,
+    microbatch_problem,
+    placement,
+)
+from .split import SplitError, StageSplit, compute_split, tied_across
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.mesh import MeshSpec
+    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
+    from composer_par.topology import Topology
+
+_E, _W = Severity.ERROR, Severity.WARNING
+_PLAN = "[mesh]\npp = 2\n\n[[plugins]]\nname = \"pp\"\n"
+
+RULES = (
+    Rule("CP601", _E, "unknown pipeline schedule",
+         "use one of torch's schedule names (any case): " + ", ".join(SCHEDULES),
+         _PLAN + "schedule = \"1f1bb\"\n"),
+    Rule("CP602", _E, "more pipeline stages than blocks",
+         "use at most as many stages (pp size x stages_per_rank) as the model has blocks",
+         "[mesh]\npp = 4\n\n[[plugins]]\nname = \"pp\"\n  # a model with 2 blocks"),
+    Rule("CP603", _E, "the microbatch count does not fit the schedule",
+         "raise microbatches to what the message names, or pick another schedule",
+         "[mesh]\npp = 4\n\n[[plugins]]\nname = \"pp\"\nschedule = \"1F1B\"\n"
+         "microbatches = 2\n"),
+    Rule("CP604", _E, "the per-rank batch cannot be cut into the microbatches",
+         "make the per-rank batch a multiple of microbatches (at least microbatches)",
+         "step = plan.training_step(model, loss_fn)  # microbatches = 4\n"
+         "step.step(tokens[:6], tokens[:6])"),
+    Rule("CP605", _E, "stages_per_rank does not fit the schedule",
+         "use stages_per_rank = 2 with ZBVZeroBubble and DualPipeV, 1 with GPipe and 1F1B",
+         _PLAN + "schedule = \"ZBVZeroBubble\"\nstages_per_rank = 1\n"),
+    Rule("CP606", _E, "a combination torch's pipelining does not support here",
+         "use a schedule without split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS), "
+         "or drop the conflicting plugin",
+         _PLAN + "schedule = \"ZBVZeroBubble\"\n\n[[plugins]]\nname = \"compile\"\n"),
+    Rule("CP607", _W, "sharding or tensor parallelism crosses nodes while pp stays inside",
+         "list pp first in [mesh], so the pipeline's point-to-point sends cross nodes and "
+         "the collectives stay inside a node",
+         "[mesh]\ndp_shard = 4\npp = 2\n\n[topology]\nnodes = 2\ndevices_per_node = 4\n\n"
+         "[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\nname = \"pp\"\n"),
+    Rule("CP608", _E, "the pipeline split cannot be made",
+         "list one module path list per stage covering every parameter once, or use "
+         "split = \"auto\"",
+         _PLAN + "split = [[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\"]]\n"),
+    Rule("CP609", _E, "tied parameters on two pipeline stages",
+         "untie them (e.g. tie_word_embeddings = false), or keep both modules on one stage",
+         "a model whose output head shares the token embedding's weight, under pp = 2"),
+    Rule("CP610", _E, "parameters on the root module under a pipeline",
+         "move root-level parameters into a submodule",
+         "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.scale = nn.Parameter(torch.ones(1))  # on the root"),
+)
+
+
+class PipelineError(ValueError):
+    """What a pipeline refuses when the plan is applied or a step runs (CP604, CP606):
+    ``finding`` holds the code, the message and the fix."""
+
+    def __init__(self, finding: Finding) -> None:
+        self.finding = finding
+        super().__init__(finding.format())
+
+
+def _positive_or_none(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be a positive int; got {value!r}")
+
+
+def _split_option(value: Any) -> str | tuple[tuple[str, ...], ...]:
+    if value in ("auto", "pp_plan"):
+        return str(value)
+    if (isinstance(value, (list, tuple)) and value and all(
+            isinstance(stage, (list, tuple)) and stage and all(isinstance(p, str) for p in stage)
+            for stage in value)):
+        return tuple(tuple(stage) for stage in value)
+    raise ValueError(
+        "split must be \"auto\", \"pp_plan\" (a Hugging Face model's own pipeline plan) or a "
+        f"list of module-path lists, one per stage; got {value!r}")
+
+
+def _schedule_name(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"schedule must be a schedule name; got {value!r}")
+
+
+@attrs.frozen
+class PP(Plugin):
+    """Pipeline parallelism (``torch.distributed.pipelining``) over ``dim`` (``pp``).
+
+    Options: ``schedule`` (torch's names, any case: GPipe, 1F1B, Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); ``microbatches`` per
+    step (default: the smallest count >= the number of stages the schedule accepts);
+    ``stages_per_rank`` (virtual stages; default 2 for the V schedules, else 1);
+    ``split``: ``"auto"`` (contiguous blocks balanced by parameter count), ``"pp_plan"``
+    (a Hugging Face model's pipeline plan), or a list of module paths per stage.
+    """
+
+    name: ClassVar[str] = "pp"
+    provides: ClassVar[frozenset[str]] = frozenset({"pipeline"})
+    needs_blocks: ClassVar[bool] = True
+    rules: ClassVar[tuple[Rule, ...]] = RULES
+
+    dim: str = dim_option("pp")
+    schedule: str = attrs.field(default="1F1B", validator=_schedule_name)
+    microbatches: int | None = attrs.field(default=None, validator=_positive_or_none)
+    stages_per_rank: int | None = attrs.field(default=None, validator=_positive_or_none)
+    split: str | tuple[tuple[str, ...], ...] = attrs.field(default="auto",
+                                                          converter=_split_option)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    def claims(self) -> tuple[Claim, ...]:
+        # Ranks along pp run different stages of the same samples: not data parallel.
+        return (Claim(self.dim, Role.OTHER),)
+
+    # -- derived settings ---------------------------------------------------------------
+
+    @property
+    def info(self) -> ScheduleInfo | None:
+        name = canonical(self.schedule)
+        return SCHEDULES[name] if name else None
+
+    def virtual_stages(self) -> int:
+        """Stages per rank: the option, else what the schedule takes (2 for V, else 1)."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        info = self.info
+        return info.stages_per_rank if info and info.stages_per_rank else 1
+
+    def microbatch_count(self, pp: int) -> int:
+        if self.microbatches is not None:
+            return self.microbatches
+        info = self.info
+        stages = pp * self.virtual_stages()
+        return fitting_microbatches(info, pp, self.virtual_stages(), stages) if info else stages
+
+    def stage_placement(self, pp: int) -> tuple[tuple[int, ...], ...]:
+        info = self.info
+        return placement(pp, pp * self.virtual_stages(), info.style if info else "loop")
+
+    def compute_split(self, model: nn.Module, blocks: Sequence[Any], pp: int) -> StageSplit:
+        return compute_split(model, blocks, self.split, pp * self.virtual_stages())
+
+    # -- validation -----------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_validate_plan(
+        self, plan: PlanView, mesh: MeshSpec, topology: Topology | None
+    ) -> list[Finding]:
+        info = self.info
+        if info is None:
+            lower = {name.lower(): name for name in SCHEDULES}
+            near = did_you_mean(self.schedule.lower(), lower)
+            for low, name in lower.items():  # torch's spelling in the suggestion
+                near = near.replace(f"'{low}'", f"'{name}'")
+            return [Finding(
+                "CP601", f"unknown pipeline schedule {self.schedule!r}{near}",
+                fix=f"use one of {', '.join(SCHEDULES)} (any case)")]
+        found: list[Finding] = []
+        per_rank = self.virtual_stages()
+        if info.stages_per_rank is not None and per_rank != info.stages_per_rank:
+            what = ("runs two stages per rank on a V-shaped placement" if info.style == "v"
+                    else "runs one stage per rank")
+            found.append(Finding(
+                "CP605", f"{info.name} {what}; stages_per_rank = {per_rank}",
+                fix=f"set stages_per_rank = {info.stages_per_rank} (or leave it out), or use "
+                + ("Interleaved1F1B or LoopedBFS for several looped stages per rank"
+                   if info.stages_per_rank == 1 else "GPipe or 1F1B for one stage per rank")))
+        size = mesh.size(self.dim) if self.dim in mesh else 0
+        if size > 0:
+            stages = size * per_rank
+            if not isinstance(self.split, str) and len(self.split) != stages:
+                found.append(Finding(
+                    "CP608", f"split lists {len(self.split)} stage(s) of module paths, and "
+                    f"the plan runs {stages} pipeline stages ({self.dim}({size}) x "
+                    f"stages_per_rank {per_rank})",
+                    fix=f"give {stages} lists of module paths, one per stage"))
+            problem = microbatch_problem(info, self.microbatch_count(size), size, per_rank)
+            if problem:
+                fit = fitting_microbatches(info, size, per_rank, self.microbatch_count(size))
+                found.append(Finding("CP603", problem,
+                                     fix=f"use microbatches = {fit} (or any larger count "
+                                     f"{info.name} accepts), or another schedule"))
+        found += self._topology(plan, mesh, topology)
+        return found
+
+    def _topology(self, plan: PlanView, mesh: MeshSpec, topology: Topology | None
+                  ) -> list[Finding]:
+        if (topology is None or self.dim not in mesh or not mesh.is_resolved
+                or topology.world_size != mesh.world_size or mesh.size(self.dim) == 1):
+            return []
+        if topology.crosses_nodes(mesh, self.dim):
+            return []
+        heavy = [c.dim for d in plan.declarations() for c in d.claims
+                 if c.role in (Role.SHARD, Role.MODEL_PARALLEL) and c.dim in mesh
+                 and mesh.size(c.dim) > 1 and topology.crosses_nodes(mesh, c.dim)]
+        if not heavy:
+            return []
+        order = [self.dim, *(n for n in mesh.names if n != self.dim)]
+        reordered = ", ".join(f"{n} = {mesh.size(n)}" for n in order)
+        return [Finding(
+            "CP607",
+            f"{', '.join(heavy)} crosses nodes on {topology.describe()} while {self.dim} "
+            f"stays inside a node: collectives ({', '.join(heavy)}) would run over the "
+            f"slow links that the pipeline's point-to-point sends need far less of",
+            fix=f"list {self.dim} first in [mesh]: {reordered}")]
+
+    @hookimpl
+    def composer_par_validate_model(self, model: nn.Module, blocks: list[Any], mesh: MeshSpec
+                                    ) -> list[Finding]:
+        if self.info is None or self.dim not in mesh or mesh.size(self.dim) < 1:
+            return []
+        try:
+            split = self.compute_split(model, blocks, mesh.size(self.dim))
+        except SplitError as exc:
+            return [Finding(exc.code, str(exc), fix=exc.fix)]
+        return [Finding(
+            "CP609", f"{a} (stage {sa}) and {b} (stage {sb}) are one tied parameter: "
+            "each stage would train its own copy",
+            fix="untie them (for a Hugging Face model: tie_word_embeddings = false), or "
+            "give both modules to one stage with an explicit split")
+            for a, b, sa, sb in tied_across(model, split)]
+
+    # -- explain --------------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
+        info = self.info
+        mesh = plan.mesh
+        size = mesh.size(self.dim) if self.dim in mesh else -1
+        how = {"auto": "contiguous blocks balanced by parameter count",
+               "pp_plan": "the model's Hugging Face pipeline plan"}.get(
+                   self.split if isinstance(self.split, str) else "",
+                   "the given module paths per stage")
+        if info is None or size < 1:
+            return [("pipeline_split", f"cut the model into stages over {self.dim} ({how})")]
+        per_rank = self.virtual_stages()
+        where = "; ".join(f"rank {r}: stage(s) {', '.join(map(str, s))}"
+                          for r, s in enumerate(self.stage_placement(size)))
+        return [
+            ("pipeline_split", f"cut the model into {size * per_rank} stages over "
+             f"{self.dim}({size}) ({how}); {where}; keep only this rank's stage(s)"),
+            ("finalize", f"{info.name} schedule with {self.microbatch_count(size)} "
+             "microbatches per step (plan.training_step runs it)"),
+        ]
+
+    # -- stages ---------------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_pipeline_split(self, ctx: ApplyContext) -> str:
+        from composer_par.plugin.pipeline import Pipeline, StagePart
+
+        from .parts import build_parts
+        from .runtime import build_schedule
+
+        info = self.info
+        assert info is not None  # validation refused an unknown schedule
+        size = ctx.mesh.size(self.dim)
+        rank = ctx.mesh.coordinate(ctx.rank)[self.dim]
+        split = self.compute_split(ctx.model, ctx.blocks, size)
+        layout = self.stage_placement(size)
+        group = ctx.submesh(self.dim).get_group()
+        _, built = build_parts(ctx.model, split.stages, split.shared, layout[rank], ctx.blocks)
+        parts = [StagePart(stage, module, blocks, owned) for stage, module, blocks, owned in built]
+        microbatches = self.microbatch_count(size)
+        device = ctx.device
+
+        def schedule(loss_fn: Any) -> Any:
+            return build_schedule(schedule=info.name, microbatches=microbatches,
+                                  num_stages=split_count, device=device, group=group,
+                                  parts=[(p.stage, p.module) for p in parts], loss_fn=loss_fn)
+
+        def check_batch(batch: int) -> None:
+            if batch < microbatches or batch % microbatches:
+                raise PipelineError(Finding(
+                    "CP604", f"the per-rank batch has {batch} sample(s), which "
+                    f"{microbatches} microbatches do not divide evenly (each microbatch must "
+                    "be as large, or the mean loss would weigh samples unevenly)",
+                    fix=f"use a per-rank batch that is a multiple of {microbatches}, or set "
+                    f"microbatches to a divisor of {batch}", plugin=self.name))
+
+        split_count = len(split.stages)
+        ctx.pipeline = Pipeline(
+            dim=self.dim, size=size, rank=rank, schedule=info.name, microbatches=microbatches,
+            split=split.stages, placement=layout, parts=parts, build_schedule=schedule,
+            check_batch=check_batch)
+        # Whatever looks at the whole model's blocks from here on sees this rank's only.
+        ctx.blocks[:] = [b for p in parts for b in p.blocks]
+        held = "; ".join(f"stage {p.stage}: {len(p.blocks)} block(s)" for p in parts)
+        return (f"{split_count} stages over {self.dim}({size}), {info.name} with "
+                f"{microbatches} microbatches; this rank: {held}")
+
+    @hookimpl
+    def composer_par_finalize(self, ctx: ApplyContext) -> str:
+        from .runtime import compiled_modules, keep_unsharded_until_backward
+
+        info = self.info
+        assert info is not None
+        if not info.split_backward:
+            return f"nothing to change for {info.name}"
+        compiled = compiled_modules([ctx.model])
+        if compiled:
+            # torch refuses torch.compile wrappers for these schedules itself; blocks
+            # compiled in place through AOTAutograd fail in the weight backward (measured
+            # on torch 2.13: "compiled with non-empty donated buffers").
+            raise PipelineError(Finding(
+                "CP606", f"{info.name} splits each backward into input and weight gradients, "
+                f"which torch does not support on compiled modules ({', '.join(compiled[:3])}"
+                " compiled)", fix="use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or drop "
+                "compile", plugin=self.name))
+        changed = keep_unsharded_until_backward(ctx.model, ctx.data_parallel_modules)
+        if not changed:
+            return "no sharded module to keep unsharded"
+        return (f"{info.name} computes weight gradients after the input gradients: "
+                f"{changed} FSDP module(s) keep parameters unsharded from forward to backward "
+                "(resharded after backward)")
+
+
+__all__ = ["PP", "RULES", "SCHEDULES", "PipelineError"]

@@ -1,0 +1,81 @@
+"""What a pipeline-splitting plugin hands the plan: :class:`Pipeline`, of :class:`StagePart`.
+
+The ``pipeline_split`` stage cuts the model into pipeline stages and keeps this rank's
+ones. It records them in ``ctx.pipeline``; every later stage (tensor parallel,
+activation checkpointing, compile, data parallel, materialize, finalize) then runs once
+per local part, with ``ctx.model`` and ``ctx.blocks`` set to that part's. After apply the
+plan exposes the same object as ``plan.pipeline``, and the training step
+(:mod:`composer_par.training`) runs the pipeline schedule through it.
+
+These are plain value types: no torch import, no knowledge of any plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.blocks import Block
+
+
+@attrs.define(eq=False)
+class StagePart:
+    """One pipeline stage held by this rank: its index, its root module, its blocks.
+
+    ``module`` runs the stage's forward: the model's own forward, with the modules of
+    other stages removed. ``modules`` names what it owns (module paths of the model).
+    """
+
+    stage: int
+    module: nn.Module
+    blocks: list[Block]
+    modules: tuple[str, ...]
+
+
+@attrs.define(eq=False)
+class Pipeline:
+    """This rank's view of the pipeline: the split, the placement, its parts, the schedule.
+
+    ``split[s]`` lists the module paths stage ``s`` owns; ``placement[r]`` the stages pp
+    rank ``r`` holds, in execution order. ``build_schedule(loss_fn)`` returns the torch
+    schedule over the local parts (``loss_fn(outputs, targets)`` gives a microbatch's mean
+    loss); ``check_batch(size)`` raises, naming both numbers, when a per-rank batch of
+    ``size`` samples cannot be cut into ``microbatches``.
+    """
+
+    dim: str  # the mesh dim the stages lie along
+    size: int  # ranks along it
+    rank: int  # this rank's coordinate on it
+    schedule: str  # torch's name of the schedule class
+    microbatches: int
+    split: tuple[tuple[str, ...], ...]
+    placement: tuple[tuple[int, ...], ...]
+    parts: list[StagePart]
+    build_schedule: Callable[[Callable[..., Any]], Any]
+    check_batch: Callable[[int], None]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split)
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        return tuple(part.stage for part in self.parts)
+
+    @property
+    def has_first(self) -> bool:
+        """This rank runs stage 0: it is given the inputs."""
+        return 0 in self.local_stages
+
+    @property
+    def has_last(self) -> bool:
+        """This rank runs the last stage: it computes the loss from the targets."""
+        return self.num_stages - 1 in self.local_stages
+
+
+__all__ = ["Pipeline", "StagePart"]

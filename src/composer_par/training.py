@@ -1,0 +1,230 @@
+"""One training loop for every plan: :class:`TrainingStep` (``plan.training_step``).
+
+    step = plan.training_step(model, loss_fn)      # loss_fn(outputs, targets) -> mean loss
+    optimizer = torch.optim.AdamW(model.parameters())
+    for inputs, targets in batches:                # this rank's shard (plan.data_shard())
+        loss = step.step(inputs, targets)           # forward, loss, backward
+        step.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+The loop is the same with or without a pipeline. Without one, ``step`` calls the model
+on the batch and backpropagates the loss. With one (``plan.pipeline``), the plugin's
+pipeline schedule cuts the per-rank batch into microbatches, runs each stage's forward
+and backward in the schedule's order, and scales gradients by the microbatch count, so
+that they equal those of one backward over the whole per-rank batch. Either way ``step``
+returns the mean loss over the global batch (every data-parallel rank's batch), the same
+on every rank.
+
+``clip_grad_norm_`` computes the norm over every parameter of the whole model, whatever
+mesh each lives on: plain tensors, DTensors sharded over some mesh dims and replicated
+over others, and parameters that live on other pipeline stages. ``torch.nn.utils.
+clip_grad_norm_`` cannot: it stacks the per-parameter norms, which fails when they are
+DTensors on different meshes (an embedding TP does not split next to FSDP2 x TP blocks),
+and it knows nothing of other stages.
+
+Each rank adds the squares of its local gradient elements, each divided by the number
+of ranks holding that element (its copies), and one all-reduce over every rank sums
+them. The copies of an element: the ranks of the world outside the pipeline dim (those
+hold the same stage), divided by the sizes of the mesh dims the parameter is sharded
+over. This rests on one property of every composer_par plan: apart from the pipeline
+stage, ranks hold the same parameters, each either whole or sharded (DTensor ``Shard``)
+over some mesh dims.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
+
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin.pipeline import Pipeline
+
+
+def _dist() -> Any:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+class TrainingStep:
+    """Forward, loss and backward of one step of ``model`` as ``plan`` applied it."""
+
+    def __init__(self, plan: ParallelPlan, model: nn.Module,
+                 loss_fn: Callable[..., torch.Tensor]) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (outputs, targets) -> loss; got "
+                            f"{loss_fn!r}")
+        self.plan = plan
+        self.model = model
+        self.loss_fn = loss_fn
+        self.pipeline: Pipeline | None = plan.pipeline
+        self._schedule: Any = None
+
+    # -- the step ---------------------------------------------------------------------
+
+    def step(self, inputs: Any, targets: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward, loss and backward over this rank's batch; the global-batch mean loss.
+
+        ``inputs`` is the model's input (a tensor, or a tuple of positional inputs),
+        ``targets`` what ``loss_fn`` compares the outputs with; ``kwargs`` go to the model
+        (with a pipeline they are cut into microbatches like the inputs). Gradients
+        accumulate into ``.grad`` as after ``loss.backward()``. Returns a detached scalar
+        tensor, the same on every rank.
+        """
+        if self.pipeline is not None:
+            local, count = self._pipeline_step(inputs, targets, kwargs)
+        else:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            loss = self.loss_fn(self.model(*args, **kwargs), targets)
+            loss.backward()
+            local, count = loss.detach().float().clone(), 1.0
+        return self._global_mean(local, count)
+
+    def _pipeline_step(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
+                       ) -> tuple[torch.Tensor, float]:
+        import torch
+
+        pipeline = self.pipeline
+        assert pipeline is not None
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor)), None)
+        if batch is not None:
+            pipeline.check_batch(int(batch))
+        if self._schedule is None:
+            self._schedule = pipeline.build_schedule(self.loss_fn)
+        losses: list[torch.Tensor] = []
+        self._schedule.step(
+            *(args if pipeline.has_first else ()),
+            target=targets if pipeline.has_last else None,
+            losses=losses if pipeline.has_last else None,
+            return_outputs=False,
+            **kwargs,
+        )
+        if pipeline.has_last:
+            # Microbatches are equal in size: the mean of their means is the batch's.
+            local = torch.stack([loss.detach().float() for loss in losses]).mean()
+            return local, 1.0
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return torch.zeros((), dtype=torch.float32, device=device), 0.0
+
+    def _global_mean(self, local: torch.Tensor, count: float) -> torch.Tensor:
+        """The mean over the ranks that computed a loss (with a pipeline: those holding
+        the last stage); each data-parallel shard weighs the same."""
+        import torch
+
+        dist = _dist()
+        if dist is None:
+            return local
+        both = torch.stack([local * count, torch.tensor(count, device=local.device)])
+        dist.all_reduce(both)
+        return both[0] / both[1]
+
+    # -- gradient clipping --------------------------------------------------------------
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The ``norm_type`` norm of every gradient of the whole model, on every rank."""
+        return total_grad_norm(self.model.parameters(), norm_type, self._pipeline_size())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that the whole model's gradient norm is at most
+        ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` on one process); returns the
+        norm before clipping, the same on every rank."""
+        return clip_grad_norm_(self.model.parameters(), max_norm, norm_type,
+                               pipeline_size=self._pipeline_size())
+
+    def _pipeline_size(self) -> int:
+        return self.pipeline.size if self.pipeline is not None else 1
+
+
+def _local_and_copies(grad: torch.Tensor, world: int, pipeline_size: int
+                      ) -> tuple[torch.Tensor, int]:
+    """This rank's part of ``grad`` and how many ranks hold each of its elements."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    copies = world // pipeline_size
+    if not isinstance(grad, DTensor):
+        return grad, copies
+    if any(p.is_partial() for p in grad.placements):
+        # Partial sums are no elements yet: reduce them first.
+        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p
+                                             for p in grad.placements])
+    mesh = grad.device_mesh
+    for dim, placement in enumerate(grad.placements):
+        # Every placement but Replicate splits the elements over the mesh dim: Shard, and
+        # the _StridedShard of FSDP2 over TP (which is no Shard subclass).
+        if not placement.is_replicate():
+            copies //= mesh.size(dim)
+    return grad.to_local(), max(1, copies)
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
+                    pipeline_size: int = 1) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradients of ``parameters`` across every rank (see
+    the module), with ``pipeline_size`` ranks along the pipeline dim (1: none). A
+    collective over the default process group when one is initialized."""
+    import torch
+
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be > 0 or inf; got {norm_type}")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    dist = _dist()
+    world = dist.get_world_size() if dist is not None else 1
+    device = grads[0].device if grads else torch.device("cpu")
+    if world % pipeline_size:
+        raise ValueError(f"pipeline size {pipeline_size} does not divide world size {world}")
+    if math.isinf(norm_type):
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            local, _ = _local_and_copies(grad, world, pipeline_size)
+            if local.numel():
+                total = torch.maximum(total, local.detach().abs().max().float())
+        if dist is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return total
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        local, copies = _local_and_copies(grad, world, pipeline_size)
+        local = local.detach()
+        if not local.numel():
+            continue
+        power = (local.float().abs().pow(norm_type).sum() if norm_type != 2.0
+                 else local.float().pow(2).sum())
+        total += power.double() / copies
+    if dist is not None:
+        dist.all_reduce(total)
+    return total.pow(1.0 / norm_type).float()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, *, pipeline_size: int = 1) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on any meshes and pipeline stages
+    (see the module); returns the total norm before clipping."""
+    import torch
+
+    params: Sequence[torch.Tensor] = (
+        [parameters] if isinstance(parameters, torch.Tensor) else list(parameters))
+    total = total_grad_norm(params, norm_type, pipeline_size)
+    # torch's own rule: scale by max_norm / (norm + 1e-6), never up.
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for param in params:
+            grad = param.grad
+            if grad is not None:
+                # In place on the local part (a partial sum scales as its total does).
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.mul_(coef.to(local.device))
+    return total
+
+
+__all__ = ["TrainingStep", "clip_grad_norm_", "total_grad_norm"]

@@ -1,0 +1,283 @@
+"""Rank-side functions for tests/test_pp*.py (importable by rank processes).
+
+A case trains with the plan's training step (``plan.training_step``), the one loop for
+every plan, and is compared with plain single-process training on the same global batch
+from the same MetaInit weights (:mod:`composer_par.testing.parity`'s reference, with
+``clip_grad_norm_`` of torch when the case clips).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from composer_par.testing.parity import ParityCase, ParityResult
+from composer_par.testing.tasks import EncoderTask, LlamaTask, MLPTask
+
+# Tiny models with enough blocks for 8 stages: a step of these takes milliseconds.
+llama4 = LlamaTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+llama8 = LlamaTask(n_layers=8, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+llama8_b16 = LlamaTask(n_layers=8, dim=32, vocab_size=128, global_batch=16, seq_len=8)
+mlp = MLPTask(width=16, depth=4, global_batch=16)
+encoder = EncoderTask(width=16, n_layers=4, n_heads=2, seq_len=4, global_batch=8)
+
+
+# -- a model built as Hugging Face builds its causal LMs (without the library) ------------
+
+
+class HFStyleConfig:
+    """What a Hugging Face config says about the pipeline: its base model's plan."""
+
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    def __init__(self, layers: int) -> None:
+        self.num_hidden_layers = layers
+
+
+def _hf_base(cfg: Any, llama_cfg: Any) -> Any:
+    import torch.nn as nn
+
+    from composer_par.models.llama import DecoderLayer, RMSNorm
+
+    class HFStyleModel(nn.Module):
+        """A base model: embed_tokens, layers, norm; called with input_ids or
+        inputs_embeds keywords, returning a mapping (a ModelOutput is one)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = cfg
+            self.embed_tokens = nn.Embedding(llama_cfg.vocab_size, llama_cfg.dim)
+            self.layers = nn.ModuleList(
+                DecoderLayer(llama_cfg) for _ in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(llama_cfg.dim)
+
+        def forward(self, input_ids: Any = None, inputs_embeds: Any = None) -> Any:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            hidden = inputs_embeds
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                hidden = layer(hidden)
+            return {"last_hidden_state": self.norm(hidden), "past_key_values": None}
+
+    return HFStyleModel()
+
+
+def build_hf_style(layers: int, llama_cfg: Any) -> Any:
+    import torch.nn as nn
+
+    cfg = HFStyleConfig(layers)
+
+    class HFStyleForCausalLM(nn.Module):
+        base_model_prefix = "model"
+        _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = cfg
+            self.model = _hf_base(cfg, llama_cfg)
+            self.lm_head = nn.Linear(llama_cfg.dim, llama_cfg.vocab_size, bias=False)
+
+        def forward(self, input_ids: Any) -> Any:
+            out = self.model(input_ids=input_ids)
+            return {"logits": self.lm_head(out["last_hidden_state"]), "past_key_values": None}
+
+    return HFStyleForCausalLM()
+
+
+@attrs.frozen
+class HFStyleTask(LlamaTask):
+    def build(self) -> Any:
+        return build_hf_style(self.n_layers, self.config())
+
+
+hf_style = HFStyleTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+
+
+def split_batch(task: Any, batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a task's batch, as the training step takes them."""
+    if isinstance(task, LlamaTask):
+        return batch, batch  # next-token loss shifts the tokens itself
+    return batch[..., :-1], batch[..., -1:]
+
+
+def loss_fn_for(task: Any) -> Any:
+    """The task's loss as ``loss_fn(outputs, targets)``."""
+    if isinstance(task, LlamaTask):
+        from collections.abc import Mapping
+
+        from composer_par.models.llama import next_token_loss
+
+        def next_token(outputs: Any, tokens: Any) -> Any:
+            # A model returning a mapping gives its logits (on the last stage of a
+            # pipeline the stage already sends them alone).
+            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs
+            return next_token_loss(logits, tokens)
+
+        return next_token
+
+    def mse(outputs: Any, targets: Any) -> Any:
+        return ((outputs - targets) ** 2).mean()
+
+    return mse
+
+
+@attrs.frozen
+class StepCase:
+    parity: ParityCase
+    clip: float | None = None  # clip_grad_norm_ to this before each optimizer step
+    # Record what torch.nn.utils.clip_grad_norm_ raises on the first step's gradients
+    # (it modifies nothing when it fails), to show the plan's clipping is needed.
+    try_torch_clip: bool = False
+
+
+def gathered_parameters(model: Any) -> dict[str, Any]:
+    """Every parameter of the whole model, full, on every rank: each pipeline stage's
+    ranks gather their own (DTensor collectives), then every rank's dict is shared."""
+    import torch.distributed as dist
+
+    from composer_par.testing.parity import full_parameters
+
+    mine = full_parameters(model)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, Any] = {}
+    for params in everyone:
+        for name, value in params.items():
+            if name in merged:
+                assert bool((merged[name] == value).all()), f"ranks disagree on {name}"
+            merged[name] = value
+    return merged
+
+
+def train_step_case(case: StepCase
+                    ) -> tuple[list[float], dict[str, Any] | None, list[float | str]]:
+    """One rank: build on meta, apply, train with the training step. Returns the losses
+    (as every rank saw them: the same), the full parameters (rank 0) and the norms."""
+    import torch
+    import torch.distributed as dist
+
+    from composer_par.testing.parity import _optimizer, _resolve, build_plan
+
+    task = _resolve(case.parity.task)
+    plan = build_plan(case.parity.plan)
+    with torch.device("meta"):
+        model = task.build()
+    model = plan.apply(model)
+    index, count = plan.data_shard()
+    optimizer = _optimizer(case.parity, model.parameters())
+    step = plan.training_step(model, loss_fn_for(task))
+    losses: list[float] = []
+    norms: list[float | str] = []
+    for n in range(case.parity.steps):
+        inputs, targets = split_batch(task, task.batch(n).chunk(count)[index])
+        loss = step.step(inputs, targets)
+        seen = [torch.empty(()) for _ in range(dist.get_world_size())]
+        dist.all_gather(seen, loss)
+        assert all(bool(s == seen[0]) for s in seen), f"ranks returned different losses: {seen}"
+        if case.try_torch_clip and n == 0:
+            try:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            except Exception as exc:  # torch's failure is the result
+                norms.append(f"{type(exc).__name__}: {exc}")
+            else:
+                norms.append("torch's clip_grad_norm_ worked")
+        if case.clip is not None:
+            norms.append(float(step.clip_grad_norm_(case.clip)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    params = gathered_parameters(model)
+    return losses, params if dist.get_rank() == 0 else None, norms
+
+
+def refusals() -> dict[str, str]:
+    """What a pipeline refuses at step time and at apply time, by case (2 ranks)."""
+    import torch
+
+    from composer_par import PP, Compile, MeshSpec, MetaInit, ParallelPlan
+    from composer_par.plugins.pp import PipelineError
+
+    out: dict[str, str] = {}
+    plan = ParallelPlan(MeshSpec(pp=2)).use(PP(schedule="GPipe", microbatches=4)).use(
+        MetaInit(seed=1))
+    with torch.device("meta"):
+        model = llama4.build()
+    model = plan.apply(model)
+    step = plan.training_step(model, loss_fn_for(llama4))
+    batch = llama4.batch(0)[:6]
+    try:
+        step.step(batch, batch)
+        out["batch"] = "stepped"
+    except PipelineError as exc:
+        out["batch"] = str(exc)
+    plan = ParallelPlan(MeshSpec(pp=2)).use(PP(schedule="ZBVZeroBubble")).use(
+        Compile(backend="aot_eager")).use(MetaInit(seed=1))
+    with torch.device("meta"):
+        model = llama4.build()
+    try:
+        plan.apply(model)
+        out["compile"] = "applied"
+    except PipelineError as exc:
+        out["compile"] = str(exc)
+    return out
+
+
+def train_step_cases(cases: list[StepCase]) -> list[Any]:
+    """Several cases in one run of the ranks (starting processes costs more than a step)."""
+    return [train_step_case(case) for case in cases]
+
+
+def reference(case: StepCase) -> tuple[list[float], dict[str, Any], list[float]]:
+    """Single-process training of the same task and batches (torch's clip_grad_norm_)."""
+    import torch
+
+    from composer_par import MeshSpec, ParallelPlan
+    from composer_par.testing.parity import _optimizer, _resolve, build_plan, full_parameters
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        task = _resolve(case.parity.task)
+        meta_init = build_plan(case.parity.plan).plugin("meta_init")
+        assert attrs.has(type(meta_init)), "parity needs a plan that materializes with MetaInit"
+        with torch.device("meta"):
+            model = task.build()
+        model = ParallelPlan(MeshSpec()).use(
+            attrs.evolve(meta_init, device="cpu")).apply(model)  # type: ignore[misc, arg-type]
+        optimizer = _optimizer(case.parity, model.parameters())
+        loss_fn = loss_fn_for(task)
+        losses, norms = [], []
+        for n in range(case.parity.steps):
+            inputs, targets = split_batch(task, task.batch(n))
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            if case.clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                  case.clip)))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses, full_parameters(model), norms
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_step_cases(cases: list[StepCase], *, timeout: float
+                     ) -> list[tuple[ParityResult, list[float | str], list[float]]]:
+    """Run the cases (one world size) on their ranks and the reference; for each, the
+    parity result and the gradient norms of the ranks and of the reference."""
+    from composer_par.testing.distributed import run_ranks
+
+    sizes = {case.parity.world_size for case in cases}
+    assert len(sizes) == 1, f"one world size per run, got {sorted(sizes)}"
+    results = run_ranks(train_step_cases, sizes.pop(), args=(cases,), timeout=timeout)[0]
+    out = []
+    for case, (losses, params, norms) in zip(cases, results, strict=True):
+        ref_losses, ref_params, ref_norms = reference(case)
+        out.append((ParityResult(losses, ref_losses, params, ref_params), norms, ref_norms))
+    return out
