@@ -6,6 +6,10 @@ this plan's layout, each rank reading only the stored chunks that overlap its sh
 Options and validation are those of :class:`~composer_par.LoadSafetensors` (strict keys,
 ``rename``/``adapter``, initialization of what the checkpoint does not hold).
 
+Validation checks ``.metadata`` against the digest the save committed; loading checks
+every stored chunk it reads before it reaches the model, and a changed or truncated file
+is an error naming it (see docs/checkpoints.md, "Integrity and exclusive saves").
+
 To resume training (optimizer state, RNG, step) use ``composer_par.checkpoint.load``
 after ``apply``; this plugin loads weights only. DCP's metadata is a pickle: load
 checkpoints from trusted sources only.

@@ -8,9 +8,10 @@ unit), so that a rank loading a checkpoint checks exactly the bytes it reads; fo
 other files (``.metadata``, ``composer_par.json``, the RNG files) the whole file.
 Segments tile their file, so checking every segment of a file checks every byte.
 
-Each rank digests the shard files it writes as the bytes go out (no byte is read back),
-and its other files right after writing them; rank 0 gathers the records and writes
-them into the marker, last. ``load`` checks
+Each rank digests the shard files it writes as the bytes go out (no byte is read back;
+the CRC-32 that ``torch.save`` already computes for each tensor's bytes is taken from the
+zip it writes rather than computed twice), and its other files right after writing
+them; rank 0 gathers the records and writes them into the marker, last. ``load`` checks
 ``.metadata`` and ``composer_par.json`` before using them, and each stored chunk before
 DCP reads it, so corrupt bytes never reach the model; ``inspect --verify`` checks every
 byte of every file.
@@ -26,7 +27,9 @@ is a pickle anyway: trusted sources only).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import struct
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -72,7 +75,15 @@ class FileRecord:
 
 
 def crc_range(fd: int, offset: int, length: int, scratch: memoryview | None = None) -> int:
-    """The CRC-32 of ``length`` bytes of ``fd`` at ``offset`` (short files read short)."""
+    """The CRC-32 of ``length`` bytes of ``fd`` at ``offset`` (a short file reads short).
+
+    Large ranges are hashed through a window of the file mapped into memory, read where
+    the page cache holds it: no copy into a buffer first. A mapping holds at most
+    :data:`BLOCK` bytes at a time, so the resident set grows by no more than that. Where
+    the file cannot be mapped, it is read with ``pread`` into ``scratch``."""
+    if length >= _MAP_AT_LEAST:
+        with contextlib.suppress(OSError, ValueError):
+            return _crc_mapped(fd, offset, length)
     view = scratch if scratch is not None else memoryview(bytearray(min(BLOCK, max(length, 1))))
     crc = 0
     done = 0
@@ -83,6 +94,29 @@ def crc_range(fd: int, offset: int, length: int, scratch: memoryview | None = No
             break
         crc = zlib.crc32(view[:got], crc)
         done += got
+    return crc
+
+
+_MAP_AT_LEAST = 1 << 20
+
+
+def _crc_mapped(fd: int, offset: int, length: int) -> int:
+    import mmap
+
+    end = min(offset + length, os.fstat(fd).st_size)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    crc = 0
+    position = offset
+    while position < end:
+        base = position - position % mmap.ALLOCATIONGRANULARITY
+        size = min(BLOCK, end - base)
+        window = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ, offset=base)
+        try:
+            with memoryview(window) as view:
+                crc = zlib.crc32(view[position - base:size], crc)
+        finally:
+            window.close()
+        position = base + size
     return crc
 
 
@@ -251,38 +285,93 @@ def _differs(path: Path, offset: int, length: int, expected: int, got: int,
 # -- DCP storage ------------------------------------------------------------------------------
 
 
-class _DigestingStream:
-    """A file being written, digested as it is written: a CRC-32 per segment, where a
-    segment ends wherever the writer asks for its position (DCP asks at the start and end
-    of every stored chunk), so no byte is read back."""
+# A write at least this large is a tensor's data: its CRC-32 is taken from the zip data
+# descriptor torch.save writes right after it (see _DigestingStream).
+_LARGE_WRITE = 64 * 1024
 
-    def __init__(self, raw: Any) -> None:
+
+def _descriptor_crc(chunk: memoryview, length: int) -> int | None:
+    """The CRC-32 a zip data descriptor (``PK\\x07\\x08``) gives for the ``length`` bytes
+    before it, or None if ``chunk`` is not the descriptor of exactly those bytes."""
+    if len(chunk) == 16 and bytes(chunk[:4]) == b"PK\x07\x08":
+        _, crc, packed, size = struct.unpack("<IIII", chunk)
+    elif len(chunk) == 24 and bytes(chunk[:4]) == b"PK\x07\x08":
+        _, crc, packed, size = struct.unpack("<IIQQ", chunk)
+    else:
+        return None
+    return int(crc) if packed == size == length else None
+
+
+class _DigestingStream:
+    """A shard file being written, digested as it is written, without reading it back.
+
+    Segments end wherever the writer asks for its position (DCP asks at the start and end
+    of every stored chunk). Within a chunk (a ``torch.save`` zip) the small writes are
+    hashed here, and the data of each tensor (one large write) takes the CRC-32 torch
+    computed for it and wrote in the zip data descriptor that follows it: zip's CRC-32 is
+    zlib's, over the same bytes, so the tensor bytes are not hashed a second time. A large
+    write not followed by its descriptor is left for :meth:`record`'s caller to hash from
+    the file (``None`` in its segment)."""
+
+    def __init__(self, raw: Any, zip_crcs: bool) -> None:
         self.raw = raw
+        self.zip_crcs = zip_crcs  # torch.save writes a CRC-32 per record
         self.position = 0
-        self.start = 0
-        self.crc = 0
-        self.segments: list[tuple[int, int, int]] = []
+        self.run_start = 0
+        self.run_crc = 0
+        self.pending: tuple[int, int] | None = None
+        self.segments: list[tuple[int, int, int | None]] = []
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         written = self.raw.write(view)
         written = len(view) if written is None else written
-        self.crc = zlib.crc32(view[:written], self.crc)
+        chunk = view[:written]
+        if self.zip_crcs and written >= _LARGE_WRITE:
+            self._close_run()
+            if self.pending is not None and sum(self.pending) == self.position:
+                self.pending = (self.pending[0], self.pending[1] + written)
+            else:
+                self._settle(None)
+                self.pending = (self.position, written)
+            self.position += written
+            self.run_start = self.position
+            return written
+        if self.pending is not None:
+            self._settle(_descriptor_crc(chunk, self.pending[1]))
+        self.run_crc = zlib.crc32(chunk, self.run_crc)
         self.position += written
         return written
 
+    def _settle(self, crc: int | None) -> None:
+        if self.pending is not None:
+            self.segments.append((*self.pending, crc))
+            self.pending = None
+
+    def _close_run(self) -> None:
+        if self.position > self.run_start:
+            self.segments.append((self.run_start, self.position - self.run_start, self.run_crc))
+        self.run_start, self.run_crc = self.position, 0
+
     def tell(self) -> int:
-        self._cut()
+        self._settle(None)
+        self._close_run()
         return self.position
 
-    def _cut(self) -> None:
-        if self.position > self.start:
-            self.segments.append((self.start, self.position - self.start, self.crc))
-        self.start, self.crc = self.position, 0
-
-    def record(self) -> FileRecord:
-        self._cut()
-        return FileRecord(self.position, tuple(self.segments))
+    def record(self, path: Path) -> FileRecord:
+        """The record of the whole file (now closed); segments whose CRC is unknown are
+        hashed from ``path``."""
+        self.tell()
+        segments = []
+        fd = os.open(path, os.O_RDONLY) if any(c is None for *_, c in self.segments) else -1
+        try:
+            for offset, length, crc in self.segments:
+                segments.append((offset, length, crc if crc is not None
+                                 else crc_range(fd, offset, length)))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return FileRecord(self.position, tuple(segments))
 
     def __getattr__(self, name: str) -> Any:  # fileno, flush, close, ...: the file's own
         return getattr(self.raw, name)
@@ -304,6 +393,7 @@ def digesting_writer(path: Path, **kwargs: Any) -> Any:
 
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.serialization import get_crc32_options
 
     streams: dict[str, _DigestingStream] = {}
 
@@ -314,7 +404,7 @@ def digesting_writer(path: Path, **kwargs: Any) -> Any:
                 if mode != "wb" or not str(path).endswith(SHARD_SUFFIX):
                     yield raw
                     return
-                stream = _DigestingStream(raw)
+                stream = _DigestingStream(raw, zip_crcs=bool(get_crc32_options()))
                 streams[Path(path).name] = stream
                 yield stream
 
@@ -330,7 +420,7 @@ def digesting_writer(path: Path, **kwargs: Any) -> Any:
             self.records = {}
             for name, chunks in spans.items():
                 stream = streams.get(Path(name).name)
-                record = stream.record() if stream is not None else None
+                record = stream.record(Path(self.path) / name) if stream is not None else None
                 if record is None or not _aligned(record, chunks) or \
                         record.size != os.path.getsize(Path(self.path) / name):
                     record = digest_ranges(Path(self.path) / name, chunks)
