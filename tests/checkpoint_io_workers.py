@@ -315,7 +315,7 @@ def concurrent_saves(root: str, sync: str, me: str, peer: str, trials: int,
         outcomes.append((outcome, full_state(model, None)))
     if dist.get_rank() != 0:
         return None
-    return {"job": claims._JOB_ID, "outcomes": outcomes}
+    return {"job": claims.job_id(), "outcomes": outcomes}
 
 
 def one_rank_fails_saving(root: str, bad_rank: int) -> str:

@@ -56,7 +56,7 @@ def test_a_dead_job_s_step_is_taken_over(tmp_path: Path) -> None:
     model = reference()
     assert ck.save(tmp_path, model, step=4) == directory
     claim = claims.read_claim(directory)
-    assert claim is not None and claim.id == claims._JOB_ID and claim.pid == os.getpid()
+    assert claim is not None and claim.id == claims.job_id() and claim.pid == os.getpid()
     fresh = reference(seed=9)
     ck.load(directory, fresh)
     assert all(torch.equal(v, state(model)[k]) for k, v in state(fresh).items())
@@ -77,10 +77,26 @@ def test_an_earlier_torchrun_attempt_of_the_same_run_is_taken_over(
     assert claims.read_claim(directory).restart == 1  # type: ignore[union-attr]
 
 
+def test_a_forked_process_is_another_job() -> None:
+    """Jobs forked from one parent (a launcher that imported composer_par first) must not
+    share an id, or one could take over the other's live step as its own."""
+    read, write = os.pipe()
+    parent = claims.job_id()
+    pid = os.fork()
+    if pid == 0:  # the child: report its id, leave without running pytest's teardown
+        os.write(write, claims.job_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert child and child != parent and claims.job_id() == parent
+
+
 def test_a_committed_step_names_the_job_that_saved_it(tmp_path: Path) -> None:
     ck.save(tmp_path, reference(), step=2)
     with pytest.raises(CheckpointError, match=rf"already a committed checkpoint \(saved by "
-                       rf"job {claims._JOB_ID} \(host "):
+                       rf"job {claims.job_id()} \(host "):
         ck.save(tmp_path, reference(), step=2)
 
 

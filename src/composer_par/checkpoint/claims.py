@@ -58,7 +58,15 @@ _LOCK_WAIT_S = 120.0
 _STAGING = ".claim-"
 _TRASH = ".trash-"
 
-_JOB_ID = uuid.uuid4().hex[:16]  # this process's id, used when it is rank 0
+_job: tuple[int, str] = (0, "")  # (pid, id): a forked child gets an id of its own
+
+
+def job_id() -> str:
+    """This process's random job id (used when it is rank 0; sent to the other ranks)."""
+    global _job
+    if _job[0] != os.getpid():
+        _job = (os.getpid(), uuid.uuid4().hex[:16])
+    return _job[1]
 
 
 def _machine() -> dict[str, str]:
@@ -112,7 +120,7 @@ class Job:
     def current(cls, world_size: int) -> Job:
         """This process as rank 0 of a job of ``world_size`` ranks."""
         pid = os.getpid()
-        return cls(id=_JOB_ID, pid=pid, pid_start=_start_ticks(pid),
+        return cls(id=job_id(), pid=pid, pid_start=_start_ticks(pid),
                    started_at=_process_started(), world_size=world_size,
                    run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
                    restart=_int_env("TORCHELASTIC_RESTART_COUNT"), claimed_at=time.time(),
@@ -169,7 +177,7 @@ def liveness(claim: Job, me: Job | None = None) -> tuple[str, str]:
     ``dead`` only when provable: this job's own earlier claim, a pid on this machine
     that is gone or reused, or an earlier torchrun attempt of the same run.
     """
-    if me is not None and claim.id == me.id:
+    if me is not None and claim.id == me.id and claim.pid == me.pid and claim.same_machine():
         return "dead", "an earlier save of this same job"
     if (me is not None and claim.run_id not in (None, "", "none") and claim.run_id == me.run_id
             and claim.restart is not None and me.restart is not None
