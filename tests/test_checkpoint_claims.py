@@ -234,7 +234,8 @@ def test_the_failing_rank_s_error_reaches_every_rank(tmp_path: Path) -> None:
     errors = run_ranks(workers.one_rank_fails_saving, 2, args=(str(tmp_path), 1), timeout=200)
     for rank, error in enumerate(errors):
         assert "saving" in error and "nothing committed" in error, (rank, error)
-        assert "rank 1: AttributeError" in error and "get_state" in error, (rank, error)
+        assert "rank 1: writing its files: AttributeError" in error, (rank, error)
+        assert "get_state" in error, (rank, error)
         assert "another rank" not in error
     # The failed save removed its own directory: nothing half-written is left.
     assert steps.step_dirs(tmp_path) == [] and ck.latest(tmp_path) is None

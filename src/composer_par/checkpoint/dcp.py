@@ -226,7 +226,7 @@ def save(
                 records[steps.INFO] = digest_file(directory / steps.INFO)
                 records[steps.DCP_METADATA] = digest_file(directory / steps.DCP_METADATA)
         except Exception as exc:  # every rank must still reach the gathers below
-            failure = describe_failure(exc, rank, directory, f"saving {directory}")
+            failure = describe_failure(exc, rank, directory, "writing its files")
     # Every rank learns every rank's failure (not only that one happened somewhere).
     failures = [f for f in _dist.gather(failure) if f]
     if failures:

@@ -136,10 +136,11 @@ def disk_full_message(directory: str | os.PathLike[str], what: str) -> str:
 
 def describe_failure(exc: BaseException, rank: int, directory: str | os.PathLike[str],
                      what: str) -> str:
-    """One line for a rank's failure, the disk-full case said plainly."""
+    """One line for a rank's failure (``what`` it was doing), the disk-full case said
+    plainly."""
     if is_disk_full(exc):
         return f"rank {rank}: {disk_full_message(directory, what)} ({type(exc).__name__}: {exc})"
-    return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return f"rank {rank}: {what}: {type(exc).__name__}: {exc}"
 
 
 @contextlib.contextmanager

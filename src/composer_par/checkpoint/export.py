@@ -118,7 +118,7 @@ def export_safetensors(
     try:
         written = _write_owned(tensors, names, layout.entries(staging))
     except Exception as exc:  # every rank must still reach the gather
-        failure = describe_failure(exc, _dist.rank(), target, f"exporting to {target}")
+        failure = describe_failure(exc, _dist.rank(), target, "writing its shards")
     # Every rank learns every failing rank's error, not only that one failed somewhere.
     failures = [f for f in _dist.gather(failure) if f]
     if not failures and _dist.rank() == 0:
