@@ -179,6 +179,20 @@ def save(
     rank, world = _dist.rank(), _dist.world_size()
     extra_json = _to_json(extra, "extra")
     plan_toml = plan if isinstance(plan, str) or plan is None else plan.to_toml()
+    started = time.perf_counter()
+    # Everything that can be refused is refused before a step directory is claimed.
+    msd, osd = _state_dicts(model, optimizer)
+    state: dict[str, Any] = {MODEL: msd}
+    info: dict[str, Any] = {"format": FORMAT, "world_size": world,
+                            "plan": plan_toml, "extra": extra_json}
+    if osd is not None:
+        tensors, scalars = _split_optim_state(osd["state"])
+        state[OPTIM] = {"state": tensors}
+        info["optimizer"] = {
+            "param_groups": _to_json(osd["param_groups"], "optimizer param_groups"),
+            "scalars": scalars,
+            "class": type(optimizer).__name__,
+        }
     chosen: tuple[int, str, str] = (0, "", "")
     job: Job | None = None
     if rank == 0:
@@ -189,20 +203,7 @@ def save(
     if problem:
         raise CheckpointError(problem)
     directory = root / steps.step_name(step_value)
-    started = time.perf_counter()
-
-    msd, osd = _state_dicts(model, optimizer)
-    state: dict[str, Any] = {MODEL: msd}
-    info: dict[str, Any] = {"format": FORMAT, "step": step_value, "world_size": world,
-                            "plan": plan_toml, "extra": extra_json}
-    if osd is not None:
-        tensors, scalars = _split_optim_state(osd["state"])
-        state[OPTIM] = {"state": tensors}
-        info["optimizer"] = {
-            "param_groups": _to_json(osd["param_groups"], "optimizer param_groups"),
-            "scalars": scalars,
-            "class": type(optimizer).__name__,
-        }
+    info["step"] = step_value
     failure = ""
     records: dict[str, FileRecord] = {}
     writer = digesting_writer(directory, sync_files=True)
