@@ -168,6 +168,14 @@ def train_step_case(case: StepCase
     with torch.device("meta"):
         model = task.build()
     model = plan.apply(model)
+    if plan.pipeline is not None:
+        # The rank built, sharded and allocated its own stages' parameters only.
+        from composer_par.blocks import clean_name
+
+        owned = [path for part in plan.pipeline.parts for path in part.modules]
+        names = [clean_name(n) for n, _ in model.named_parameters()]
+        assert names and all(any(n.startswith(o + ".") for o in owned) for n in names), names
+        assert not any(p.is_meta for p in model.parameters())
     index, count = plan.data_shard()
     optimizer = _optimizer(case.parity, model.parameters())
     step = plan.training_step(model, loss_fn_for(task))
@@ -198,9 +206,9 @@ def train_step_case(case: StepCase
 def refusals() -> dict[str, str]:
     """What a pipeline refuses at step time and at apply time, by case (2 ranks)."""
     import torch
+    from composer_par.plugins.pp import PipelineError
 
     from composer_par import PP, Compile, MeshSpec, MetaInit, ParallelPlan
-    from composer_par.plugins.pp import PipelineError
 
     out: dict[str, str] = {}
     plan = ParallelPlan(MeshSpec(pp=2)).use(PP(schedule="GPipe", microbatches=4)).use(
@@ -280,4 +288,144 @@ def check_step_cases(cases: list[StepCase], *, timeout: float
     for case, (losses, params, norms) in zip(cases, results, strict=True):
         ref_losses, ref_params, ref_norms = reference(case)
         out.append((ParityResult(losses, ref_losses, params, ref_params), norms, ref_norms))
+    return out
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+CHECKPOINT_LAYOUTS: dict[str, tuple[int, str]] = {
+    # name -> (world size, plan file text without the materializer)
+    "pp_fsdp2": (4, '[mesh]\npp = 2\ndp_shard = 2\n\n[[plugins]]\nname = "pp"\n'
+                    'schedule = "1F1B"\n\n[[plugins]]\nname = "fsdp2"\n'),
+    "pp_virtual_fsdp2": (4, '[mesh]\npp = 2\ndp_shard = 2\n\n[[plugins]]\nname = "pp"\n'
+                            'schedule = "Interleaved1F1B"\nstages_per_rank = 2\n\n'
+                            '[[plugins]]\nname = "fsdp2"\n'),
+    "fsdp2_4": (4, '[mesh]\ndp_shard = 4\n\n[[plugins]]\nname = "fsdp2"\n'),
+    "one_process": (1, "[mesh]\n"),
+}
+
+
+def _checkpoint_plan(layout: str, seed: int) -> Any:
+    from composer_par import MetaInit, ParallelPlan
+
+    plan = ParallelPlan.from_toml(CHECKPOINT_LAYOUTS[layout][1])
+    return plan.use(MetaInit(seed=seed))
+
+
+def whole_state(model: Any, optimizer: Any) -> dict[str, Any] | None:
+    """Every full tensor of model and optimizer state, every stage's, on rank 0."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # Full tensors on every rank (cpu_offload would keep them on global rank 0 only, which
+    # holds no other stage): each stage's ranks gather their own, then ranks share.
+    msd, osd = get_state_dict(model, optimizer,
+                              options=StateDictOptions(full_state_dict=True))
+    mine: dict[str, Any] = {f"model.{k}": v.detach().clone()  # type: ignore[union-attr]
+                            for k, v in msd.items()}
+    optim_state: dict[str, Any] = osd["state"]  # type: ignore[assignment]
+    for fqn, entry in optim_state.items():
+        for key, value in entry.items():
+            mine[f"optim.{fqn}.{key}"] = (value.detach().clone()
+                                          if isinstance(value, torch.Tensor) else value)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, Any] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
+def pp_save(root: str, layout: str) -> dict[str, Any] | None:
+    """Train ``layout`` 2 steps (AdamW, the training step) and save it to ``root/layout``;
+    rank 0 returns the whole state saved."""
+    import torch
+
+    from composer_par.checkpoint import save
+
+    plan = _checkpoint_plan(layout, seed=11)
+    with torch.device("meta"):
+        model = llama4.build()
+    model = plan.apply(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    step = plan.training_step(model, loss_fn_for(llama4))
+    index, count = plan.data_shard()
+    for n in range(2):
+        inputs, targets = split_batch(llama4, llama4.batch(n).chunk(count)[index])
+        step.step(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+    save(f"{root}/{layout}", model, optimizer, step=2, plan=plan)
+    return whole_state(model, optimizer)
+
+
+def pp_load(root: str, saved: str, layout: str, strict: bool) -> dict[str, Any] | None:
+    """A fresh model of ``layout`` (another seed, a fresh AdamW) loads ``root/saved``;
+    rank 0 returns the whole state."""
+    import torch
+
+    from composer_par.checkpoint import load
+
+    plan = _checkpoint_plan(layout, seed=99)
+    with torch.device("meta"):
+        model = llama4.build()
+    model = plan.apply(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    info = load(f"{root}/{saved}", model, optimizer, strict=strict)
+    assert info.step == 2
+    return whole_state(model, optimizer)
+
+
+def pp_export(directory: str, layout: str) -> dict[str, Any] | None:
+    """``export_safetensors`` from ``layout`` (MetaInit seed 11); rank 0 returns the whole
+    model state exported."""
+    import torch
+
+    from composer_par.checkpoint import export_safetensors
+
+    plan = _checkpoint_plan(layout, seed=11)
+    with torch.device("meta"):
+        model = llama4.build()
+    model = plan.apply(model)
+    export_safetensors(model, directory, plan=plan)
+    state = whole_state(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return {k: v for k, v in state.items() if k.startswith("model.")} if state else None
+
+
+def pp_load_safetensors(directory: str, layout: str, strict: bool = True
+                        ) -> tuple[dict[str, Any] | None, int, list[str]]:
+    """``layout`` materialized by LoadSafetensors from ``directory``: rank 0's whole model
+    state, this rank's bytes read and the tensors it loaded."""
+    import torch
+
+    from composer_par import LoadSafetensors, ParallelPlan
+
+    plan = ParallelPlan.from_toml(CHECKPOINT_LAYOUTS[layout][1]).use(
+        LoadSafetensors(path=directory, strict=strict))
+    with torch.device("meta"):
+        model = llama4.build()
+    model = plan.apply(model)
+    report = plan.notes["load_safetensors_report"]
+    state = whole_state(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model_state = {k: v for k, v in state.items() if k.startswith("model.")} if state else None
+    return model_state, report.bytes_read, list(report.loaded)
+
+
+def pp_save_many(root: str, layouts: list[str]) -> dict[str, Any]:
+    return {layout: pp_save(root, layout) for layout in layouts}
+
+
+def pp_load_many(root: str, loads: list[tuple[str, str, bool]]) -> dict[str, Any]:
+    """``pp_load`` for each ``(saved, layout, strict)``; the error text where one raised."""
+    from composer_par.checkpoint import CheckpointError
+
+    out: dict[str, Any] = {}
+    for saved, layout, strict in loads:
+        try:
+            out[f"{saved}->{layout}"] = pp_load(root, saved, layout, strict)
+        except CheckpointError as exc:
+            out[f"{saved}->{layout}"] = f"{type(exc).__name__}: {exc}"
     return out
