@@ -3,8 +3,9 @@
 ``path`` is a committed step directory, or a checkpoint root (its latest committed
 step). The checkpoint may have been saved on any mesh and world size: DCP reshards to
 this plan's layout, each rank reading only the stored chunks that overlap its shards.
-Options and validation are those of :class:`~composer_par.LoadSafetensors` (strict keys,
-``rename``/``adapter``, initialization of what the checkpoint does not hold).
+Options and validation are the weights-loader base's (:mod:`composer_par.plugin.loader`),
+as for :class:`~composer_par.LoadSafetensors`: strict keys, ``rename``/``adapter``,
+initialization of what the checkpoint does not hold.
 
 Validation checks ``.metadata`` against the digest the save committed; loading checks
 every stored chunk it reads before it reaches the model, and a changed or truncated file
@@ -20,15 +21,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-from composer_par.plugins.load_safetensors import WeightsLoader
 
 from composer_par.plugin import hookimpl
+from composer_par.plugin.loader import WeightsLoader, checkpoint_specs, load_checkpoint_into
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.checkpoint.adapter import StateDictAdapter
-    from composer_par.checkpoint.matching import Spec
+    from composer_par.plugin.loader import Spec, StateDictAdapter
 
 
 @attrs.frozen
@@ -43,19 +43,12 @@ class LoadCheckpoint(WeightsLoader):
     source_kind: ClassVar[str] = "DCP checkpoint"
 
     def source_specs(self) -> tuple[str, dict[str, Spec]]:
-        from composer_par.checkpoint import steps
-        from composer_par.checkpoint.weights import checkpoint_model_specs
-
-        directory = steps.resolve(self.path)
-        specs, _ = checkpoint_model_specs(directory)
-        return str(directory), specs
+        return checkpoint_specs(self.path)
 
     def load_into(self, model: nn.Module, adapter: StateDictAdapter,
                   tied: dict[str, list[str]]) -> Any:
-        from composer_par.checkpoint.weights import load_checkpoint_weights
-
-        return load_checkpoint_weights(model, self.path, adapter=adapter, strict=self.strict,
-                                       tied=tied)
+        return load_checkpoint_into(model, self.path, adapter=adapter, strict=self.strict,
+                                    tied=tied)
 
     @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:

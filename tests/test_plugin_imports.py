@@ -14,13 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "plugins"  # installed as composer_par.plugins
 CONTRIB = ROOT / "contrib" / "composer-par-compress" / "src"
 
-# Temporary: the loaders still read checkpoint internals and share a base class in
-# load_safetensors.py until the weights-loader base and what it needs move into the
-# author package. Nothing else may be added here.
-ALLOWED: dict[str, tuple[str, ...]] = {
-    "load_safetensors.py": ("composer_par.checkpoint",),
-    "load_checkpoint.py": ("composer_par.checkpoint", "composer_par.plugins.load_safetensors"),
-}
 
 
 def _sources() -> list[Path]:
@@ -63,7 +56,6 @@ def _imports(path: Path, source: str) -> list[tuple[int, str]]:
 def _problems(path: Path, source: str | None = None) -> list[str]:
     """What is wrong with the imports of ``path`` (or of ``source`` as if it were there)."""
     own = _plugin_of(path)
-    allowed = ALLOWED.get(path.name, ()) if path.parent == PLUGINS else ()
     text = path.read_text(encoding="utf-8") if source is None else source
     out = []
     for line, module in _imports(path, text):
@@ -71,8 +63,6 @@ def _problems(path: Path, source: str | None = None) -> list[str]:
         if parts[0] != "composer_par" or module in ("composer_par", "composer_par.plugins"):
             continue  # the packages themselves: what is taken from them is checked
         where = f"{path.relative_to(ROOT)}:{line}: {module}"
-        if any(module == a or module.startswith(a + ".") for a in allowed):
-            continue
         if parts[:2] == ["composer_par", "plugin"]:
             continue
         if parts[:2] == ["composer_par", "plugins"] and len(parts) > 2:
@@ -116,8 +106,7 @@ def test_the_check_catches_each_kind_of_import() -> None:
         assert len(_problems(tp_file, bad + "\n")) == 1, bad
     for bad in in_fsdp2:
         assert len(_problems(fsdp2_file, bad + "\n")) == 1, bad
-    # the temporary allowance holds for the loaders only
-    assert _problems(PLUGINS / "load_checkpoint.py", "from composer_par.checkpoint import steps\n"
-                     "from composer_par.plugins.load_safetensors import WeightsLoader\n") == []
-    assert len(_problems(PLUGINS / "meta_init.py",
-                         "from composer_par.checkpoint import steps\n")) == 1
+    # the loaders too: their base and what it reads are in the author package
+    assert len(_problems(PLUGINS / "load_checkpoint.py",
+                         "from composer_par.checkpoint import steps\n"
+                         "from composer_par.plugins.load_safetensors import WeightsLoader\n")) == 2
