@@ -79,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per data shard")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+                        help="clip the whole model's gradient norm to NORM (any plan, "
+                        "across meshes and pipeline stages)")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("train-checkpoints"))
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="commit a checkpoint every N steps (default: only at the end)")
@@ -125,10 +128,16 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
                                   ffn_hidden=256, max_seq_len=args.seq_len))
     model = plan.apply(built)  # validated first: a PlanError lists every problem
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # One loop for every plan: with a pipeline (a [[plugins]] name = "pp") the step runs
+    # its schedule; the optimizer stays ours, over this rank's parameters.
+    trainer = plan.training_step(model, next_token_loss)
 
     step = 0
     if args.resume and checkpoint.latest(args.checkpoint_dir) is not None:
-        step = checkpoint.load(args.checkpoint_dir, model, optimizer).step
+        # A pipeline rank holds its stages' keys only; the checkpoint's others are its
+        # peers' (a strict load would call them unexpected).
+        step = checkpoint.load(args.checkpoint_dir, model, optimizer,
+                               strict=plan.pipeline is None).step
         log.info("resumed", step=step, restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
 
     # Ranks that differ only in TP read the same samples; data-parallel ranks differ.
@@ -144,12 +153,13 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
         if freeze == f"{dist.get_rank()}:{step}":
             _freeze(step)
         tokens = batches(step).to(device)
-        loss = next_token_loss(model(tokens), tokens)
-        loss.backward()
+        loss = trainer.step(tokens, tokens)  # the global batch's mean loss, on every rank
+        if args.max_grad_norm:
+            trainer.clip_grad_norm_(args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         if step % 10 == 0 or step == args.steps:
-            log.info("step", step=step, loss=round(loss.item(), 4))
+            log.info("step", step=step, loss=round(float(loss), 4))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             path = checkpoint.save(args.checkpoint_dir, model, optimizer, step=step, plan=plan,
                                    keep_last=2)

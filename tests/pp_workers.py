@@ -362,9 +362,9 @@ def pp_save(root: str, layout: str) -> dict[str, Any] | None:
     return whole_state(model, optimizer)
 
 
-def pp_load(root: str, saved: str, layout: str, strict: bool) -> dict[str, Any] | None:
+def pp_load(root: str, saved: str, layout: str, strict: bool) -> dict[str, Any]:
     """A fresh model of ``layout`` (another seed, a fresh AdamW) loads ``root/saved``;
-    rank 0 returns the whole state."""
+    rank 0 returns the whole state, every rank its optimizer's parameter groups."""
     import torch
 
     from composer_par.checkpoint import load
@@ -376,7 +376,15 @@ def pp_load(root: str, saved: str, layout: str, strict: bool) -> dict[str, Any] 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     info = load(f"{root}/{saved}", model, optimizer, strict=strict)
     assert info.step == 2
-    return whole_state(model, optimizer)
+    state = whole_state(model, optimizer)
+    # The loaded optimizer steps its own parameters with the saved hyperparameters.
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    held = sum(len(g["params"]) for g in optimizer.param_groups)
+    # On every rank (the others' state is None): each holds its own parameter groups.
+    state = state if state is not None else {}
+    state["groups"] = groups
+    state["held"] = held == len(list(model.parameters()))
+    return state
 
 
 def pp_export(directory: str, layout: str) -> dict[str, Any] | None:

@@ -2,7 +2,9 @@
 
 A DCP checkpoint saved from PP x FSDP2 (one and two stages per rank) loads into FSDP2
 without a pipeline and into one process, and one saved without a pipeline loads into
-PP x FSDP2: every full tensor of model and optimizer (AdamW) state bitwise equal.
+PP x FSDP2: every full tensor of model and optimizer (AdamW) state bitwise equal. The
+optimizer's parameter groups survive only the loads into a plan without a pipeline (an
+xfail test below: the checkpoint keeps rank 0's groups).
 LoadSafetensors into a pipeline reads on each rank only its stage's tensors (its shard
 of them).
 
@@ -29,6 +31,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 def assert_bitwise(expected: dict[str, Any], got: Any, what: str) -> None:
     assert isinstance(got, dict), f"{what}: {got}"
+    got = {k: v for k, v in got.items() if k not in ("groups", "held")}
     assert expected.keys() == got.keys(), f"{what}: keys differ: {set(expected) ^ set(got)}"
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
@@ -49,11 +52,15 @@ def test_pp_checkpoints_load_without_pp_into_one_process_and_back(tmp_path: Path
     one = run_ranks(workers.pp_load_many, 1, args=(root, [
         ("pp_fsdp2", "one_process", True), ("pp_virtual_fsdp2", "one_process", True)]),
         timeout=300)[0]
-    four = run_ranks(workers.pp_load_many, 4, args=(root, [
+    ranks = run_ranks(workers.pp_load_many, 4, args=(root, [
         ("pp_fsdp2", "fsdp2_4", True), ("pp_virtual_fsdp2", "fsdp2_4", True),
         ("one_process", "pp_fsdp2", False), ("pp_fsdp2", "pp_virtual_fsdp2", False)]),
-        timeout=600)[0]
-    loaded = {**one, **four}
+        timeout=600)
+    loaded = {**one, **ranks[0]}
+    # Without a pipeline every rank's optimizer keeps the saved hyperparameters.
+    for rank in ranks:
+        for pair in ("pp_fsdp2->fsdp2_4", "pp_virtual_fsdp2->fsdp2_4"):
+            assert rank[pair]["held"] and rank[pair]["groups"][0]["lr"] == 0.01, pair
     for pair in ["pp_fsdp2->one_process", "pp_virtual_fsdp2->one_process",
                  "pp_fsdp2->fsdp2_4", "pp_virtual_fsdp2->fsdp2_4",
                  "one_process->pp_fsdp2", "pp_fsdp2->pp_virtual_fsdp2"]:
@@ -68,6 +75,19 @@ def test_strict_load_into_a_pipeline_names_the_other_stages_keys(tmp_path: Path)
     text = got["one_process->pp_fsdp2"]
     assert isinstance(text, str) and text.startswith("KeyMismatchError"), text
     assert "not in the model" in text
+
+
+@pytest.mark.xfail(reason="checkpoint.save records the optimizer's parameter groups from "
+                   "rank 0 alone: loaded into a pipeline, the other stages' ranks get groups "
+                   "without lr, betas, eps and weight_decay", strict=True)
+def test_optimizer_groups_load_into_every_pipeline_rank(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    run_ranks(workers.pp_save_many, 4, args=(root, ["pp_fsdp2"]), timeout=300)
+    ranks = run_ranks(workers.pp_load_many, 4, args=(root, [("pp_fsdp2", "pp_fsdp2", False)]),
+                      timeout=300)
+    for rank in ranks:
+        groups = rank["pp_fsdp2->pp_fsdp2"]["groups"]
+        assert groups[0].get("lr") == 0.01 and groups[0].get("betas") == (0.9, 0.999)
 
 
 @pytest.mark.xfail(reason="checkpoint.load's strict key check does not know of pipeline "

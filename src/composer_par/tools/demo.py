@@ -379,9 +379,14 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
             index, count = plan.data_shard()
             data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
             optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
+            # The same loop for every plan: with a pipeline the step runs its schedule.
+            trainer = plan.training_step(model, next_token_loss)
             first = 0
             if settings["resume"]:
-                first = checkpoint.load(settings["checkpoint_dir"], model, optimizer).step
+                # A pipeline rank's model holds its stages' keys only: the checkpoint's
+                # other keys are another rank's (strict would call them unexpected).
+                first = checkpoint.load(settings["checkpoint_dir"], model, optimizer,
+                                        strict=plan.pipeline is None).step
             progress = _Progress(first, settings["steps"])
             losses: list[float] = []
             for step in range(first + 1, settings["steps"] + 1):
@@ -391,13 +396,10 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
                     _freeze(rank, step)
                 started = time.perf_counter()
                 tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
-                loss = next_token_loss(model(tokens), tokens)
-                loss.backward()
+                loss = trainer.step(tokens, tokens)  # the global batch's mean loss
                 optimizer.step()
                 optimizer.zero_grad()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                losses.append(float(total) / dist.get_world_size())
+                losses.append(float(loss))
                 if rank == 0:
                     tokens_per_s = batch * seq_len / (time.perf_counter() - started)
                     progress.update(step, losses[-1], tokens_per_s)
