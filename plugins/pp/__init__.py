@@ -333,7 +333,7 @@ class PP(Plugin):
         ctx.pipeline = Pipeline(
             dim=self.dim, size=size, rank=rank, schedule=info.name, microbatches=microbatches,
             split=split.stages, placement=layout, parts=parts, build_schedule=schedule,
-            check_batch=check_batch)
+            check_batch=check_batch, stage_params=split.params)
         # Whatever looks at the whole model's blocks from here on sees this rank's only.
         ctx.blocks[:] = [b for p in parts for b in p.blocks]
         held = "; ".join(f"stage {p.stage}: {len(p.blocks)} block(s)" for p in parts)

@@ -58,6 +58,7 @@ class Pipeline:
     parts: list[StagePart]
     build_schedule: Callable[[Callable[..., Any]], Any]
     check_batch: Callable[[int], None]
+    stage_params: tuple[int, ...] = ()  # parameters of each stage (tied counted once)
 
     @property
     def num_stages(self) -> int:

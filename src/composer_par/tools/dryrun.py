@@ -48,6 +48,7 @@ __all__ = [
     "DryRunError",
     "DryRunResult",
     "ParamLayout",
+    "PipelineSplit",
     "RankLayout",
     "SkippedInDryRun",
     "default_ranks",
@@ -167,6 +168,8 @@ class RankLayout:
     skipped: tuple[str, ...] = ()  # plugins skipped in the dry run
     seconds: float = 0.0
     failure: str | None = None  # the exception applying raised, with its last frames
+    # With a pipeline: (stage, parameters, bytes) of each stage this rank holds.
+    stages: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def local_numel(self) -> int:
@@ -189,8 +192,31 @@ class RankLayout:
             "skipped_in_dry_run": list(self.skipped),
             "totals": {"params": self.local_numel, "bytes": self.local_bytes,
                        "global_params": self.global_numel},
+            "pipeline_stages": [{"stage": s, "params": n, "bytes": b}
+                                for s, n, b in self.stages],
             "params": [p.to_dict() for p in self.params],
         }
+
+
+@attrs.frozen
+class PipelineSplit:
+    """The pipeline a plan cuts the model into (the same on every rank)."""
+
+    dim: str
+    size: int
+    schedule: str
+    microbatches: int
+    split: tuple[tuple[str, ...], ...]  # module paths per stage
+    placement: tuple[tuple[int, ...], ...]  # stages per pp rank
+    stage_params: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        rank_of = {s: r for r, stages in enumerate(self.placement) for s in stages}
+        return {"dim": self.dim, "size": self.size, "schedule": self.schedule,
+                "microbatches": self.microbatches, "stopped_before_first_step": True,
+                "stages": [{"stage": i, "pp_rank": rank_of[i], "modules": list(paths),
+                            "params": self.stage_params[i] if self.stage_params else None}
+                           for i, paths in enumerate(self.split)]}
 
 
 @attrs.frozen
@@ -200,6 +226,7 @@ class DryRunResult:
     ranks: tuple[RankLayout, ...]
     model: str  # what was built, e.g. "Llama (1.10 B parameters, 16 blocks at layers.*)"
     build_seconds: float = 0.0
+    pipeline: PipelineSplit | None = None
 
     @property
     def ok(self) -> bool:
@@ -212,7 +239,9 @@ class DryRunResult:
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "model": self.model, "ok": self.ok,
                 "build_seconds": round(self.build_seconds, 4),
-                "report": self.report.to_dict(), "ranks": [r.to_dict() for r in self.ranks]}
+                "report": self.report.to_dict(),
+                "pipeline": self.pipeline.to_dict() if self.pipeline else None,
+                "ranks": [r.to_dict() for r in self.ranks]}
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -271,10 +300,13 @@ def dry_run(
         return DryRunResult(world, report, (), description, build_seconds)
     mesh = plan.mesh.resolve(world)
     layouts = []
+    pipeline: PipelineSplit | None = None
     for rank in wanted:
         model_for_rank = probe if rank == wanted[0] else build_on_meta(factory, spec)
-        layouts.append(_dry_run_rank(plan, model_for_rank, mesh, world, rank))
-    return DryRunResult(world, report, tuple(layouts), description, build_seconds)
+        layout, split = _dry_run_rank(plan, model_for_rank, mesh, world, rank)
+        layouts.append(layout)
+        pipeline = pipeline or split
+    return DryRunResult(world, report, tuple(layouts), description, build_seconds, pipeline)
 
 
 def _describe_model(model: nn.Module, plan: ParallelPlan) -> str:
@@ -292,7 +324,7 @@ def _describe_model(model: nn.Module, plan: ParallelPlan) -> str:
 
 
 def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
-                  rank: int) -> RankLayout:
+                  rank: int) -> tuple[RankLayout, PipelineSplit | None]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -317,14 +349,32 @@ def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
             applied = _quietly(lambda: dry.apply(model))
         except Exception as exc:
             return RankLayout(rank, coordinate, node, seconds=time.perf_counter() - started,
-                              failure=_failure(exc))
+                              failure=_failure(exc)), None
         params = tuple(_param_layout(name, p) for name, p in applied.named_parameters())
         steps = tuple((s.stage, s.plugin, s.detail) for s in dry.applied)
         skipped = tuple(dry.notes.get("skipped_in_dry_run", ()))
+        split, stages = _pipeline(dry, params)
         return RankLayout(rank, coordinate, node, params, steps, skipped,
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, stages=stages), split
     finally:
         dist.destroy_process_group()
+
+
+def _pipeline(plan: ParallelPlan, params: Sequence[ParamLayout]
+              ) -> tuple[PipelineSplit | None, tuple[tuple[int, int, int], ...]]:
+    """The plan's pipeline split, and the parameters and bytes of each local stage."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return None, ()
+    split = PipelineSplit(pipe.dim, pipe.size, pipe.schedule, pipe.microbatches, pipe.split,
+                          pipe.placement, pipe.stage_params)
+    stages = []
+    for part in pipe.parts:
+        mine = [p for p in params
+                if any(p.name.startswith(path + ".") for path in part.modules)]
+        stages.append((part.stage, sum(_numel(p.local_shape) for p in mine),
+                       sum(p.bytes for p in mine)))
+    return split, tuple(stages)
 
 
 def _fake_store() -> Any:
@@ -388,6 +438,9 @@ def format_rank(layout: RankLayout, *, full: bool = False) -> str:
     lines = [f"{head}: {format_count(layout.local_numel)} of "
              f"{format_count(layout.global_numel)} parameters, "
              f"{format_bytes(layout.local_bytes)}, applied in {layout.seconds:.2f} s"]
+    for index, count, size in layout.stages:
+        lines.append(f"  pipeline stage {index}: {format_count(count)} parameters, "
+                     f"{format_bytes(size)} on this rank")
     for stage, plugin, detail in layout.steps:
         lines.append(f"  [{stage}] {plugin}: {detail}")
     rows: list[tuple[str, ...]] = []
@@ -425,6 +478,52 @@ def format_result(result: DryRunResult, *, full: bool = False) -> str:
     if not result.report.ok:
         lines.append("not applied: the plan has errors (above)")
         return "\n".join(lines)
+    if result.pipeline is not None:
+        lines.extend(format_pipeline(result.pipeline))
     for layout in result.ranks:
         lines.append(format_rank(layout, full=full))
+    if result.pipeline is not None:
+        lines.append(f"stopped before the first step: the {result.pipeline.schedule} schedule "
+                     "needs its stages to exchange tensor shapes, which the fake process "
+                     "group cannot carry")
     return "\n".join(lines)
+
+
+def format_pipeline(pipe: PipelineSplit) -> list[str]:
+    """Which modules each stage runs, on which pp rank, with its parameter count."""
+    from composer_par.estimate import format_count
+
+    rank_of = {s: r for r, stages in enumerate(pipe.placement) for s in stages}
+    lines = [f"pipeline: {len(pipe.split)} stages over {pipe.dim}({pipe.size}), "
+             f"{pipe.schedule} with {pipe.microbatches} microbatches per step"]
+    for index, paths in enumerate(pipe.split):
+        count = f", {format_count(pipe.stage_params[index])} parameters" if (
+            pipe.stage_params) else ""
+        lines.append(f"  stage {index} on {pipe.dim} rank {rank_of[index]}: "
+                     f"{_collapse(paths)}{count}")
+    return lines
+
+
+def _collapse(paths: Sequence[str]) -> str:
+    """``layers.0, layers.1, layers.2`` as ``layers.0-2``."""
+    out: list[str] = []
+    run: list[tuple[str, int]] = []
+
+    def flush() -> None:
+        if run:
+            prefix, first = run[0]
+            last = run[-1][1]
+            out.append(f"{prefix}.{first}" + (f"-{last}" if last != first else ""))
+            run.clear()
+
+    for path in paths:
+        prefix, _, tail = path.rpartition(".")
+        if prefix and tail.isdigit():
+            if run and (run[0][0] != prefix or run[-1][1] + 1 != int(tail)):
+                flush()
+            run.append((prefix, int(tail)))
+            continue
+        flush()
+        out.append(path)
+    flush()
+    return ", ".join(out)
