@@ -807,7 +807,7 @@ def plan_64(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_static_commands_never_import_torch_and_answer_fast(
+def test_static_commands_never_import_torch(
     files: dict[str, str], plan_64: str
 ) -> None:
     argvs = [["validate", plan_64], ["validate", plan_64, "--json"], ["explain", plan_64],
@@ -817,10 +817,8 @@ def test_static_commands_never_import_torch_and_answer_fast(
     probe = json.loads(done.stdout)
     assert probe["codes"] == [1, 1, 1, 2, 0, 0]
     assert probe["torch"] == []
-    # Bounds loose enough for a loaded CI machine (quiet: ~0.15 s import, ~0.03 s per
-    # command); benchmarks/bench_validate.py measures the whole process against 0.3 s.
-    assert probe["import_seconds"] < 1.0
-    assert max(probe["seconds"]) < 0.5
+    # How fast they answer is benchmarks/bench_validate.py's to measure (a timed test fails
+    # on a loaded machine, not on slow code).
 
 
 def test_the_console_script_never_prints_a_traceback(files: dict[str, str]) -> None:

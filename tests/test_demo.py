@@ -92,7 +92,9 @@ def test_a_frozen_rank_ends_the_run_at_the_timeout_named_leaving_no_process(
     assert code == 1, stderr[-3000:]
     assert stray == [], f"processes left behind: {stray}"
     frozen_at = next(t for t, line in lines if "rank 0: frozen at step 2" in line)
-    assert ended - frozen_at < timeout + ROLL_CALL_S + 15, stderr[-3000:]
+    # Bounded by the timeout, not torch's 30 minutes; the slack is for a loaded machine
+    # (measured ~37 s on 2 busy cores), not a speed claim.
+    assert ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
     data = json.loads((tmp_path / "stdout").read_text())
     assert data["ok"] is False and data["stuck_ranks"] == [0] and data["failed_rank"] != 0
     assert data["error"].startswith("StuckRankError: rank 0 never joined: ranks 1, 2, 3 "

@@ -94,6 +94,8 @@ def test_train_py_ends_a_job_with_a_frozen_rank_at_the_plans_timeout_naming_it(
     assert code == 1, stderr[-3000:]
     assert left == [], f"processes left behind: {left}"
     frozen_at = next(t for t, line in lines if "rank 1: frozen at step 2" in line)
-    assert ended - frozen_at < timeout + ROLL_CALL_S + 15, stderr[-3000:]
+    # Bounded by the timeout, not torch's 30 minutes; the slack is for a loaded machine
+    # (measured ~37 s on 2 busy cores), not a speed claim.
+    assert ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
     assert ("StuckRankError: rank 1 never joined: rank 0 timed out after 8 s" in stderr), \
         stderr[-3000:]

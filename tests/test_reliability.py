@@ -134,8 +134,9 @@ def test_the_ranks_waiting_for_a_frozen_rank_name_it_soon_after_the_timeout() ->
         assert result["error"].startswith("rank 1 never joined: ranks 0, 2, 3 timed out "
                                           "after 3 s waiting in a collective"), result
         assert "rank 1: pid " in result["error"] and "py-spy" in result["error"]
-        # The timeout, then the roll call: well before torch's 30 minutes.
-        assert 3.0 <= result["seconds"] < 3.0 + ROLL_CALL_S + 4.0, result
+        # The timeout, then the roll call: well before torch's 30 minutes (the slack is
+        # for a loaded machine, not a speed claim).
+        assert 3.0 <= result["seconds"] < 3.0 + ROLL_CALL_S + 30.0, result
 
 
 @pytest.mark.distributed

@@ -12,7 +12,8 @@ The core's codes are :data:`CORE_RULES` (its checks live in :mod:`composer_par.r
 Each plugin brings its own catalog, the class attribute ``rules`` of its plugin class,
 and adds findings through the validation hooks. A finding's severity, unless given, is
 its rule's: the core's, else the catalog of the plugin whose hook made it, else any
-known catalog's; a code no catalog has is an error. :data:`RULES` maps every code known.
+known catalog's; a code no catalog has is an error. :data:`RULES` maps every code of
+the core and the installed plugins.
 """
 
 from __future__ import annotations
@@ -215,7 +216,6 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
 # Every class that lists rules of its own, as weak references: a plugin class defined and
 # dropped (in a test, a notebook) takes its catalog with it.
 _CATALOG_OWNERS: list[weakref.ref[type]] = []
-_INSTALLED_LOADED = False
 
 
 def register_catalog(owner: type) -> None:
@@ -286,39 +286,25 @@ def rule_for(code: str, plugin: str | None = None) -> Rule | None:
     return None
 
 
-def _load_installed_plugins() -> None:
-    """Import every installed plugin class once, so their catalogs are registered.
-
-    Plugin classes are importable without torch, so neither is this.
-    """
-    global _INSTALLED_LOADED
-    if _INSTALLED_LOADED:
-        return
-    _INSTALLED_LOADED = True
-    from composer_par.plugin.registry import Registry, RegistryError
-
-    registry = Registry()
-    for name in registry.names():
-        try:
-            registry.get(name)
-        except RegistryError:  # `composer-par plugins` reports a broken one
-            continue
-
-
 class KnownRules(Mapping[str, Rule]):
-    """Every rule code known, read-only and sorted by code: the core's, every installed
-    plugin's (loaded through the entry-point registry on first use) and those of any
-    other plugin class defined since. Where two catalogs give one code different
-    meanings, the core's wins, else the first defined (``composer-par rules`` reports it).
-    """
+    """Every rule code of this environment, read-only and sorted by code: the core's and
+    every installed plugin's (loaded through the entry-point registry on first use, once
+    per process). Where two catalogs give one code different meanings, the core's wins,
+    else the first installed (``composer-par rules`` reports it). A plugin class defined
+    elsewhere (a test, a notebook) is not installed: its codes are not listed here, though
+    its findings still take their severities from its catalog."""
+
+    _cached: dict[str, Rule] | None = None
 
     def _table(self) -> dict[str, Rule]:
-        _load_installed_plugins()
-        table = dict(CORE_RULES)
-        for _, rules in plugin_catalogs():
-            for rule in rules:
+        if self._cached is None:
+            from composer_par.rules import catalogs
+
+            table: dict[str, Rule] = {}
+            for _, rule in catalogs():
                 table.setdefault(rule.code, rule)
-        return dict(sorted(table.items()))
+            self._cached = dict(sorted(table.items()))
+        return self._cached
 
     def __getitem__(self, code: str) -> Rule:
         return self._table()[code]
