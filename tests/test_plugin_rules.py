@@ -137,7 +137,9 @@ def test_rules_is_a_read_only_mapping_of_every_known_code() -> None:
     assert set(CORE_RULES) <= set(RULES)
     for code in ("CP216", "CP411", "CP414", "CP404", "CP212"):  # the built-ins' own
         assert code in RULES and code not in CORE_RULES
-    assert RULES["TSTB01"] == Quiet.rules[1]  # a plugin class defined here counts too
+    # A plugin class defined here is not installed: not listed, yet its findings take
+    # their severities from its catalog (tested above).
+    assert "TSTB01" not in RULES
     assert list(RULES) == sorted(RULES)
     with pytest.raises(TypeError):
         RULES["XMP999"] = Rule("XMP999", "error", "x")  # type: ignore[index]
