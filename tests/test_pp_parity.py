@@ -85,6 +85,9 @@ def test_two_stages_every_schedule_and_model_kind() -> None:
         "1F1B nn.TransformerEncoder": case("encoder", "pp = 2", pp("1F1B"), world=2),
         "Hugging Face style, its pp plan": case(HF, "pp = 2", pp("1F1B", split="pp_plan"),
                                                 world=2, clip=0.5),
+        "1F1B, selective AC, compiled through aot_eager": case(
+            LLAMA4, "pp = 2", pp("1F1B"), 'name = "activation_checkpoint"\nmode = "selective"',
+            'name = "compile"\nbackend = "aot_eager"', world=2),
         "explicit split": case(LLAMA4, "pp = 2", pp("GPipe", split=[
             ["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm",
                                              "output"]]), world=2),
@@ -106,6 +109,8 @@ def test_four_stages_and_two_by_two_compositions() -> None:
         "PP x FSDP2 ZBVZeroBubble": case(LLAMA4, "pp = 2\ndp_shard = 2", pp("ZBVZeroBubble"),
                                          fsdp, world=4),
         "PP x TP": case(LLAMA4, "pp = 2\ntp = 2", pp("1F1B"), tp, world=4, clip=0.5),
+        "PP x TP, sequence parallel": case(LLAMA4, "pp = 2\ntp = 2", pp("GPipe"),
+                                           'name = "tp"\nsequence_parallel = true', world=4),
         "PP x HSDP": case(LLAMA4, "pp = 2\ndp_replicate = 2",
                           pp("Interleaved1F1B", stages_per_rank=2), hsdp, world=4),
         # No pipeline: what TP leaves alone (here all but the feed-forward) is on another
