@@ -20,6 +20,7 @@ the eager, aot_eager and inductor backends, full and selective).
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -32,6 +33,7 @@ from composer_par.plugin import (
     Finding,
     Plugin,
     Rule,
+    Severity,
     already_wrapped,
     blocks_option,
     hookimpl,
@@ -121,6 +123,41 @@ def chosen(count: int, every: int) -> list[int]:
     return [i for i in range(count) if (i + 1) % every == 0]
 
 
+RULES = (
+    Rule("CP422", Severity.INFO, "the generation cache is off in checkpointed training",
+         "nothing to do; generate() and evaluation still use the cache",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(ActivationCheckpoint())"
+         ".use(MetaInit()).validate(llama_for_causal_lm)"),
+    Rule("CP423", Severity.WARNING,
+         "the model says it does not support gradient checkpointing",
+         "check that the model trains the same with and without the plugin, or drop it",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(ActivationCheckpoint())"
+         ".use(MetaInit()).validate(model_with_supports_gradient_checkpointing_false)"),
+)
+
+
+def caches_in_training(model: Any) -> bool:
+    """Whether ``model`` (a Hugging Face model) would build a generation cache in a
+    training forward: its config says ``use_cache`` and its forward takes the argument."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return False
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_cache" in params
+
+
+def _no_cache_in_training(module: Any, args: Any, kwargs: Any) -> Any:
+    """A training forward of a checkpointed model runs without a generation cache: the
+    recomputation in backward would append every block's keys and values to it again
+    (transformers' own gradient checkpointing turns it off the same way)."""
+    if module.training:
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
+
+
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
@@ -138,7 +175,7 @@ class ActivationCheckpoint(Plugin):
 
     name: ClassVar[str] = "activation_checkpoint"
     needs_blocks: ClassVar[bool] = True
-    rules: ClassVar[tuple[Rule, ...]] = (ALREADY_WRAPPED,)
+    rules: ClassVar[tuple[Rule, ...]] = (ALREADY_WRAPPED, *RULES)
 
     mode: Literal["full", "selective"] = attrs.field(
         default="full", validator=attrs.validators.in_(("full", "selective"))
@@ -157,8 +194,28 @@ class ActivationCheckpoint(Plugin):
         return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every)
 
     @hookimpl
-    def composer_par_validate_model(self, blocks: list[Block]) -> list[Finding]:
+    def composer_par_validate_model(self, model: nn.Module, blocks: list[Block]
+                                    ) -> list[Finding]:
         found = wrapped_block_findings(blocks)
+        name = type(model).__name__
+        if getattr(model, "supports_gradient_checkpointing", True) is False:
+            found.append(Finding(
+                "CP423",
+                f"{name}.supports_gradient_checkpointing is False: transformers does not "
+                "checkpoint this model's layers (their forward may keep state between calls, "
+                "which a recomputation in backward would change); the plugin checkpoints "
+                "its blocks anyway",
+                fix="check that the model trains the same with and without the plugin "
+                "(parity), or drop the plugin"))
+        if caches_in_training(model):
+            found.append(Finding(
+                "CP422",
+                f"{name}.config.use_cache is True: its training forwards run with "
+                "use_cache=False, as transformers' own gradient checkpointing does (a block "
+                "recomputed in backward would append its keys and values to the generation "
+                "cache a second time: a size mismatch in the first step)",
+                fix="nothing to do; generate() and evaluation (model.eval()) still use the "
+                "cache"))
         if blocks and not chosen(len(blocks), self.every):
             found.append(Finding(
                 "CP210",
@@ -181,7 +238,11 @@ class ActivationCheckpoint(Plugin):
         for index in picked:
             checkpoint_block(ctx.blocks[index][1], self.mode)
         ctx.notes["checkpointed_blocks"] = [ctx.blocks[i][0] for i in picked]
-        return f"{self.mode} checkpointing on {len(picked)} of {len(ctx.blocks)} block(s)"
+        detail = f"{self.mode} checkpointing on {len(picked)} of {len(ctx.blocks)} block(s)"
+        if picked and caches_in_training(ctx.model):
+            ctx.model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+            detail += "; generation cache off in training forwards"
+        return detail
 
 
 __all__ = ["ActivationCheckpoint", "checkpoint_block", "selective_context_fn"]

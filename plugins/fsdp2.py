@@ -46,6 +46,11 @@ RULES = (
          "[mesh]\ndp_replicate = 2\ndp_shard = 8\n\n[topology]\nnodes = 4\n"
          "devices_per_node = 4\n\n[[plugins]]\nname = \"hsdp\"\n\n[[plugins]]\n"
          "name = \"fsdp2\"\nreshard_after_forward = 8\n"),
+    Rule("CP424", Severity.ERROR, "a block shares a parameter with a module outside it",
+         "name blocks that hold both twins, or none (detected blocks leave such a module to "
+         "its parent's group)",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(blocks=[\"BertEmbeddings\", "
+         "\"BertLayer\"])).use(MetaInit()).validate(bert_for_masked_lm)"),
 )
 
 
@@ -170,6 +175,21 @@ class FSDP2(Plugin):
                     fix=f"use a divisor of {size} whose runs fit in a node (at most "
                     f"{topology.devices_per_node} devices per node, counting inner mesh dims)",
                 ))
+        return found
+
+    @hookimpl
+    def composer_par_validate_model(self, model: Any, blocks: list[Any]) -> list[Finding]:
+        from composer_par.plugin.initialize import tied_outside
+
+        found = []
+        for path, name, twin in tied_outside(model, blocks):
+            found.append(Finding(
+                "CP424",
+                f"block {path} holds {name}, which is tied to {twin} outside it (one "
+                "parameter in two modules): fully_shard would make it part of two FSDP "
+                "groups and fail, or shard the two names apart",
+                fix=f"give blocks that leave {path} out (its parent's group then holds both "
+                "twins), or a block holding both; detected blocks do this themselves"))
         return found
 
     @hookimpl

@@ -50,8 +50,13 @@ class MetaInit(Plugin):
     Options: ``seed``; ``device`` (default: the plan's device); ``init_fn`` (a callable
     or ``"module:function"`` taking one module, called children-first on each module that
     owns tensors). Without ``init_fn`` a Hugging Face model's ``_init_weights`` is used,
-    else each module's ``reset_parameters()`` (or ``_reset_parameters()``). A module that
-    owns parameters or buffers and has none of these is validation error CP404.
+    as its ``post_init`` calls it: on every module, children first, those owning no
+    tensors too (GPT-2's rule on each attention and MLP rescales their c_proj weights;
+    the weights such a rule writes are found by a dry run over fake tensors), a tied
+    parameter initialized by its first owner only, buffers such as rotary inverse
+    frequencies recomputed. Else each module's ``reset_parameters()`` (or
+    ``_reset_parameters()``). A module that owns parameters or buffers and has none of
+    these is validation error CP404.
     """
 
     name: ClassVar[str] = "meta_init"
@@ -106,26 +111,9 @@ class MetaInit(Plugin):
     def composer_par_materialize(self, ctx: ApplyContext) -> str:
         import torch
 
-        from composer_par.plugin.initialize import (
-            init_module,
-            module_seed,
-            owns_tensors,
-            post_order,
-            to_empty_keeping_ties,
-        )
+        from composer_par.plugin.initialize import materialize
 
         device = torch.device(self.device) if self.device else ctx.device
-        model = ctx.model
-        to_empty_keeping_ties(model, device)
-        pick = self.initializer(model)
-        count = 0
-        peak = 0
-        for path, module in post_order(model):
-            init = pick(module)
-            if init is None or not owns_tensors(module):
-                continue
-            seed = module_seed(self.seed, clean_name(path))
-            peak = max(peak, init_module(module, init, device, seed))
-            count += 1
+        count, peak = materialize(ctx.model, device, self.seed, self.init_fn)
         ctx.notes["meta_init_peak_full_bytes"] = peak
         return f"to_empty on {device}; initialized {count} module(s) with seed {self.seed}"

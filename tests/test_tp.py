@@ -183,10 +183,14 @@ def test_auto_plan_uses_a_hugging_face_tp_plan() -> None:
     assert plan["lm_head"].style == "colwise_gather"  # HF colwise_rep, from _tp_plan
     lp = {p: s for p, _, s in resolve(TP(loss_parallel=True), model, 2).entries}
     assert lp["lm_head"].output_layouts == ("shard(-1)",)
-    # Sequence parallel: the HF plan has no such layouts; Llama names provide them.
+    # Sequence parallel: the model's own plan with sequence-parallel layouts; the residual
+    # stream stays a sequence-sharded DTensor (docs/tp.md, "Sequence parallel").
     sp = resolve(TP(sequence_parallel=True), model, 2)
-    assert sp.source == "Hugging Face Llama names" and not sp.findings
-    assert {p: s for p, _, s in sp.entries}["model.norm"].style == "sequence_parallel"
+    assert sp.source == "Hugging Face tp plan" and not sp.findings
+    sp_plan = {p: s for p, _, s in sp.entries}
+    assert sp_plan["model.norm"].style == "sequence_parallel"
+    assert sp_plan["model.layers.0.self_attn"].style == "sequence_region"
+    assert sp_plan["model.embed_tokens"].use_local_output is False
 
 
 def test_hugging_face_rowwise_rep_is_rowwise_with_a_replicated_input() -> None:
@@ -196,12 +200,17 @@ def test_hugging_face_rowwise_rep_is_rowwise_with_a_replicated_input() -> None:
     assert plan["model.layers.0.mlp.down_proj"].input_layouts == ("replicate",)
 
 
-def test_unsupported_hugging_face_style_is_cp408() -> None:
+def test_unsupported_hugging_face_style_falls_back_for_its_modules_cp420() -> None:
+    plan = {**tp_workers.HF_BASE_TP_PLAN, "layers.*.mlp.up_proj": "mla_kv_a_proj"}
     with torch.device("meta"):
-        model = tp_workers.hf_like_llama(tp_plan={"layers.*.mlp.up_proj": "local_colwise"})
+        model = tp_workers.hf_like_llama(tp_plan=plan)
     report = tp_plan(TP()).validate(model, world_size=2)
-    finding = only(report, "CP408")
-    assert "local_colwise" in finding.message and "layers.*.mlp.up_proj" in finding.message
+    finding = only(report, "CP420")
+    assert report.ok and finding.severity.value == "warning"
+    assert "mla_kv_a_proj" in finding.message and "model.layers.*.mlp.up_proj" in finding.message
+    resolved = {p: s.style for p, _, s in resolve(TP(), model, 2).entries}
+    assert "model.layers.0.mlp.up_proj" not in resolved  # left whole
+    assert resolved["model.layers.0.mlp.gate_proj"] == "colwise"  # the rest applies
 
 
 class GPTBlock(nn.Module):
@@ -379,12 +388,18 @@ def test_cp409_replicate_rest_cannot_wrap_a_parent_with_parameters() -> None:
     assert [f.code for f in report.findings if f.plugin == "tp"] == []
 
 
-def test_cp409_a_style_on_a_tied_weight_would_untie_it() -> None:
+def test_cp409_styles_that_split_a_tied_weight_two_ways() -> None:
     model = meta_llama()
     model.output.weight = model.tok_embeddings.weight
-    report = tp_plan(TP()).validate(model, world_size=2)
+    # The auto plan splits both on the vocabulary (tensor dim 0): they stay one parameter.
+    resolution = resolve(TP(), model, 2)
+    assert not [f for f in resolution.findings if f.code == "CP409"]
+    assert [[a for _, a in group] for group in resolution.ties] == [["weight", "weight"]]
+    plan = {"tok_embeddings": "embedding_colwise", "output": "colwise_gather"}
+    report = tp_plan(TP(plan=plan)).validate(model, world_size=2)
     messages = [f.message for f in report.findings if f.code == "CP409"]
-    assert any("output.weight is tied to tok_embeddings" in m for m in messages), messages
+    assert any("tok_embeddings.weight is tied to output.weight" in m and "shard(1)" in m
+               for m in messages), messages
 
 
 # -- real ranks: the optimizer trap and MetaInit ----------------------------------------------

@@ -49,6 +49,7 @@ from .apply import (
     apply_resolution,
     replicate_rest,
     replicate_style,
+    retie,
     torch_style,
 )
 from .auto import (
@@ -207,10 +208,20 @@ class TP(Plugin):
         mesh = ctx.submesh(self.dim)
         apply_resolution(resolution, mesh)
         replicated = replicate_rest(resolution, mesh) if self.replicate_rest else 0
-        ctx.notes["tp_plan"] = [(path, spec.describe()) for path, _, spec in resolution.entries]
+        retie(resolution)
+        ctx.notes["tp_plan"] = [(path, spec.describe()) for path, _, spec in
+                                [*resolution.entries, *((p, o, s) for p, o, _, s in
+                                                        resolution.params)]]
         counts = Counter(spec.style for _, _, spec in resolution.entries)
         text = (f"parallelize_module over {self.dim}({size}) ({resolution.source}): "
                 + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        if resolution.params:
+            text += f"; {len(resolution.params)} parameter(s) split"
+        if resolution.ties:
+            text += f"; {len(resolution.ties)} tied group(s) kept tied"
+        if resolution.fallbacks:
+            text += "; left whole: " + ", ".join(
+                m for f in resolution.fallbacks for m in f.modules)
         if self.sequence_parallel:
             text += "; sequence parallel"
         if self.loss_parallel:
@@ -257,6 +268,7 @@ __all__ = [
     "replicate_style",
     "resolve",
     "rest_findings",
+    "retie",
     "tie_findings",
     "torch_style",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .styles import SHARD_LAYOUT, StyleSpec
+from .styles import LOCAL_FORWARD_STYLES, PARAMETER_STYLES, SHARD_LAYOUT, StyleSpec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -72,14 +72,70 @@ def torch_style(spec: StyleSpec) -> Any:
         )
     if spec.style == "replicate":
         return replicate_style()
+    if spec.style in LOCAL_STYLES:
+        return local_style(spec.style, spec.split_factor or 2)
     raise AssertionError(spec.style)
 
 
+#: Our own styles (ParallelStyle subclasses over DTensor, below), by the style they serve.
+LOCAL_STYLES = {*LOCAL_FORWARD_STYLES, "packed_colwise", "packed_rowwise", "local_colwise",
+                "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
+                "identity_expert", "all_reduce", "sequence_region"}
+
+
+def parameter_placement(style: str, ndim: int, split_factor: int | None = None) -> Any:
+    """The placement a parameter entry (or a local style's own weight) gets: the tensor
+    dim its style splits (the last for rowwise, the one before for colwise), strided for
+    packed weights so that each rank holds its slice of every packed part."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    back = PARAMETER_STYLES.get(style)
+    if back is None:
+        return Replicate()
+    if ndim == 1:
+        # A bias: colwise-family ones follow the output features, rowwise ones are added
+        # after the sum and stay whole.
+        if back == -1:
+            return Replicate()
+        dim = 0
+    else:
+        dim = ndim + back
+    if style.endswith("packed_colwise") or style.endswith("packed_rowwise"):
+        return _StridedShard(dim, split_factor=split_factor or 2)
+    return Shard(dim)
+
+
 def apply_resolution(resolution: Resolution, mesh: DeviceMesh) -> None:
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    # Parameter entries first: the module styles above them (experts, local) then find
+    # their weights split, and distribute only what is left.
+    for _, owner, attr, spec in resolution.params:
+        param = owner._parameters[attr]
+        if param is None or isinstance(param, DTensor):
+            continue
+        placement = parameter_placement(spec.style, param.ndim, spec.split_factor)
+        owner.register_parameter(attr, nn.Parameter(
+            distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad))
     for _, module, spec in resolution.entries:
         parallelize_module(module, mesh, torch_style(spec))
+
+
+def retie(resolution: Resolution) -> int:
+    """Make each tied group one parameter again: every style distributed its own copy of
+    the shared tensor (validation checked that they split it the same way). Returns the
+    number of registrations replaced."""
+    count = 0
+    for (first, first_attr), *others in resolution.ties:
+        shared = first._parameters[first_attr]
+        for module, attr in others:
+            if module._parameters[attr] is not shared:
+                module._parameters[attr] = shared
+                count += 1
+    return count
 
 
 def replicate_rest(resolution: Resolution, mesh: DeviceMesh) -> int:
@@ -103,11 +159,18 @@ def replicate_rest(resolution: Resolution, mesh: DeviceMesh) -> int:
                     requires_grad=param.requires_grad)
             module.register_parameter(pname, replaced[id(param)])
     for _, module in resolution.rest:
-        parallelize_module(module, mesh, replicate_style())
+        parents = any(True for n, m in module.named_modules() if n and any(
+            True for _ in m.parameters(recurse=False)))
+        # A module with parameter-owning children cannot have its inputs wrapped (its
+        # children would receive DTensors): its forward runs on the local values of its own
+        # replicated parameters instead (validation made sure nothing below it is split).
+        style = local_style("local_replicated") if parents else replicate_style()
+        parallelize_module(module, mesh, style)
     return len(resolution.rest)
 
 
 _REPLICATE_STYLE: Any = None
+_LOCAL_IO = "_composer_par_tp_local_io"
 
 
 def replicate_style() -> Any:
@@ -138,14 +201,24 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _inputs(module: nn.Module, inputs: Any, mesh: Any) -> Any:
+            wrapped = False
+
             def wrap(t: Any) -> Any:
+                nonlocal wrapped
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                    wrapped = True
                     return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
                 return t
-            return tree_map(wrap, inputs)
+            out = tree_map(wrap, inputs)
+            # Outputs go back to local tensors only for a call that came with local ones:
+            # on a residual stream kept as DTensors (sequence parallel) they stay DTensors.
+            module.__dict__[_LOCAL_IO] = wrapped
+            return out
 
         @staticmethod
         def _outputs(module: nn.Module, outputs: Any, mesh: Any) -> Any:
+            if not module.__dict__.get(_LOCAL_IO, True):
+                return outputs
             return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
 
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
@@ -156,3 +229,153 @@ def _make_replicate_style() -> type:
             return "ReplicateParallel()"
 
     return ReplicateParallel
+
+
+_LOCAL_STYLE: Any = None
+_SAVED = "_composer_par_tp_saved_params"
+
+
+def local_style(kind: str, split_factor: int = 2) -> Any:
+    """The ParallelStyle of one of our own styles (see :data:`LOCAL_STYLES`), built on
+    first use (torch is imported lazily)."""
+    global _LOCAL_STYLE
+    if _LOCAL_STYLE is None:
+        _LOCAL_STYLE = _make_local_style()
+    return _LOCAL_STYLE(kind, split_factor)
+
+
+def _make_local_style() -> type:
+    import inspect
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.utils._pytree import tree_map
+
+    def grad_sum(t: Any, mesh: Any) -> Any:
+        """Identity forward; backward sums the gradient over tp (a replicated input that
+        feeds column-split weights gets only this rank's part of its gradient)."""
+        if isinstance(t, DTensor):
+            if t.placements != (Replicate(),):
+                t = t.redistribute(placements=[Replicate()])
+            return t.to_local(grad_placements=[Partial()])
+        if not (torch.is_grad_enabled() and t.requires_grad):
+            return t
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+
+    def output_sum(t: Any, mesh: Any) -> Any:
+        """Forward sums this rank's partial output over tp; backward is the identity."""
+        if isinstance(t, DTensor):
+            return t
+        return DTensor.from_local(t, mesh, [Partial()], run_check=False).redistribute(
+            placements=[Replicate()]).to_local()
+
+    def floating(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+    # Styles whose forward runs on local tensors (the parameters' local parts).
+    local_params = {"experts", "local", "packed_colwise", "packed_rowwise", "local_colwise",
+                    "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
+                    "local_replicated"}
+    # Styles whose floating inputs get their gradient summed over tp.
+    summed_inputs = {"experts", "packed_colwise", "local_colwise"}
+    # Styles whose floating outputs are summed over tp.
+    summed_outputs = {"experts", "all_reduce", "packed_rowwise"}
+
+    class LocalParallel(ParallelStyle):
+        def __init__(self, kind: str, split_factor: int = 2) -> None:
+            super().__init__()
+            self.kind = kind
+            self.split_factor = split_factor
+
+        def _placement(self, name: str, param: Any) -> Any:
+            if self.kind in ("packed_colwise", "packed_rowwise", "local_colwise",
+                             "local_rowwise", "local_packed_rowwise"):
+                return parameter_placement(self.kind, param.ndim, self.split_factor)
+            return Replicate()  # experts/local/...: what no parameter entry split
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            if self.kind not in ("all_reduce", "identity_expert", "sequence_region"):
+                for name, param in list(module.named_parameters(recurse=False)):
+                    if isinstance(param, DTensor):
+                        continue
+                    module.register_parameter(name, nn.Parameter(
+                        distribute_tensor(param, device_mesh, [self._placement(name, param)],
+                                          src_data_rank=self.src_data_rank),
+                        requires_grad=param.requires_grad))
+            first = _first_argument(module) if self.kind == "sequence_region" else None
+
+            def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+                return self._pre(mod, args, kwargs, device_mesh, first)
+
+            def post(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+                return self._post(mod, output, device_mesh)
+
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(post, with_kwargs=True)
+            return module
+
+        def _pre(self, module: nn.Module, args: Any, kwargs: Any, mesh: Any,
+                 first: str | None) -> Any:
+            kind = self.kind
+            if kind in local_params:
+                saved: dict[str, Any] = {}
+                for name, param in module._parameters.items():
+                    if isinstance(param, DTensor):
+                        saved[name] = param
+                        # A norm on its rank's heads computes only its part of the weight
+                        # gradient: declared partial, it is summed over tp.
+                        module._parameters[name] = param.to_local(
+                            grad_placements=[Partial()] if kind == "replicate_grad_allreduce"
+                            else None)
+                module.__dict__.setdefault(_SAVED, []).append(saved)
+            if kind in summed_inputs:
+                args, kwargs = tree_map(
+                    lambda t: grad_sum(t, mesh) if floating(t) else (
+                        t.to_local() if isinstance(t, DTensor) else t), (args, kwargs))
+            elif kind in local_params and kind != "local_replicated":
+                args, kwargs = tree_map(
+                    lambda t: t.to_local() if isinstance(t, DTensor) else t, (args, kwargs))
+            elif kind == "identity_expert" and args:
+                args = (args[0] / mesh.size(), *args[1:])
+            elif kind == "sequence_region":
+                def gather(t: Any) -> Any:
+                    if isinstance(t, DTensor) and t.placements != (Replicate(),):
+                        return t.redistribute(placements=[Replicate()])
+                    return t
+                if args:
+                    args = (gather(args[0]), *args[1:])
+                elif first in kwargs:
+                    kwargs = {**kwargs, first: gather(kwargs[first])}
+            return args, kwargs
+
+        def _post(self, module: nn.Module, output: Any, mesh: Any) -> Any:
+            if self.kind in local_params:
+                stack = module.__dict__.get(_SAVED) or [{}]
+                module._parameters.update(stack.pop())
+            if self.kind in summed_outputs:
+                return tree_map(lambda t: output_sum(t, mesh) if floating(t) else t, output)
+            if self.kind == "sequence_region":
+                def shard(t: Any) -> Any:
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                        # A replicated result back onto the sequence-sharded stream: each
+                        # rank keeps its part, no communication.
+                        return DTensor.from_local(t, mesh, [Replicate()], run_check=False
+                                                  ).redistribute(placements=[Shard(1)])
+                    return t
+                if isinstance(output, tuple) and output:
+                    return (shard(output[0]), *output[1:])
+                return shard(output)
+            return output
+
+        def __repr__(self) -> str:
+            return f"LocalParallel({self.kind!r})"
+
+    def _first_argument(module: nn.Module) -> str | None:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return params[0].name if params else None
+
+    return LocalParallel

@@ -13,7 +13,7 @@ import attrs
 from composer_par.plugin import clean_name
 
 from .patterns import generalize, matches
-from .styles import HF_STYLES, StyleSpec
+from .styles import HF_STYLES, HF_UNSUPPORTED, StyleSpec
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -36,82 +36,141 @@ GPT_LEAVES = {("mlp", "c_fc"): "colwise", ("mlp", "c_proj"): "rowwise"}
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """A Hugging Face model's tp plan with keys relative to ``model``: the config's
-    ``base_model_tp_plan`` (under ``base_model_prefix`` for a model with a head) and
-    every module's ``_tp_plan`` (under that module's path)."""
+    """A Hugging Face model's tp plan with keys relative to ``model``, as transformers
+    itself reads it: the instance's ``_tp_plan`` (transformers 5 composes the whole plan
+    there, with prefixes such as ``model.layers.*``), then the config's
+    ``base_model_tp_plan`` (placed under ``base_model_prefix`` for a model with a head:
+    older versions keep the base plan there only), then every sub-module's own
+    ``_tp_plan`` under its path. The first entry for a key wins."""
     import torch.nn as nn
 
     plan: dict[str, str] = {}
     prefix = getattr(model, "base_model_prefix", "") or ""
     # A model with a head (LlamaForCausalLM) holds its base model under the prefix.
     has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, Mapping):
+        plan.update({str(k): v for k, v in own.items()})
     base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or getattr(
         model, "base_model_tp_plan", None)
     if isinstance(base, Mapping):
         for key, style in base.items():
-            plan[f"{prefix}.{key}" if has_base else key] = style
+            plan.setdefault(f"{prefix}.{key}" if has_base else key, style)
     for path, module in model.named_modules():
-        own = getattr(module, "_tp_plan", None)
-        if isinstance(own, Mapping):
-            for key, style in own.items():
-                full = f"{clean_name(path)}.{key}" if path else key
-                plan.setdefault(full, style)
+        if not path:
+            continue
+        sub = getattr(module, "_tp_plan", None)
+        if isinstance(sub, Mapping):
+            for key, style in sub.items():
+                plan.setdefault(f"{clean_name(path)}.{key}", style)
     return plan
 
 
-def _translate_hf(plan: Mapping[str, Any], modules: Mapping[str, Any]) -> tuple[
-    list[tuple[str, StyleSpec]], list[str]
+@attrs.frozen
+class Fallback:
+    """A Hugging Face plan entry TP does not honour: the modules it names stay whole."""
+
+    pattern: str
+    style: str
+    why: str
+    modules: tuple[str, ...]  # the module paths left whole (with everything below them)
+
+
+def translate_hf(plan: Mapping[str, Any], modules: Mapping[str, Any],
+                 parameters: Mapping[str, tuple[Any, str]]) -> tuple[
+    list[tuple[str, StyleSpec]], list[Fallback]
 ]:
-    """Hugging Face entries as ours; entries matching nothing are dropped (a class-level
-    plan may name modules this instance lacks). Returns the entries and unsupported styles."""
+    """Hugging Face entries as ours. An entry may name modules or parameters (MoE expert
+    weights); entries matching nothing are dropped (a class-level plan may name modules
+    this instance lacks). A style TP does not honour is a :class:`Fallback`: the modules
+    it names (a parameter's owner) keep their weights whole, and so does everything below
+    them, the other entries there included."""
     import torch.nn as nn
 
-    out, unsupported = [], []
+    out: list[tuple[str, StyleSpec]] = []
+    fallbacks: list[Fallback] = []
     for pattern, style in plan.items():
-        hits = [m for n, m in modules.items() if n and matches(pattern, n)]
-        if not hits:
+        hits = [(n, m) for n, m in modules.items() if n and matches(pattern, n)]
+        param_hits = [(n, owner) for n, (owner, _) in parameters.items() if matches(pattern, n)]
+        if not hits and not param_hits:
             continue
         table = HF_STYLES.get(style) if isinstance(style, str) else None
         if table is None:
-            unsupported.append(f"{pattern} = {style!r}")
+            why = HF_UNSUPPORTED.get(style, "composer_par's TP has no such style") if (
+                isinstance(style, str)) else f"{style!r} is not a style name"
+            owners = [n for n, _ in hits] + [n.rsplit(".", 1)[0] for n, _ in param_hits]
+            fallbacks.append(Fallback(pattern, str(style), why, tuple(dict.fromkeys(owners))))
             continue
         table = dict(table)
-        if all(isinstance(m, nn.Embedding) for m in hits) and table["style"] in (
+        if hits and all(isinstance(m, nn.Embedding) for _, m in hits) and table["style"] in (
             "colwise", "rowwise", "colwise_gather"
         ):
             # HF's rowwise(_rep) on an embedding: vocab split, output replicated.
             kind = "colwise" if table["style"].startswith("colwise") else "rowwise"
             table = {"style": f"embedding_{kind}"}
         out.append((pattern, StyleSpec.parse(table)))
-    return out, unsupported
+    if fallbacks:
+        whole = [m for f in fallbacks for m in f.modules]
+        out = [(p, s) for p, s in out
+               if not any(_under(p, w) for w in whole)]
+    return out, fallbacks
+
+
+def _under(pattern: str, module: str) -> bool:
+    """Whether a plan pattern names ``module`` or something below it."""
+    parts = pattern.split(".")
+    depth = module.count(".") + 1
+    return len(parts) >= depth and matches(".".join(parts[:depth]), module)
+
+
+@attrs.frozen
+class AutoPlan:
+    """``plan="auto"`` for one model: entries (patterns over module and parameter paths),
+    where they come from, a CP408 problem, and the entries held back (CP420)."""
+
+    entries: list[tuple[str, StyleSpec]]
+    source: str
+    problem: str | None = None
+    fallbacks: tuple[Fallback, ...] = ()
+
+
+HF_SOURCE = "Hugging Face tp plan"
 
 
 def auto_plan(
-    model: nn.Module, modules: Mapping[str, Any], sequence_parallel: bool, loss_parallel: bool
-) -> tuple[list[tuple[str, StyleSpec]], str, str | None]:
-    """``(entries, source, problem)`` for ``plan="auto"``; ``problem`` is a CP408 message."""
+    model: nn.Module, modules: Mapping[str, Any], parameters: Mapping[str, tuple[Any, str]],
+    sequence_parallel: bool, loss_parallel: bool,
+) -> AutoPlan:
+    """The auto plan: the model's own Hugging Face tp plan, else recognized names."""
     hf = hf_tp_plan(model)
     family = _family(modules)
-    if hf and not (sequence_parallel and family in ("llama", "hf_llama")):
-        entries, unsupported = _translate_hf(hf, modules)
-        if unsupported:
-            return [], "Hugging Face tp plan", (
-                f"the model's Hugging Face tp plan uses styles composer_par's TP does not "
-                f"support: {', '.join(unsupported)} (supported: {sorted(HF_STYLES)})")
+    if hf:
+        entries, fallbacks = translate_hf(hf, modules, parameters)
         problem = None
-        if sequence_parallel:
-            problem = ("sequence_parallel = true with the model's Hugging Face tp plan: that "
-                       "plan has no sequence-parallel layouts and the model's names are not "
-                       "Llama-style")
-        elif not entries:
+        if not entries:
             problem = "the model's Hugging Face tp plan matches none of its modules"
         elif loss_parallel and not any(s.style == "colwise_gather" for _, s in entries):
             problem = ("loss_parallel = true, but the model's Hugging Face tp plan has no "
-                       "gathered output head (colwise_rep) to keep sharded")
-        return entries, "Hugging Face tp plan", problem
+                       "gathered output head (colwise_gather_output) to keep sharded")
+        return AutoPlan(entries, HF_SOURCE, problem, tuple(fallbacks))
     if family in ("llama", "hf_llama"):
-        return _llama_plan(model, modules, family, sequence_parallel), (
-            "Llama names" if family == "llama" else "Hugging Face Llama names"), None
+        entries, fallbacks = _llama_plan(model, modules, family, sequence_parallel)
+        problem = None
+        styles = {s.style for _, s in entries}
+        if sequence_parallel and not (styles & {"embedding_rowwise"} and
+                                      styles & {"colwise_gather"}):
+            # A vision model (ViT: a patch convolution, a classifier) has neither.
+            problem = ("sequence_parallel = true, but the auto plan found no token embedding "
+                       f"({'/'.join(EMBEDDING_NAMES)}) or no output head "
+                       f"({'/'.join(OUTPUT_NAMES)}) in {type(model).__name__}: the residual "
+                       "stream would start or end replicated, with nothing to shard it onto "
+                       "the sequence or gather it back")
+        elif loss_parallel and "colwise_gather" not in styles:
+            problem = ("loss_parallel = true, but the auto plan found no output head "
+                       f"({'/'.join(OUTPUT_NAMES)}) in {type(model).__name__} to keep "
+                       "sharded on the vocabulary")
+        return AutoPlan(entries, "Llama names" if family == "llama" else
+                        "Hugging Face Llama names", problem, tuple(fallbacks))
     if family == "gpt":
         entries = _gpt_plan(modules)
         problem = None
@@ -122,11 +181,11 @@ def auto_plan(
         elif loss_parallel:
             problem = ("loss_parallel = true: the auto plan leaves a GPT model's output head "
                        "replicated (it is usually tied to the token embedding)")
-        return entries, "GPT names", problem
-    return [], "auto", (
+        return AutoPlan(entries, "GPT names", problem)
+    return AutoPlan([], "auto", (
         f"plan = \"auto\" found no Hugging Face tp plan on {type(model).__name__} and "
         "recognized none of its module names (Llama: wq/wk/wv/wo/w1/w2/w3 or "
-        "q_proj/.../down_proj; GPT: mlp.c_fc/mlp.c_proj)")
+        "q_proj/.../down_proj; GPT: mlp.c_fc/mlp.c_proj as nn.Linear)"))
 
 
 def _family(modules: Mapping[str, Any]) -> str | None:
@@ -166,26 +225,51 @@ def _is_norm(module: Any) -> bool:
     return name.endswith("Norm") or name in ("LayerNorm", "RMSNorm")
 
 
+# Fused projections: q, k and v in one Linear (sizes differ under grouped-query attention,
+# and the forward splits the output by the full sizes), gate and up in one (two equal
+# halves, split as packed_colwise).
+FUSED_QKV = ("wqkv", "qkv_proj", "qkv", "c_attn", "query_key_value", "in_proj", "Wqkv")
+FUSED_GATE_UP = ("w13", "gate_up_proj")
+
+
 def _llama_plan(
     model: nn.Module, modules: Mapping[str, Any], family: str, sequence_parallel: bool
-) -> list[tuple[str, StyleSpec]]:
+) -> tuple[list[tuple[str, StyleSpec]], list[Fallback]]:
     """torchtitan's Llama plan: q/k/v and w1/w3 colwise, o and w2 rowwise, the token
     embedding rowwise, the output head colwise with gathered (or, with loss parallel,
     sharded) logits; with sequence parallel the norms shard the sequence and attention and
-    feed-forward gather their input once (prepare_input)."""
+    feed-forward gather their input once (prepare_input). A fused gate/up projection is
+    packed_colwise; an attention whose q, k and v are one fused Linear stays whole (its
+    output projection is not split either): a Fallback says so."""
     import torch.nn as nn
 
     leaves = LLAMA_LEAVES if family == "llama" else HF_LLAMA_LEAVES
     patterns: dict[str, StyleSpec] = {}
     parents: dict[str, str] = {}
+    fallbacks: list[Fallback] = []
+    whole: list[str] = []
     for name, module in modules.items():
-        if not name:
+        leaf = name.rsplit(".", 1)[-1]
+        if name and "." in name and leaf in FUSED_QKV and isinstance(module, nn.Linear):
+            owner = name.rsplit(".", 1)[0]
+            if owner not in whole:
+                whole.append(owner)
+                fallbacks.append(Fallback(
+                    generalize(name), "fused qkv", f"{leaf} holds q, k and v in one Linear "
+                    "(their sizes differ under grouped-query attention and the forward "
+                    "splits its output by the full sizes), so splitting it column-wise would "
+                    "hand each rank parts of q, k and v that do not belong together; "
+                    "attention is left whole", (owner,)))
+    for name, module in modules.items():
+        if not name or any(name == w or name.startswith(w + ".") for w in whole):
             continue
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Linear) and leaf in leaves:
             patterns.setdefault(generalize(name), StyleSpec(leaves[leaf]))
             if leaves[leaf] == "colwise" and "." in name:
                 parents.setdefault(generalize(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[0])
+        elif isinstance(module, nn.Linear) and leaf in FUSED_GATE_UP:
+            patterns.setdefault(generalize(name), StyleSpec("packed_colwise", split_factor=2))
         elif isinstance(module, nn.Embedding) and leaf in EMBEDDING_NAMES:
             patterns.setdefault(generalize(name), StyleSpec("embedding_rowwise"))
         elif isinstance(module, nn.Linear) and leaf in OUTPUT_NAMES and name.count(".") <= 1:
@@ -195,7 +279,7 @@ def _llama_plan(
     if not sequence_parallel or family != "llama":
         # Hugging Face attention is called with keyword arguments: each colwise layer
         # gathers its own sequence-sharded input instead (the same values, more gathers).
-        return list(patterns.items())
+        return list(patterns.items()), fallbacks
     # torchtitan: gather the sequence once per attention / feed-forward, not per Linear.
     out: dict[str, StyleSpec] = {}
     for pattern, spec in patterns.items():
@@ -211,7 +295,7 @@ def _llama_plan(
             out[pattern] = attrs.evolve(spec, input_layouts=("replicate",))
         else:
             out[pattern] = spec
-    return list(out.items())
+    return list(out.items()), fallbacks
 
 
 def _positional_args(module: Any) -> int:

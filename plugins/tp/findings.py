@@ -14,12 +14,18 @@ from .patterns import generalize
 from .styles import (
     EMBEDDING_STYLES,
     LINEAR_STYLES,
+    LOCAL_FORWARD_STYLES,
+    PACKED_STYLES,
     PARAM_STYLES,
+    PARAMETER_STYLES,
+    SHARDED_OUTPUT_STYLES,
     StyleSpec,
 )
 
 if TYPE_CHECKING:
     import torch.nn as nn
+
+    from .auto import Fallback
 
 _TP_PLAN = '[mesh]\ntp = 2\n\n[[plugins]]\nname = "tp"\n'
 
@@ -56,6 +62,16 @@ RULES = (
          "use the style the fix names, or map the module's children instead",
          "ParallelPlan(MeshSpec(tp=2)).use(TP(plan={\"tok_embeddings\": \"rowwise\"}))"
          ".use(MetaInit()).validate(llama)"),
+    Rule("CP420", Severity.WARNING, "the auto plan leaves some modules whole",
+         "accept it (those weights are replicated on every tp rank), or give TP(plan={...}) "
+         "explicitly for those modules",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP()).use(MetaInit())"
+         ".validate(model_whose_tp_plan_has_mla_kv_a_proj)"),
+    Rule("CP421", Severity.INFO, "a module runs on tp-sharded activations",
+         "nothing to do; map it yourself (\"replicate\" or \"replicate_grad_allreduce\") "
+         "to say otherwise",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP(plan=qwen3_plan_without_q_norm))"
+         ".use(MetaInit()).validate(qwen3)"),
 )
 
 
@@ -127,7 +143,8 @@ def fit_findings(entries: list[tuple[str, Any, StyleSpec]], tp_size: int) -> lis
                         "'sequence_parallel'/'replicate' for this module")].append(path)
                 continue
             feature = LINEAR_STYLES[spec.style]
-            if getattr(module, feature) % tp_size:
+            parts = (spec.split_factor or 2) if spec.style in PACKED_STYLES else 1
+            if getattr(module, feature) % (tp_size * parts):
                 uneven[(spec.style, feature, getattr(module, feature))].append(path)
         elif spec.style in EMBEDDING_STYLES:
             if not isinstance(module, nn.Embedding):
@@ -176,16 +193,19 @@ _QKV_LEAVES = {"wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv_proj", "quer
 
 def head_findings(
     model: nn.Module, modules: Mapping[str, Any], entries: list[tuple[str, Any, StyleSpec]],
-    tp_size: int,
+    tp_size: int, params: list[tuple[str, Any, str, StyleSpec]] | None = None,
 ) -> list[Finding]:
     """CP407: the tp size must divide the head and KV-head counts of the attention it
-    splits; else each rank holds a fraction of a head and forward fails in a reshape."""
+    splits; else each rank holds a fraction of a head and forward fails in a reshape.
+    Only styles whose output stays split count: a gathered projection (Phi-3's fused
+    qkv_proj, colwise_gather) hands every rank all heads."""
     attention = [
         path for path, _, spec in entries
-        if spec.style in ("colwise", "colwise_gather")
+        if spec.style in SHARDED_OUTPUT_STYLES
         and (path.rsplit(".", 1)[-1] in _QKV_LEAVES
              or any(h in part for part in path.split(".")[:-1] for h in _ATTENTION_HINTS))
     ]
+    del params  # expert weights split features, not heads
     if not attention:
         return []
     owners: list[str] = [""]  # the root (its config) always
@@ -221,44 +241,206 @@ def head_findings(
     return found
 
 
-def rest_findings(modules: Mapping[str, Any], rest: list[tuple[str, Any]]) -> list[Finding]:
-    """CP409: replicate_rest wraps a module's inputs and outputs; that is safe only for a
-    module none of whose children own parameters (a norm, an embedding, a bias holder)."""
+def rest_findings(modules: Mapping[str, Any], rest: list[tuple[str, Any]],
+                  entries: list[tuple[str, Any, StyleSpec]] | None = None) -> list[Finding]:
+    """CP409: a module whose own parameters no style covers, with sub-modules owning
+    parameters, and a column-split projection somewhere below it (its attention, say):
+    its own parameters may act on activations sharded over tp, or on replicated ones, and
+    nothing tells which. Without a split below, everything in it computes the same on
+    every tp rank and replicate_rest replicates it (its forward runs on the local values
+    of its own parameters; its children keep their own styles)."""
+    split = [path for path, _, spec in entries or () if spec.style in SHARDED_OUTPUT_STYLES]
     found = []
     for name, module in rest:
         children = [n for n, m in module.named_modules() if n and any(
             True for _ in m.parameters(recurse=False))]
-        if children:
+        below = [p for p in split if not name or p.startswith(name + ".")]
+        if children and below:
             found.append(fit_finding(
                 f"{name or '<root>'} ({_type_name(module)}) owns parameters that no style "
-                f"makes DTensors and also has sub-modules with parameters ({children[0]}): "
-                "replicate_rest cannot wrap it without changing what its children receive",
-                f"map {name or 'that module'} to a style, or set replicate_rest = false (then "
-                "use a for-loop optimizer: foreach/fused optimizers and clip_grad_norm_ fail "
-                "on a mix of Tensor and DTensor parameters)"))
+                f"makes DTensors and holds column-split projections ({below[0]}): its own "
+                "parameters may act on activations sharded over tp (their gradient then "
+                "needs a sum over tp) or on replicated ones, and TP cannot tell which",
+                f"map {name or 'that module'} to a style ('replicate_grad_allreduce' if its "
+                "parameters act on the split projections' outputs), or set replicate_rest = "
+                "false (then use a for-loop optimizer: foreach/fused optimizers and "
+                "clip_grad_norm_ fail on a mix of Tensor and DTensor parameters)"))
     return found
 
 
-def tie_findings(modules: Mapping[str, Any], entries: list[tuple[str, Any, StyleSpec]]) -> list[
-    Finding
-]:
-    """CP409: a style that distributes a parameter shared with another module (a token
-    embedding tied to the output head) would replace it in one module only: the tie would
-    break silently and the two copies train apart."""
-    owners: dict[int, list[str]] = defaultdict(list)
+def placement_of(style: str | None, module: Any, attr: str, ndim: int,
+                 split_factor: int | None = None) -> str:
+    """How a style lays out one of the module's own parameters, as text ("shard(0)",
+    "replicate", "strided(0,2)", "plain"): tied owners must agree on it."""
+    import torch.nn as nn
+
+    if style is None:
+        return "plain"
+    bias = attr == "bias" or ndim == 1
+    if style in ("colwise", "colwise_gather", "local_colwise"):
+        return "shard(0)"
+    if style in ("rowwise", "local_rowwise"):
+        return "replicate" if bias else "shard(1)"
+    if style == "embedding_rowwise" or (style == "embedding_colwise" and not isinstance(
+            module, nn.Embedding)):
+        return "shard(0)"
+    if style == "embedding_colwise":
+        return "shard(1)"
+    if style in PACKED_STYLES:
+        factor = split_factor or 2
+        if style == "packed_colwise":
+            return f"strided(0,{factor})"
+        return "replicate" if bias else f"strided(1,{factor})"
+    if style in PARAM_STYLES or style in LOCAL_FORWARD_STYLES or style == "replicate":
+        return "replicate"
+    return "plain"
+
+
+def _parameter_placement(style: str, ndim: int, split_factor: int | None) -> str:
+    back = PARAMETER_STYLES.get(style)
+    if back is None:
+        return "replicate"
+    if ndim == 1:
+        return "replicate" if back == -1 else "shard(0)"
+    dim = ndim + back
+    if style in PACKED_STYLES:
+        return f"strided({dim},{split_factor or 2})"
+    return f"shard({dim})"
+
+
+def tie_findings(
+    modules: Mapping[str, Any], entries: list[tuple[str, Any, StyleSpec]],
+    params: list[tuple[str, Any, str, StyleSpec]], rest: list[tuple[str, Any]],
+    replicate_rest: bool,
+) -> tuple[list[Finding], list[list[tuple[Any, str]]]]:
+    """CP409 for a parameter shared by several modules (a token embedding tied to the
+    output head) that their styles would lay out differently: one tensor cannot be split
+    two ways, and each style replacing it in its own module would untie them silently.
+    Ties whose owners agree (Gemma's embedding_rowwise and colwise_gather both split the
+    vocabulary, tensor dim 0) are returned, to be made one parameter again after apply."""
+    by_module = {id(m): (path, spec) for path, m, spec in entries}
+    by_param = {(id(owner), attr): spec for _, owner, attr, spec in params}
+    rest_ids = {id(m) for _, m in rest}
+    owners: dict[int, list[tuple[str, Any, str]]] = defaultdict(list)
     for name, module in modules.items():
-        for param in module.parameters(recurse=False):
-            owners[id(param)].append(name)
-    found = []
-    for path, module, spec in entries:
-        if spec.style not in PARAM_STYLES:
+        for attr, param in module._parameters.items():
+            if param is not None:
+                owners[id(param)].append((name, module, attr))
+    found, ties = [], []
+    for group in owners.values():
+        if len(group) < 2:
             continue
-        for pname, param in module.named_parameters(recurse=False):
-            others = [o for o in owners[id(param)] if o != path]
-            if others:
-                found.append(fit_finding(
-                    f"{path}.{pname} is tied to {others[0]} (one parameter in two modules); "
-                    f"{spec.style!r} would replace it in {path} only and untie them",
-                    f"leave {path} out of the plan (it is then replicated with its twin), or "
-                    "untie the weights"))
+        layouts = []
+        for name, module, attr in group:
+            param = module._parameters[attr]
+            spec = by_param.get((id(module), attr))
+            style: str | None
+            if spec is not None:
+                layout = _parameter_placement(spec.style, param.ndim, spec.split_factor)
+                style = spec.style
+            else:
+                entry = by_module.get(id(module))
+                style = entry[1].style if entry else None
+                if entry is None and id(module) in rest_ids and replicate_rest:
+                    style = "replicate"
+                layout = placement_of(style, module, attr, param.ndim,
+                                      entry[1].split_factor if entry else None)
+            layouts.append((name, attr, style, layout))
+        if len({layout for *_, layout in layouts}) == 1:
+            if any(style is not None for _, _, style, _ in layouts):
+                ties.append([(module, attr) for _, module, attr in group])
+            continue
+        (a, a_attr, a_style, a_layout), *others = layouts
+        b, b_attr, b_style, b_layout = next(x for x in others if x[3] != a_layout)
+        found.append(fit_finding(
+            f"{a}.{a_attr} is tied to {b}.{b_attr} (one parameter in two modules); "
+            f"{_style_text(a_style)} lays it out as {a_layout} in {a or '<root>'} and "
+            f"{_style_text(b_style)} as {b_layout} in {b or '<root>'}: one tensor cannot be "
+            "both, and each style replacing it in its own module would untie them",
+            f"give both modules styles that split it the same way (a token embedding tied "
+            f"to the output head: 'embedding_rowwise' and 'colwise_gather' both split the "
+            f"vocabulary), or leave both {a} and {b} out of the plan (replicated, still "
+            "one parameter), or untie the weights"))
+    return found, ties
+
+
+def _style_text(style: str | None) -> str:
+    return "no style (a plain tensor)" if style is None else repr(style)
+
+
+def fallback_findings(fallbacks: tuple[Fallback, ...], source: str) -> list[Finding]:
+    """CP420: entries of the auto plan TP does not honour; the modules they name (with
+    everything below them) keep their weights whole, and the rest of the plan applies."""
+    found = []
+    for fb in fallbacks:
+        names = ", ".join(dict.fromkeys(generalize(m) for m in fb.modules))
+        kind = (f"the model's {source} gives {fb.pattern!r} the style {fb.style!r}"
+                if source == "Hugging Face tp plan" else f"{fb.pattern}")
+        found.append(Finding(
+            "CP420",
+            f"{kind}, which TP does not honour: {fb.why}. TP falls back for {names}: "
+            "its weights (and those of everything below it) stay whole, replicated on "
+            "every tp rank, and the rest of the plan is applied",
+            fix=f"accept it (more memory per rank for {names}), or give TP(plan={{...}}) "
+            "explicitly with styles for those modules (docs/tp.md)"))
+    return found
+
+
+def sharded_neighbour_findings(moved: list[tuple[str, Any]]) -> list[Finding]:
+    """CP421 (info): modules beside column-split projections that no entry names run on
+    their rank's part of a sharded activation; their gradients are summed over tp."""
+    if not moved:
+        return []
+    paths = [p for p, _ in moved]
+    shown = list(dict.fromkeys(generalize(p) for p in paths))
+    return [Finding(
+        "CP421",
+        f"{', '.join(shown)} ({_type_name(moved[0][1])}) sit beside column-split "
+        "projections in the same module, so they run on their rank's part of a sharded "
+        "activation (a per-head norm sees this rank's heads): their inputs differ across tp "
+        "ranks, so their weights are replicated with gradients summed over tp "
+        "('replicate_grad_allreduce'), not declared identical",
+        fix="nothing to do if they run on the projections' output; if they run on the "
+        "replicated input instead, map them to \"replicate\" yourself")]
+
+
+def parameter_findings(params: list[tuple[str, Any, str, StyleSpec]],
+                       entries: list[tuple[str, Any, StyleSpec]], tp_size: int
+                       ) -> list[Finding]:
+    """CP409 / CP406 for entries that name parameters (MoE expert weights): the style must
+    split a parameter, its owner's forward must run on local parts ('experts' or 'local'
+    on the owner), and the tp size must divide the split tensor dim."""
+    styles = {id(m): spec.style for _, m, spec in entries}
+    misfit: dict[tuple[str, str], list[str]] = defaultdict(list)
+    uneven: dict[tuple[str, int, int], list[str]] = defaultdict(list)
+    for path, owner, attr, spec in params:
+        param = owner._parameters[attr]
+        if spec.style not in PARAMETER_STYLES:
+            misfit[(f"{{path}} is a parameter; {spec.style!r} acts on modules",
+                    f"use one of {sorted(PARAMETER_STYLES)} for parameters")].append(path)
+            continue
+        own = styles.get(id(owner))
+        if spec.style != "replicate" and own not in LOCAL_FORWARD_STYLES:
+            misfit[(f"{{path}} ({spec.style}) splits a parameter of a module whose forward "
+                    "would then mix it with whole tensors",
+                    "map its module to 'experts' (a mixture-of-experts module) or 'local' "
+                    "as well")].append(path)
+            continue
+        back = PARAMETER_STYLES[spec.style]
+        if back is None or param.ndim < 2:
+            continue
+        dim = param.ndim + back
+        parts = (spec.split_factor or 2) if spec.style in PACKED_STYLES else 1
+        if param.shape[dim] % (tp_size * parts):
+            uneven[(spec.style, dim, int(param.shape[dim]))].append(path)
+    found = [fit_finding(message.format(path=paths[0]) + _more(paths), fix)
+             for (message, fix), paths in misfit.items()]
+    for (style, dim, size), paths in uneven.items():
+        found.append(Finding(
+            "CP406",
+            f"{paths[0]}{_more(paths)}: {style!r} splits tensor dim {dim} (size {size}) over "
+            f"tp({tp_size}), and {size} is not divisible by {tp_size}"
+            + (" times the packed parts" if style in PACKED_STYLES else ""),
+            fix=f"use a tp size that divides {size} (e.g. {_divisor_below(size, tp_size)}), "
+            "or change the model's width"))
     return found

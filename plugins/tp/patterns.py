@@ -48,3 +48,14 @@ def names_near(model: nn.Module, modules: Mapping[str, Any], pattern: str, n: in
 def generalize(name: str) -> str:
     """``layers.3.attention.wq`` -> ``layers.*.attention.wq``: one entry per repeated unit."""
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def parameters_by_name(modules: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """Each module's own parameters by path (``model.layers.0.mlp.experts.gate_up_proj``)
+    -> (owner module, attribute): plan entries may name parameters, as MoE plans do."""
+    out: dict[str, tuple[Any, str]] = {}
+    for name, module in modules.items():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                out.setdefault(f"{name}.{attr}" if name else attr, (module, attr))
+    return out

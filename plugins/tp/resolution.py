@@ -1,8 +1,10 @@
-"""A TP plan resolved against one model: which module takes which style (patterns
-expanded in plan order, the styles' defaults filled in), and every model-aware finding."""
+"""A TP plan resolved against one model: which module (or parameter) takes which style
+(patterns expanded in plan order, the styles' defaults filled in), the tied parameters
+to keep tied, and every model-aware finding."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -10,42 +12,63 @@ import attrs
 
 from composer_par.plugin import Finding
 
-from .auto import auto_plan
+from .auto import HF_SOURCE, OUTPUT_NAMES, Fallback, auto_plan
 from .findings import (
+    fallback_findings,
     fit_finding,
     fit_findings,
     head_findings,
+    parameter_findings,
     rest_findings,
+    sharded_neighbour_findings,
     tie_findings,
 )
-from .patterns import generalize, matches, modules_by_name, names_near
+from .patterns import generalize, matches, modules_by_name, names_near, parameters_by_name
 from .plan_map import PlanMap
-from .styles import EMBEDDING_STYLES, PARAM_STYLES, StyleSpec
+from .sequence import hf_sequence_parallel
+from .styles import (
+    EMBEDDING_STYLES,
+    LOCAL_FORWARD_STYLES,
+    PACKED_STYLES,
+    PARAM_STYLES,
+    SHARDED_OUTPUT_STYLES,
+    StyleSpec,
+)
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
     from . import TP
 
+Entry = tuple[str, Any, StyleSpec]  # (module path, module, spec)
+ParamEntry = tuple[str, Any, str, StyleSpec]  # (parameter path, owner, attribute, spec)
+
 
 @attrs.define
 class Resolution:
     """A TP plan resolved against one model: what apply will do, and what is wrong."""
 
-    entries: list[tuple[str, Any, StyleSpec]]  # (module path, module, spec) in model order
+    entries: list[Entry]  # module entries in model order
     findings: list[Finding]
     source: str  # "explicit plan", "Hugging Face tp plan", "Llama names", ...
     rest: list[tuple[str, Any]]  # modules owning parameters that no style makes DTensors
+    params: list[ParamEntry] = attrs.Factory(list)  # parameter entries (MoE expert weights)
+    # Tied parameters every owner splits the same way: one parameter again after apply.
+    ties: list[list[tuple[Any, str]]] = attrs.Factory(list)
+    fallbacks: tuple[Fallback, ...] = ()
 
 
 def resolve(tp: TP, model: nn.Module, tp_size: int) -> Resolution:
     modules = modules_by_name(model)
+    parameters = parameters_by_name(modules)
     findings: list[Finding] = []
+    fallbacks: tuple[Fallback, ...] = ()
     if isinstance(tp.plan, PlanMap):
         parsed, _ = tp.entries()  # unparsable entries are CP212/CP213, static findings
         source = "explicit plan"
         for pattern, _ in parsed:
-            if pattern in modules or any(matches(pattern, n) for n in modules if n):
+            if pattern in modules or any(matches(pattern, n) for n in modules if n) or any(
+                    matches(pattern, n) for n in parameters):
                 continue
             near = list(dict.fromkeys(generalize(n) for n in names_near(model, modules, pattern)))
             findings.append(Finding(
@@ -57,37 +80,61 @@ def resolve(tp: TP, model: nn.Module, tp_size: int) -> Resolution:
                 "model.named_modules()] to see them",
             ))
     else:
-        parsed, source, problem = auto_plan(model, modules, tp.sequence_parallel,
-                                            tp.loss_parallel)
-        if problem:
-            findings.append(Finding("CP408", problem, fix=(
+        auto = auto_plan(model, modules, parameters, tp.sequence_parallel, tp.loss_parallel)
+        parsed, source, fallbacks = auto.entries, auto.source, auto.fallbacks
+        if auto.problem:
+            findings.append(Finding("CP408", auto.problem, fix=(
                 "give TP(plan={...}) explicitly: module-path patterns mapped to styles "
                 "(docs/tp.md)")))
-    # Expand: each module takes the first entry that matches it (plan order).
+        findings += fallback_findings(fallbacks, source)
+    # Expand: each module (parameter) takes the first entry that matches it (plan order).
     chosen: dict[str, tuple[str, StyleSpec]] = {}
+    chosen_params: dict[str, tuple[str, StyleSpec]] = {}
     for pattern, spec in parsed:
-        for name in modules:
-            if (name == pattern or (name and matches(pattern, name))):
-                if name in chosen and chosen[name][1] != spec:
+        for table, names in ((chosen, modules), (chosen_params, parameters)):
+            for name in names:
+                if not (name == pattern or (name and matches(pattern, name))):
+                    continue
+                if name in table and table[name][1] != spec:
                     findings.append(fit_finding(
-                        f"module {name} is matched by plan[{chosen[name][0]!r}] "
-                        f"({chosen[name][1].style}) and plan[{pattern!r}] ({spec.style})",
+                        f"{'module' if table is chosen else 'parameter'} {name} is matched by "
+                        f"plan[{table[name][0]!r}] ({table[name][1].style}) and "
+                        f"plan[{pattern!r}] ({spec.style})",
                         "make the patterns disjoint: one style per module"))
                     continue
-                chosen.setdefault(name, (pattern, spec))
-    entries = []
-    for name in modules:
-        if name in chosen:
-            pattern, spec = chosen[name]
-            spec = _defaults(spec, tp.sequence_parallel, tp.loss_parallel)
-            entries.append((name, modules[name], spec))
+                table.setdefault(name, (pattern, spec))
+    specs = {name: chosen[name][1] for name in modules if name in chosen}
+    if source == HF_SOURCE and tp.sequence_parallel and specs:
+        specs, problem = hf_sequence_parallel(specs, modules)
+        if problem:
+            findings.append(Finding("CP408", problem, fix=(
+                "set sequence_parallel = false, or give TP(plan={...}) explicitly with the "
+                "norms mapped to \"sequence_parallel\" (docs/tp.md)")))
+    # Loss parallel keeps the output head's logits sharded: the gathered projections at
+    # the top of the model (Phi-3 gathers its fused qkv_proj inside attention too).
+    gathered = [n for n in modules if n in specs and specs[n].style == "colwise_gather"]
+    heads = {n for n in gathered if "." not in n or n.rsplit(".", 1)[-1] in OUTPUT_NAMES}
+    heads = heads or set(gathered)
+    entries: list[Entry] = [
+        (name, modules[name], _defaults(specs[name], tp.sequence_parallel,
+                                        tp.loss_parallel and name in heads))
+        for name in modules if name in specs]
+    params: list[ParamEntry] = [
+        (name, *parameters[name], _defaults(chosen_params[name][1], False, False))
+        for name in parameters if name in chosen_params]
+    rest = leftover(modules, entries, params)
+    entries, rest, neighbours = _sharded_neighbours(entries, rest)
+    position = {name: i for i, name in enumerate(modules)}
+    entries.sort(key=lambda e: position[e[0]])
+    findings += sharded_neighbour_findings(neighbours)
     findings += fit_findings(entries, tp_size)
-    findings += head_findings(model, modules, entries, tp_size)
-    rest = leftover(modules, entries)
+    findings += parameter_findings(params, entries, tp_size)
+    findings += head_findings(model, modules, entries, tp_size, params)
     if tp.replicate_rest:
-        findings += rest_findings(modules, rest)
-    findings += tie_findings(modules, entries)
-    return Resolution(entries, findings, source, rest)
+        findings += rest_findings(modules, rest, entries)
+    tied, ties = tie_findings(modules, entries, params, rest, tp.replicate_rest)
+    findings += tied
+    return Resolution(entries, findings, source, rest, params, ties, fallbacks)
 
 
 def _defaults(spec: StyleSpec, sequence_parallel: bool, loss_parallel: bool) -> StyleSpec:
@@ -114,18 +161,52 @@ def _defaults(spec: StyleSpec, sequence_parallel: bool, loss_parallel: bool) -> 
         return spec.with_defaults(use_local_output=False)
     if spec.style == "prepare_output":
         return spec.with_defaults(use_local_output=True)
+    if spec.style in PACKED_STYLES:
+        return spec.with_defaults(split_factor=2)
     return spec
 
 
-def leftover(modules: Mapping[str, Any], entries: list[tuple[str, Any, StyleSpec]]) -> list[
-    tuple[str, Any]
-]:
+def leftover(modules: Mapping[str, Any], entries: list[Entry],
+             params: list[ParamEntry] | None = None) -> list[tuple[str, Any]]:
     """Modules that own parameters that no style turns into DTensors, in model order."""
-    covered = {path for path, _, spec in entries if spec.style in PARAM_STYLES}
+    covered = {path for path, _, spec in entries
+               if spec.style in PARAM_STYLES or spec.style in LOCAL_FORWARD_STYLES}
+    split = defaultdict(set)
+    for _, owner, attr, _ in params or ():
+        split[id(owner)].add(attr)
     out = []
     for name, module in modules.items():
         if name in covered or any(name.startswith(c + ".") for c in covered if c):
             continue
-        if any(True for _ in module.parameters(recurse=False)):
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if own and not set(own) <= split[id(module)]:
             out.append((name, module))
     return out
+
+
+def _sharded_neighbours(entries: list[Entry], rest: list[tuple[str, Any]]) -> tuple[
+    list[Entry], list[tuple[str, Any]], list[tuple[str, Any]]
+]:
+    """Norm-like modules no entry names that sit beside column-split projections in the
+    same parent (Qwen3's q_norm beside q_proj): they run on their rank's part of a sharded
+    activation, so their inputs are not the same on every tp rank and their gradients must
+    be summed over tp ('replicate_grad_allreduce'). Every other module left over is
+    replicated with its inputs declared identical."""
+    parents = {path.rsplit(".", 1)[0] if "." in path else "" for path, _, spec in entries
+               if spec.style in SHARDED_OUTPUT_STYLES}
+    moved, kept = [], []
+    for name, module in rest:
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        children = any(True for n, m in module.named_modules() if n and any(
+            True for _ in m.parameters(recurse=False)))
+        # Norm-like only (vectors of scales and shifts): a Linear left out beside the split
+        # projections (a gate) takes the replicated input.
+        vectors = all(p.ndim <= 1 for p in module.parameters(recurse=False))
+        if name and parent in parents and not children and vectors:
+            moved.append((name, module))
+        else:
+            kept.append((name, module))
+    if not moved:
+        return entries, rest, []
+    added = [(n, m, StyleSpec("replicate_grad_allreduce")) for n, m in moved]
+    return [*entries, *added], kept, moved

@@ -28,16 +28,58 @@ STYLES: dict[str, str] = {
     "prepare_output": "redistribute a module's outputs (output_layouts -> "
     "desired_output_layouts); parameters untouched",
     "replicate": "parameters replicated as DTensors over tp; inputs and outputs local",
+    "packed_colwise": "a fused Linear (or a fused 3-D expert weight) stacking split_factor "
+    "projections on its output features (gate and up): each projection split colwise, so "
+    "each rank holds its slice of each; computed on local tensors, output local",
+    "packed_rowwise": "a weight stacking split_factor parts on its input features: each "
+    "split rowwise (on a parameter)",
+    "replicate_grad_allreduce": "parameters replicated as DTensors; the module runs on its "
+    "rank's part of a tp-sharded activation (a per-head norm between colwise and rowwise "
+    "layers), so their gradients are summed over tp",
+    "experts": "a mixture-of-experts module whose weights its parameter entries split: runs "
+    "on the local parts; output summed over tp, input gradients summed over tp",
+    "identity_expert": "input divided by the tp size (an identity expert whose output an "
+    "'experts' sum would add tp times)",
+    "local": "the module runs on the local parts of its parameters (split by parameter "
+    "entries); inputs and outputs untouched",
+    "all_reduce": "output summed over tp (a module whose children computed partial sums)",
+    "local_colwise": "colwise weights, computed on local tensors: input gradients summed "
+    "over tp, output this rank's columns (no DTensor)",
+    "local_rowwise": "rowwise weights, computed on local tensors: output a partial sum that "
+    "an enclosing 'all_reduce' sums",
+    "local_packed_rowwise": "packed_rowwise weights, computed on local tensors: output a "
+    "partial sum that an enclosing 'all_reduce' sums",
+    "sequence_region": "a module on the sequence-sharded residual stream whose children the "
+    "plan splits: its first input is gathered once (kept a DTensor, so its children do not "
+    "gather again) and a plain first output is sharded back onto the sequence",
 }
 
 #: Styles that split a Linear / an Embedding, and which feature each splits.
 LINEAR_STYLES = {"colwise": "out_features", "colwise_gather": "out_features",
-                 "rowwise": "in_features"}
+                 "rowwise": "in_features", "packed_colwise": "out_features",
+                 "local_colwise": "out_features", "local_rowwise": "in_features",
+                 "local_packed_rowwise": "in_features"}
 EMBEDDING_STYLES = {"embedding_rowwise": "num_embeddings", "embedding_colwise": "embedding_dim"}
 #: Styles that turn every parameter of the module into a DTensor.
-PARAM_STYLES = {*LINEAR_STYLES, *EMBEDDING_STYLES, "sequence_parallel", "replicate"}
+PARAM_STYLES = {*LINEAR_STYLES, *EMBEDDING_STYLES, "sequence_parallel", "replicate",
+                "replicate_grad_allreduce"}
+#: Styles a plan may give a parameter (``experts.gate_up_proj``), and the tensor dim each
+#: splits, counted from the end (None: replicated).
+PARAMETER_STYLES: dict[str, int | None] = {
+    "colwise": -2, "local_colwise": -2, "packed_colwise": -2,
+    "rowwise": -1, "local_rowwise": -1, "packed_rowwise": -1, "local_packed_rowwise": -1,
+    "replicate": None,
+}
+#: Module styles whose forward runs on the local parts of the module's parameters: the
+#: parameter entries under such a module split its weights.
+LOCAL_FORWARD_STYLES = {"experts", "local"}
+#: Styles whose output is this rank's columns, kept local: what a module beside them in
+#: the same parent receives from them is sharded over tp (a per-head norm).
+SHARDED_OUTPUT_STYLES = {"colwise", "packed_colwise", "local_colwise"}
+#: Styles with a split_factor (projections packed in one weight).
+PACKED_STYLES = {"packed_colwise", "packed_rowwise", "local_packed_rowwise"}
 
-#: Hugging Face style names (``base_model_tp_plan`` / ``_tp_plan``) -> ours. Rowwise and
+#: Hugging Face style names (``_tp_plan`` / ``base_model_tp_plan``) -> ours. Rowwise and
 #: colwise entries on an ``nn.Embedding`` become the embedding styles.
 HF_STYLES: dict[str, dict[str, Any]] = {
     "colwise": {"style": "colwise"},
@@ -47,8 +89,33 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     # Rowwise with a replicated (not yet split) input: the module splits it itself.
     "rowwise_rep": {"style": "rowwise", "input_layouts": "replicate"},
     "rowwise_split_input": {"style": "rowwise", "input_layouts": "replicate"},
+    "embedding_rowwise": {"style": "embedding_rowwise"},
+    "embedding_colwise": {"style": "embedding_colwise"},
+    "packed_colwise": {"style": "packed_colwise"},
+    "packed_rowwise": {"style": "packed_rowwise"},
     "sequence_parallel": {"style": "sequence_parallel"},
     "replicate": {"style": "replicate"},
+    "replicated_with_grad_allreduce": {"style": "replicate_grad_allreduce"},
+    "moe_tp_experts": {"style": "experts"},
+    "moe_identity_expert": {"style": "identity_expert"},
+    "local_params": {"style": "local"},
+    "local": {"style": "local"},
+    "all_reduce": {"style": "all_reduce"},
+    "gather": {"style": "all_reduce"},
+    "local_colwise": {"style": "local_colwise"},
+    "local_rowwise": {"style": "local_rowwise"},
+    "local_packed_rowwise": {"style": "local_packed_rowwise"},
+}
+
+#: Hugging Face styles TP does not honour, and why; the plan falls back for the modules
+#: they name (CP420).
+HF_UNSUPPORTED: dict[str, str] = {
+    "mla_kv_a_proj": "it splits the output of a latent-attention projection by a config "
+    "field (qk_rope_head_dim) to sum the gradient of its rotary part",
+    "ep_router": "an expert-parallel style (the model's _ep_plan), not tensor parallel",
+    "ep_dispatch_experts": "an expert-parallel style (the model's _ep_plan), not tensor "
+    "parallel",
+    "grouped_gemm": "an expert-parallel style (the model's _ep_plan), not tensor parallel",
 }
 
 #: Keys a table entry may give, per style (``style`` itself always).
@@ -61,6 +128,17 @@ STYLE_KEYS: dict[str, tuple[str, ...]] = {
                       "desired_input_kwarg_layouts", "use_local_output"),
     "prepare_output": ("output_layouts", "desired_output_layouts", "use_local_output"),
     "replicate": (),
+    "packed_colwise": ("split_factor",),
+    "packed_rowwise": ("split_factor",),
+    "local_packed_rowwise": ("split_factor",),
+    "replicate_grad_allreduce": (),
+    "experts": (),
+    "identity_expert": (),
+    "local": (),
+    "all_reduce": (),
+    "local_colwise": (),
+    "local_rowwise": (),
+    "sequence_region": (),
 }
 ALL_KEYS = ("style", *sorted({k for keys in STYLE_KEYS.values() for k in keys}))
 
@@ -109,6 +187,7 @@ class StyleSpec:
     desired_input_kwarg_layouts: tuple[tuple[str, str | None], ...] | None = None
     use_local_output: bool | None = None
     sequence_dim: int | None = None
+    split_factor: int | None = None
 
     @classmethod
     def parse(cls, value: Any) -> StyleSpec:
@@ -162,6 +241,13 @@ class StyleSpec:
                 problems.append(f"sequence_dim must be an int; got {dim!r}")
             else:
                 kwargs["sequence_dim"] = dim
+        if "split_factor" in table and "split_factor" in allowed:
+            factor = table["split_factor"]
+            if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+                problems.append(f"split_factor must be an int >= 2 (the number of "
+                                f"projections packed in the weight); got {factor!r}")
+            else:
+                kwargs["split_factor"] = factor
         problems += _pairing_problems(style, kwargs)
         if problems:
             raise ValueError("; ".join(problems))

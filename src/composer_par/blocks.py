@@ -8,6 +8,12 @@ activation checkpointing recomputes and compile traces. In order of precedence:
 2. a Hugging Face model's ``_no_split_modules`` class names;
 3. the same-class children of a ModuleList / ModuleDict / Sequential holding the most
    parameters (torchtitan's models keep their layers in a ModuleDict keyed "0", "1", ...).
+
+A detected block (2 and 3) that shares a parameter with a module outside it (BERT's
+word embedding, tied to the output head, inside ``BertEmbeddings``) is not a block: a
+block is an FSDP unit, and one parameter cannot be sharded in two units. It stays in its
+parent's unit, with its twin. An explicit spec is taken as given; FSDP2 reports such a
+split (:func:`tied_outside`).
 """
 
 from __future__ import annotations
@@ -74,9 +80,39 @@ def find_blocks(model: nn.Module, spec: BlockSpec | None = None) -> list[Block]:
     classes = spec.classes if spec is not None else ()
     if not classes:
         classes = tuple(getattr(model, "_no_split_modules", None) or ())
-    if classes:
-        return _by_class(model, set(classes))
-    return _largest_repeated_children(model)
+    found = _by_class(model, set(classes)) if classes else _largest_repeated_children(model)
+    if spec is None or not spec.classes:
+        split = {path for path, _, _ in tied_outside(model, found)}
+        found = [(path, block) for path, block in found if path not in split]
+    return found
+
+
+def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, str, str]]:
+    """``(block path, parameter, its twin)`` for each parameter a block shares with a
+    module outside it: the same Parameter registered twice (a tied embedding), or a tie
+    a Hugging Face model declares (``all_tied_weights_keys``, the ties its config makes)."""
+    names: dict[int, list[str]] = {}
+    for module_name, module in [("", model), *_named_modules(model)]:
+        for attr, param in module._parameters.items():
+            if param is not None:
+                names.setdefault(id(param), []).append(
+                    f"{module_name}.{attr}" if module_name else attr)
+    declared = getattr(model, "all_tied_weights_keys", None)
+    pairs = [(str(a), str(b)) for a, b in declared.items()] if isinstance(declared, dict) else []
+    out = []
+    for path, _ in blocks:
+        inside = path + "."
+        for group in names.values():
+            mine = [n for n in group if n.startswith(inside)]
+            others = [n for n in group if not n.startswith(inside)]
+            if mine and others:
+                out.append((path, mine[0], others[0]))
+        for a, b in pairs:
+            if a.startswith(inside) != b.startswith(inside):
+                mine_name, other = (a, b) if a.startswith(inside) else (b, a)
+                if not any(row[1] == mine_name for row in out):
+                    out.append((path, mine_name, other))
+    return out
 
 
 def _named_modules(model: nn.Module) -> list[Block]:

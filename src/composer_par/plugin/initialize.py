@@ -23,6 +23,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from composer_par.blocks import clean_name
+from composer_par.blocks import tied_outside as tied_outside  # for plugins: ties vs blocks
+from composer_par.logging import get_logger
+
+log = get_logger(__name__)
+
 InitFn = Callable[[nn.Module], None]
 TieGroup = list[tuple[nn.Module, str]]
 
@@ -114,37 +120,162 @@ def seed_device(device: torch.device, seed: int) -> None:
         torch.random.default_generator.manual_seed(seed)
 
 
-def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int) -> int:
+Slot = tuple[nn.Module, str]  # a parameter registration: (module, attribute)
+
+
+def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int,
+                done: set[int] | None = None) -> int:
     """Initialize ``module``'s own parameters as if they were whole, seeded with ``seed``,
     and keep this rank's part of each; the caller's random state is left as it was.
 
     Sharded (DTensor) parameters get full-size scratch tensors for the call; plain ones
-    are written in place. Returns the bytes of scratch tensors held at once.
+    are written in place. ``done`` holds the ids of parameters initialized already (a
+    tied parameter is initialized by its first owner only, as transformers does); the ids
+    of those initialized here are added. Returns the bytes of scratch tensors held at once.
     """
+    slots = [(module, n) for n, p in module._parameters.items() if p is not None]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seed_device(device, seed)
-        return _init_with_full_tensors(module, init, device)
+        return _init_with_full_tensors(module, init, device, slots, done, gather=False)
 
 
-def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.device) -> int:
-    originals = {n: p for n, p in module._parameters.items() if p is not None}
+def init_children_of(module: nn.Module, init: InitFn, device: torch.device, seed: int,
+                     done: set[int] | None = None) -> int:
+    """Call ``init`` on a module that owns no tensors, for what it does to its children:
+    a per-module rule acting on them (GPT-2's ``_init_weights`` rescales the c_proj
+    weights of each attention and MLP). A dry run over fake tensors finds the parameters
+    it writes; only those get full-size scratch tensors, which start from the parameters'
+    current values (it may write part of one), and each rank keeps its part of the
+    result. Returns the bytes of scratch tensors held at once (0: it wrote nothing)."""
+    written = _written_by(module, init)
+    if not written:
+        return 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        seed_device(device, seed)
+        return _init_with_full_tensors(module, init, device, written, done, gather=True)
+
+
+def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
+    """The parameter registrations below ``module`` that ``init(module)`` writes, found by
+    running it on fake tensors (no memory, no random draws on real data): an in-place
+    write bumps a tensor's version counter, through views too. Buffers are faked as well
+    and left alone (they are plain tensors, written in place by the real call)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    slots = [(m, n) for m in module.modules() for n, t in m._parameters.items()
+             if t is not None]
+    buffers = [(m, n) for m in module.modules() for n, t in m._buffers.items()
+               if t is not None]
+    if not slots:
+        return []
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    originals_p = {(id(m), n): m._parameters[n] for m, n in slots}
+    originals_b = {(id(m), n): m._buffers[n] for m, n in buffers}
+    fakes: dict[int, torch.Tensor] = {}
+    versions: dict[tuple[int, str], int] = {}
+    written: list[Slot] = []
+    try:
+        with mode:
+            for m, n in slots:
+                real = m._parameters[n]
+                assert real is not None
+                if id(real) not in fakes:  # tied: one fake for one parameter
+                    fakes[id(real)] = nn.Parameter(
+                        torch.empty(real.shape, dtype=real.dtype), requires_grad=False)
+                m._parameters[n] = fakes[id(real)]  # type: ignore[assignment]
+            for m, n in buffers:
+                real_b = m._buffers[n]
+                assert real_b is not None
+                m._buffers[n] = torch.empty(real_b.shape, dtype=real_b.dtype)
+            for m, n in slots:
+                fake = m._parameters[n]
+                assert fake is not None
+                versions[(id(m), n)] = fake._version
+            try:
+                with torch.no_grad():
+                    init(module)
+            except Exception as exc:  # a rule that needs real data: it cannot be traced
+                log.warning("initializer not traced for its children", module=type(
+                    module).__name__, error=str(exc)[:200])
+                return []
+            seen: set[int] = set()
+            for m, n in slots:
+                fake = m._parameters[n]
+                real = originals_p[(id(m), n)]
+                if (fake is None or fake._version != versions[(id(m), n)]) and (
+                        id(real) not in seen):
+                    seen.add(id(real))
+                    written.append((m, n))
+    finally:
+        for m, n in slots:
+            m._parameters[n] = originals_p[(id(m), n)]
+        for m, n in buffers:
+            m._buffers[n] = originals_b[(id(m), n)]
+    return written
+
+
+def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.device,
+                            slots: list[Slot], done: set[int] | None, *, gather: bool) -> int:
+    originals = {(id(m), n): (m, n, m._parameters[n]) for m, n in slots}
     scratch_bytes = 0
-    for name, param in originals.items():
-        if isinstance(param, DTensor):
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
-            module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+    for m, n, param in originals.values():
+        if param is None:
+            continue
+        # A tied parameter its first owner initialized gets scratch even when plain, so
+        # that this call's writes to it are dropped.
+        again = done is not None and id(param) in done and not gather
+        if isinstance(param, DTensor) or again:
+            full = param.full_tensor() if gather and isinstance(param, DTensor) else (
+                torch.empty(param.shape, dtype=param.dtype, device=device))
+            m._parameters[n] = nn.Parameter(full, requires_grad=param.requires_grad)
             scratch_bytes += full.numel() * full.element_size()
     try:
         with torch.no_grad():
             init(module)
-            for name, original in originals.items():
-                result = module._parameters[name]
-                if result is not original and result is not None:
+            for m, n, original in originals.values():
+                result = m._parameters[n]
+                if original is None or result is None:
+                    continue
+                if done is not None and id(original) in done and not gather:
+                    continue  # a tied parameter its first owner initialized
+                if result is not original:
                     keep_local_part(original, result.detach())
+                if done is not None:
+                    done.add(id(original))
     finally:
-        for name, original in originals.items():
-            module._parameters[name] = original
+        for m, n, original in originals.values():
+            m._parameters[n] = original
     return scratch_bytes
+
+
+def materialize(model: nn.Module, device: torch.device, base_seed: int,
+                init_fn: str | InitFn | None = None) -> tuple[int, int]:
+    """MetaInit's work: ``to_empty`` on ``device`` (ties kept), then every module
+    initialized children first, as ``post_init`` / ``nn.Module.apply`` do, each under its
+    own seed. With a Hugging Face model's ``_init_weights`` (and no ``init_fn``), a module
+    that owns no tensors is initialized too, as ``post_init`` does: its rule may act on its
+    children (GPT-2 rescales the projections of each attention and MLP). ``init_fn`` is
+    called on the modules that own tensors only. Returns (modules initialized, peak scratch
+    bytes)."""
+    to_empty_keeping_ties(model, device)
+    pick = initializer(model, init_fn)
+    parent_rules = init_fn is None and callable(getattr(model, "_init_weights", None))
+    count = peak = 0
+    done: set[int] = set()
+    for path, module in post_order(model):
+        init = pick(module)
+        if init is None:
+            continue
+        seed = module_seed(base_seed, clean_name(path))
+        if owns_tensors(module):
+            peak = max(peak, init_module(module, init, device, seed, done))
+            count += 1
+        elif parent_rules and any(True for _ in module.children()):
+            used = init_children_of(module, init, device, seed, done)
+            if used:
+                peak = max(peak, used)
+                count += 1
+    return count, peak
 
 
 def keep_local_part(target: torch.Tensor, full: torch.Tensor) -> None:

@@ -1,0 +1,78 @@
+"""Sequence parallel for a Hugging Face model's own tp plan.
+
+A Hugging Face model computes its positions, rotary tables and attention mask from the
+shape of the token embedding's output, inside its own forward. torchtitan's layout keeps
+the residual stream as local sequence shards, and then those come out for a shard of the
+sequence (a size mismatch in the first attention). Here the residual stream stays a
+DTensor sharded on the sequence tensor dim, so its shape is the full sequence's and the
+model computes positions, rotary tables and masks for all of it:
+
+* the token embedding reduce-scatters onto the sequence and hands out the DTensor;
+* every norm on the stream takes the ``sequence_parallel`` style (weights replicated,
+  their gradients summed over tp by DTensor);
+* each module whose children the plan splits (attention, the MLP, a mixture-of-experts
+  block) gathers its input once (``sequence_region``), kept a DTensor so that its colwise
+  children do not gather again, and a plain (replicated) output goes back onto the
+  sequence;
+* every rowwise layer reduce-scatters onto the sequence and hands out the DTensor;
+* the output head gathers its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from .styles import StyleSpec
+
+SEQ = ("shard(1)",)
+# Entries whose module computes on a gathered (replicated) input.
+_GATHERING = {"colwise", "colwise_gather", "packed_colwise", "local_colwise", "experts"}
+_EMBEDDINGS = {"embedding_rowwise", "embedding_colwise"}
+
+
+def is_norm(module: Any) -> bool:
+    name = type(module).__name__
+    return name.endswith("Norm") or "LayerNorm" in name or "RMSNorm" in name
+
+
+def hf_sequence_parallel(specs: Mapping[str, StyleSpec], modules: Mapping[str, Any]) -> tuple[
+    dict[str, StyleSpec], str | None
+]:
+    """The Hugging Face plan's entries (module path -> spec) with sequence-parallel layouts,
+    and a reason when this model's plan cannot have them (nothing else changes then)."""
+    out = dict(specs)
+    embeddings = [p for p, s in specs.items() if s.style in _EMBEDDINGS]
+    heads = [p for p, s in specs.items() if s.style == "colwise_gather" and "." not in p]
+    if not embeddings:
+        return out, ("sequence_parallel = true, but the model's Hugging Face tp plan does not "
+                     "split its token embedding: the residual stream would start replicated, "
+                     "with nothing to shard it onto the sequence")
+    if not heads:
+        return out, ("sequence_parallel = true, but the model's Hugging Face tp plan has no "
+                     "gathered output head (colwise_gather_output) at the top of the model to "
+                     "gather the sequence-sharded stream at its end")
+    regions: list[str] = []
+    for path, spec in specs.items():
+        if spec.style in _GATHERING and path not in heads and "." in path:
+            parent = path.rsplit(".", 1)[0]
+            if parent not in specs and parent not in regions:
+                regions.append(parent)
+    for path, spec in specs.items():
+        if spec.style in _EMBEDDINGS or spec.style == "rowwise":
+            out[path] = attrs.evolve(spec, output_layouts=SEQ, use_local_output=False)
+        elif spec.style in ("colwise", "colwise_gather"):
+            out[path] = spec if spec.input_layouts else attrs.evolve(spec, input_layouts=SEQ)
+    for region in regions:
+        out[region] = StyleSpec("sequence_region")
+    for path, module in modules.items():
+        if not path or path in out or not is_norm(module):
+            continue
+        if any(path.startswith(r + ".") for r in regions):
+            continue  # inside attention / the MLP: on gathered or head-sharded values
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        out[path] = StyleSpec("sequence_parallel")
+    return out, None

@@ -1,0 +1,323 @@
+"""Real Hugging Face models for the tests: tiny configs of 13 families (hidden 64, 2
+layers, a 128-token vocabulary; built on meta, nothing downloaded), their batches with
+``labels=``, and the rank-side functions of tests/test_hf_*.py.
+
+transformers is imported inside the functions: a rank process imports it once, on its
+first case. Each ``train_cases`` call trains several (family, plan) cases in sequence on
+one process group and returns every rank's results: the losses, and every parameter of
+this rank (its local part) against the same part of a single-process reference trained
+on the global batch from the same initial weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from typing import Any
+
+# family -> (config class, model class, config fields beyond COMMON)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "vit": ("ViTConfig", "ViTForImageClassification",
+            {"image_size": 32, "patch_size": 8, "num_labels": 10}),
+    "bert": ("BertConfig", "BertForMaskedLM", {}),
+}
+COMMON: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 64,
+}
+# Dropout draws differ between layouts (and from the reference): off, for parity.
+NO_DROPOUT = ("hidden_dropout", "attention_dropout", "hidden_dropout_prob",
+              "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+              "summary_first_dropout", "classifier_dropout")
+GLOBAL_BATCH = 4
+SEQ = 16
+SEED = 7
+
+
+def config(family: str, **overrides: Any) -> Any:
+    import transformers
+
+    config_class, _, extra = FAMILIES[family]
+    cls = getattr(transformers, config_class)
+    fields = {**COMMON, **extra, **overrides}
+    cfg = cls(**fields)
+    for name in NO_DROPOUT:
+        if isinstance(getattr(cfg, name, None), float):
+            setattr(cfg, name, 0.0)
+    return cfg
+
+
+def build(family: str, meta: bool = True, **overrides: Any) -> Any:
+    """The family's model from its tiny config, on meta unless asked otherwise."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, FAMILIES[family][1])
+    cfg = config(family, **overrides)
+    if not meta:
+        torch.manual_seed(SEED)
+        return cls(cfg)
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def factory(family: str) -> Any:
+    """A zero-argument builder (``--model tests.hf_workers:llama`` and friends)."""
+    return functools.partial(build, family)
+
+
+for _name in FAMILIES:
+    globals()[_name] = factory(_name)
+
+
+def batch(family: str, step: int, size: int = GLOBAL_BATCH) -> dict[str, Any]:
+    """The model's inputs for one step, ``labels=`` included (a learnable pattern)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + step)
+    if family == "vit":
+        # The same images and labels every step: random ones are learnable only so.
+        gen = torch.Generator().manual_seed(1000)
+        return {"pixel_values": torch.randn(size, 3, 32, 32, generator=gen),
+                "labels": torch.randint(0, 10, (size,), generator=gen)}
+    start = torch.randint(3, 128, (size, 1), generator=gen)
+    ids = (start + 3 * torch.arange(SEQ)) % 125 + 3
+    if family == "bert":
+        labels = ids.clone()
+        # A quarter of each row masked: every data shard averages over as many tokens, so
+        # the mean of the shards' losses is the global batch's.
+        masked = (torch.arange(SEQ) + torch.arange(size)[:, None]) % 4 == 0
+        labels[~masked] = -100
+        return {"input_ids": torch.where(masked, torch.full_like(ids, 4), ids),
+                "labels": labels}
+    return {"input_ids": ids, "labels": ids}
+
+
+def shard(inputs: dict[str, Any], index: int, count: int) -> dict[str, Any]:
+    return {k: v.chunk(count)[index] for k, v in inputs.items()}
+
+
+# -- plans -----------------------------------------------------------------------------
+
+HANDWRITTEN = {
+    "model.embed_tokens": "embedding_rowwise",
+    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather",
+}
+
+
+def make_plan(plan: str, world: int) -> Any:
+    """The plans of the test matrix, by name, for ``world`` ranks."""
+    from composer_par import (
+        FSDP2,
+        HSDP,
+        TP,
+        ActivationCheckpoint,
+        MeshSpec,
+        MetaInit,
+        ParallelPlan,
+    )
+
+    init = MetaInit(seed=SEED)
+    if plan == "fsdp2":
+        return ParallelPlan(MeshSpec(dp_shard=world)).use(FSDP2()).use(init)
+    if plan in ("tp", "tp_sp", "tp_lp"):
+        tp = TP(sequence_parallel=plan == "tp_sp", loss_parallel=plan == "tp_lp")
+        return ParallelPlan(MeshSpec(tp=world)).use(tp).use(init)
+    if plan == "tp_handwritten":
+        # The Llama-family plan written out by hand, without the per-head norms of Qwen3
+        # and Gemma3: TP finds them beside the split projections itself (CP421).
+        return ParallelPlan(MeshSpec(tp=world)).use(TP(plan=HANDWRITTEN)).use(init)
+    if plan == "fsdp2_tp":
+        return ParallelPlan(MeshSpec(dp_shard=world // 2, tp=2)).use(FSDP2()).use(TP()).use(init)
+    if plan == "hsdp":
+        return (ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=world // 2)).use(HSDP())
+                .use(FSDP2()).use(init))
+    if plan in ("fsdp2_ac_full", "fsdp2_ac_selective"):
+        mode = plan.rsplit("_", 1)[1]
+        return (ParallelPlan(MeshSpec(dp_shard=world)).use(FSDP2())
+                .use(ActivationCheckpoint(mode=mode)).use(init))
+    if plan == "fsdp2_tp_ac":
+        return (ParallelPlan(MeshSpec(dp_shard=world // 2, tp=2)).use(FSDP2()).use(TP())
+                .use(ActivationCheckpoint()).use(init))
+    raise ValueError(plan)
+
+
+# -- training --------------------------------------------------------------------------
+
+
+def reference(family: str, steps: int, lr: float) -> tuple[list[float], dict[str, Any]]:
+    """One process, the global batch, the same initial weights (MetaInit's, on one rank)."""
+    import torch
+
+    from composer_par.plugin.initialize import materialize
+
+    model = build(family)
+    materialize(model, torch.device("cpu"), SEED)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    # Under every name, tied ones too: a tie broken by a plan then shows as a difference.
+    initial = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    losses = []
+    for step in range(steps):
+        loss = model(**batch(family, step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {"initial": initial,
+                    "final": {n: p.detach().clone()
+                              for n, p in model.named_parameters(remove_duplicate=False)}}
+
+
+def _local_part(param: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _same_part(ref: Any, like: Any) -> Any:
+    """This rank's part of the reference tensor ``ref``, laid out as ``like``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor):
+        return distribute_tensor(ref, like.device_mesh, like.placements,
+                                 src_data_rank=None).to_local()
+    return ref
+
+
+def _worst(model: Any, expected: dict[str, Any]) -> tuple[str, float, int]:
+    """(name, largest absolute difference, parameters compared) of this rank's parameter
+    parts against the same parts of ``expected``."""
+    from composer_par.plugin import clean_name
+
+    worst, where, count = 0.0, "", 0
+    for name, param in model.named_parameters(remove_duplicate=False):
+        ref = expected[clean_name(name)]
+        mine = _local_part(param).detach().float()
+        theirs = _same_part(ref, param).float()
+        diff = float((mine - theirs).abs().max()) if mine.numel() else 0.0
+        count += 1
+        if diff > worst or not where:
+            worst, where = diff, clean_name(name)
+    return where, worst, count
+
+
+def _loss(model: Any, inputs: dict[str, Any], loss_parallel: bool) -> Any:
+    if loss_parallel:
+        from composer_par.plugins.tp import loss_parallel as context
+
+        with context():
+            loss = model(**inputs).loss
+            loss.backward()
+        return loss
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss
+
+
+def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
+               refs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One case on this rank: apply the plan, train ``steps`` steps on this rank's data
+    shard with ``labels=``, compare losses and this rank's parameter parts (before and
+    after training) with the single-process reference."""
+    import torch
+    import torch.distributed as dist
+    from composer_par.plugins.tp import local_loss
+
+    from composer_par import PlanError
+
+    world = dist.get_world_size()
+    plan = make_plan(plan_name, world)
+    model = build(family)
+    report = plan.validate(model)
+    try:
+        model = plan.apply(model)
+    except PlanError as exc:
+        return {"family": family, "plan": plan_name, "applied": False,
+                "codes": sorted(exc.report.codes()), "report": exc.report.format()}
+    cache = refs if refs is not None else {}
+    if family not in cache:
+        cache[family] = reference(family, steps, lr)
+    ref_losses, ref_params = cache[family]
+    model.train()
+    index, count = plan.data_shard()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    result: dict[str, Any] = {
+        "family": family, "plan": plan_name, "applied": True, "rank": dist.get_rank(),
+        "codes": sorted(report.codes()), "initial": _worst(model, ref_params["initial"]),
+        "use_cache": getattr(model.config, "use_cache", None),
+        "ties": _tied(model), "ref_losses": ref_losses,
+    }
+    losses = []
+    try:
+        for step in range(steps):
+            loss = _loss(model, shard(batch(family, step), index, count),
+                         plan_name == "tp_lp")
+            optimizer.step()
+            optimizer.zero_grad()
+            total = local_loss(loss).detach().float().clone()
+            dist.all_reduce(total)
+            losses.append(float(total) / world)
+    except Exception:
+        result["error"] = traceback.format_exc()[-3000:]
+        return result
+    result["losses"] = losses
+    result["final"] = _worst(model, ref_params["final"])
+    result["tied_after"] = _tied(model)
+    return result
+
+
+def _tied(model: Any) -> list[str]:
+    """Parameter names registered twice (one parameter in two modules)."""
+    seen: dict[int, str] = {}
+    twice = []
+    for module_name, module in model.named_modules():
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            if id(param) in seen:
+                twice.append(f"{name}={seen[id(param)]}")
+            else:
+                seen[id(param)] = name
+    return twice
+
+
+def train_cases(cases: list[tuple[str, str]], steps: int = 3) -> list[dict[str, Any]]:
+    """Every (family, plan) case in order, on this process group; one reference per
+    family is trained once and shared by its cases."""
+    import time
+
+    refs: dict[str, Any] = {}
+    out = []
+    for family, plan_name in cases:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            result = train_case(family, plan_name, steps, refs=refs)
+        except Exception:
+            result = {"family": family, "plan": plan_name, "applied": None,
+                      "error": traceback.format_exc()[-3000:]}
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        result["cpu"] = round(time.process_time() - cpu, 2)
+        out.append(result)
+    return out

@@ -1,0 +1,242 @@
+"""Real Hugging Face models, without processes: what TP(plan="auto") reads from them and
+the styles it gives, the fallbacks and findings (CP407 beside CP408/CP420, CP409, CP421),
+sequence parallel's layouts or its refusal, tied weights against FSDP blocks (CP424),
+activation checkpointing and the generation cache (CP422, CP423), and MetaInit's
+distribution against the model's own ``post_init``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from composer_par.plugins.tp import resolve
+
+from composer_par import (
+    FSDP2,
+    TP,
+    ActivationCheckpoint,
+    MeshSpec,
+    MetaInit,
+    ParallelPlan,
+    PlanError,
+)
+from composer_par.blocks import find_blocks
+from composer_par.findings import Report
+from composer_par.plugin.initialize import materialize
+from tests import hf_workers
+
+pytest.importorskip("transformers")
+
+
+def only(report: Report, code: str) -> Any:
+    found = [f for f in report.findings if f.code == code]
+    assert len(found) == 1, report.format()
+    return found[0]
+
+
+def styles(family: str, **tp: Any) -> dict[str, str]:
+    resolution = resolve(TP(**tp), hf_workers.build(family), 2)
+    assert not [f for f in resolution.findings if f.severity.value == "error"], (
+        resolution.findings)
+    out = {p: s.style for p, _, s in resolution.entries}
+    out.update({p: s.style for p, _, _, s in resolution.params})
+    return out
+
+
+# -- what the auto plan reads -----------------------------------------------------------
+
+
+def test_auto_plan_is_the_instance_plan_with_its_prefixes() -> None:
+    got = styles("llama")
+    assert got["model.embed_tokens"] == "embedding_rowwise"  # only on the instance plan
+    assert got["lm_head"] == "colwise_gather"  # colwise_gather_output
+    assert got["model.layers.1.self_attn.k_proj"] == "colwise"
+    assert got["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert resolve(TP(), hf_workers.build("llama"), 2).source == "Hugging Face tp plan"
+
+
+def test_every_style_of_these_families_is_honoured() -> None:
+    qwen3 = styles("qwen3")  # replicated_with_grad_allreduce
+    assert qwen3["model.layers.0.self_attn.q_norm"] == "replicate_grad_allreduce"
+    phi3 = styles("phi3")  # colwise_gather_output inside attention, rowwise_split_input
+    assert phi3["model.layers.0.self_attn.qkv_proj"] == "colwise_gather"
+    assert phi3["model.layers.0.self_attn.o_proj"] == "rowwise"
+    resolution = resolve(TP(), hf_workers.build("phi3"), 2)
+    o_proj = {p: s for p, _, s in resolution.entries}["model.layers.0.self_attn.o_proj"]
+    assert o_proj.input_layouts == ("replicate",)
+    for family in ("mixtral", "qwen3_moe"):  # packed_colwise and rowwise on parameters
+        moe = styles(family)
+        assert moe["model.layers.0.mlp.experts"] == "experts"  # moe_tp_experts
+        assert moe["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
+        assert moe["model.layers.0.mlp.experts.down_proj"] == "rowwise"
+    assert styles("gpt_neox")["gpt_neox.embed_in"] == "embedding_rowwise"
+
+
+def test_cp407_is_reported_beside_a_plan_problem() -> None:
+    # tp 4 on 2 KV heads, with a style TP does not honour in the model's own plan: the
+    # head count is still checked (and the style falls back: CP420, a warning).
+    model = hf_workers.build("llama")
+    model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.q_proj": "mla_kv_a_proj"}
+    plan = ParallelPlan(MeshSpec(dp_shard=16, tp=4)).use(FSDP2()).use(TP()).use(MetaInit())
+    report = plan.validate(model, world_size=64)
+    assert sorted(report.codes()) == ["CP407", "CP420"], report.format()
+    assert "num_key_value_heads=2" in only(report, "CP407").message
+    fallback = only(report, "CP420")
+    assert "'mla_kv_a_proj'" in fallback.message and "self_attn.q_proj" in fallback.message
+    # and beside a pattern that matches nothing (CP408)
+    typo = {**hf_workers.HANDWRITTEN, "model.layers.*.self_attn.q_projj": "colwise"}
+    plan = ParallelPlan(MeshSpec(dp_shard=16, tp=4)).use(FSDP2()).use(TP(plan=typo))
+    report = plan.use(MetaInit()).validate(hf_workers.build("qwen3"), world_size=64)
+    assert {"CP407", "CP408"} <= set(report.codes()), report.format()
+
+
+def test_a_style_tp_does_not_honour_leaves_its_module_whole() -> None:
+    model = hf_workers.build("mixtral")
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.experts": "ep_dispatch_experts"}
+    resolution = resolve(TP(), model, 2)
+    assert [f.code for f in resolution.findings] == ["CP420"]
+    got = {p for p, _, _ in resolution.entries} | {p for p, _, _, _ in resolution.params}
+    assert not [p for p in got if ".experts" in p]  # the experts and their weights: whole
+    assert "model.layers.0.self_attn.q_proj" in got  # the rest of the plan applies
+    assert "expert-parallel" in resolution.findings[0].message
+
+
+def test_norms_beside_split_projections_get_their_gradient_summed() -> None:
+    plan = TP(plan=hf_workers.HANDWRITTEN)  # q_norm / k_norm left out
+    resolution = resolve(plan, hf_workers.build("qwen3"), 2)
+    got = {p: s.style for p, _, s in resolution.entries}
+    assert got["model.layers.0.self_attn.k_norm"] == "replicate_grad_allreduce"
+    assert "model.layers.0.input_layernorm" not in got  # on the replicated stream
+    finding = only(Report.of(resolution.findings), "CP421")
+    assert "model.layers.*.self_attn.q_norm" in finding.message
+
+
+def test_tied_embeddings_stay_tied_or_the_plan_says_why() -> None:
+    resolution = resolve(TP(), hf_workers.build("gemma"), 2)
+    assert len(resolution.ties) == 1  # embedding_rowwise and colwise_gather: dim 0 both
+    plan = {**hf_workers.HANDWRITTEN, "model.embed_tokens": "embedding_colwise"}
+    report = ParallelPlan(MeshSpec(tp=2)).use(TP(plan=plan)).use(MetaInit()).validate(
+        hf_workers.build("gemma"), world_size=2)
+    finding = only(report, "CP409")
+    assert "is tied to" in finding.message and "shard(1)" in finding.message
+    assert "leave both" in finding.fix
+
+
+# -- sequence parallel ------------------------------------------------------------------
+
+
+def test_sequence_parallel_keeps_the_stream_a_sequence_sharded_dtensor() -> None:
+    resolution = resolve(TP(sequence_parallel=True), hf_workers.build("mixtral"), 2)
+    assert not resolution.findings
+    got = {p: s for p, _, s in resolution.entries}
+    assert got["model.embed_tokens"].output_layouts == ("shard(1)",)
+    assert got["model.embed_tokens"].use_local_output is False
+    assert got["model.layers.0.self_attn.o_proj"].output_layouts == ("shard(1)",)
+    assert got["model.layers.0.input_layernorm"].style == "sequence_parallel"
+    assert got["model.norm"].style == "sequence_parallel"
+    assert got["model.layers.0.self_attn"].style == "sequence_region"
+    assert got["model.layers.0.mlp"].style == "sequence_region"  # the MoE block
+
+
+def test_sequence_parallel_is_refused_before_anything_changes_where_it_cannot_work() -> None:
+    model = hf_workers.build("vit")
+    plan = ParallelPlan(MeshSpec(tp=2)).use(TP(sequence_parallel=True)).use(MetaInit())
+    with pytest.raises(PlanError) as err:
+        plan.apply(model)
+    assert "found no token embedding" in only(err.value.report, "CP408").message
+    assert all(p.is_meta for p in model.parameters())
+
+
+# -- blocks and tied weights ------------------------------------------------------------
+
+
+def test_detected_blocks_never_split_tied_weights() -> None:
+    model = hf_workers.build("bert")
+    blocks = [p for p, _ in find_blocks(model)]
+    # _no_split_modules names BertEmbeddings, whose word embedding is the MLM decoder's.
+    assert "bert.embeddings" not in blocks
+    assert blocks == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+
+
+def test_explicit_blocks_splitting_a_tie_are_refused_untouched_cp424() -> None:
+    model = hf_workers.build("bert")
+    before = {n: p for n, p in model.named_parameters()}
+    plan = (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(blocks=["BertEmbeddings", "BertLayer"]))
+            .use(MetaInit()))
+    with pytest.raises(PlanError) as err:
+        plan.apply(model)
+    finding = only(err.value.report, "CP424")
+    assert "bert.embeddings.word_embeddings.weight" in finding.message
+    assert "cls.predictions.decoder.weight" in finding.message
+    assert {n: p for n, p in model.named_parameters()} == before
+    assert all(p.is_meta for p in model.parameters())
+
+
+# -- activation checkpointing -----------------------------------------------------------
+
+
+def test_checkpointed_training_runs_without_the_generation_cache_cp422() -> None:
+    model = hf_workers.build("llama")
+    plan = ParallelPlan(MeshSpec()).use(ActivationCheckpoint()).use(MetaInit(seed=1))
+    assert "use_cache is True" in only(plan.validate(model), "CP422").message
+    model = plan.apply(model)
+    model.train()
+    inputs = hf_workers.batch("llama", 0)
+    out = model(**inputs)  # a recomputed block appending to a cache fails in backward
+    out.loss.backward()
+    assert out.past_key_values is None
+    assert all(p.grad is not None for p in model.parameters())
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=inputs["input_ids"]).past_key_values is not None
+    assert model.config.use_cache is True  # generation is unchanged
+
+
+def test_a_model_without_gradient_checkpointing_support_gets_cp423() -> None:
+    model = hf_workers.build("vit")
+    model.supports_gradient_checkpointing = False
+    report = ParallelPlan(MeshSpec()).use(ActivationCheckpoint()).use(MetaInit()).validate(model)
+    finding = only(report, "CP423")
+    assert finding.severity.value == "warning" and "ViTForImageClassification" in finding.message
+
+
+# -- MetaInit against post_init ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(hf_workers.FAMILIES))
+def test_meta_init_draws_from_the_models_own_initialization(family: str) -> None:
+    ours = hf_workers.build(family)
+    materialize(ours, torch.device("cpu"), 3)
+    theirs = hf_workers.build(family, meta=False)  # post_init on CPU
+    mine = dict(ours.named_parameters(remove_duplicate=False))
+    for name, param in theirs.named_parameters(remove_duplicate=False):
+        a, b = mine[name].detach(), param.detach()
+        assert a.shape == b.shape, name
+        if b.numel() < 64 or float(b.std()) == 0.0:  # constants: ones, zeros
+            assert torch.equal(a, b), name
+            continue
+        # Two samples of one distribution: means within 5 standard errors, spreads
+        # within 5 standard errors of a standard deviation's estimate.
+        n = b.numel()
+        assert abs(float(a.mean()) - float(b.mean())) < 5 * float(b.std()) / n**0.5, name
+        assert abs(float(a.std()) / float(b.std()) - 1) < 5 / (2 * n) ** 0.5, (
+            name, a.std(), b.std())
+        assert not torch.equal(a, b), name  # our own draws
+    # buffers (rotary inverse frequencies, position ids, Gemma's embedding scale)
+    buffers = dict(ours.named_buffers())
+    for name, buffer in theirs.named_buffers():
+        assert torch.equal(buffers[name], buffer), name
+    # ties as the model makes them
+    assert hf_workers._tied(ours) == hf_workers._tied(theirs)
+
+
+def test_gpt2_scaled_residual_projections() -> None:
+    """GPT-2's _init_weights rescales c_proj from its attention and MLP modules (which own
+    no weights themselves): std 0.02 / sqrt(2 * n_layer) = 0.01 with 2 layers."""
+    model = hf_workers.build("gpt2")
+    materialize(model, torch.device("cpu"), 0)
+    for block in model.transformer.h:
+        for owner in (block.attn, block.mlp):
+            assert abs(float(owner.c_proj.weight.detach().std()) - 0.01) < 0.0015
+        assert abs(float(block.mlp.c_fc.weight.detach().std()) - 0.02) < 0.002
