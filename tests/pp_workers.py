@@ -437,3 +437,37 @@ def pp_load_many(root: str, loads: list[tuple[str, str, bool]]) -> dict[str, Any
         except CheckpointError as exc:
             out[f"{saved}->{layout}"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def observed_order(schedule: str, per_rank: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order this rank runs forwards and backwards of its stages in one real step of
+    ``schedule`` (module hooks on each stage's part): ``(kind, stage)`` pairs."""
+    import torch
+
+    from composer_par import PP, MeshSpec, MetaInit, ParallelPlan
+
+    world = torch.distributed.get_world_size()
+    plan = ParallelPlan(MeshSpec(pp=world)).use(
+        PP(schedule=schedule, stages_per_rank=per_rank, microbatches=microbatches)).use(
+        MetaInit(seed=3))
+    with torch.device("meta"):
+        model = llama8.build()
+    model = plan.apply(model)
+    assert plan.pipeline is not None
+    seen: list[tuple[str, int]] = []
+    for part in plan.pipeline.parts:
+        def forward(module: Any, args: Any, stage: int = part.stage) -> None:
+            seen.append(("F", stage))
+
+        def backward(module: Any, grad_in: Any, grad_out: Any, stage: int = part.stage
+                     ) -> None:
+            seen.append(("B", stage))
+
+        part.module.register_forward_pre_hook(forward)
+        part.module.register_full_backward_hook(backward)
+    step = plan.training_step(model, loss_fn_for(llama8))
+    batch = llama8_b16.batch(0)
+    step.step(batch, batch)  # the first step also runs torch's shape inference
+    seen.clear()
+    step.step(batch, batch)
+    return seen

@@ -294,6 +294,20 @@ class PP(Plugin):
              "microbatches per step (plan.training_step runs it)"),
         ]
 
+    @hookimpl
+    def composer_par_timeline(self, mesh: MeshSpec) -> Any:
+        from .timeline import timeline
+
+        info = self.info
+        if info is None or self.dim not in mesh or mesh.size(self.dim) < 1:
+            return None
+        size = mesh.size(self.dim)
+        per_rank = self.virtual_stages()
+        if (microbatch_problem(info, self.microbatch_count(size), size, per_rank)
+                or (info.stages_per_rank is not None and per_rank != info.stages_per_rank)):
+            return None  # validation reports it; torch would refuse to build the schedule
+        return timeline(info.name, size, per_rank, self.microbatch_count(size), self.dim)
+
     # -- stages ---------------------------------------------------------------------------
 
     @hookimpl

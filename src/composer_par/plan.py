@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from composer_par.planfile import PlanParts
     from composer_par.plugin.comm import InstalledCommHook
-    from composer_par.plugin.pipeline import Pipeline
+    from composer_par.plugin.pipeline import Pipeline, Timeline
     from composer_par.plugin.registry import Registry
     from composer_par.training import TrainingStep
 
@@ -326,12 +326,14 @@ class ParallelPlan:
         topology = self.effective_topology()
         groups: dict[str, list[tuple[int, ...]]] = {}
         crossing: dict[str, bool] = {}
+        timelines: tuple[Timeline, ...] = ()
         if mesh.is_resolved:
             for name in mesh.names:
                 groups[name] = mesh.rank_groups(name)
                 if topology is not None and topology.world_size == mesh.world_size:
                     crossing[name] = topology.crosses_nodes(mesh, name)
-        return Explanation(mesh, topology, tuple(steps), groups, crossing)
+            timelines = tuple(t for _, t in hooks.answers("composer_par_timeline", mesh=mesh))
+        return Explanation(mesh, topology, tuple(steps), groups, crossing, timelines)
 
     # -- plan files -------------------------------------------------------------------
 
@@ -369,6 +371,8 @@ class Explanation:
     steps: tuple[tuple[str, str, str], ...]  # (stage, plugin, what it does)
     groups: dict[str, list[tuple[int, ...]]]
     crossing: dict[str, bool]
+    # What plugins' runtimes do tick by tick (a pipeline schedule), when they say.
+    timelines: tuple[Timeline, ...] = ()
 
     def format(self) -> str:
         lines = [f"mesh: {self.mesh.equation()}"]
@@ -386,6 +390,10 @@ class Explanation:
             shown = " ".join(str(list(g)) for g in groups[:8])
             more = f" ... +{len(groups) - 8} more" if len(groups) > 8 else ""
             lines.append(f"  {name}({self.mesh.size(name)}){where}: {shown}{more}")
+        if self.timelines:
+            from composer_par.tools.draw import render_timeline_text
+
+            lines.extend(render_timeline_text(t) for t in self.timelines)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -398,6 +406,7 @@ class Explanation:
             "steps": [{"stage": s, "plugin": p, "action": t} for s, p, t in self.steps],
             "rank_groups": {n: [list(g) for g in gs] for n, gs in self.groups.items()},
             "crosses_nodes": self.crossing,
+            "timelines": [t.to_dict() for t in self.timelines],
         }
 
 

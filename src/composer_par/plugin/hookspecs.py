@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from composer_par.plugin.base import Declaration, EstimateSettings
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.pipeline import Timeline
     from composer_par.topology import Topology
 
 
@@ -212,6 +213,17 @@ def composer_par_describe(plan: ParallelPlan) -> list[tuple[str, str]] | None:
 
     Called: by ``ParallelPlan.explain``; must not import torch. Plugins that do not
     implement it are described by the names of the stages they implement.
+    """
+
+
+@hookspec
+def composer_par_timeline(plan: ParallelPlan, mesh: MeshSpec) -> Timeline | None:
+    """What the plugin's runtime does tick by tick in one step (a pipeline schedule), for
+    ``explain``: a :class:`~composer_par.plugin.pipeline.Timeline`, or None.
+
+    Called: by ``ParallelPlan.explain`` when the mesh is resolved (``mesh`` is); unlike
+    ``composer_par_describe`` it may import torch (to read a schedule's own order), so a
+    plugin answers only when the plan uses what it draws.
     """
 
 

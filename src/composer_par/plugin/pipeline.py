@@ -79,4 +79,40 @@ class Pipeline:
         return self.num_stages - 1 in self.local_stages
 
 
-__all__ = ["Pipeline", "StagePart"]
+@attrs.frozen
+class TimelineAction:
+    """One action of a rank: from tick ``start`` to ``end``, the ``(kind, stage,
+    microbatch)`` it runs (kind: "F" forward, "B" full backward, "I" input backward, "W"
+    weight backward; two when a schedule overlaps a forward with a backward)."""
+
+    start: int
+    end: int
+    runs: tuple[tuple[str, int, int], ...]
+
+    @property
+    def label(self) -> str:
+        """torch's notation: stage, kind, microbatch (``2F3``); ``+`` joins an overlap."""
+        return "+".join(f"{stage}{kind}{mb}" for kind, stage, mb in self.runs)
+
+
+@attrs.frozen
+class Timeline:
+    """What each rank does at each tick of one step (a pipeline schedule), for
+    ``explain``: rows of actions, the step's length in ticks, and its idle share."""
+
+    title: str
+    rows: tuple[str, ...]  # row labels, e.g. "pp 0"
+    actions: tuple[tuple[TimelineAction, ...], ...]  # per row, in time order
+    length: int
+    bubble: float  # idle ticks / (rows x length)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "length": self.length, "bubble": round(self.bubble, 4),
+                "note": self.note,
+                "rows": [{"label": label, "actions": [
+                    {"start": a.start, "end": a.end, "label": a.label} for a in row]}
+                    for label, row in zip(self.rows, self.actions, strict=True)]}
+
+
+__all__ = ["Pipeline", "StagePart", "Timeline", "TimelineAction"]

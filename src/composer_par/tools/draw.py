@@ -22,6 +22,7 @@ import attrs
 
 if TYPE_CHECKING:
     from composer_par.mesh import MeshSpec
+    from composer_par.plugin.pipeline import Timeline
     from composer_par.topology import Topology
 
 MAX_ROWS = 16
@@ -277,4 +278,71 @@ def cells_shown(grid: Grid) -> int:
     return min(grid.rows, MAX_ROWS) * min(grid.columns, MAX_COLUMNS)
 
 
-__all__ = ["DimGrid", "Grid", "cells_shown", "render_svg", "render_text"]
+# -- a pipeline schedule's timeline -----------------------------------------------------------
+
+TIMELINE_MAX_TICKS = 120  # terminal columns of ticks; longer steps are cut and say so
+TICK = 22  # SVG pixels per tick
+_KIND_HUE = {"F": 0.58, "B": 0.08, "I": 0.08, "W": 0.33}  # forward blue, backward orange
+
+
+def render_timeline_text(timeline: Timeline) -> str:
+    """One row per rank, one column per tick: each action's label (``2F3``: stage 2,
+    forward, microbatch 3) where it starts, ``-`` while it runs on, ``.`` idle."""
+    width = max([3, *(len(a.label) + 1 for row in timeline.actions for a in row)])
+    shown = min(timeline.length, TIMELINE_MAX_TICKS)
+    label_width = max(len(r) for r in timeline.rows) if timeline.rows else 0
+    lines = [f"timeline: {timeline.title}; bubble {timeline.bubble:.1%} of "
+             f"{timeline.length} ticks x {len(timeline.rows)} ranks ({timeline.note})"]
+    for label, row in zip(timeline.rows, timeline.actions, strict=True):
+        cells = ["." * (width - 1)] * shown
+        for action in row:
+            for tick in range(action.start, min(action.end, shown)):
+                cells[tick] = (action.label if tick == action.start else "-" * (width - 1))
+        lines.append(f"  {label.ljust(label_width)} |" + "".join(
+            c.rjust(width) for c in cells))
+    if shown < timeline.length:
+        lines.append(f"  ... first {shown} of {timeline.length} ticks shown")
+    return "\n".join(lines)
+
+
+def _action_fill(kind: str, stage: int, stages: int) -> str:
+    light = 0.45 + 0.35 * (stage / max(1, stages - 1))
+    sat = 0.6
+    r, g, b = colorsys.hls_to_rgb(_KIND_HUE.get(kind, 0.0), light, sat)
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+
+
+def render_timeline_svg(timeline: Timeline) -> str:
+    """The timeline as SVG: a lane per rank, a box per action (forward blue, backward
+    orange, weight backward green; lighter for later stages), the label inside."""
+    stages = 1 + max((s for row in timeline.actions for a in row for _, s, _ in a.runs),
+                     default=0)
+    lane, top, left = CELL + GAP, TITLE_HEIGHT, LABEL_WIDTH
+    width = left + timeline.length * TICK + GAP * 2
+    height = top + len(timeline.rows) * lane + 30
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="monospace" font-size="10">',
+           f'<text x="{GAP}" y="18" font-size="13">{escape(timeline.title)}: bubble '
+           f"{timeline.bubble:.1%}</text>",
+           f'<text x="{GAP}" y="32">{escape(timeline.note)}</text>']
+    for index, (label, row) in enumerate(zip(timeline.rows, timeline.actions, strict=True)):
+        y = top + index * lane
+        out.append(f'<text x="{GAP}" y="{y + CELL // 2 + 4}">{escape(label)}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{timeline.length * TICK}" '
+                   f'height="{CELL}" fill="#f2f2f2" stroke="#cccccc"/>')
+        for action in row:
+            kind, stage, _ = action.runs[0]
+            x = left + action.start * TICK
+            w = (action.end - action.start) * TICK
+            out.append(f'<rect class="action" x="{x}" y="{y}" width="{w}" height="{CELL}" '
+                       f'fill="{_action_fill(kind, stage, stages)}" stroke="#555555">'
+                       f"<title>{escape(label)}: {escape(action.label)} ticks "
+                       f"{action.start}-{action.end}</title></rect>")
+            out.append(f'<text x="{x + w // 2}" y="{y + CELL // 2 + 4}" '
+                       f'text-anchor="middle">{escape(action.label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["DimGrid", "Grid", "cells_shown", "render_svg", "render_text",
+           "render_timeline_svg", "render_timeline_text"]
