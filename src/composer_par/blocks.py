@@ -97,12 +97,15 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
             if param is not None:
                 names.setdefault(id(param), []).append(
                     f"{module_name}.{attr}" if module_name else attr)
+    # Only a Parameter registered under two names can be split across units: look at
+    # those alone (a model has a handful), not at every parameter once per block.
+    shared = [group for group in names.values() if len(group) > 1]
     declared = getattr(model, "all_tied_weights_keys", None)
     pairs = [(str(a), str(b)) for a, b in declared.items()] if isinstance(declared, dict) else []
     out = []
     for path, _ in blocks:
         inside = path + "."
-        for group in names.values():
+        for group in shared:
             mine = [n for n in group if n.startswith(inside)]
             others = [n for n in group if not n.startswith(inside)]
             if mine and others:
