@@ -321,3 +321,95 @@ def train_cases(cases: list[tuple[str, str]], steps: int = 3) -> list[dict[str, 
         result["cpu"] = round(time.process_time() - cpu, 2)
         out.append(result)
     return out
+
+
+# -- torchtitan's Llama 3 naming (a hand-written model: torchtitan is no dependency) -----
+
+
+def titan_llama3(fused: bool = False, n_layers: int = 2, dim: int = 64, heads: int = 8,
+                 kv_heads: int = 4, vocab: int = 128) -> Any:
+    """A Llama 3 with torchtitan's module names: ``tok_embeddings``, ``layers`` (a
+    ModuleDict keyed "0", "1", ...) of ``attention_norm``, ``attention.wq/wk/wv/wo`` (or
+    one fused ``wqkv``), ``ffn_norm``, ``feed_forward.w1/w2/w3``; ``norm``, ``output``."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    head_dim = dim // heads
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if fused:
+                self.wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
+            else:
+                self.wq = nn.Linear(dim, heads * head_dim, bias=False)
+                self.wk = nn.Linear(dim, kv_heads * head_dim, bias=False)
+                self.wv = nn.Linear(dim, kv_heads * head_dim, bias=False)
+            self.wo = nn.Linear(heads * head_dim, dim, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            b, s, _ = x.shape
+            if fused:
+                q, k, v = self.wqkv(x).split(
+                    [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+            else:
+                q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            q, k, v = (t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+            self.w2 = nn.Linear(2 * dim, dim, bias=False)
+            self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_norm = nn.RMSNorm(dim)
+            self.attention = Attention()
+            self.ffn_norm = nn.RMSNorm(dim)
+            self.feed_forward = FeedForward()
+
+        def forward(self, x: Any) -> Any:
+            x = x + self.attention(self.attention_norm(x))
+            return x + self.feed_forward(self.ffn_norm(x))
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(vocab, dim)
+            self.layers = nn.ModuleDict({str(i): Block() for i in range(n_layers)})
+            self.norm = nn.RMSNorm(dim)
+            self.output = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens: Any) -> Any:
+            h = self.tok_embeddings(tokens)
+            for layer in self.layers.values():
+                h = layer(h)
+            return self.output(self.norm(h))
+
+    return Transformer()
+
+
+def titan_llama3_fused() -> Any:
+    return titan_llama3(fused=True)
+
+
+# The plan TP(plan="auto") made for the fused model before it knew fused projections:
+# torchtitan's names, with wqkv not recognized (left whole) while wo is split.
+TITAN_SPLIT_WO_ONLY = {
+    "tok_embeddings": "embedding_rowwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "output": "colwise_gather",
+}

@@ -165,6 +165,14 @@ def auto_plan(
                        f"({'/'.join(OUTPUT_NAMES)}) in {type(model).__name__}: the residual "
                        "stream would start or end replicated, with nothing to shard it onto "
                        "the sequence or gather it back")
+        elif sequence_parallel and fallbacks:
+            # A whole attention would compute on the gathered sequence and hand every rank
+            # the full output, whose gradient is then partial on each rank.
+            left = dict.fromkeys(generalize(m) for f in fallbacks for m in f.modules)
+            problem = ("sequence_parallel = true, but the auto plan leaves "
+                       f"{', '.join(left)} whole (a fused q/k/v projection): a module "
+                       "left whole between sequence-sharded norms has no sequence-parallel "
+                       "layout")
         elif loss_parallel and "colwise_gather" not in styles:
             problem = ("loss_parallel = true, but the auto plan found no output head "
                        f"({'/'.join(OUTPUT_NAMES)}) in {type(model).__name__} to keep "
@@ -246,20 +254,18 @@ def _llama_plan(
     leaves = LLAMA_LEAVES if family == "llama" else HF_LLAMA_LEAVES
     patterns: dict[str, StyleSpec] = {}
     parents: dict[str, str] = {}
-    fallbacks: list[Fallback] = []
-    whole: list[str] = []
+    fused: dict[str, list[str]] = {}  # pattern of a fused qkv Linear -> its attentions
     for name, module in modules.items():
         leaf = name.rsplit(".", 1)[-1]
         if name and "." in name and leaf in FUSED_QKV and isinstance(module, nn.Linear):
-            owner = name.rsplit(".", 1)[0]
-            if owner not in whole:
-                whole.append(owner)
-                fallbacks.append(Fallback(
-                    generalize(name), "fused qkv", f"{leaf} holds q, k and v in one Linear "
-                    "(their sizes differ under grouped-query attention and the forward "
-                    "splits its output by the full sizes), so splitting it column-wise would "
-                    "hand each rank parts of q, k and v that do not belong together; "
-                    "attention is left whole", (owner,)))
+            fused.setdefault(generalize(name), []).append(name.rsplit(".", 1)[0])
+    whole = [owner for owners in fused.values() for owner in owners]
+    fallbacks = [Fallback(
+        pattern, "fused qkv", f"{pattern.rsplit('.', 1)[-1]} holds q, k and v in one Linear "
+        "(their sizes differ under grouped-query attention and the forward splits its "
+        "output by the full sizes), so splitting it column-wise would hand each rank parts "
+        "of q, k and v that do not belong together; attention is left whole",
+        tuple(owners)) for pattern, owners in fused.items()]
     for name, module in modules.items():
         if not name or any(name == w or name.startswith(w + ".") for w in whole):
             continue

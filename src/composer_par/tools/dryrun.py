@@ -8,6 +8,16 @@ activation checkpointing, compile wrapping, FSDP2's ``fully_shard``... on meta t
 so it takes no memory and seconds even for hundreds of ranks. What each rank would hold
 is then read off the parameters: every parameter's local shape and bytes, and totals.
 
+Then each rank runs one forward and backward of the applied model on *fake* tensors
+(``FakeTensorMode``: shapes and dtypes, no data, no memory), so a plan that validates but
+would fail in its first step (a shape error between a split and an unsplit projection)
+fails here, on a laptop. Inputs come from the model: a Hugging Face model's
+``main_input_name`` (token ids with ``labels=`` for a language model, images for a vision
+model), else a first ``nn.Embedding`` (token ids) or ``nn.Linear`` (features). Where the
+forward cannot be checked (no input known; a model whose own forward, unparallelized,
+does not run on fake tensors: data-dependent ops such as a mixture-of-experts router's
+``nonzero``) the result says so, with the reason, and does not count as a failure.
+
 Materializing is the one stage a dry run cannot do (it would allocate the model). The
 plugins that materialize (MetaInit, the loaders) are swapped, in a copy of the plan, for
 a stand-in that declares exactly what they declare (claims, capabilities, ordering) and
@@ -24,6 +34,7 @@ attribute path ``FACTORY``; it must be callable with no arguments and return an
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -170,6 +181,8 @@ class RankLayout:
     failure: str | None = None  # the exception applying raised, with its last frames
     # With a pipeline: (stage, parameters, bytes) of each stage this rank holds.
     stages: tuple[tuple[int, int, int], ...] = ()
+    # One forward and backward on fake tensors: "ran", "failed" or "not checked", and what.
+    forward: tuple[str, str] | None = None
 
     @property
     def local_numel(self) -> int:
@@ -194,6 +207,8 @@ class RankLayout:
                        "global_params": self.global_numel},
             "pipeline_stages": [{"stage": s, "params": n, "bytes": b}
                                 for s, n, b in self.stages],
+            "forward": ({"status": self.forward[0], "detail": self.forward[1]}
+                        if self.forward else None),
             "params": [p.to_dict() for p in self.params],
         }
 
@@ -230,7 +245,9 @@ class DryRunResult:
 
     @property
     def ok(self) -> bool:
-        return self.report.ok and all(r.failure is None for r in self.ranks)
+        return self.report.ok and all(
+            r.failure is None and (r.forward is None or r.forward[0] != "failed")
+            for r in self.ranks)
 
     def exit_code(self) -> int:
         code = self.report.exit_code()
@@ -301,9 +318,16 @@ def dry_run(
     mesh = plan.mesh.resolve(world)
     layouts = []
     pipeline: PipelineSplit | None = None
+    control: list[tuple[str, str]] = []  # the unparallelized model's forward, once
+
+    def unparallelized() -> tuple[str, str]:
+        if not control:
+            control.append(forward_check(build_on_meta(factory, spec), mesh.sizes))
+        return control[0]
+
     for rank in wanted:
         model_for_rank = probe if rank == wanted[0] else build_on_meta(factory, spec)
-        layout, split = _dry_run_rank(plan, model_for_rank, mesh, world, rank)
+        layout, split = _dry_run_rank(plan, model_for_rank, mesh, world, rank, unparallelized)
         layouts.append(layout)
         pipeline = pipeline or split
     return DryRunResult(world, report, tuple(layouts), description, build_seconds, pipeline)
@@ -324,7 +348,8 @@ def _describe_model(model: nn.Module, plan: ParallelPlan) -> str:
 
 
 def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
-                  rank: int) -> tuple[RankLayout, PipelineSplit | None]:
+                  rank: int, unparallelized: Callable[[], tuple[str, str]] | None = None,
+                  ) -> tuple[RankLayout, PipelineSplit | None]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -336,6 +361,7 @@ def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
     node = topology.node_of(rank) if topology and topology.world_size == world else None
     coordinate = mesh.coordinate(rank)
     started = time.perf_counter()
+    _forget_sharding_decisions()
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
         device_mesh = (init_device_mesh("cpu", mesh.sizes, mesh_dim_names=mesh.names)
@@ -354,10 +380,116 @@ def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
         steps = tuple((s.stage, s.plugin, s.detail) for s in dry.applied)
         skipped = tuple(dry.notes.get("skipped_in_dry_run", ()))
         split, stages = _pipeline(dry, params)
-        return RankLayout(rank, coordinate, node, params, steps, skipped,
-                          time.perf_counter() - started, stages=stages), split
+        seconds = time.perf_counter() - started
+        forward = None
+        if split is None:  # a pipeline's schedule cannot run over the fake process group
+            forward = _quietly(lambda: forward_check(applied, mesh.sizes))
+            if forward[0] == "failed" and unparallelized is not None:
+                own = unparallelized()
+                if own[0] != "ran":  # not the plan's doing: fake tensors cannot run it
+                    forward = ("not checked", "the model's own forward, unparallelized, "
+                               f"does not run on fake tensors either ({own[1]})")
+        return RankLayout(rank, coordinate, node, params, steps, skipped, seconds,
+                          stages=stages, forward=forward), split
     finally:
         dist.destroy_process_group()
+
+
+def example_inputs(model: nn.Module, sizes: Sequence[int]) -> dict[str, Any] | None:
+    """Inputs for one forward of ``model`` (one sample, a sequence every mesh dim size
+    divides), made by the caller's tensor mode; None when nothing says what it takes."""
+    import math
+
+    import torch
+    import torch.nn as nn
+
+    seq = 2 * math.lcm(8, *[s for s in sizes if s > 0])
+    name = getattr(model, "main_input_name", None)
+    config = getattr(model, "config", None)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    kind = type(model).__name__
+    if name == "input_ids" and config is not None:
+        ids = torch.randint(0, int(getattr(config, "vocab_size", 2)), (1, seq))
+        inputs = {"input_ids": ids}
+        if "labels" in params and kind.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
+            inputs["labels"] = ids
+        return inputs
+    if name == "pixel_values" and config is not None:
+        size = getattr(config, "image_size", 224)
+        inputs = {"pixel_values": torch.randn(1, getattr(config, "num_channels", 3), size, size)}
+        if "labels" in params and hasattr(config, "num_labels"):
+            inputs["labels"] = torch.zeros(1, dtype=torch.long)
+        return inputs
+    first = next((p for p in params.values() if p.kind in (p.POSITIONAL_ONLY,
+                                                           p.POSITIONAL_OR_KEYWORD)), None)
+    if first is None:
+        return None
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return {first.name: torch.randint(0, module.num_embeddings, (1, seq))}
+        if isinstance(module, nn.Linear):
+            return {first.name: torch.randn(1, module.in_features)}
+    return None
+
+
+def _scalar(output: Any) -> Any:
+    """What backward starts from: the model's loss, else the sum of its first output."""
+    import torch
+
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    for value in (getattr(output, "logits", None), output,
+                  output[0] if isinstance(output, (tuple, list)) and output else None):
+        if isinstance(value, torch.Tensor):
+            return value.float().sum()
+    raise TypeError(f"the forward returned {type(output).__name__}: no tensor to start "
+                    "backward from")
+
+
+def forward_check(model: nn.Module, sizes: Sequence[int]) -> tuple[str, str]:
+    """One forward and backward of ``model`` (on meta, sharded or not) on fake tensors:
+    ``("ran", what)``, ``("failed", the error)`` or ``("not checked", why)``. The model's
+    tensors become fake ones: use it for nothing after."""
+    import logging
+    import warnings
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from composer_par.plugin.initialize import to_empty_keeping_ties
+
+    # torch logs every exception a fake kernel raises, with its stack: the dry run reports
+    # the failure itself, in one line.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+            # Fake tensors warn about what real ones would (FSDP2's view outputs): the
+            # dry run reports only whether the step runs.
+            warnings.simplefilter("ignore")
+            inputs = example_inputs(model, sizes)
+            if inputs is None:
+                return ("not checked", f"no example input is known for {type(model).__name__} "
+                        "(neither a Hugging Face main_input_name nor a first nn.Embedding "
+                        "or nn.Linear)")
+            to_empty_keeping_ties(model, torch.device("cpu"))
+            model.train()
+            # Inside loss parallel: vocabulary-sharded logits (TP loss_parallel) then take
+            # their cross-entropy as a real step would; plain ones are unaffected.
+            with loss_parallel():
+                _scalar(model(**inputs)).backward()
+    except Exception as exc:
+        return "failed", _failure(exc)
+    finally:
+        fake_log.setLevel(level)
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in inputs.items())
+    return "ran", f"one forward and backward ran on fake tensors ({shapes})"
 
 
 def _pipeline(plan: ParallelPlan, params: Sequence[ParamLayout]
@@ -375,6 +507,23 @@ def _pipeline(plan: ParallelPlan, params: Sequence[ParamLayout]
         stages.append((part.stage, sum(_numel(p.local_shape) for p in mine),
                        sum(p.bytes for p in mine)))
     return split, tuple(stages)
+
+
+def _forget_sharding_decisions() -> None:
+    """DTensor caches its sharding decisions by mesh shape and dim names, with the process
+    groups of the mesh they were made on: a later rank's fake world (other groups, the
+    same shape) would reuse a former rank's groups. Each rank starts with none."""
+    from torch.distributed.tensor import DTensor
+
+    import torch
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    cache = getattr(propagator, "propagate_op_sharding", None)
+    if cache is not None and hasattr(cache, "cache_clear"):
+        cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path keeps its own copy
+        native()
 
 
 def _fake_store() -> Any:
@@ -443,6 +592,11 @@ def format_rank(layout: RankLayout, *, full: bool = False) -> str:
                      f"{format_bytes(size)} on this rank")
     for stage, plugin, detail in layout.steps:
         lines.append(f"  [{stage}] {plugin}: {detail}")
+    if layout.forward is not None:
+        status, detail = layout.forward
+        label = {"ran": "first step", "failed": "first step FAILED",
+                 "not checked": "first step not checked"}[status]
+        lines.append(f"  {label}: {detail}")
     rows: list[tuple[str, ...]] = []
     groups: dict[tuple[Any, ...], list[ParamLayout]] = {}
     order: list[tuple[Any, ...]] = []
