@@ -27,6 +27,7 @@ import inspect
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -321,18 +322,33 @@ class _Proxy:
     def __init__(self, plugin: Plugin, registered_name: str, caller: HookCaller) -> None:
         self.plugin = plugin
         self.registered_name = registered_name
-        for attr in dir(type(plugin)):
-            static = inspect.getattr_static(plugin, attr, None)
-            function = getattr(static, "__func__", static)
-            opts = getattr(function, _MARK, None)
-            if not isinstance(opts, dict) or not callable(function):
-                continue
-            bound = getattr(plugin, attr)
+        for attr, opts in _implementations(type(plugin)):
             hook = opts.get("specname") or attr
-            setattr(self, attr, _scoped(plugin, hook, bound, opts))
+            setattr(self, attr, _scoped(plugin, hook, getattr(plugin, attr), opts))
 
     def __repr__(self) -> str:
         return f"<{self.registered_name}: {self.plugin!r}>"
+
+
+# Weakly keyed: a plugin class defined and dropped (a test, a notebook) is not kept alive.
+_IMPLEMENTATIONS: weakref.WeakKeyDictionary[type, tuple[tuple[str, dict[str, Any]], ...]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _implementations(cls: type) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """``(attribute, hookimpl options)`` of every hook implementation a plugin class has
+    (looked up once per class: a plan is built per apply, and ``dir`` is slow)."""
+    found = _IMPLEMENTATIONS.get(cls)
+    if found is None:
+        rows = []
+        for attr in dir(cls):
+            static = inspect.getattr_static(cls, attr, None)
+            function = getattr(static, "__func__", static)
+            opts = getattr(function, _MARK, None)
+            if isinstance(opts, dict) and callable(function):
+                rows.append((attr, opts))
+        found = _IMPLEMENTATIONS[cls] = tuple(rows)
+    return found
 
 
 def _scoped(plugin: Plugin, hook: str, method: Callable[..., Any], opts: dict[str, Any]
