@@ -98,6 +98,25 @@ class HFStyleTask(LlamaTask):
 hf_style = HFStyleTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
 
 
+@attrs.frozen
+class HFLlamaTask(LlamaTask):
+    """Hugging Face's own ``LlamaForCausalLM``, from a tiny config (nothing downloaded)."""
+
+    def build(self) -> Any:
+        import transformers
+
+        cfg = transformers.LlamaConfig(
+            hidden_size=self.dim, intermediate_size=2 * self.dim,
+            num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, head_dim=self.dim // self.n_heads,
+            vocab_size=self.vocab_size, max_position_embeddings=64, use_cache=False,
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return transformers.LlamaForCausalLM(cfg)
+
+
+hf_llama = HFLlamaTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+
+
 def split_batch(task: Any, batch: Any) -> tuple[Any, Any]:
     """``(inputs, targets)`` of a task's batch, as the training step takes them."""
     if isinstance(task, LlamaTask):

@@ -400,3 +400,21 @@ def test_grad_norm_types_match_torch(norm_type: float) -> None:
 def test_training_step_needs_a_callable_loss() -> None:
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         ParallelPlan(MeshSpec()).training_step(nn.Linear(2, 2), "mse")  # type: ignore[arg-type]
+
+
+def test_a_stage_sends_tensors_it_owns() -> None:
+    from collections import OrderedDict
+
+    from composer_par.plugins.pp.runtime import stage_output
+
+    hidden = torch.randn(2, 4, 8)
+    view = hidden[:, 1:, :]
+    sent = stage_output(view)
+    assert torch.equal(sent, view) and not sent._is_view()
+    assert stage_output(hidden) is hidden
+    logits = torch.randn(2, 4, 16)
+    assert stage_output(OrderedDict(logits=logits, past_key_values=object())) is logits
+    pair = (hidden, logits)
+    assert stage_output(pair) == pair
+    with pytest.raises(TypeError, match="must return tensors"):
+        stage_output("text")

@@ -11,12 +11,19 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    # The split-backward schedules detach a stage's outputs in place after the input
+    # backward, which torch refuses for a view: a stage without the output head returns
+    # what the head would have been given, e.g. Hugging Face's hidden_states[:, -k:, :].
+    return tensor.clone() if tensor._is_view() else tensor
+
+
 def stage_output(out: Any) -> Any:
     """What a stage sends on: tensors. A model output object (a Hugging Face
     ``ModelOutput`` is a mapping) gives its first tensor: ``logits``, or on a stage
     without the output head, the hidden state standing in its place."""
     if isinstance(out, torch.Tensor):
-        return out
+        return _owned(out)
     if isinstance(out, Mapping):
         out = list(out.values())
     if isinstance(out, (tuple, list)):
@@ -24,8 +31,8 @@ def stage_output(out: Any) -> Any:
         if not tensors:
             raise TypeError(f"a pipeline stage's forward returned no tensor: {type(out)}")
         if len(tensors) == len(out) and isinstance(out, tuple):
-            return out
-        return tensors[0]
+            return tuple(_owned(t) for t in tensors)
+        return _owned(tensors[0])
     raise TypeError(
         f"a pipeline stage's forward must return tensors; it returned {type(out).__name__}")
 
