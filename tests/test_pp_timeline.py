@@ -104,3 +104,12 @@ def test_the_timeline_hook_answers_through_the_plans_hook_caller() -> None:
                                            mesh=plan.mesh.resolve(2))
     # (microbatches + pp - 1) forward-and-backward slots of 1 + 2 ticks
     assert plugin is plan.plugins[0] and line.length == (2 + 2 - 1) * 3
+
+
+def test_activations_in_flight_per_rank() -> None:
+    from composer_par.plugins.pp.timeline import peak_in_flight
+
+    assert peak_in_flight(timeline("GPipe", 4, 1, 8)) == (8, 8, 8, 8)  # every microbatch
+    assert peak_in_flight(timeline("1F1B", 4, 1, 8)) == (4, 3, 2, 1)  # pp - rank
+    # Looped stages hold their own microbatches: two stages per rank, more at once.
+    assert peak_in_flight(timeline("Interleaved1F1B", 4, 2, 8))[0] > 4

@@ -163,6 +163,27 @@ def timeline(schedule: str, pp: int, per_rank: int, microbatches: int, dim: str 
              "backward one; sends take none")
 
 
+def peak_in_flight(line: Timeline) -> tuple[int, ...]:
+    """Per rank, the most (stage, microbatch) activations held at once: from the end of a
+    forward to the end of its backward (the weight backward, when split). What the
+    activation memory of a pipeline rank scales with, schedule by schedule."""
+    peaks = []
+    for row in line.actions:
+        events: list[tuple[int, int]] = []
+        for action in row:
+            for kind, _, _ in action.runs:
+                if kind == "F":
+                    events.append((action.end, 1))
+                elif kind in ("B", "W"):
+                    events.append((action.end, -1))
+        held = peak = 0
+        for _, change in sorted(events, key=lambda e: (e[0], e[1])):
+            held += change
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
 def theoretical_bubble(schedule: str, pp: int, per_rank: int, microbatches: int) -> float:
     """The textbook idle fraction of a step: (pp - 1) / (v m + pp - 1) for GPipe and
     1F1B (v = 1) and the interleaved and looped schedules (v stages per rank), computed
@@ -174,4 +195,5 @@ def theoretical_bubble(schedule: str, pp: int, per_rank: int, microbatches: int)
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
-__all__ = ["COST", "rank_orders", "simulate", "theoretical_bubble", "timeline"]
+__all__ = ["COST", "peak_in_flight", "rank_orders", "simulate", "theoretical_bubble",
+           "timeline"]
