@@ -240,3 +240,23 @@ def test_gpt2_scaled_residual_projections() -> None:
         for owner in (block.attn, block.mlp):
             assert abs(float(owner.c_proj.weight.detach().std()) - 0.01) < 0.0015
         assert abs(float(block.mlp.c_fc.weight.detach().std()) - 0.02) < 0.002
+
+
+# -- estimate -----------------------------------------------------------------------------
+
+
+def test_estimate_follows_the_models_attention_implementation() -> None:
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    plan = ParallelPlan(MeshSpec(dp_shard=8)).use(FSDP2()).use(MetaInit())
+    work = Workload(seq=4096, dtype="bf16", optimizer="adamw")  # attention: sdpa (default)
+    found = {}
+    for kind in ("sdpa", "eager"):
+        model = hf_workers.build("llama", attn_implementation=kind)
+        shape = ModelShape.from_module(model)
+        assert shape.attention == kind and f"attention {kind} (its config)" in shape.describe()
+        est = estimate_plan(plan, shape, work, world_size=8)
+        assert est.workload.attention == kind
+        found[kind] = est.memory.activations
+    # eager keeps the attention scores (5 * heads * seq / hidden per token and layer)
+    assert found["eager"] > 10 * found["sdpa"]

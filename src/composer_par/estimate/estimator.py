@@ -98,6 +98,9 @@ def estimate(
     """
     notes: list[str] = []
     parts: list[tuple[str, EstimatePart]] = []
+    if model.attention_kind is not None and model.attention_kind != workload.attention:
+        # The kernel the model's config says it runs decides whether scores are kept.
+        workload = attrs.evolve(workload, attention=model.attention_kind)
     if plan is not None:
         parts = plugin_parts(plan, layout, model, workload)
     # dtypes: the workload's, else the plan's mixed precision, else the model's, else fp32

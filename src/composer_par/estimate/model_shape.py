@@ -93,6 +93,17 @@ class ModelShape:
     matrices_per_block: int | None = None  # tensors of >= 2 tensor dims in one block
     source: str = ""
     assumed: tuple[str, ...] = ()  # what was not given and had to be assumed
+    # The attention kernel the model says it runs (a Hugging Face config's
+    # _attn_implementation: "eager", "sdpa", "flash_attention_2", ...), when it says.
+    attention: str | None = None
+
+    @property
+    def attention_kind(self) -> str | None:
+        """The estimator's attention kinds: "eager" materializes the attention scores and
+        keeps them for backward; every other kernel (SDPA, flash, flex) keeps none."""
+        if self.attention is None:
+            return None
+        return "eager" if self.attention == "eager" else "sdpa"
 
     @classmethod
     def from_numbers(
@@ -226,6 +237,7 @@ class ModelShape:
             if value is not None:
                 found[key] = value
         dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+        implementation = getattr(config, "_attn_implementation", None)
         params = sum(g.numel for g in groups)
         matrices = (sum(1 for t in groups[0].tensors if t.tp) if blocks else None)
         return cls(params=params, layers=len(blocks), hidden=int(found["hidden"] or 1),
@@ -233,7 +245,8 @@ class ModelShape:
                    ffn_hidden=found["ffn_hidden"], vocab=found["vocab"], groups=tuple(groups),
                    dtype=dtypes.pop() if len(dtypes) == 1 else None, matrices_per_block=matrices,
                    source=source or "model",
-                   assumed=tuple(assumed))
+                   assumed=tuple(assumed),
+                   attention=implementation if isinstance(implementation, str) else None)
 
     @property
     def block_groups(self) -> list[ParamGroup]:
@@ -247,6 +260,8 @@ class ModelShape:
             parts.append(f"{self.heads} heads{kv}")
         if self.vocab:
             parts.append(f"vocab {self.vocab}")
+        if self.attention:
+            parts.append(f"attention {self.attention} (its config)")
         text = ", ".join(parts)
         if self.assumed:
             text += f" (assumed: {', '.join(self.assumed)})"
@@ -257,6 +272,7 @@ class ModelShape:
             "params": self.params, "layers": self.layers, "hidden": self.hidden,
             "heads": self.heads, "kv_heads": self.kv_heads, "ffn_hidden": self.ffn_hidden,
             "vocab": self.vocab, "dtype": self.dtype, "source": self.source,
+            "attention": self.attention,
             "assumed": list(self.assumed),
             "groups": [{"name": g.name, "params": g.numel, "count": g.count, "block": g.block}
                        for g in self.groups],
