@@ -526,3 +526,103 @@ TITAN_SPLIT_WO_ONLY = {
     "layers.*.feed_forward.w2": "rowwise",
     "output": "colwise_gather",
 }
+
+
+# -- weights: save_pretrained -> LoadSafetensors, export_safetensors -> from_pretrained --
+
+
+def weight_plans(world: int) -> dict[str, Any]:
+    """The layouts weights are loaded into: FSDP2, TP and FSDP2 x TP."""
+    from composer_par import FSDP2, TP, MeshSpec, ParallelPlan
+
+    return {"fsdp2": lambda: ParallelPlan(MeshSpec(dp_shard=world)).use(FSDP2()),
+            "tp": lambda: ParallelPlan(MeshSpec(tp=world)).use(TP()),
+            "fsdp2_tp": lambda: ParallelPlan(MeshSpec(dp_shard=world // 2, tp=2)).use(
+                FSDP2()).use(TP())}
+
+
+def round_trips(families: list[str], plans: list[str], directory: str) -> list[dict[str, Any]]:
+    """For each family: rank 0 writes a plain model with ``save_pretrained``; each plan
+    loads it with LoadSafetensors on meta, and its logits are compared with the plain
+    model's; the loaded model is exported with ``export_safetensors`` and rank 0 reads
+    the export back with ``from_pretrained`` and compares state dicts with the plain
+    model's. A file LoadSafetensors refuses (per-expert tensors) is read once with
+    ``from_pretrained``, exported, and that export loaded the same way ("via export")."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from composer_par.checkpoint import export_safetensors
+
+    rank = dist.get_rank()
+    out = []
+    for family in families:
+        cls = getattr(transformers, FAMILIES[family][1])
+        plain = build(family, meta=False).eval()
+        saved = os.path.join(directory, f"{family}-hf")
+        if rank == 0:
+            plain.save_pretrained(saved, safe_serialization=True)
+        dist.barrier()
+        inputs = {k: v for k, v in batch(family, 0).items() if k != "labels"}
+        with torch.no_grad():
+            expected = plain(**inputs).logits
+        own_layout = None
+        for name in plans:
+            row: dict[str, Any] = {"family": family, "plan": name, "from": "save_pretrained"}
+            row.update(_load_and_check(family, name, saved, inputs, expected, plain, cls,
+                                       os.path.join(directory, f"{family}-{name}")))
+            out.append(row)
+            if row.get("applied") is False and {"CP414", "CP415"} & set(row["codes"]):
+                if own_layout is None:
+                    # transformers merges the file's tensors when it loads: do that once,
+                    # then write the model's own layout
+                    own_layout = os.path.join(directory, f"{family}-own-layout")
+                    export_safetensors(cls.from_pretrained(saved), own_layout)
+                    dist.barrier()
+                row = {"family": family, "plan": name, "from": "via export"}
+                row.update(_load_and_check(family, name, own_layout, inputs, expected, plain,
+                                           cls, os.path.join(directory, f"{family}-{name}-x")))
+                out.append(row)
+        dist.barrier()
+    return out
+
+
+def _load_and_check(family: str, plan_name: str, path: str, inputs: dict[str, Any],
+                    expected: Any, plain: Any, cls: Any, exported: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from composer_par import LoadSafetensors, PlanError
+    from composer_par.checkpoint import export_safetensors
+
+    plan = weight_plans(dist.get_world_size())[plan_name]().use(LoadSafetensors(path))
+    model = build(family)
+    try:
+        model = plan.apply(model).eval()
+    except PlanError as exc:
+        return {"applied": False, "codes": sorted(exc.report.codes()),
+                "report": exc.report.format(), "untouched": all(
+                    p.is_meta and not isinstance(p, DTensor) for p in model.parameters())}
+    except Exception:
+        return {"applied": None, "error": traceback.format_exc()[-2000:]}
+    row: dict[str, Any] = {"applied": True}
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        row["logits"] = float((logits - expected).abs().max())
+        export_safetensors(model, exported, plan=plan)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            plain.config.save_pretrained(exported)  # the weights are ours, the config its
+            theirs, mine = cls.from_pretrained(exported).state_dict(), plain.state_dict()
+            row["export_keys"] = sorted(theirs) == sorted(mine)
+            row["export"] = max((float((theirs[k] - mine[k]).abs().max())
+                                 for k in mine if k in theirs), default=-1.0)
+    except Exception:
+        row["error"] = traceback.format_exc()[-2000:]
+    return row

@@ -71,6 +71,19 @@ def local_chunk(tensor: Any) -> tuple[Any, tuple[int, ...]] | None:
     return local, tuple(offset)
 
 
+def _whole_if_strided(tensor: Any) -> Any:
+    """A tensor split by a strided placement (TP's packed projections) is several boxes on
+    each rank, which :func:`local_chunk` cannot place: every rank takes it whole (a
+    collective, in the same order on every rank) and one of them writes it."""
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.plugin.initialize import strided_alone
+
+    if isinstance(tensor, DTensor) and strided_alone(tensor.placements):
+        return tensor.full_tensor()
+    return tensor
+
+
 def export_safetensors(
     model: nn.Module,
     directory: str | os.PathLike[str],
@@ -97,6 +110,7 @@ def export_safetensors(
     tied = {n for names in aliases(model).values() for n in names}
     tensors: dict[str, Any] = {k: v for k, v in state_dict.items()
                                if k not in tied and hasattr(v, "shape")}
+    tensors = {k: _whole_if_strided(v) for k, v in tensors.items()}
     if adapter is None and plan is not None:
         from composer_par.checkpoint.adapter import adapter_for
 

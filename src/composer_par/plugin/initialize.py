@@ -291,6 +291,22 @@ def keep_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
+def strided_alone(placements: Any) -> bool:
+    """A strided split that is not FSDP2's own (``_StridedShard(d)`` on the shard dim over
+    ``Shard(d)`` on an inner dim): TP's packed projections, each rank holding a slice of
+    each packed part. A rank's part is then several boxes of the tensor, while DCP and the
+    safetensors export describe it as one: they must read or write such a tensor whole."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for i, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard) and not any(
+                isinstance(p, Shard) and not isinstance(p, _StridedShard)
+                and p.dim == placement.dim for p in placements[i + 1:]):
+            return True
+    return False
+
+
 def tie_groups(model: nn.Module) -> list[TieGroup]:
     """Parameters registered under several names (tied weights, e.g. an embedding shared
     with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
