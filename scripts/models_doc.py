@@ -109,6 +109,14 @@ def render(two: list[list[dict[str, Any]]], four: list[list[dict[str, Any]]],
         "- **Tied embeddings** (Gemma, Gemma3 under TP: the embedding and the head both "
         "split the vocabulary) stay one parameter; BERT's `BertEmbeddings`, which holds the "
         "word embedding tied to the MLM decoder, is not made an FSDP unit.",
+        "- **Weights** (tests/test_hf_weights.py): each family's `save_pretrained` loads "
+        "with LoadSafetensors into FSDP2 and TP (and FSDP2 x TP for Llama, Gemma, GPT-NeoX "
+        "and Mixtral) with the plain model's logits; the older key names transformers 5 "
+        "writes for GPT-NeoX and ViT are renamed as transformers renames them. Mixtral's "
+        "and Qwen3-MoE's files hold per-expert tensors that transformers merges when it "
+        "loads: refused (CP415, saying why) before anything changes; read once with "
+        "`from_pretrained` and written with `export_safetensors`, they load. Every export "
+        "reads back with `from_pretrained` to the same state dict.",
         "- **Mixture of experts** (Mixtral, Qwen3-MoE) run with transformers' default "
         "experts implementation; the dry run cannot step them on fake tensors (their router "
         "picks tokens with data-dependent ops) and says so ([estimate.md](estimate.md)).",

@@ -432,6 +432,7 @@ def train_cases(cases: list[tuple[str, str]], steps: int = 3) -> list[dict[str, 
                       "error": traceback.format_exc()[-3000:]}
         result["seconds"] = round(time.perf_counter() - start, 2)
         result["cpu"] = round(time.process_time() - cpu, 2)
+        result["process_cpu"] = round(time.process_time(), 2)  # this rank's, imports too
         out.append(result)
     return out
 
