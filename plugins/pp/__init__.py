@@ -51,10 +51,9 @@ from .split import SplitError, StageSplit, compute_split, tied_across
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.mesh import MeshSpec
+    from composer_par.plugin import MeshSpec, Topology
     from composer_par.plugin.context import ApplyContext
     from composer_par.plugin.view import PlanView
-    from composer_par.topology import Topology
 
 _E, _W = Severity.ERROR, Severity.WARNING
 _PLAN = "[mesh]\npp = 2\n\n[[plugins]]\nname = \"pp\"\n"
@@ -65,7 +64,7 @@ RULES = (
          _PLAN + "schedule = \"1f1bb\"\n"),
     Rule("CP602", _E, "more pipeline stages than blocks",
          "use at most as many stages (pp size x stages_per_rank) as the model has blocks",
-         "[mesh]\npp = 4\n\n[[plugins]]\nname = \"pp\"\n  # a model with 2 blocks"),
+         "ParallelPlan(MeshSpec(pp=4)).use(PP()).validate(llama_with_2_blocks)"),
     Rule("CP603", _E, "the microbatch count does not fit the schedule",
          "raise microbatches to what the message names, or pick another schedule",
          "[mesh]\npp = 4\n\n[[plugins]]\nname = \"pp\"\nschedule = \"1F1B\"\n"
@@ -80,7 +79,8 @@ RULES = (
     Rule("CP606", _E, "a combination torch's pipelining does not support here",
          "use a schedule without split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS), "
          "or drop the conflicting plugin",
-         _PLAN + "schedule = \"ZBVZeroBubble\"\n\n[[plugins]]\nname = \"compile\"\n"),
+         "ParallelPlan(MeshSpec(pp=2)).use(PP(schedule=\"ZBVZeroBubble\"))"
+         ".use(Compile(backend=\"aot_eager\")).apply(model)"),
     Rule("CP607", _W, "sharding or tensor parallelism crosses nodes while pp stays inside",
          "list pp first in [mesh], so the pipeline's point-to-point sends cross nodes and "
          "the collectives stay inside a node",
@@ -89,7 +89,8 @@ RULES = (
     Rule("CP608", _E, "the pipeline split cannot be made",
          "list one module path list per stage covering every parameter once, or use "
          "split = \"auto\"",
-         _PLAN + "split = [[\"tok_embeddings\", \"layers.0\"], [\"layers.1\", \"norm\"]]\n"),
+         "ParallelPlan(MeshSpec(pp=2)).use(PP(split=[[\"tok_embeddings\", \"layers.0\"], "
+         "[\"layers.1\", \"norm\"]])).validate(llama)  # output.weight in no stage"),
     Rule("CP609", _E, "tied parameters on two pipeline stages",
          "untie them (e.g. tie_word_embeddings = false), or keep both modules on one stage",
          "a model whose output head shares the token embedding's weight, under pp = 2"),

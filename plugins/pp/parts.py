@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
-from composer_par.blocks import clean_name
+from composer_par.plugin import clean_name
 
 if TYPE_CHECKING:
-    from composer_par.blocks import Block
+    from composer_par.plugin import Block
 
 
 class OnAnotherStage:

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.blocks import clean_name, names_near
+from composer_par.plugin import clean_name, names_near
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.blocks import Block
+    from composer_par.plugin import Block
 
 
 class SplitError(ValueError):

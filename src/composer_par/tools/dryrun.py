@@ -513,9 +513,8 @@ def _forget_sharding_decisions() -> None:
     """DTensor caches its sharding decisions by mesh shape and dim names, with the process
     groups of the mesh they were made on: a later rank's fake world (other groups, the
     same shape) would reuse a former rank's groups. Each rank starts with none."""
-    from torch.distributed.tensor import DTensor
-
     import torch
+    from torch.distributed.tensor import DTensor
 
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     cache = getattr(propagator, "propagate_op_sharding", None)
