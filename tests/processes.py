@@ -4,10 +4,15 @@ a unique environment variable, which every child and grandchild inherits."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
+import subprocess
+import threading
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 MARK_ENV = "COMPOSER_PAR_TEST_MARK"
 
@@ -49,3 +54,46 @@ def children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+@dataclasses.dataclass
+class Watched:
+    """A finished launch: exit code, when it ended, its stderr lines with the time each
+    arrived, and the marked processes still alive when it ended."""
+
+    code: int
+    ended: float
+    lines: list[tuple[float, str]]
+    left: list[int]
+
+    @property
+    def stderr(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def first(self, text: str) -> float:
+        """When the first stderr line holding ``text`` arrived."""
+        return next(t for t, line in self.lines if text in line)
+
+
+def run_watched(argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float,
+                stdout: Any = subprocess.DEVNULL) -> Watched:
+    """Run ``argv`` marked, timestamping each stderr line; afterwards kill whatever it
+    left, having first recorded it."""
+    mark = new_mark()
+    lines: list[tuple[float, str]] = []
+    with subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                          env={**env, MARK_ENV: mark}) as run:
+        assert run.stderr is not None
+        stream = run.stderr
+        reader = threading.Thread(target=lambda: lines.extend(
+            (time.monotonic(), line) for line in stream), daemon=True)
+        reader.start()
+        try:
+            code = run.wait(timeout=timeout)
+            ended = time.monotonic()
+            reader.join(timeout=10)
+            left = marked(mark)
+        finally:
+            run.kill()
+            kill_marked(mark)
+    return Watched(code, ended, lines, left)

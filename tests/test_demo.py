@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -66,35 +64,20 @@ def test_a_frozen_rank_ends_the_run_at_the_timeout_named_leaving_no_process(
         tmp_path: Path) -> None:
     # Before the plan's groups had a timeout, the ranks waiting for a frozen one sat in
     # torch's 30-minute default even with --timeout 10.
-    mark = processes.new_mark()
     timeout = 10.0
-    lines: list[tuple[float, str]] = []
-    with (tmp_path / "stdout").open("w") as stdout, subprocess.Popen(
-        [sys.executable, "-m", "composer_par.cli", "demo", "--json", "--checkpoint-dir",
-         str(tmp_path / "ckpt"), "--seq-len", "32", "--steps", "4", "--timeout", str(timeout)],
-        stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, FREEZE_ENV: "0:2", processes.MARK_ENV: mark},
-    ) as demo_proc:
-        assert demo_proc.stderr is not None
-        stream = demo_proc.stderr
-        reader = threading.Thread(target=lambda: lines.extend(
-            (time.monotonic(), line) for line in stream), daemon=True)
-        reader.start()
-        try:
-            code = demo_proc.wait(timeout=400)
-            ended = time.monotonic()
-            reader.join(timeout=10)
-            stray = processes.marked(mark)
-        finally:
-            demo_proc.kill()
-            processes.kill_marked(mark)
-    stderr = "".join(line for _, line in lines)
-    assert code == 1, stderr[-3000:]
-    assert stray == [], f"processes left behind: {stray}"
-    frozen_at = next(t for t, line in lines if "rank 0: frozen at step 2" in line)
+    with (tmp_path / "stdout").open("w") as stdout:
+        run = processes.run_watched(
+            [sys.executable, "-m", "composer_par.cli", "demo", "--json", "--checkpoint-dir",
+             str(tmp_path / "ckpt"), "--seq-len", "32", "--steps", "4", "--timeout",
+             str(timeout)],
+            env={**os.environ, FREEZE_ENV: "0:2"}, cwd=tmp_path, timeout=400, stdout=stdout)
+    stderr = run.stderr
+    assert run.code == 1, stderr[-3000:]
+    assert run.left == [], f"processes left behind: {run.left}"
+    frozen_at = run.first("rank 0: frozen at step 2")
     # Bounded by the timeout, not torch's 30 minutes; the slack is for a loaded machine
     # (measured ~37 s on 2 busy cores), not a speed claim.
-    assert ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
+    assert run.ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
     data = json.loads((tmp_path / "stdout").read_text())
     assert data["ok"] is False and data["stuck_ranks"] == [0] and data["failed_rank"] != 0
     assert data["error"].startswith("StuckRankError: rank 0 never joined: ranks 1, 2, 3 "

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -68,34 +66,17 @@ def test_train_py_ends_a_job_with_a_frozen_rank_at_the_plans_timeout_naming_it(
     plan = tmp_path / "plan.toml"
     plan.write_text((EXAMPLES / "plans" / "fsdp.toml").read_text()
                     + f"\n[plan]\ntimeout = {timeout}\n")
-    mark = processes.new_mark()
-    lines: list[tuple[float, str]] = []
-    with subprocess.Popen(
+    run = processes.run_watched(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "--monitor-interval", "0.2", str(EXAMPLES / "train.py"), str(plan), "--seq-len", "32",
          "--steps", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "COMPOSER_PAR_TRAIN_FREEZE": "1:2", processes.MARK_ENV: mark},
-    ) as run:
-        assert run.stderr is not None
-        stream = run.stderr
-        reader = threading.Thread(target=lambda: lines.extend(
-            (time.monotonic(), line) for line in stream), daemon=True)
-        reader.start()
-        try:
-            code = run.wait(timeout=240)
-            ended = time.monotonic()
-            reader.join(timeout=10)
-            left = processes.marked(mark)
-        finally:
-            run.kill()
-            processes.kill_marked(mark)
-    stderr = "".join(line for _, line in lines)
-    assert code == 1, stderr[-3000:]
-    assert left == [], f"processes left behind: {left}"
-    frozen_at = next(t for t, line in lines if "rank 1: frozen at step 2" in line)
+        env={**os.environ, "COMPOSER_PAR_TRAIN_FREEZE": "1:2"}, cwd=tmp_path, timeout=240)
+    stderr = run.stderr
+    assert run.code == 1, stderr[-3000:]
+    assert run.left == [], f"processes left behind: {run.left}"
+    frozen_at = run.first("rank 1: frozen at step 2")
     # Bounded by the timeout, not torch's 30 minutes; the slack is for a loaded machine
     # (measured ~37 s on 2 busy cores), not a speed claim.
-    assert ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
+    assert run.ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
     assert ("StuckRankError: rank 1 never joined: rank 0 timed out after 8 s" in stderr), \
         stderr[-3000:]
