@@ -20,9 +20,12 @@ A transformers model's files may use older key names than the model (``save_pret
 writes GPT-NeoX's ``embed_out`` and ViT's ``encoder.layer.*.attention.attention.query``):
 without ``rename`` or ``adapter``, the file's keys are renamed as transformers renames
 them when it loads (its own conversion mapping, read from transformers, not re-typed
-here). Its tensor conversions (per-expert tensors merged into fused experts) are not
-names: a rank reads only its slices of whole tensors and cannot merge several, so such
-files are refused (CP414/CP415), saying how to write them in the model's own layout.
+here). The mapping's merges of per-expert tensors into fused experts (Mixtral's
+``experts.0.w1.weight``... stacked on the expert dim, gate and up concatenated into
+``experts.gate_up_proj``) are done too: each fused tensor is described as the boxes its
+per-expert tensors fill, so each rank reads only the bytes of its own part, on every
+layout. A conversion of another kind (a permutation, a split) is refused at validation
+(CP415), saying how to write the file in the model's own layout.
 """
 
 from __future__ import annotations
@@ -32,7 +35,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.plugin import Finding, hookimpl
-from composer_par.plugin.loader import WeightsLoader, load_safetensors_into, safetensors_specs
+from composer_par.plugin.loader import (
+    Fused,
+    Part,
+    WeightsLoader,
+    fused_specs,
+    load_safetensors_fused,
+    safetensors_specs,
+)
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -60,23 +70,28 @@ class LoadSafetensors(WeightsLoader):
 
     def load_into(self, model: nn.Module, adapter: StateDictAdapter,
                   tied: dict[str, list[str]]) -> Any:
-        report = load_safetensors_into(model, self.path, adapter=adapter, strict=self.strict,
-                                       tied=tied)
-        reload_strided(model, self.path, adapter)
-        return report
+        # Through DCP, but for the tensors a strided placement splits (TP's packed weights:
+        # a rank's part is several boxes, which DCP reads as one), read box by box.
+        return load_safetensors_fused(model, self.path, self.layout(model).merges,
+                                      adapter=adapter, strict=self.strict, tied=tied)
 
-    def transformers_names(self, model: nn.Module) -> tuple[TransformersNames | None,
-                                                            list[str]]:
-        """For a transformers model: the file's keys as transformers would rename them
-        (``None`` when none needs it), and the keys it would merge into other tensors."""
+    def layout(self, model: nn.Module) -> TransformersLayout:
+        """For a transformers model read without ``rename``/``adapter``: the file's keys as
+        transformers renames and merges them when it loads (empty for other models)."""
         # The class or one it derives from (FSDP2 makes a subclass of the model's class).
-        if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
-            return None, []
+        if self.own_adapter() is not None or not any(
+                c.__module__.startswith("transformers.") for c in type(model).__mro__):
+            return TransformersLayout()
         try:
             _, found = self.source_specs()
         except Exception:  # unreadable: validation reports it (CP417)
-            return None, []
-        return transformers_names(model, list(found))
+            return TransformersLayout()
+        return transformers_layout(model, found)
+
+    def specs_for(self, model: nn.Module) -> tuple[str, dict[str, Spec]]:
+        source, found = self.source_specs()
+        merges = self.layout(model).merges
+        return source, fused_specs(found, merges) if merges else found
 
     @hookimpl
     def composer_par_state_dict_adapter(  # type: ignore[override]  # the hook's model too
@@ -84,17 +99,17 @@ class LoadSafetensors(WeightsLoader):
         own = self.own_adapter()
         if own is not None:
             return own
-        return self.transformers_names(model)[0]
+        return self.layout(model).names
 
     @hookimpl
     def composer_par_validate_model(self, plan: Any, model: nn.Module) -> list[Finding]:
         found = super().composer_par_validate_model(plan, model)
-        merged = self.transformers_names(model)[1] if self.own_adapter() is None else []
-        if not merged:
+        refused = self.layout(model).refused
+        if not refused:
             return found
-        why = (f" {len(merged)} of those keys ({merged[0]}, ...) are tensors transformers "
-               "merges into one when it loads (per-expert weights into fused experts): each "
-               "rank reads only its slices of whole tensors and cannot merge several")
+        first = next(iter(refused))
+        why = (f" {len(refused)} of those keys ({first}, ...) are tensors transformers "
+               f"converts when it loads, in a way not done here: {refused[first]}")
         fix = ("load the file once with transformers (from_pretrained) and write it with "
                "composer_par.checkpoint.export_safetensors, which keeps the model's own "
                "layout; then load that")
@@ -122,11 +137,23 @@ class TransformersNames:
         return f"TransformersNames({len(self.names)} renamed)"
 
 
-def transformers_names(model: Any, file_keys: list[str]) -> tuple[TransformersNames | None,
-                                                                  list[str]]:
+@attrs.frozen
+class TransformersLayout:
+    """A file's keys as transformers reads them into a model: ``names`` (model name ->
+    the file's older name), ``merges`` (fused model tensor -> the file tensors it is made
+    of) and ``refused`` (file key -> why it cannot be converted here)."""
+
+    names: TransformersNames | None = None
+    merges: dict[str, Fused] = attrs.field(factory=dict)
+    refused: dict[str, str] = attrs.field(factory=dict)
+
+
+def transformers_layout(model: Any, found: dict[str, Spec]) -> TransformersLayout:
     """Rename each file key the model lacks with transformers' own conversion mapping (as
-    ``from_pretrained`` does): the renamed keys the model has make the adapter; the keys a
-    converter would merge are returned apart. transformers is imported only here, for a
+    ``from_pretrained`` does). Keys renamed to a model name make the adapter; keys a
+    converter merges (per-expert tensors stacked on a new expert dim, then, for several
+    source patterns, concatenated along a dim) make a fused tensor of boxes; what another
+    kind of converter would do is refused. transformers is imported only here, for a
     transformers model."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -136,7 +163,7 @@ def transformers_names(model: Any, file_keys: list[str]) -> tuple[TransformersNa
             rename_source_key,
         )
     except ImportError:  # another transformers: no renames
-        return None, []
+        return TransformersLayout()
     # transformers looks its mapping up by the model's class name (GPT-NeoX's head rename
     # is GPTNeoXForCausalLM's); FSDP2 made the class a subclass named FSDP...: look it up
     # as the class transformers built.
@@ -149,61 +176,114 @@ def transformers_names(model: Any, file_keys: list[str]) -> tuple[TransformersNa
         model.__class__ = wrapped
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    state = model.state_dict()
+    state = model.state_dict(keep_vars=True)
     names: dict[str, str] = {}
-    merged: list[str] = []
-    for key in sorted(file_keys):
+    # target -> (converter, {source pattern index: {expert index: file key}})
+    collected: dict[str, tuple[Any, dict[int, dict[int, str]]]] = {}
+    refused: dict[str, str] = {}
+    for key in sorted(found):
         if key in state:
             continue
         renamed, pattern = rename_source_key(key, renamings, converters,
                                              getattr(model, "base_model_prefix", None), state)
-        if pattern is not None and any(pattern in c.source_patterns for c in converters):
-            merged.append(key)
-        elif renamed != key and renamed in state and renamed not in names:
-            names[renamed] = key
-    return (TransformersNames(names) if names else None), merged
+        converter = next((c for c in converters if pattern in c.source_patterns), None)
+        if converter is None:
+            if renamed != key and renamed in state and renamed not in names:
+                names[renamed] = key
+            continue
+        # Merged even where the model lacks the target (a pipeline stage holding other
+        # layers): the fused tensor is then one key of the file the model does not have.
+        why = _unsupported(converter)
+        index = _expert_index(key, str(pattern))
+        if not why and index is None:
+            why = f"its expert number is not where the pattern {pattern} has it"
+        if why:
+            refused[key] = why
+            continue
+        _, by_pattern = collected.setdefault(renamed, (converter, {}))
+        assert pattern is not None and index is not None  # a converter matched it
+        by_pattern.setdefault(converter.source_patterns.index(pattern), {})[index] = key
+    merges: dict[str, Fused] = {}
+    for target, (converter, by_pattern) in collected.items():
+        fused, why = _fuse(converter, by_pattern, found)
+        if fused is None:
+            refused.update({k: why for keys in by_pattern.values() for k in keys.values()})
+        else:
+            merges[target] = fused
+    return TransformersLayout(TransformersNames(names) if names else None, merges, refused)
 
 
-def _file_tensors(path: str) -> dict[str, str]:
-    """Tensor key -> the safetensors file that holds it, for a file, a directory or an
-    index json."""
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    given = Path(path)
-    if given.suffix == ".json":
-        weight_map = json.loads(given.read_text(encoding="utf-8"))["weight_map"]
-        return {k: str(given.parent / v) for k, v in weight_map.items()}
-    files = sorted(given.glob("*.safetensors")) if given.is_dir() else [given]
-    out: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), "pt") as handle:
-            out.update(dict.fromkeys(handle.keys(), str(file)))
-    return out
+def _unsupported(converter: Any) -> str:
+    """Why the converter's operations are not the merges done here ("" when they are):
+    a stack of module-list tensors, then optionally one concatenation."""
+    ops = [type(op).__name__ for op in converter.operations]
+    if ops in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
+        return ""
+    return f"its conversion is {' then '.join(ops)}, not a merge of per-expert tensors"
 
 
-def reload_strided(model: nn.Module, path: str, adapter: StateDictAdapter) -> int:
-    """Read the parameters split by a strided placement (``strided_alone``) whole,
-    on every rank, and keep this rank's part: each rank reads those tensors' full bytes
-    (more than its share) so that the values are right. Returns how many were read."""
-    import torch
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
+def _expert_index(key: str, pattern: str) -> int | None:
+    """The expert number in ``key`` where ``pattern`` (``.experts.*.w1.weight``) has its
+    ``*``: transformers stacks the tensors in the keys' natural order, which for numbers
+    0..n-1 is this one."""
+    import re
 
-    from composer_par.plugin import clean_name
-    from composer_par.plugin.initialize import keep_local_part, strided_alone
+    pieces = pattern.split("*.")
+    if len(pieces) != 2:
+        return None
+    found = re.search(re.escape(pieces[0]) + r"(\d+)\." + re.escape(pieces[1]) + r"$", key)
+    return int(found.group(1)) if found else None
 
-    wanted = [(clean_name(n), p) for n, p in model.named_parameters()
-              if isinstance(p, DTensor) and strided_alone(p.placements)]
-    if not wanted:
-        return 0
-    where = _file_tensors(path)
-    for name, param in wanted:
-        key = adapter.to_file(name)
-        with safe_open(where[key], "pt") as handle:
-            full = handle.get_tensor(key)
-        with torch.no_grad():
-            keep_local_part(param, full.to(device=param.device, dtype=param.dtype))
-    return len(wanted)
+
+def _fuse(converter: Any, by_pattern: dict[int, dict[int, str]], found: dict[str, Spec]
+          ) -> tuple[Fused | None, str]:
+    """The fused tensor ``converter`` makes of the file tensors (source pattern index ->
+    expert number -> key): each stacked on the merge's dim, the stacks concatenated in the
+    patterns' order; or None and why it cannot be made."""
+    stack = converter.operations[0].dim
+    cat = converter.operations[1].dim if len(converter.operations) > 1 else None
+    patterns = len(converter.source_patterns)
+    if sorted(by_pattern) != list(range(patterns)):
+        missing = [converter.source_patterns[i] for i in range(patterns) if i not in by_pattern]
+        return None, f"the file has no tensors for {', '.join(missing)}"
+    counts = {len(experts) for experts in by_pattern.values()}
+    first = found[next(iter(by_pattern[0].values()))]
+    for experts in by_pattern.values():
+        if sorted(experts) != list(range(len(experts))):
+            return None, f"the experts numbered {sorted(experts)} are not 0..{len(experts) - 1}"
+        for key in experts.values():
+            spec = found[key]
+            if spec.dtype != first.dtype or len(spec.shape) != len(first.shape):
+                return None, f"{key} is {spec.describe()}, the other parts {first.describe()}"
+    if len(counts) != 1:
+        return None, f"the source patterns have different numbers of experts ({sorted(counts)})"
+    count = counts.pop()
+    parts: list[Part] = []
+    shape: list[int] | None = None
+    start = 0  # where this pattern's stack begins on the concatenation dim
+    for index in range(patterns):
+        experts = by_pattern[index]
+        stored = found[experts[0]].shape
+        stacked = [*stored[:stack], count, *stored[stack:]]
+        if any(tuple(found[k].shape) != tuple(stored) for k in experts.values()):
+            return None, f"the tensors of {converter.source_patterns[index]} differ in shape"
+        if shape is None:
+            shape = stacked
+        elif cat is None:
+            return None, "several source patterns and no concatenation"
+        else:
+            if [n for d, n in enumerate(stacked) if d != cat] != [
+                    n for d, n in enumerate(shape) if d != cat]:
+                return None, (f"{converter.source_patterns[index]} does not fit beside "
+                              f"{converter.source_patterns[0]} on dim {cat}")
+            shape[cat] += stacked[cat]
+        box = tuple([*stored[:stack], 1, *stored[stack:]])
+        for expert in range(count):
+            offsets = [0] * len(box)
+            offsets[stack] = expert
+            if cat is not None:
+                offsets[cat] += start
+            parts.append(Part(experts[expert], tuple(offsets), box))
+        start += stacked[cat] if cat is not None else 0
+    assert shape is not None
+    return Fused(tuple(shape), first.dtype, tuple(parts)), ""

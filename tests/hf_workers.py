@@ -543,19 +543,17 @@ def weight_plans(world: int) -> dict[str, Any]:
 
 
 def round_trips(families: list[str], plans: list[str], directory: str) -> list[dict[str, Any]]:
-    """For each family: rank 0 writes a plain model with ``save_pretrained``; each plan
-    loads it with LoadSafetensors on meta, and its logits are compared with the plain
-    model's; the loaded model is exported with ``export_safetensors`` and rank 0 reads
-    the export back with ``from_pretrained`` and compares state dicts with the plain
-    model's. A file LoadSafetensors refuses (per-expert tensors) is read once with
-    ``from_pretrained``, exported, and that export loaded the same way ("via export")."""
+    """For each family: rank 0 writes a plain model with ``save_pretrained`` (per-expert
+    tensors for the MoE families, older names for GPT-NeoX and ViT); each plan loads it
+    with LoadSafetensors on meta, and its logits are compared with the plain model's; the
+    loaded model is exported with ``export_safetensors`` and rank 0 reads the export back
+    with ``from_pretrained`` and compares state dicts with the plain model's."""
     import os
 
     import torch
     import torch.distributed as dist
     import transformers
-
-    from composer_par.checkpoint import export_safetensors
+    from safetensors import safe_open
 
     rank = dist.get_rank()
     out = []
@@ -566,26 +564,30 @@ def round_trips(families: list[str], plans: list[str], directory: str) -> list[d
         if rank == 0:
             plain.save_pretrained(saved, safe_serialization=True)
         dist.barrier()
+        files = [os.path.join(saved, f) for f in os.listdir(saved) if f.endswith(".safetensors")]
+        keys: list[str] = []
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                keys += list(handle.keys())
         inputs = {k: v for k, v in batch(family, 0).items() if k != "labels"}
         with torch.no_grad():
             expected = plain(**inputs).logits
-        own_layout = None
         for name in plans:
-            row: dict[str, Any] = {"family": family, "plan": name, "from": "save_pretrained"}
+            row: dict[str, Any] = {"family": family, "plan": name, "from": "save_pretrained",
+                                   "per_expert": any(".experts.0." in k for k in keys),
+                                   "file_bytes": sum(os.path.getsize(f) for f in files)}
+            exported = os.path.join(directory, f"{family}-{name}")
             row.update(_load_and_check(family, name, saved, inputs, expected, plain, cls,
-                                       os.path.join(directory, f"{family}-{name}")))
+                                       exported))
             out.append(row)
-            if row.get("applied") is False and {"CP414", "CP415"} & set(row["codes"]):
-                if own_layout is None:
-                    # transformers merges the file's tensors when it loads: do that once,
-                    # then write the model's own layout
-                    own_layout = os.path.join(directory, f"{family}-own-layout")
-                    export_safetensors(cls.from_pretrained(saved), own_layout)
-                    dist.barrier()
-                row = {"family": family, "plan": name, "from": "via export"}
-                row.update(_load_and_check(family, name, own_layout, inputs, expected, plain,
-                                           cls, os.path.join(directory, f"{family}-{name}-x")))
-                out.append(row)
+            if row["per_expert"] and row.get("applied"):
+                # The export holds the fused layout: TP's strided split of it is read box
+                # by box from one tensor per weight rather than from per-expert tensors.
+                again = {"family": family, "plan": name, "from": "export", "per_expert": False,
+                         "file_bytes": os.path.getsize(exported + "/model.safetensors")}
+                again.update(_load_and_check(family, name, exported, inputs, expected,
+                                             plain, cls, exported + "-again"))
+                out.append(again)
         dist.barrier()
     return out
 
@@ -603,13 +605,14 @@ def _load_and_check(family: str, plan_name: str, path: str, inputs: dict[str, An
     model = build(family)
     try:
         model = plan.apply(model).eval()
+        read = plan.notes["load_safetensors_report"].bytes_read
     except PlanError as exc:
         return {"applied": False, "codes": sorted(exc.report.codes()),
                 "report": exc.report.format(), "untouched": all(
                     p.is_meta and not isinstance(p, DTensor) for p in model.parameters())}
     except Exception:
         return {"applied": None, "error": traceback.format_exc()[-2000:]}
-    row: dict[str, Any] = {"applied": True}
+    row: dict[str, Any] = {"applied": True, "bytes_read": read, "held": _held_bytes(model)}
     try:
         with torch.no_grad():
             logits = model(**inputs).logits
@@ -627,3 +630,15 @@ def _load_and_check(family: str, plan_name: str, path: str, inputs: dict[str, An
     except Exception:
         row["error"] = traceback.format_exc()[-2000:]
     return row
+
+
+def _held_bytes(model: Any) -> int:
+    """The bytes of this rank's parts of the model's stored tensors (each tensor once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict(keep_vars=True).values():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            local = _local_part(tensor)
+            total += local.numel() * local.element_size()
+    return total

@@ -114,6 +114,11 @@ class WeightsLoader(Plugin):
         """``(description of the source, key -> spec)`` from headers/metadata only."""
         raise NotImplementedError
 
+    def specs_for(self, model: nn.Module) -> tuple[str, dict[str, Spec]]:
+        """The source's specs as ``model`` reads them (default: :meth:`source_specs`; a
+        loader that fuses stored tensors into one of the model's shows the fused one)."""
+        return self.source_specs()
+
     def load_into(self, model: nn.Module, adapter: StateDictAdapter,
                   tied: dict[str, list[str]]) -> Any:
         """Load into the materialized model (``tied``: its tied-weight groups as they were
@@ -139,7 +144,7 @@ class WeightsLoader(Plugin):
         from composer_par.checkpoint.adapter import adapter_for
         from composer_par.checkpoint.matching import match, model_specs
 
-        source, found = self.source_specs()
+        source, found = self.specs_for(model)
         specs, tied = model_specs(model)
         return match(source, specs, found, adapter_for(plan, model), tied)
 
@@ -206,6 +211,7 @@ class WeightsLoader(Plugin):
         import torch
 
         from composer_par.checkpoint.adapter import combine
+        from composer_par.checkpoint.matching import rest_of_model
         from composer_par.checkpoint.weights import aliases, retie
         from composer_par.plugin.initialize import init_module, initializer, module_seed, post_order
 
@@ -225,7 +231,8 @@ class WeightsLoader(Plugin):
             if init is None:  # validation reported it (CP418)
                 raise RuntimeError(f"module {clean_name(path)} cannot be initialized")
             init_module(module, init, device, module_seed(self.seed, clean_name(path)))
-        report = self.load_into(model, adapter, tied)
+        with rest_of_model(_held_elsewhere(ctx)):
+            report = self.load_into(model, adapter, tied)
         ctx.notes[f"{self.name}_report"] = report
         detail = (f"to_empty on {device}; loaded {len(report.loaded)} tensor(s) from "
                   f"{self.path}")
@@ -234,6 +241,17 @@ class WeightsLoader(Plugin):
         if needing:
             detail += f"; initialized {len(needing)} module(s) the weights do not cover"
         return detail
+
+
+def _held_elsewhere(ctx: ApplyContext) -> frozenset[str]:
+    """Under a pipeline, the names of the whole model's tensors that this part lacks (the
+    other stages'): the weights hold them, and the part's strict check must not call them
+    unexpected. Validation matched the whole model against the weights already."""
+    pipeline = ctx.pipeline
+    if pipeline is None or not pipeline.model_keys:
+        return frozenset()
+    own = {clean_name(k) for k in ctx.model.state_dict(keep_vars=True)}
+    return frozenset(k for k in pipeline.model_keys if k not in own)
 
 
 def _keys_message(head: str, keys: tuple[str, ...] | list[str]) -> str:
@@ -300,11 +318,215 @@ def load_checkpoint_into(model: nn.Module, path: str, *, adapter: StateDictAdapt
     return load_checkpoint_weights(model, path, adapter=adapter, strict=strict, tied=tied)
 
 
+# -- fused tensors made of several stored ones ---------------------------------------------
+
+
+@attrs.frozen
+class Part:
+    """One stored tensor as a box of a larger one: its key, where the box begins, and its
+    shape there (the stored shape, with size-1 dims where the larger tensor stacks)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@attrs.frozen
+class Fused:
+    """A model tensor stored as several tensors (per-expert weights of fused experts):
+    its shape and dtype name, and the boxes its stored tensors fill."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    parts: tuple[Part, ...]
+
+
+def fused_specs(found: dict[str, Spec], fused: dict[str, Fused]) -> dict[str, Spec]:
+    """Stored specs with each fused tensor, under its own name, in place of its parts."""
+    from composer_par.checkpoint.matching import Spec
+
+    used = {part.key for tensor in fused.values() for part in tensor.parts}
+    out = {k: v for k, v in found.items() if k not in used}
+    out.update({name: Spec(tensor.shape, tensor.dtype) for name, tensor in fused.items()})
+    return out
+
+
+def load_safetensors_fused(model: nn.Module, path: str, fused: dict[str, Fused], *,
+                           adapter: StateDictAdapter, strict: bool,
+                           tied: dict[str, list[str]]) -> Any:
+    """:func:`load_safetensors_into` where some model tensors are stored as several
+    (``fused``: name -> its parts). DCP is told each fused tensor is stored in chunks, one
+    per part, so it plans every rank's reads of its own shard as for any tensor; tensors
+    split by a strided placement are read box by box (:func:`read_local_parts`)."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.checkpoint import _dist
+    from composer_par.checkpoint.errors import dcp_errors
+    from composer_par.checkpoint.matching import match
+    from composer_par.checkpoint.sources import WeightsSource
+    from composer_par.checkpoint.weights import _finish, expected_specs, source_specs
+    from composer_par.plugin.initialize import strided_alone
+
+    started = time.perf_counter()
+    source = WeightsSource.open(path)
+    state_dict: dict[str, Any] = dict(get_model_state_dict(model))
+    m = match(source.path, expected_specs(state_dict, tied),
+              fused_specs(source_specs(source), fused), adapter, tied)
+    error = m.error(strict=strict)
+    if error is not None:
+        raise error
+    strided = [n for n in m.keys if isinstance(state_dict[n], DTensor)
+               and strided_alone(state_dict[n].placements)]
+    to_load = {m.keys[n]: state_dict[n] for n in m.keys if n not in strided}
+    reader = _fusing_reader(source, to_load, {k: v for k, v in fused.items() if k in to_load})
+    with dcp_errors(f"loading {source.path}"):
+        dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
+    read = int(reader.bytes_read)
+    for name in strided:
+        key, tensor = m.keys[name], state_dict[name]
+        whole = (Part(key, (0,) * tensor.ndim, tuple(tensor.shape)),)
+        read += read_local_parts(tensor, source, fused[key].parts if key in fused else whole)
+    return _finish(model, state_dict, m, strict=strict, started=started, bytes_read=read,
+                   tied=tied)
+
+
+def _fusing_reader(source: Any, keys: Any, fused: dict[str, Fused]) -> Any:
+    """The safetensors reader, describing each fused tensor as stored in chunks (one per
+    part, whose bytes are the part's)."""
+    from composer_par.checkpoint.hf_reader import SafetensorsReader
+
+    class FusingReader(SafetensorsReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            import torch
+            from torch.distributed.checkpoint.metadata import (
+                ChunkStorageMetadata,
+                MetadataIndex,
+                TensorProperties,
+                TensorStorageMetadata,
+            )
+
+            from composer_par.checkpoint.safetensors_io import torch_dtype
+
+            metadata = super().read_metadata(*args, **kwargs)
+            for name, tensor in fused.items():
+                chunks = []
+                for part in tensor.parts:
+                    entry = self.source.entries[part.key]
+                    offsets = torch.Size(part.offsets)
+                    chunks.append(ChunkStorageMetadata(offsets=offsets,
+                                                       sizes=torch.Size(part.shape)))
+                    # The same bytes, seen with the size-1 dims of the box.
+                    metadata.storage_data[MetadataIndex(fqn=name, offset=offsets)] = (
+                        attrs.evolve(entry, shape=part.shape))
+                metadata.state_dict_metadata[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=torch_dtype(entry.dtype)),
+                    size=torch.Size(tensor.shape), chunks=chunks)
+            return metadata
+
+    return FusingReader(source, keys=[k for k in keys if k not in fused])
+
+
+def held_indices(tensor: Any) -> list[Any]:
+    """For each dim of ``tensor`` (a DTensor or a plain tensor), the global index of each
+    of this rank's positions along it, in local order. A placement splits one dim, so
+    each dim's indices are those of a 1-D tensor split by the placements on that dim."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(tensor, DTensor):
+        return [torch.arange(n) for n in tensor.shape]
+    out = []
+    for dim, size in enumerate(tensor.shape):
+        placements: list[Any] = []
+        for p in tensor.placements:
+            if isinstance(p, _StridedShard) and p.dim == dim:
+                placements.append(_StridedShard(0, split_factor=p.split_factor))
+            elif isinstance(p, Shard) and p.dim == dim:
+                placements.append(Shard(0))
+            else:
+                placements.append(Replicate())
+        index = torch.arange(size, device=tensor.device_mesh.device_type)
+        out.append(distribute_tensor(index, tensor.device_mesh, placements,
+                                     src_data_rank=None).to_local().cpu())
+    return out
+
+
+def _runs(wanted: Any, where: Any) -> list[tuple[int, int, int]]:
+    """``(first index, length, first position)`` of each run of consecutive indices held
+    at consecutive positions."""
+    runs: list[tuple[int, int, int]] = []
+    values, places = wanted.tolist(), where.tolist()
+    for i, (value, place) in enumerate(zip(values, places, strict=True)):
+        if runs and value == values[i - 1] + 1 and place == places[i - 1] + 1:
+            first, length, start = runs[-1]
+            runs[-1] = (first, length + 1, start)
+        else:
+            runs.append((value, 1, i))
+    return runs
+
+
+def read_local_parts(tensor: Any, path: Any, parts: tuple[Part, ...]) -> int:
+    """Fill this rank's part of ``tensor`` (a DTensor or a plain tensor) from the stored
+    tensors ``parts`` (boxes of it) of the safetensors at ``path`` (a path or an open
+    source): each run of the rank's indices inside a box is one read of its bytes.
+    Returns the bytes read."""
+    import itertools
+    import os
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.checkpoint.safetensors_io import read_region
+    from composer_par.checkpoint.sources import WeightsSource
+
+    source = path if isinstance(path, WeightsSource) else WeightsSource.open(path)
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    held = held_indices(tensor)
+    done = 0
+    for part in parts:
+        entry = attrs.evolve(source.entries[part.key], shape=part.shape)
+        where, wanted = [], []
+        for dim, indices in enumerate(held):
+            begin = part.offsets[dim]
+            position = ((indices >= begin) & (indices < begin + part.shape[dim])).nonzero()
+            where.append(position.flatten())
+            wanted.append(indices[position.flatten()] - begin)
+        if any(len(w) == 0 for w in where):
+            continue  # none of this box is on this rank
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            for runs in itertools.product(*(_runs(w, p) for w, p in zip(wanted, where,
+                                                                          strict=True))):
+                lengths = [length for _, length, _ in runs]
+                block = torch.empty(lengths, dtype=local.dtype)
+                done += read_region(fd, entry, [first for first, _, _ in runs], lengths, block)
+                index = tuple(
+                    where[d][start:start + length].view(
+                        [-1 if i == d else 1 for i in range(len(runs))])
+                    for d, (_, length, start) in enumerate(runs))
+                with torch.no_grad():
+                    local[index] = block.to(local.device)
+        finally:
+            os.close(fd)
+    return done
+
+
 __all__ = [
     "RULES",
+    "Fused",
+    "Part",
     "WeightsLoader",
     "checkpoint_specs",
+    "fused_specs",
+    "held_indices",
     "load_checkpoint_into",
+    "load_safetensors_fused",
     "load_safetensors_into",
+    "read_local_parts",
     "safetensors_specs",
 ]
