@@ -37,6 +37,10 @@ WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsd
 
 def clean_name(name: str) -> str:
     """The model's own name of a parameter or module, without wrapper components."""
+    # Substring tests first: this runs for every module and parameter name, and most
+    # names hold no wrapper component.
+    if not any(component in name for component in WRAPPER_COMPONENTS):
+        return name
     return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 

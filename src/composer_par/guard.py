@@ -70,6 +70,9 @@ def guard_optimizers(model: nn.Module) -> None:
     global _HOOK
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    # Guards of models gone are dropped here too: a process that applies plans and never
+    # steps an optimizer (a sweep, a test) would otherwise keep one per apply.
+    _GUARDS[:] = [g for g in _GUARDS if g.model() is not None]
     _GUARDS.append(_Guard(model))
     if _HOOK is None:
         # torch has no per-model optimizer hook: one process-wide hook, checking each

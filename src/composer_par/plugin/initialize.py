@@ -40,18 +40,23 @@ def module_seed(seed: int, path: str) -> int:
 
 
 def post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Modules children-first, the order ``nn.Module.apply`` initializes in."""
-    seen: set[int] = set()
-
-    def walk(mod: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
-        if id(mod) in seen:
-            return
-        seen.add(id(mod))
-        for name, child in mod.named_children():
-            yield from walk(child, f"{path}.{name}" if path else name)
-        yield path, mod
-
-    yield from walk(module, prefix)
+    """Modules children-first, the order ``nn.Module.apply`` initializes in; a module
+    registered twice comes once, at its first path."""
+    # An explicit stack: nested generators pay for every level of depth at each module
+    # yielded, and this walk runs over every module twice per apply.
+    seen = {id(module)}
+    stack = [(prefix, module, iter(module._modules.items()))]
+    while stack:
+        path, mod, children = stack[-1]
+        for name, child in children:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append((f"{path}.{name}" if path else name, child,
+                              iter(child._modules.items())))
+                break
+        else:
+            stack.pop()
+            yield path, mod
 
 
 def owns_tensors(module: nn.Module) -> bool:
@@ -281,14 +286,45 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
 def keep_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` into ``target`` (a DTensor or a plain tensor)."""
     if isinstance(target, DTensor):
-        # src_data_rank=None: every rank slices its own part locally, no communication;
-        # every rank computed the same full tensor from the same seed.
-        local = distribute_tensor(
-            full, target.device_mesh, target.placements, src_data_rank=None
-        ).to_local()
-        target.to_local().copy_(local)
+        local_target = target.to_local()
+        local = _local_slice(full, target)
+        if local is None or local.shape != local_target.shape:
+            # src_data_rank=None: every rank slices its own part locally, no
+            # communication; every rank computed the same full tensor from the same seed.
+            local = distribute_tensor(
+                full, target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
+        local_target.copy_(local)
     else:
         target.copy_(full)
+
+
+def _local_slice(full: torch.Tensor, target: DTensor) -> torch.Tensor | None:
+    """This rank's part of ``full`` under ``target``'s placements, as a view, for the
+    plain placements (``Shard`` and ``Replicate``, applied mesh dim by mesh dim as DTensor
+    does, each split in ``torch.chunk``'s sizes); None for any other placement, which the
+    caller hands to ``distribute_tensor``. It is DTensor's own split without building a
+    DTensor per parameter: that dispatch was most of the cost of initializing a
+    sharded model (measured in benchmarks/bench_apply.py)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    coordinate = target.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    part = full
+    for mesh_dim, placement in enumerate(target.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard or isinstance(placement, _StridedShard):
+            return None
+        dim = placement.dim if placement.dim >= 0 else placement.dim + part.dim()
+        count = target.device_mesh.size(mesh_dim)
+        size = part.size(dim)
+        step = -(-size // count)  # torch.chunk's chunk size; the last chunks may be short
+        start = min(step * coordinate[mesh_dim], size)
+        part = part.narrow(dim, start, min(step, size - start))
+    return part
 
 
 def strided_alone(placements: Any) -> bool:
