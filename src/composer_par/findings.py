@@ -208,6 +208,10 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
     Rule("CP506", _E, "a value in the plan file has the wrong type or range",
          "give a value of the type and range the message states",
          "[mesh]\ndp_shard = 0\n"),
+    # CP7xx: a trainer a plan runs inside (composer_par.integrations); found by the
+    # adapters before anything is built.
+    # -- Lightning Fabric and Trainer: CP701-CP709 --
+    # -- accelerate and the Hugging Face Trainer: CP711-CP719 --
 )
 
 
