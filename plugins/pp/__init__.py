@@ -309,6 +309,12 @@ class PP(Plugin):
             return None  # validation reports it; torch would refuse to build the schedule
         return timeline(info.name, size, per_rank, self.microbatch_count(size), self.dim)
 
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any) -> Any:
+        from .estimate import estimate_part
+
+        return estimate_part(self, layout, model, workload)
+
     # -- stages ---------------------------------------------------------------------------
 
     @hookimpl

@@ -41,12 +41,16 @@ The accounting (also printed with every estimate, :data:`ACCOUNTING`):
 
 Plugins may state their own terms through the ``composer_par_estimate`` hook
 (:class:`EstimatePart`); otherwise the built-in estimator of the role of each mesh dim
-they claim applies (shard: FSDP, replicate: HSDP/DDP, model parallel: TP).
+they claim applies (shard: FSDP, replicate: HSDP/DDP, model parallel: TP). A plugin that
+cuts the model into pipeline stages states what each coordinate of its mesh dim holds,
+runs and sends (:class:`EstimatePipeline`); each is then estimated on its own
+(:mod:`.pipeline`) and the fullest and slowest are reported.
 
 Its modules, one job each: ``units`` (parse and format counts, sizes, dtypes), ``errors``,
 ``model_shape``, ``workload``, ``layout`` (mesh dims, roles, node crossing), ``memory``,
 ``collectives`` (the built-in estimator of each role), ``parts`` (what plugins state),
-``timing`` (the ring time model), ``estimator`` (:func:`estimate`) and ``report`` (text).
+``pipeline`` (each pipeline rank), ``timing`` (the ring time model), ``estimator``
+(:func:`estimate`) and ``report`` (text).
 """
 
 from composer_par.estimate.collectives import Collective
@@ -55,7 +59,13 @@ from composer_par.estimate.estimator import Estimate, estimate, estimate_plan
 from composer_par.estimate.layout import DimInfo, Layout
 from composer_par.estimate.memory import Memory, activation_bytes
 from composer_par.estimate.model_shape import ModelShape, ParamGroup, TensorShape
-from composer_par.estimate.parts import EstimatePart
+from composer_par.estimate.parts import (
+    EstimatePart,
+    EstimatePipeline,
+    EstimateRank,
+    EstimateStage,
+)
+from composer_par.estimate.pipeline import RankEstimate
 from composer_par.estimate.report import ACCOUNTING, format_estimate
 from composer_par.estimate.timing import (
     DEFAULT_INTER_NODE_GBPS,
@@ -88,10 +98,14 @@ __all__ = [
     "Estimate",
     "EstimateError",
     "EstimatePart",
+    "EstimatePipeline",
+    "EstimateRank",
+    "EstimateStage",
     "Layout",
     "Memory",
     "ModelShape",
     "ParamGroup",
+    "RankEstimate",
     "TensorShape",
     "Workload",
     "activation_bytes",

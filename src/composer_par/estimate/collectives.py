@@ -16,7 +16,7 @@ from composer_par.estimate.workload import Workload
 from composer_par.plugin.base import Role
 
 if TYPE_CHECKING:
-    from composer_par.estimate.parts import EstimatePart
+    from composer_par.estimate.parts import EstimatePart, EstimateStage
 
 
 @attrs.frozen
@@ -25,10 +25,12 @@ class Collective:
     logical bytes in all (see :mod:`composer_par.testing.comm_count`).
 
     ``group_size``/``nodes`` override the mesh dim's group (FSDP2's sub-groups for an
-    int ``reshard_after_forward``)."""
+    int ``reshard_after_forward``). A ``send`` is point-to-point: its payload goes once
+    from this rank to one peer, over the network when ``nodes`` is 2 (the peer is on
+    another node), inside the node when 1."""
 
     dim: str
-    kind: str  # all_gather, reduce_scatter, all_reduce, broadcast, all_to_all
+    kind: str  # all_gather, reduce_scatter, all_reduce, broadcast, all_to_all, send
     payload: int
     calls: int
     why: str
@@ -42,27 +44,44 @@ class Collective:
 def communication(
     layout: Layout, model: ModelShape, workload: Workload,
     parts: Sequence[tuple[str, EstimatePart]], *, dtype: str, reduce_dtype: str, mode: str,
-    tp: int, shard: int,
+    tp: int, shard: int, stage: EstimateStage | None = None,
 ) -> tuple[list[Collective], list[str]]:
     """Every collective of one step: the plugins' own, then the built-in estimator of each
-    mesh dim's role where no plugin replaced it; and notes on the dims none covers."""
+    mesh dim's role where no plugin replaced it; and notes on the dims none covers.
+
+    With ``stage`` (a piece of a model cut into pipeline stages): the built-in
+    collectives of that piece alone, run as often as it says; the plugins' own
+    collectives are the caller's to add once per rank."""
     notes: list[str] = []
     micro = workload.grad_accum
+    reductions = micro
+    gathers: tuple[int | None, int | None] = (None, None)
+    if stage is not None:
+        model = stage.model
+        micro = workload.grad_accum * stage.runs
+        reductions = workload.grad_accum if stage.accumulates else micro
+        gathers = (stage.block_gathers, stage.root_gathers)
     abytes = bytes_of(dtype)
     ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
     replaced = {d for who, part in parts if part.collectives is not None
                 for d in _claimed_dims(layout, who)}
     collectives: list[Collective] = []
     for _, part in parts:
-        if part.collectives is not None:
+        if part.collectives is not None and stage is None:
             collectives.extend(part.collectives)
     for dim in layout.dims:
         if dim.size <= 1 or dim.name in replaced:
             continue
         if dim.role is Role.SHARD:
-            collectives += _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes, micro)
+            if gathers != (None, None):
+                collectives += _stage_fsdp_collectives(
+                    model, dim, tp, ag_bytes, rs_bytes, gathers, workload.grad_accum,
+                    reductions)
+            else:
+                collectives += _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes,
+                                                 micro, reductions)
         elif dim.role is Role.REPLICATE:
-            collectives += _replicate_collectives(model, dim, tp, shard, rs_bytes, micro,
+            collectives += _replicate_collectives(model, dim, tp, shard, rs_bytes, reductions,
                                                   with_shard=shard > 1)
         elif dim.role is Role.MODEL_PARALLEL:
             collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
@@ -78,7 +97,7 @@ def _claimed_dims(layout: Layout, plugin: str) -> set[str]:
 
 def _fsdp_collectives(
     layout: Layout, model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
-    micro: int,
+    micro: int, reductions: int | None = None,
 ) -> list[Collective]:
     """FSDP2 over ``dim``: which groups all-gather and reduce-scatter, with padding."""
     f = dim.size
@@ -106,8 +125,37 @@ def _fsdp_collectives(
                               sum(g.count for g in again) * micro,
                               "parameters, backward (groups resharded after forward)"))
     rs = sum(g.padded_numel(tp, f) * g.count for g in groups) * rs_bytes
-    out.append(Collective(dim.name, "reduce_scatter", rs * micro, calls * micro,
-                          "gradients, backward (every group)"))
+    times = micro if reductions is None else reductions
+    out.append(Collective(dim.name, "reduce_scatter", rs * times, calls * times,
+                          "gradients, backward (every group)" if times == micro
+                          else "gradients, once per step (accumulated over the microbatches)"))
+    return out
+
+
+def _stage_fsdp_collectives(
+    model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
+    gathers: tuple[int | None, int | None], accum: int, reductions: int,
+) -> list[Collective]:
+    """FSDP2 over ``dim`` inside a pipeline stage whose runtime says how often it gathers
+    each block group and its root group per step."""
+    f = dim.size
+    out: list[Collective] = []
+    groups = [g for g in model.groups if g.numel]
+    payload = calls = 0
+    for g in groups:
+        times = gathers[0] if g.block else gathers[1]
+        times = 2 if times is None else times
+        payload += g.padded_numel(tp, f) * g.count * ag_bytes * times
+        calls += g.count * times
+    if calls:
+        out.append(Collective(dim.name, "all_gather", payload * accum, calls * accum,
+                              "parameters, as the pipeline schedule runs the stage (a "
+                              "forward after a backward finds them gathered)"))
+    rs = sum(g.padded_numel(tp, f) * g.count for g in groups) * rs_bytes
+    count = sum(g.count for g in groups)
+    if count:
+        out.append(Collective(dim.name, "reduce_scatter", rs * reductions, count * reductions,
+                              "gradients, once per step (accumulated over the microbatches)"))
     return out
 
 

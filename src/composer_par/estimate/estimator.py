@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.estimate.collectives import communication
+from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.layout import Layout
 from composer_par.estimate.memory import Memory, memory_per_rank
 from composer_par.estimate.model_shape import ModelShape
-from composer_par.estimate.parts import EstimatePart, plugin_parts
+from composer_par.estimate.parts import EstimatePart, EstimatePipeline, plugin_parts
+from composer_par.estimate.pipeline import RankEstimate, pipeline_ranks
 from composer_par.estimate.report import ACCOUNTING, format_estimate
 from composer_par.estimate.timing import DimTraffic, bandwidths, dim_traffic
 from composer_par.estimate.workload import Workload
@@ -35,6 +37,19 @@ class Estimate:
     bandwidth_assumed: tuple[str, ...]
     notes: tuple[str, ...] = ()
     device_memory: int | None = None
+    # A model cut into pipeline stages: what the cutting plugin stated, and each
+    # coordinate's estimate (``memory`` is then the fullest one's, ``traffic`` the
+    # slowest one's).
+    pipeline: EstimatePipeline | None = None
+    ranks: tuple[RankEstimate, ...] = ()
+
+    @property
+    def fullest(self) -> RankEstimate | None:
+        return max(self.ranks, key=lambda r: r.memory.total) if self.ranks else None
+
+    @property
+    def slowest(self) -> RankEstimate | None:
+        return max(self.ranks, key=lambda r: r.seconds) if self.ranks else None
 
     @property
     def seconds(self) -> float:
@@ -74,6 +89,29 @@ class Estimate:
                                "assumed": list(self.bandwidth_assumed)},
             "accounting": list(ACCOUNTING),
             "notes": list(self.notes),
+            "pipeline": self._pipeline_dict(),
+        }
+
+    def _pipeline_dict(self) -> dict[str, Any] | None:
+        line = self.pipeline
+        if line is None:
+            return None
+        fullest, slowest = self.fullest, self.slowest
+        groups = max(1, self.layout.mesh.world_size // max(1, self.layout.mesh.size(line.dim)))
+        intra = sum(r.send_intra_bytes for r in self.ranks)
+        inter = sum(r.send_inter_bytes for r in self.ranks)
+        return {
+            "dim": line.dim, "title": line.title, "bubble": line.bubble,
+            "microbatches": line.microbatches,
+            "fullest_rank": fullest.coordinate if fullest else None,
+            "slowest_rank": slowest.coordinate if slowest else None,
+            "point_to_point_per_step": {
+                "per_pipeline": {"intra_node_bytes": round(intra),
+                                 "inter_node_bytes": round(inter)},
+                "pipelines": groups,
+                "all_pipelines": {"intra_node_bytes": round(intra * groups),
+                                  "inter_node_bytes": round(inter * groups)}},
+            "ranks": [r.to_dict() for r in self.ranks],
         }
 
     def format(self, paint: Any = None) -> str:
@@ -103,6 +141,13 @@ def estimate(
         workload = attrs.evolve(workload, attention=model.attention_kind)
     if plan is not None:
         parts = plugin_parts(plan, layout, model, workload)
+    cuts = [(who, part.pipeline) for who, part in parts if part.pipeline is not None]
+    if len(cuts) > 1:
+        raise EstimateError("more than one plugin cuts the model into pipeline stages: "
+                            + ", ".join(f"{who} over {cut.dim}" for who, cut in cuts))
+    pipeline = cuts[0][1] if cuts else None
+    for who, part in parts:
+        notes += [f"{who}: {n}" for n in part.notes]
     # dtypes: the workload's, else the plan's mixed precision, else the model's, else fp32
     dtype = workload.dtype or layout.param_dtype or model.dtype
     if dtype is None:
@@ -129,12 +174,20 @@ def estimate(
     intra_gbps, inter_gbps, assumed = bandwidths(layout.topology, intra_node_gbps,
                                                  inter_node_gbps)
     traffic = dim_traffic(layout, collectives, intra_gbps, inter_gbps)
+    ranks: tuple[RankEstimate, ...] = ()
+    if pipeline is not None:
+        ranks = pipeline_ranks(layout, model, pipeline, workload, parts, dtype=dtype,
+                               reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard,
+                               intra_gbps=intra_gbps, inter_gbps=inter_gbps)
+        fullest = max(ranks, key=lambda r: r.memory.total)
+        slowest = max(ranks, key=lambda r: r.seconds)
+        memory, traffic = fullest.memory, slowest.traffic
     if layout.topology is None and any(d.size > 1 for d in layout.dims):
         notes.append("no topology: every mesh dim is counted as inside a node (give "
                      "--nodes/--devices-per-node)")
     return Estimate(layout, model, workload, dtype, reduce_dtype, mode, memory,
                     traffic, intra_gbps, inter_gbps, assumed, tuple(notes),
-                    device_memory)
+                    device_memory, pipeline, ranks)
 
 
 def estimate_plan(

@@ -48,9 +48,12 @@ class Memory:
 
 def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
-    loss_parallel: bool, mode: str, every: int = 1,
+    loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
 ) -> int:
-    """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022)."""
+    """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
+
+    ``recompute=False`` leaves out the one block that full checkpointing recomputes at a
+    time (a rank holding several microbatches' activations recomputes one block)."""
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -76,7 +79,7 @@ def activation_bytes(
     else:
         checkpointed = layers // every
         total = checkpointed * kept + (layers - checkpointed) * full_block
-        if checkpointed:
+        if checkpointed and recompute:
             total += full_block  # one block's activations while it is recomputed
     scale = bytes_of(dtype) / 2  # the coefficients are for 16-bit activations
     logits = 0.0

@@ -24,6 +24,10 @@ class TensorShape:
     name: str
     shape: tuple[int, ...]
     tp: bool = True
+    # For a tensor outside the blocks of a measured model: how many blocks come before it
+    # in the model's parameter order (0: before the first, e.g. the embedding; the block
+    # count: after the last, e.g. the output head). None when not known.
+    position: int | None = None
 
     @property
     def numel(self) -> int:
@@ -40,7 +44,10 @@ class TensorShape:
         return -(-rows // shard) * rest
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "tp": self.tp}
+        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "tp": self.tp}
+        if self.position is not None:
+            out["position"] = self.position
+        return out
 
 
 @attrs.frozen
@@ -197,11 +204,17 @@ class ModelShape:
                     tensors.append(TensorShape(clean_name(f"{path}.{name}"), tuple(p.shape),
                                                tp=p.dim() >= 2))
             groups.append(ParamGroup(clean_name(path), tuple(tensors), block=True))
+        block_of = {id(p): index for index, (_, block) in enumerate(blocks)
+                    for p in block.parameters()}
         root = []
+        passed = 0  # blocks met so far in parameter order
         for name, p in model.named_parameters():
+            if id(p) in block_of:
+                passed = max(passed, block_of[id(p)] + 1)
             if id(p) not in seen:
                 seen.add(id(p))
-                root.append(TensorShape(clean_name(name), tuple(p.shape), tp=p.dim() >= 2))
+                root.append(TensorShape(clean_name(name), tuple(p.shape), tp=p.dim() >= 2,
+                                        position=passed))
         if root:
             groups.append(ParamGroup("root", tuple(root), block=False))
         config = getattr(model, "config", None)

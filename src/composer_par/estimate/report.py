@@ -58,20 +58,37 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
     shard = layout.size_of(Role.SHARD)
     divided = " / ".join(f"{d.name}({d.size})" for d in layout.dims
                          if d.size > 1 and d.role in (Role.SHARD, Role.MODEL_PARALLEL))
-    lines += ["", "memory per rank:"]
+    fullest, slowest = est.fullest, est.slowest
+    line = est.pipeline
+    whole = est.model.params
+    grads_how = f"{bytes_of(est.dtype) if not mixed else 2} B per parameter"
+    if fullest is not None and line is not None:
+        lines += ["", f"memory per rank (the fullest {line.dim} rank: {line.dim} "
+                  f"{fullest.coordinate}, {', '.join(fullest.stages)}):"]
+        whole = fullest.params
+        if fullest.accumulates:
+            shards = " / ".join(f"{d.name}({d.size})" for d in layout.dims_with(Role.SHARD))
+            grads_how = (f"{bytes_of(est.reduce_dtype)} B per parameter, not divided by "
+                         f"{shards}: accumulated over the microbatches until the step's one "
+                         "reduce-scatter")
+    else:
+        lines += ["", "memory per rank:"]
     pb = 2 if mixed else bytes_of(est.dtype)
     ob = optimizer_bytes(work.optimizer, mixed)
+    of_what = "params of its stage(s)" if fullest is not None else "params"
     rows: list[tuple[str, ...]] = [
         ("parameters", format_bytes(mem.params),
-         f"{format_count(mem.local_params)} of {format_count(est.model.params)} params here"
+         f"{format_count(mem.local_params)} of {format_count(whole)} {of_what} here"
          + (f" (divided by {divided})" if divided else "") + f", {pb} B each"),
-        ("gradients", format_bytes(mem.grads), f"{pb} B per parameter"),
+        ("gradients", format_bytes(mem.grads), grads_how),
         ("optimizer states", format_bytes(mem.optimizer),
          f"{work.optimizer}: {ob} B per parameter"),
         ("activations", format_bytes(mem.activations),
          "AC " + ", ".join(f"{m}: {format_bytes(v)}" for m, v in mem.activations_by_mode.items())),
         ("communication buffers", format_bytes(mem.comm_buffers),
-         "unsharded groups in flight" if shard > 1 else ("activation buffers" if tp > 1 else "")),
+         ("the stage(s)' parameters, gathered after backward until the step ends"
+          if fullest is not None and fullest.accumulates else "unsharded groups in flight")
+         if shard > 1 else ("activation buffers" if tp > 1 else "")),
     ]
     rows += [(name, format_bytes(size), "") for name, size in mem.extra.items()]
     total = format_bytes(mem.total)
@@ -81,7 +98,11 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
                    else paint(f"does NOT fit in {format_bytes(est.device_memory)}", "ERROR"))
     rows.append(("total", total, verdict))
     lines.append(table(rows, ("COMPONENT", "BYTES", "HOW"), right=(1,), indent="  "))
-    lines += ["", "communication per step and rank:"]
+    if slowest is not None and line is not None:
+        lines += ["", f"communication per step and rank (the slowest {line.dim} rank: "
+                  f"{line.dim} {slowest.coordinate}):"]
+    else:
+        lines += ["", "communication per step and rank:"]
     if est.traffic:
         rows = []
         for t in est.traffic:
@@ -104,7 +125,56 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
                  + (" (assumed)" if "intra_node" in assumed else "")
                  + f", inter-node {est.inter_node_gbps:g} Gbit/s"
                  + (" (assumed)" if "inter_node" in assumed else ""))
+    if line is not None:
+        lines += ["", *format_pipeline(est)]
     lines += ["", "accounting:"] + [f"  - {a}" for a in ACCOUNTING]
+    if line is not None:
+        lines += [f"  - {a}" for a in PIPELINE_ACCOUNTING]
     if est.notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in est.notes]
     return "\n".join(lines)
+
+
+PIPELINE_ACCOUNTING: tuple[str, ...] = (
+    "pipeline: each rank's memory and communication are its own stages' (the tables above "
+    "show the fullest and the slowest rank); activations: one microbatch's per stage (its "
+    "blocks, the logits on the last), times the microbatches of each stage the rank holds "
+    "at its heaviest moment of the schedule's timeline (+ one block recomputed under full "
+    "AC); under FSDP the stage keeps its gradients unsharded in the reduce dtype and its "
+    "parameters gathered after backward until the step's one reduce-scatter; "
+    "point-to-point: seq*micro-batch*hidden activations forward and as many gradient bytes "
+    "backward per microbatch and stage boundary between ranks (none between two stages of "
+    "one rank), each over the network when the peer is on another node; the bubble idles "
+    "each rank and is not in the communication time",
+)
+
+
+def format_pipeline(est: Estimate) -> list[str]:
+    """The pipeline section: the schedule, the bubble, and every pipeline rank."""
+    line = est.pipeline
+    assert line is not None
+    dim = line.dim
+    lines = [f"pipeline over {dim}: {line.title}; bubble {line.bubble:.1%} of each rank's "
+             "step (idle)"]
+    rows = []
+    for r in est.ranks:
+        rows.append((f"{dim} {r.coordinate}", ", ".join(s.removeprefix("stage ")
+                                                        for s in r.stages),
+                     str(r.blocks), format_count(r.params), str(r.in_flight),
+                     format_bytes(r.memory.activations), format_bytes(r.memory.total),
+                     format_bytes(r.send_intra_bytes), format_bytes(r.send_inter_bytes),
+                     format_seconds(r.seconds)))
+    lines.append(table(rows, ("RANK", "STAGES", "BLOCKS", "PARAMS", "IN FLIGHT",
+                              "ACTIVATIONS", "MEMORY", "P2P INTRA", "P2P INTER", "COMM TIME"),
+                       right=(2, 3, 4, 5, 6, 7, 8, 9), indent="  "))
+    size = est.layout.mesh.size(dim)
+    groups = max(1, est.layout.mesh.world_size // max(1, size))
+    intra = sum(r.send_intra_bytes for r in est.ranks)
+    inter = sum(r.send_inter_bytes for r in est.ranks)
+    lines.append(f"  point-to-point per step: {format_bytes(intra)} inside nodes and "
+                 f"{format_bytes(inter)} between nodes per pipeline ({size} ranks); "
+                 f"{groups} pipeline(s): {format_bytes(intra * groups)} and "
+                 f"{format_bytes(inter * groups)} in all")
+    lines.append("  (P2P: bytes each rank sends per step; IN FLIGHT: the most "
+                 "stage-microbatches whose activations it holds at once)")
+    return lines

@@ -55,7 +55,11 @@ def split_bytes(kind: str, payload: float, group: int, nodes: int) -> tuple[floa
     over n ranks, twice that for an all-reduce; when the group spans k > 1 nodes with m
     ranks on each, NCCL spreads the ring's node crossings over the m ranks' own network
     links, so 1/m of it leaves the node and the rest stays on intra-node links.
+
+    A ``send`` (point-to-point) sends its payload once: between nodes when ``nodes`` > 1.
     """
+    if kind == "send":
+        return (0.0, float(payload)) if nodes > 1 else (float(payload), 0.0)
     if group <= 1 or payload <= 0:
         return 0.0, 0.0
     nodes = max(1, min(nodes, group))

@@ -58,7 +58,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   :class:`BlockSpec`, :func:`clean_name`.
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
-  (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`).
+  (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
+  stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`).
 * **Helpers more than one plugin needs**: :mod:`composer_par.plugin.wrapping` (blocks
   already wrapped), :mod:`composer_par.plugin.initialize` (layout-invariant
   initialization), :mod:`composer_par.plugin.loader` (the weights-loader base),
@@ -75,7 +76,12 @@ from composer_par.dtypes import DtypeError, dtype_name
 
 # The estimator's modules import composer_par.plugin.base, not this package: no cycle.
 from composer_par.estimate.collectives import Collective
-from composer_par.estimate.parts import EstimatePart
+from composer_par.estimate.parts import (
+    EstimatePart,
+    EstimatePipeline,
+    EstimateRank,
+    EstimateStage,
+)
 from composer_par.findings import Finding, Report, Rule, Severity, did_you_mean
 from composer_par.mesh import MeshSpec
 from composer_par.plugin.base import (
@@ -134,7 +140,10 @@ __all__ = [
     "Declaration",
     "DtypeError",
     "EstimatePart",
+    "EstimatePipeline",
+    "EstimateRank",
     "EstimateSettings",
+    "EstimateStage",
     "Finding",
     "GradBucket",
     "GradReducer",

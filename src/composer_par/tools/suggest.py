@@ -6,14 +6,22 @@ Candidates, on ``nodes x devices_per_node`` ranks (mesh dims outermost first:
 * FSDP over every data-parallel rank (``dp_shard`` = world / tp);
 * HSDP at each split ``dp_replicate x dp_shard`` (replicate-only when ``dp_shard`` is 1);
 * each of them with TP sizes that divide the devices of a node (and the head counts);
-* each with activation checkpointing none, selective or full.
+* each with activation checkpointing none, selective or full;
+* pipeline layouts (``pp`` outermost, the ``pp`` plugin's 1F1B schedule, ``pp x tp``
+  microbatches per step) over each of the above on the remaining ranks, with pp sizes
+  that divide the node count or that it divides — considered only when no layout
+  without a pipeline both fits and keeps its sharded and tensor-parallel collectives
+  inside nodes (nothing fits, or every fitting layout runs them over the network,
+  which a pipeline replaces with point-to-point sends).
 
 Every candidate is estimated with :mod:`composer_par.estimate` for the same global
 batch (``micro_batch x world_size`` sequences per step: a TP layout accumulates ``tp``
-micro-batches per data-parallel rank). Those whose per-rank memory fits the device
-are ranked by communication time per step, then by the least recomputation (no AC
-before selective before full), then by memory. The best is printed as a plan file; the
-runners-up each with the reason it lost. Pure Python: no torch.
+micro-batches per data-parallel rank, a pipeline runs ``pp x tp`` microbatches). Those
+whose per-rank memory fits the device are ranked by time per step — communication, plus
+for a pipeline the compute its bubble leaves idle (``6 x params x tokens`` per rank at an
+assumed device throughput, :data:`DEFAULT_DEVICE_TFLOPS`) — then by the least
+recomputation (no AC before selective before full), then by memory. The best is printed
+as a plan file; the runners-up each with the reason it lost. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -44,6 +52,11 @@ if TYPE_CHECKING:
 
 _AC_RANK = {m: i for i, m in enumerate(AC_MODES)}
 
+# Achieved 16-bit throughput per device assumed to price a pipeline's bubble (TFLOP/s):
+# about 40% of an H100's dense bf16 peak.
+DEFAULT_DEVICE_TFLOPS = 400.0
+PIPELINE_SCHEDULE = "1F1B"  # the schedule suggest prices: torch-free, least memory of its bubble
+
 
 @attrs.frozen
 class Candidate:
@@ -51,20 +64,26 @@ class Candidate:
     shard: int
     tp: int
     ac: str
+    pp: int = 1
 
     @property
     def data_parallel(self) -> int:
         return self.replicate * self.shard
 
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per step: the data-parallel rank's share of the global
+        batch, ``pp x tp`` micro-batches."""
+        return self.pp * self.tp
+
     def label(self) -> str:
+        parts: list[str] = [f"PP {self.pp}"] if self.pp > 1 else []
         if self.replicate > 1 and self.shard > 1:
-            parts = [f"HSDP {self.replicate}x{self.shard}"]
+            parts.append(f"HSDP {self.replicate}x{self.shard}")
         elif self.replicate > 1:
-            parts = [f"replicate {self.replicate}"]
+            parts.append(f"replicate {self.replicate}")
         elif self.shard > 1:
-            parts = [f"FSDP {self.shard}"]
-        else:
-            parts = []
+            parts.append(f"FSDP {self.shard}")
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
         if self.ac != "none":
@@ -72,7 +91,8 @@ class Candidate:
         return " + ".join(parts) or "one rank"
 
     def mesh(self) -> MeshSpec:
-        dims: list[tuple[str, int]] = []
+        # pp outermost: its point-to-point sends are what crosses nodes best
+        dims: list[tuple[str, int]] = [("pp", self.pp)] if self.pp > 1 else []
         if self.replicate > 1:
             dims.append(("dp_replicate", self.replicate))
         if self.shard > 1 or (self.tp > 1 and self.replicate > 1):
@@ -87,8 +107,13 @@ class Candidate:
         """(registry name, options) in use() order."""
         mesh = self.mesh()
         out: list[tuple[str, dict[str, Any]]] = []
+        if self.pp > 1:
+            out.append(("pp", {"schedule": PIPELINE_SCHEDULE,
+                               "microbatches": self.microbatches}))
         if self.tp > 1:
-            out.append(("tp", {"sequence_parallel": True} if sequence_parallel else {}))
+            # TP's sequence parallelism does not run under a pipeline yet (docs/pp.md)
+            out.append(("tp", {"sequence_parallel": True}
+                        if sequence_parallel and self.pp == 1 else {}))
         if self.ac != "none":
             out.append(("activation_checkpoint", {"mode": self.ac}))
         if "dp_replicate" in mesh:
@@ -107,10 +132,20 @@ class Ranked:
     candidate: Candidate
     estimate: Estimate
     reason: str = ""  # why it lost to the best (empty for the best)
+    idle: float = 0.0  # seconds of compute a pipeline's bubble leaves idle per step
 
     @property
     def fits(self) -> bool:
         return bool(self.estimate.fits)
+
+    @property
+    def bubble(self) -> float:
+        return self.estimate.pipeline.bubble if self.estimate.pipeline else 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Time per step the ranking compares: communication, plus the bubble's idle time."""
+        return self.estimate.seconds + self.idle
 
     def to_dict(self) -> dict[str, Any]:
         est = self.estimate
@@ -119,7 +154,8 @@ class Ranked:
             "activation_checkpoint": self.candidate.ac, "fits": self.fits,
             "memory_bytes": est.memory.total, "communication_seconds": est.seconds,
             "inter_node_bytes": round(est.inter_bytes), "payload_bytes": est.payload,
-            "reason": self.reason,
+            "bubble": self.bubble, "bubble_idle_seconds": self.idle,
+            "seconds": self.seconds, "reason": self.reason,
         }
 
 
@@ -162,42 +198,69 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(topology: Topology, model: ModelShape, *, max_tp: int | None = None,
-               allow_tp: bool = True) -> list[Candidate]:
-    """Every layout suggest considers (see the module docstring)."""
-    world = topology.world_size
+               allow_tp: bool = True, pp: int = 1) -> list[Candidate]:
+    """Every layout suggest considers (see the module docstring); with ``pp``, those of a
+    pipeline of that size over the remaining ranks."""
+    world = topology.world_size // pp
     out = []
     for tp in _divisors(topology.devices_per_node):
         if tp > 1 and not allow_tp:
             continue
         if max_tp is not None and tp > max_tp:
             continue
+        if world % tp:
+            continue
         if tp > 1 and any(h and h % tp for h in (model.heads, model.kv_heads)):
             continue  # TP must divide the head counts it splits
         data = world // tp
         for replicate in _divisors(data):
             shard = data // replicate
-            if data == 1 and tp == 1:
+            if data == 1 and tp == 1 and pp == 1:
                 continue
             for ac in AC_MODES:
-                out.append(Candidate(replicate, shard, tp, ac))
+                out.append(Candidate(replicate, shard, tp, ac, pp))
     return out
+
+
+def pipeline_sizes(topology: Topology, model: ModelShape) -> list[int]:
+    """The pp sizes suggest tries: divisors of the world that divide the node count or
+    that it divides (each stage on whole nodes, or each node holding whole stages), at
+    most one block per stage."""
+    nodes, world = topology.nodes, topology.world_size
+    return [d for d in _divisors(world)
+            if 1 < d <= model.layers and (nodes % d == 0 or d % nodes == 0)]
 
 
 def layout_of(candidate: Candidate, topology: Topology, dtype: str,
               sequence_parallel: bool) -> Layout:
     mesh = candidate.mesh()
-    roles = {"dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD,
+    roles = {"pp": Role.OTHER, "dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD,
              "tp": Role.MODEL_PARALLEL}
-    owners = {"dp_replicate": "hsdp", "dp_shard": "fsdp2", "tp": "tp"}
+    owners = {"pp": "pp", "dp_replicate": "hsdp", "dp_shard": "fsdp2", "tp": "tp"}
     mixed = dtype in ("bfloat16", "float16")
     return Layout.build(
         mesh, topology, {n: roles[n] for n in mesh.names}, {n: owners[n] for n in mesh.names},
         reshard_after_forward=None,
         param_dtype=dtype if mixed else None,
         reduce_dtype="float32" if mixed else None,
-        sequence_parallel=sequence_parallel and candidate.tp > 1,
+        sequence_parallel=sequence_parallel and candidate.tp > 1 and candidate.pp == 1,
         activation_checkpoint=candidate.ac,
     )
+
+
+def crosses_with_collectives(est: Estimate) -> list[str]:
+    """The sharded and tensor-parallel mesh dims of an estimate that cross nodes."""
+    return [f"{d.name}({d.size})" for d in est.layout.dims
+            if d.size > 1 and d.role in (Role.SHARD, Role.MODEL_PARALLEL) and d.crosses_nodes]
+
+
+def compute_seconds(model: ModelShape, seq: int, micro_batch: int, ac: str,
+                    tflops: float) -> float:
+    """One rank's compute per step at ``tflops``: ``6 x params x tokens`` (forward and
+    backward) for its ``micro_batch x seq`` tokens' share, + a forward again under full
+    activation checkpointing."""
+    flops = 6 * model.params * seq * micro_batch * (4 / 3 if ac == "full" else 1)
+    return flops / (tflops * 1e12)
 
 
 def suggest(
@@ -214,8 +277,12 @@ def suggest(
     max_tp: int | None = None,
     attention: str = "sdpa",
     registry: Registry | None = None,
+    device_tflops: float = DEFAULT_DEVICE_TFLOPS,
 ) -> Suggestion:
-    """Rank every candidate layout for ``model`` on ``topology`` (see the module doc)."""
+    """Rank every candidate layout for ``model`` on ``topology`` (see the module doc).
+
+    ``device_tflops``: the achieved throughput per device that prices a pipeline's
+    bubble (compute left idle)."""
     from composer_par.estimate import dtype_name
 
     dtype = dtype_name(dtype)
@@ -242,6 +309,11 @@ def suggest(
         results.append(Ranked(candidate, est))
     if not results:
         raise EstimateError(f"no layout to consider on {topology.describe()}")
+    results += _pipelines(model, topology, device_memory, results, notes, registry,
+                          installed, seq=seq, micro_batch=micro_batch, dtype=dtype,
+                          optimizer=optimizer, max_tp=max_tp, allow_tp=allow_tp,
+                          attention=attention, sequence_parallel=sequence_parallel,
+                          device_tflops=device_tflops)
     fitting = sorted((r for r in results if r.fits), key=_rank_key)
     others = sorted((r for r in results if not r.fits), key=lambda r: r.estimate.memory.total)
     ordered = fitting + others
@@ -268,10 +340,64 @@ def suggest(
                       ranked, plan_toml, tuple(why), tuple(notes), report)
 
 
+def _pipelines(
+    model: ModelShape, topology: Topology, device_memory: int, results: Sequence[Ranked],
+    notes: list[str], registry: Registry | None, installed: dict[str, tuple[str, ...]], *,
+    seq: int, micro_batch: int, dtype: str, optimizer: str, max_tp: int | None,
+    allow_tp: bool, attention: str, sequence_parallel: bool, device_tflops: float,
+) -> list[Ranked]:
+    """The pipeline layouts, estimated through the installed ``pp`` plugin's own terms,
+    when no layout without a pipeline fits with its collectives inside nodes."""
+    sizes = pipeline_sizes(topology, model)
+    if not sizes:
+        return []
+    inside = [r for r in results if r.fits and not crosses_with_collectives(r.estimate)]
+    if inside:
+        if topology.nodes > 1:
+            best = min(inside, key=_rank_key)
+            notes.append(f"pipeline layouts not considered: {best.candidate.label()} fits "
+                         "and keeps its sharded and tensor-parallel collectives inside nodes "
+                         "(a pipeline would idle compute in its bubble to save traffic "
+                         "that is already cheap)")
+        return []
+    if "pp" not in installed:
+        notes.append("the pp plugin is not installed: pipeline layouts not considered")
+        return []
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin.registry import Registry
+
+    pp_class: Any = (registry or Registry()).get("pp")  # options are the plugin's own
+    fits = [r for r in results if r.fits]
+    why = ("nothing without a pipeline fits" if not fits else
+           "every layout without a pipeline that fits runs its sharded or tensor-parallel "
+           "collectives across nodes")
+    notes.append(f"pipeline layouts considered ({why}): {PIPELINE_SCHEDULE} with pp x tp "
+                 f"microbatches; a bubble's idle compute is priced at an assumed "
+                 f"{device_tflops:g} TFLOP/s per device")
+    out = []
+    mixed = dtype in ("bfloat16", "float16")
+    for pp in sizes:
+        for candidate in candidates(topology, model, max_tp=max_tp, allow_tp=allow_tp, pp=pp):
+            workload = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
+                                reduce_dtype="float32" if mixed else None, optimizer=optimizer,
+                                activation_checkpoint=candidate.ac, attention=attention)
+            layout = layout_of(candidate, topology, dtype, sequence_parallel)
+            plan = ParallelPlan(candidate.mesh()).use(
+                pp_class(schedule=PIPELINE_SCHEDULE, microbatches=candidate.microbatches))
+            est = estimate(layout, model, workload, plan=plan, device_memory=device_memory)
+            if est.pipeline is None:
+                continue  # the plugin states no pipeline here (its notes say why)
+            bubble = est.pipeline.bubble
+            idle = (compute_seconds(model, seq, micro_batch, candidate.ac, device_tflops)
+                    * bubble / (1 - bubble)) if bubble < 1 else float("inf")
+            out.append(Ranked(candidate, est, idle=idle))
+    return out
+
+
 def _seconds(r: Ranked) -> float:
-    """Communication time to 3 significant digits: closer than that is a tie, broken by
-    the least recomputation, then the least memory."""
-    return float(f"{r.estimate.seconds:.3g}")
+    """Time per step (communication, + a pipeline's idle bubble) to 3 significant digits:
+    closer than that is a tie, broken by the least recomputation, then the least memory."""
+    return float(f"{r.seconds:.3g}")
 
 
 def _rank_key(r: Ranked) -> tuple[float, int, int]:
@@ -319,6 +445,9 @@ def _reason(r: Ranked, best: Ranked | None, device_memory: int) -> str:
                 f"{format_bytes(device_memory)} ({_largest_memory(est)})")
     assert best is not None
     b = best.estimate
+    if _seconds(r) > _seconds(best) and (r.idle or best.idle):
+        return (f"slower: {format_seconds(r.seconds)} vs {format_seconds(best.seconds)} per "
+                f"step ({_time_parts(r)} vs {_time_parts(best)}); most on {_dominant(est)}")
     if _seconds(r) > _seconds(best):
         return (f"slower: {format_seconds(est.seconds)} vs {format_seconds(b.seconds)} of "
                 f"communication per step; most on {_dominant(est)}")
@@ -329,12 +458,50 @@ def _reason(r: Ranked, best: Ranked | None, device_memory: int) -> str:
             f"({format_bytes(est.memory.total)} vs {format_bytes(b.memory.total)})")
 
 
+def _time_parts(r: Ranked) -> str:
+    comm = f"{format_seconds(r.estimate.seconds)} communication"
+    if not r.estimate.pipeline:
+        return comm
+    return f"{comm} + {format_seconds(r.idle)} idle in a {r.bubble:.1%} bubble"
+
+
+def _why_pipeline(best: Ranked, results: Sequence[Ranked]) -> list[str]:
+    """Why the best layout has a pipeline: what the best without one costs or needs."""
+    c, est = best.candidate, best.estimate
+    line = est.pipeline
+    assert line is not None
+    without = [r for r in results if r.candidate.pp == 1]
+    fitting = [r for r in without if r.fits]
+    sends = sum(t.inter_bytes for t in est.traffic if t.dim.name == line.dim)
+    ours = (f"this one sends {format_bytes(est.inter_bytes)} across nodes per rank "
+            f"({format_bytes(sends)} of it point-to-point), and its {line.title} schedule "
+            f"idles {line.bubble:.1%} of each step ({format_seconds(best.idle)})")
+    if not fitting:
+        smallest = min(without, key=lambda r: r.estimate.memory.total)
+        return [f"PP {c.pp}: no layout without a pipeline fits; the smallest "
+                f"({smallest.candidate.label()}) needs "
+                f"{format_bytes(smallest.estimate.memory.total)} "
+                f"({_largest_memory(smallest.estimate)}); each pp rank holds "
+                f"{len(line.ranks[0].stages)} stage(s) of about 1/{c.pp} of the blocks; {ours}"]
+    fastest = min(fitting, key=_rank_key)
+    crossing = ", ".join(crosses_with_collectives(fastest.estimate))
+    return [f"PP {c.pp}: less inter-node traffic: the fastest layout without a pipeline "
+            f"({fastest.candidate.label()}) runs {crossing} across nodes, "
+            f"{format_bytes(fastest.estimate.inter_bytes)} per rank "
+            f"({format_seconds(fastest.estimate.seconds)} of communication); {ours}; "
+            f"{format_seconds(best.seconds)} vs {format_seconds(fastest.seconds)} per step"]
+
+
 def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[str]:
-    """Why the best layout has TP, HSDP, activation checkpointing (or not)."""
+    """Why the best layout has PP, TP, HSDP, activation checkpointing (or not)."""
     c, est = best.candidate, best.estimate
     out = [f"best: {c.label()}: {format_bytes(est.memory.total)} per rank of "
            f"{format_bytes(device_memory)}, {format_seconds(est.seconds)} of communication per "
            f"step ({format_bytes(est.inter_bytes)} across nodes per rank)"]
+    if est.pipeline is not None:
+        out += _why_pipeline(best, results)
+    # the other choices against layouts with the same pipeline size
+    results = [r for r in results if r.candidate.pp == c.pp]
     if c.tp > 1:
         without = [r for r in results if r.candidate.tp == 1]
         if without and not any(r.fits for r in without):
@@ -432,7 +599,7 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
              f"workload: seq {s.workload.seq}, micro-batch {s.workload.micro_batch} per "
              f"data-parallel rank, {s.workload.dtype}, {s.workload.optimizer}; every layout "
              f"processes {s.workload.micro_batch * s.topology.world_size} sequences per step "
-             "(TP layouts accumulate tp micro-batches)",
+             "(TP layouts accumulate tp micro-batches, pipelines run pp x tp microbatches)",
              f"considered {len(s.ranked)} layouts, {sum(r.fits for r in s.ranked)} fit"]
     if s.best is not None:
         lines += ["", paint("best plan:", "ok")] + [f"  {w}" for w in s.why]
@@ -441,17 +608,22 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
             lines += ["validation of this plan file:"] + [
                 "  " + line for line in s.report.format().splitlines()]
     rows = []
+    pipelines = any(r.estimate.pipeline is not None for r in s.ranked)
     for index, r in enumerate(s.ranked[: top + 1]):
         est = r.estimate
+        bubble = ((f"{r.bubble:.1%}" if est.pipeline is not None else "-",) if pipelines
+                  else ())
         rows.append((str(index + 1), r.candidate.label(), format_bytes(est.memory.total),
-                     "yes" if r.fits else "no", format_seconds(est.seconds),
+                     "yes" if r.fits else "no", format_seconds(est.seconds), *bubble,
                      format_bytes(est.inter_bytes), r.reason or "best"))
     from composer_par.tables import table
 
     lines += ["", "candidates (best first):"]
+    bubble_header = ("BUBBLE",) if pipelines else ()
     lines.append(table(
-        rows, ("#", "LAYOUT", "MEMORY/RANK", "FITS", "COMM/STEP", "INTER-NODE/RANK", "WHY NOT"),
-        right=(0, 2, 4, 5), indent="  "))
+        rows, ("#", "LAYOUT", "MEMORY/RANK", "FITS", "COMM/STEP", *bubble_header,
+               "INTER-NODE/RANK", "WHY NOT"),
+        right=(0, 2, 4, 5, 6) if pipelines else (0, 2, 4, 5), indent="  "))
     if len(s.ranked) > top + 1:
         lines.append(f"  ... {len(s.ranked) - top - 1} more (--top N shows more; --json has all)")
     if s.notes:
@@ -459,5 +631,6 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
     return "\n".join(lines)
 
 
-__all__ = ["Candidate", "Ranked", "Suggestion", "candidates", "format_suggestion", "plan_file",
-           "suggest"]
+__all__ = ["DEFAULT_DEVICE_TFLOPS", "Candidate", "Ranked", "Suggestion", "candidates",
+           "compute_seconds", "crosses_with_collectives", "format_suggestion", "pipeline_sizes",
+           "plan_file", "suggest"]

@@ -1,0 +1,413 @@
+"""The pipeline's terms of ``composer-par estimate``: what each pp rank holds, runs and
+sends, stated to the estimator as an ``EstimatePipeline`` (the estimator applies its own
+memory and collective accounting to each rank's stages).
+
+* **the split**: the model shape's blocks in contiguous runs balanced by parameter count
+  with :func:`.split.balanced` (what ``split = "auto"`` runs on the model), the
+  parameters before the first block counted on the first stage, those after the last
+  on the last, those between two blocks with the block before; an explicit split by
+  module paths assigns the shape's groups and tensors by name. A shape from numbers
+  has no order: half of what lies outside its blocks goes to the first stage (the
+  embedding), half to the last (the final norm and the output head).
+* **activations in flight**: the schedule's timeline (:mod:`.timeline`) says, for each
+  rank, the moments when it holds the most stage-microbatch activations
+  (:func:`.timeline.peak_in_flight` is their largest count); the estimator weighs each
+  stage's microbatches by the stage's own bytes and keeps the heaviest moment.
+* **the bubble**: the timeline's idle share.
+* **FSDP2 inside a stage**: torch's stage runs every backward with gradient sync off
+  and without resharding, and reduces once after the last microbatch, so gradients
+  accumulate unsharded; all-gathers are counted by walking the rank's order (a
+  forward after a backward finds its parameters gathered; the multi-stage schedules'
+  runtime also unshards each stage itself, read from torch's lowered order).
+* **point-to-point**: per microbatch, a stage sends its output activation (seq x
+  micro-batch x hidden) to the next stage and the gradient of its input to the
+  previous one, unless both stages are on the same rank (torch passes them locally);
+  it keeps one receive buffer per microbatch for each direction it receives. Intra- or
+  inter-node from the topology: the pp group of each coordinate whose peer is on
+  another node.
+
+The single-stage schedules (GPipe, 1F1B) need no torch; the multi-stage ones import it
+to read the schedule's own order (as ``explain`` does).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from composer_par.plugin import (
+    Collective,
+    EstimatePart,
+    EstimatePipeline,
+    EstimateRank,
+    EstimateStage,
+    Role,
+    dtype_name,
+)
+
+from .schedules import SCHEDULES, microbatch_problem, placement
+from .split import balanced
+from .timeline import peak_in_flight, timeline
+
+if TYPE_CHECKING:
+    from composer_par.plugin.pipeline import Timeline
+
+    from . import PP
+
+# Bytes per element of the dtype names dtype_name returns.
+_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@attrs.frozen
+class _Unit:
+    """One piece of the model shape in model order: a block (``group`` with one of its
+    ``count`` copies) or tensors outside the blocks."""
+
+    group: Any  # a ParamGroup (one block of it) or None
+    tensors: tuple[Any, ...] = ()  # TensorShapes outside the blocks
+
+    @property
+    def numel(self) -> int:
+        own = sum(t.numel for t in self.tensors)
+        return own + (self.group.numel if self.group is not None else 0)
+
+
+def _stage_units(model: Any, split: Any, num_stages: int
+                 ) -> tuple[list[list[_Unit]], list[str]]:
+    """The model shape's units per stage, and notes on what had to be assumed."""
+    blocks = [g for g in model.groups if g.block and g.numel]
+    outside = [t for g in model.groups if not g.block for t in g.tensors]
+    count = sum(g.count for g in blocks)
+    if count < num_stages:
+        raise _Unsplittable(
+            f"{num_stages} pipeline stages need at least one block each, and the model "
+            f"has {count} block(s) (CP602): no pipeline terms")
+    notes: list[str] = []
+    if not isinstance(split, str):
+        named = _named_split(model, split, num_stages)
+        if named is not None:
+            return named, notes
+        notes.append("the split's module paths do not name this model shape's blocks and "
+                     "tensors (a shape from numbers has none): split as \"auto\" instead")
+    order = [_Unit(g) for g in blocks for _ in range(g.count)]
+    lead: list[Any] = []
+    trail: list[Any] = []
+    between: dict[int, list[Any]] = {}
+    unknown = [t for t in outside if t.position is None]
+    for t in outside:
+        if t.position is None:
+            continue
+        if t.position <= 0:
+            lead.append(t)
+        elif t.position >= count:
+            trail.append(t)
+        else:
+            between.setdefault(t.position - 1, []).append(t)
+    if unknown:
+        first, last = _halves(unknown)
+        lead += first
+        trail += last
+        notes.append("the parameters outside the blocks have no order in this model shape "
+                     "(one from numbers): half are counted on the first stage (the "
+                     "embedding), half on the last (the final norm and output head)")
+    order = [attrs.evolve(u, tensors=tuple(between.get(i, ()))) for i, u in enumerate(order)]
+    counts = _balanced(tuple(u.numel for u in order), num_stages,
+                       sum(t.numel for t in lead), sum(t.numel for t in trail))
+    stages: list[list[_Unit]] = []
+    start = 0
+    for n in counts:
+        stages.append(order[start:start + n])
+        start += n
+    stages[0].insert(0, _Unit(None, tuple(lead)))
+    stages[-1].append(_Unit(None, tuple(trail)))
+    return stages, notes
+
+
+class _Unsplittable(ValueError):
+    pass
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(costs: tuple[int, ...], stages: int, first: int, last: int) -> tuple[int, ...]:
+    # suggest prices many layouts of one model: the split of each pp size once
+    return tuple(balanced(costs, stages, first, last))
+
+
+def _halves(tensors: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Split tensors of unknown order in halves (by rows) between the first stage (the
+    embedding) and the last (the final norm and the output head, as large)."""
+    first: list[Any] = []
+    last: list[Any] = []
+    for t in tensors:
+        rows = t.shape[0] if t.shape else 1
+        rest = t.shape[1:]
+        lead = rows // 2
+        if lead:
+            first.append(attrs.evolve(t, name=f"{t.name} (first stage)",
+                                      shape=(lead, *rest)))
+        if rows - lead:
+            last.append(attrs.evolve(t, name=f"{t.name} (last stage)",
+                                     shape=(rows - lead, *rest)))
+    return first, last
+
+
+def _named_split(model: Any, split: Any, num_stages: int) -> list[list[_Unit]] | None:
+    """Units per stage from module paths, or None when the names do not cover the shape."""
+    if len(split) != num_stages:
+        return None
+
+    def stage_of(name: str) -> int | None:
+        for index, paths in enumerate(split):
+            if any(name == p or name.startswith(p + ".") for p in paths):
+                return index
+        return None
+
+    stages: list[list[_Unit]] = [[] for _ in range(num_stages)]
+    for g in model.groups:
+        if g.block:
+            if g.count != 1:
+                return None
+            at = stage_of(g.name)
+            if at is None:
+                return None
+            stages[at].append(_Unit(g))
+        else:
+            for t in g.tensors:
+                at = stage_of(t.name)
+                if at is None:
+                    return None
+                stages[at].append(_Unit(None, (t,)))
+    return stages
+
+
+def _stage_shape(model: Any, units: list[_Unit], index: int, last: bool) -> Any:
+    """The model shape of one stage: its blocks (runs of one group merged) and a root
+    group of what it holds outside the blocks."""
+    groups: list[Any] = []
+    for u in units:
+        if u.group is None:
+            continue
+        if groups and groups[-1].name == u.group.name and u.group.count > 1:
+            groups[-1] = attrs.evolve(groups[-1], count=groups[-1].count + 1)
+        else:
+            groups.append(attrs.evolve(u.group, count=1))
+    outside = tuple(t for u in units for t in u.tensors)
+    root = next((g for g in model.groups if not g.block), None)
+    if outside:
+        groups.append(attrs.evolve(root, name=f"stage {index} root", tensors=outside)
+                      if root is not None else
+                      attrs.evolve(model.groups[0], name=f"stage {index} root",
+                                   tensors=outside, block=False, count=1))
+    layers = sum(g.count for g in groups if g.block)
+    return attrs.evolve(model, groups=tuple(groups), layers=layers,
+                        params=sum(g.numel * g.count for g in groups),
+                        vocab=model.vocab if last else None)
+
+
+@attrs.frozen
+class _Facts:
+    """What one schedule of one size does, for every rank: the timeline, the peak
+    stage-microbatches in flight, the heaviest moments, and each rank's order."""
+
+    line: Timeline
+    peaks: tuple[int, ...]
+    held: tuple[tuple[tuple[int, ...], ...], ...]
+    orders: tuple[tuple[tuple[str, int], ...], ...]
+
+
+@functools.lru_cache(maxsize=32)
+def _facts(schedule: str, pp: int, per_rank: int, microbatches: int, dim: str) -> _Facts:
+    info = SCHEDULES[schedule]
+    line = timeline(schedule, pp, per_rank, microbatches, dim)
+    layout = placement(pp, pp * per_rank, info.style)
+    held = tuple(held_moments(line, r, layout[r]) for r in range(pp))
+    if info.multi:
+        orders = lowered_order(schedule, pp, per_rank, microbatches)
+    else:
+        orders = tuple(tuple((_KIND[kind], stage) for a in row for kind, stage, _ in a.runs)
+                       for row in line.actions)
+    return _Facts(line, peak_in_flight(line), held, orders)
+
+
+@functools.lru_cache(maxsize=32)
+def lowered_order(schedule: str, pp: int, per_rank: int, microbatches: int
+                  ) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per rank, torch's lowered order of a multi-stage schedule as ``(action, stage)``:
+    FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, UNSHARD, RESHARD, SEND_F,
+    SEND_B, ... (an overlapped forward and backward as its two halves)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from .timeline import _Stand
+
+    info = SCHEDULES[schedule]
+    num_stages = pp * per_rank
+    layout = placement(pp, num_stages, info.style)
+    stand_ins: Any = [_Stand(s, num_stages, pp) for s in layout[0]]
+    built = get_schedule_class(schedule)(stand_ins, microbatches)
+    out = []
+    for rank in range(pp):
+        steps: list[tuple[str, int]] = []
+        for action in built.pipeline_order_with_comms[rank]:
+            if action is None:
+                continue
+            for sub in getattr(action, "sub_actions", None) or (action,):
+                kind = getattr(sub.computation_type, "name", str(sub.computation_type))
+                steps.append((kind, sub.stage_index))
+        out.append(tuple(steps))
+    return tuple(out)
+
+
+_KIND = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
+
+
+def gathers(order: Sequence[tuple[str, int]], stage: int, resharded: bool) -> int:
+    """All-gathers of one FSDP2 module of ``stage`` in one step of ``order``.
+
+    FSDP2 gathers before a forward or a backward that finds the parameters sharded; it
+    reshards after a forward when ``resharded``; torch's pipeline stage turns resharding
+    after backward off until the step's end. The multi-stage runtime's UNSHARD gathers
+    every module of the stage, RESHARD frees them."""
+    gathered = False
+    count = 0
+    for kind, at in order:
+        if at != stage:
+            continue
+        if kind == "UNSHARD":
+            count += 1
+            gathered = True
+        elif kind == "RESHARD":
+            gathered = False
+        elif kind in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT"):
+            if not gathered:
+                count += 1
+                gathered = True
+            if kind == "FORWARD" and resharded:
+                gathered = False
+    return count
+
+
+def held_moments(line: Timeline, rank: int, stages: tuple[int, ...]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """The moments of ``rank``'s step at which it holds the most activations: per moment,
+    the microbatches held of each of its ``stages`` (counted as
+    :func:`.timeline.peak_in_flight` counts them: from the end of a forward to the end of
+    its backward, or of its weight backward when split)."""
+    index = {s: i for i, s in enumerate(stages)}
+    events: list[tuple[int, int, int]] = []
+    for action in line.actions[rank]:
+        for kind, stage, _ in action.runs:
+            if kind == "F":
+                events.append((action.end, 1, index[stage]))
+            elif kind in ("B", "W"):
+                events.append((action.end, -1, index[stage]))
+    held = [0] * len(stages)
+    moments: set[tuple[int, ...]] = set()
+    for _, change, at in sorted(events, key=lambda e: (e[0], e[1])):
+        held[at] += change
+        if change > 0:
+            moments.add(tuple(held))
+    # A moment no heavier than another in every stage never decides the peak.
+    kept = [m for m in moments
+            if not any(o != m and all(a >= b for a, b in zip(o, m, strict=True))
+                       for o in moments)]
+    return tuple(sorted(kept)) or ((0,) * len(stages),)
+
+
+def _activation_bytes(layout: Any, model: Any, workload: Any) -> int:
+    """Bytes of one stage output: what a stage sends per microbatch each way."""
+    dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
+    size = _BYTES[dtype_name(dtype)]
+    tp = 1
+    for d in layout.dims:
+        if d.role is Role.MODEL_PARALLEL and d.size > 1:
+            tp *= d.size
+    x = workload.seq * workload.micro_batch * model.hidden * size
+    # A sequence-parallel output is a DTensor sharded over tp: torch sends the local shard.
+    return x // tp if layout.sequence_parallel and tp > 1 else x
+
+
+def estimate_part(pp: PP, layout: Any, model: Any, workload: Any) -> EstimatePart | None:
+    """The pipeline's ``EstimatePart`` for ``layout``, or None without a pipeline dim."""
+    info = pp.info
+    mesh = layout.mesh
+    if info is None or pp.dim not in mesh.names or mesh.size(pp.dim) <= 1:
+        return None
+    size = mesh.size(pp.dim)
+    per_rank = pp.virtual_stages()
+    microbatches = pp.microbatch_count(size)
+    problem = microbatch_problem(info, microbatches, size, per_rank)
+    if problem or (info.stages_per_rank is not None and per_rank != info.stages_per_rank):
+        return EstimatePart(collectives=(), notes=(
+            f"no pipeline terms: {problem or 'stages_per_rank does not fit the schedule'} "
+            "(validation reports it)",))
+    num_stages = size * per_rank
+    try:
+        units, notes = _stage_units(model, pp.split, num_stages)
+    except _Unsplittable as exc:
+        return EstimatePart(collectives=(), notes=(str(exc),))
+    shapes = [_stage_shape(model, u, s, s == num_stages - 1) for s, u in enumerate(units)]
+    facts = _facts(info.name, size, per_rank, microbatches, pp.dim)
+    line = facts.line
+    layout_of = pp.stage_placement(size)
+    rank_of = {s: r for r, stages in enumerate(layout_of) for s in stages}
+    # The split-backward schedules keep every FSDP module gathered from forward to
+    # backward (PP's finalize sets it); otherwise blocks reshard after forward unless
+    # the data-parallel plugin says false, the stage root only when it says true.
+    reshard = layout.reshard_after_forward
+    blocks_reshard = not info.split_backward and reshard is not False
+    root_reshard = not info.split_backward and reshard is not None and reshard is not False
+    x = _activation_bytes(layout, model, workload)
+    runs = microbatches * workload.grad_accum
+    crossing = _crossing(layout.topology, mesh.rank_groups(pp.dim))
+    ranks = []
+    for r, local in enumerate(layout_of):
+        stages = tuple(EstimateStage(
+            f"stage {s}", shapes[s], runs=microbatches,
+            block_gathers=gathers(facts.orders[r], s, blocks_reshard),
+            root_gathers=gathers(facts.orders[r], s, root_reshard), accumulates=True)
+            for s in local)
+        sends = _sends(pp.dim, r, local, rank_of, num_stages, crossing, x, runs)
+        receive = sum(1 for s in local if s > 0 and rank_of[s - 1] != r)
+        receive += sum(1 for s in local if s < num_stages - 1 and rank_of[s + 1] != r)
+        buffers = ({f"receive buffers ({microbatches} per direction and stage)":
+                    receive * microbatches * x} if receive else {})
+        ranks.append(EstimateRank(r, stages, facts.held[r], facts.peaks[r], sends, buffers))
+    pipeline = EstimatePipeline(pp.dim, line.title, tuple(ranks), line.bubble, microbatches)
+    return EstimatePart(collectives=(), pipeline=pipeline, notes=tuple(notes))
+
+
+def _crossing(topology: Any, groups: list[tuple[int, ...]]) -> set[tuple[int, int]]:
+    """The (coordinate, coordinate) pairs along pp whose ranks, in some pp group, are on
+    different nodes."""
+    if topology is None:
+        return set()
+    out = set()
+    for g in groups:
+        nodes = [topology.node_of(rank) for rank in g]
+        out |= {(a, b) for a in range(len(g)) for b in range(len(g)) if nodes[a] != nodes[b]}
+    return out
+
+
+def _sends(dim: str, rank: int, local: tuple[int, ...], rank_of: dict[int, int],
+           num_stages: int, crossing: set[tuple[int, int]], x: int, runs: int
+           ) -> tuple[Collective, ...]:
+    """This coordinate's point-to-point sends per step, each over the network when, in
+    any pp group, the peer is on another node."""
+    out = []
+    for stage in local:
+        for peer_stage, what in ((stage + 1, "activations"), (stage - 1, "input gradients")):
+            if not 0 <= peer_stage < num_stages or rank_of[peer_stage] == rank:
+                continue
+            peer = rank_of[peer_stage]
+            crosses = (rank, peer) in crossing
+            out.append(Collective(
+                dim, "send", x * runs, runs,
+                f"{what} of stage {stage} to stage {peer_stage} ({dim} {rank} -> {peer}), "
+                "one per microbatch", group_size=2, nodes=2 if crosses else 1))
+    return tuple(out)
+
+
+__all__ = ["estimate_part", "gathers", "held_moments", "lowered_order"]
