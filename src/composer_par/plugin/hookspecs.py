@@ -237,7 +237,9 @@ def composer_par_estimate(
     """This plugin's own terms of ``composer-par estimate`` (memory and communication).
 
     Called: by :func:`composer_par.estimate.estimate_plan` (the ``estimate`` and
-    ``suggest`` commands), once per estimate; must not import torch. ``layout`` is the
+    ``suggest`` commands), once per estimate; must not import torch, except to read
+    what only torch knows (the pipeline plugin reads a multi-stage schedule's order from
+    torch's schedule classes, as ``explain`` does). ``layout`` is the
     :class:`~composer_par.estimate.Layout` (the resolved mesh, each mesh dim's role and
     owner, which dims cross nodes), ``model`` the
     :class:`~composer_par.estimate.ModelShape` (sizes and parameter groups), ``workload``
