@@ -420,6 +420,35 @@ def test_suggest_chooses_a_pipeline_for_70b_on_8_nodes_at_100_gbit() -> None:
     assert "BUBBLE" in text and f"PP {best.candidate.pp}" in text
 
 
+def test_suggest_cli_prices_the_bubble_at_the_given_throughput() -> None:
+    """--device-tflops reaches suggest: the compute a bubble idles (idle time / bubble
+    fraction, the same for every layout, as each processes the same sequences) scales
+    with 1 / throughput."""
+    import json
+    import subprocess
+    import sys
+
+    def idle(tflops: str) -> float:
+        done = subprocess.run(
+            [sys.executable, "-m", "composer_par.cli", "suggest", "--params", "70B",
+             "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
+             "--seq", "4096", "--nodes", "8", "--devices-per-node", "8",
+             "--device-memory", "80GiB", "--inter-node-gbps", "100",
+             "--device-tflops", tflops, "--json"],
+            capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        best = json.loads(done.stdout)["best"]
+        assert best["bubble"] > 0
+        return float(best["bubble_idle_seconds"]) / float(best["bubble"])
+
+    assert idle("100") == pytest.approx(4 * idle("400"), rel=1e-6)
+    bad = subprocess.run([sys.executable, "-m", "composer_par.cli", "suggest", "--params",
+                          "1B", "--seq", "8", "--nodes", "1", "--devices-per-node", "8",
+                          "--device-memory", "80GiB", "--device-tflops", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--device-tflops" in bad.stderr
+
+
 def test_suggest_keeps_fitting_layouts_inside_nodes_without_a_pipeline() -> None:
     model = ModelShape.from_numbers(params=13_000_000_000)
     result = suggest(model, Topology(4, 8), GIB80, seq=4096, inter_node_gbps=100)

@@ -94,6 +94,16 @@ def _gbps(text: str) -> float:
     return value
 
 
+def _tflops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TFLOP/s as a number; got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite throughput > 0; got {text}")
+    return value
+
+
 def _dtype(text: str) -> str:
     from composer_par.estimate import EstimateError, dtype_name
 
@@ -307,6 +317,9 @@ def suggest_arguments(parser: argparse.ArgumentParser) -> None:
                       "with fp32 gradient reduction")
     work.add_argument("--max-tp", type=_positive_int, metavar="T",
                       help="largest TP size to consider (default: the devices of a node)")
+    work.add_argument("--device-tflops", type=_tflops, metavar="F",
+                      help="achieved TFLOP/s per device, which prices a pipeline's bubble "
+                      "(default 400)")
     work.add_argument("--top", type=_positive_int, default=10, metavar="N",
                       help="runners-up to list (default 10)")
     work.add_argument("--output", "-o", type=Path, metavar="FILE",
@@ -328,7 +341,9 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
                          micro_batch=args.micro_batch, dtype=args.dtype,
                          optimizer=args.optimizer, intra_node_gbps=args.intra_node_gbps,
                          inter_node_gbps=args.inter_node_gbps, max_tp=args.max_tp,
-                         attention=args.attention)
+                         attention=args.attention,
+                         **({} if args.device_tflops is None
+                            else {"device_tflops": args.device_tflops}))
     except EstimateError as exc:
         raise InputError(str(exc)) from exc
     code = EXIT_OK if result.best is not None else EXIT_ERRORS
