@@ -70,8 +70,7 @@ class LoadSafetensors(WeightsLoader):
 
     def load_into(self, model: nn.Module, adapter: StateDictAdapter,
                   tied: dict[str, list[str]]) -> Any:
-        # Through DCP, but for the tensors a strided placement splits (TP's packed weights:
-        # a rank's part is several boxes, which DCP reads as one), read box by box.
+        # One DCP read for every tensor, fused ones (per-expert in the file) included.
         return load_safetensors_fused(model, self.path, self.layout(model).merges,
                                       adapter=adapter, strict=self.strict, tied=tied)
 

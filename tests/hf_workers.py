@@ -642,3 +642,137 @@ def _held_bytes(model: Any) -> int:
             local = _local_part(tensor)
             total += local.numel() * local.element_size()
     return total
+
+
+# -- DCP checkpoints of TP's packed (strided) weights -------------------------------------
+
+# Phi3 with its fused gate_up_proj split as packed halves (each rank a slice of gate and a
+# slice of up: a strided placement), the MLP's down projection rowwise after it.
+PHI3_PACKED = {"model.layers.*.mlp.gate_up_proj": "packed_colwise",
+               "model.layers.*.mlp.down_proj": "rowwise"}
+# family -> the instance tp plan's changes; Mixtral's own plan packs its experts' gate_up.
+PACKED_CASES: dict[str, dict[str, str]] = {"phi3": PHI3_PACKED, "mixtral": {}}
+
+
+def packed_model(family: str, layout: str, seed: int) -> tuple[Any, Any]:
+    """(model, plan) of ``family`` on meta under ``layout`` ("tp": TP over every rank, with
+    PACKED_CASES' plan; "fsdp2": FSDP2 over every rank), initialized by MetaInit(seed)."""
+    import torch.distributed as dist
+
+    from composer_par import FSDP2, TP, MeshSpec, MetaInit, ParallelPlan
+
+    world = dist.get_world_size()
+    model = build(family)
+    if layout == "tp":
+        model._tp_plan = {**model._tp_plan, **PACKED_CASES[family]}
+        plan = ParallelPlan(MeshSpec(tp=world)).use(TP())
+    else:
+        plan = ParallelPlan(MeshSpec(dp_shard=world)).use(FSDP2())
+    plan = plan.use(MetaInit(seed=seed))
+    return plan.apply(model), plan
+
+
+def initial(family: str) -> dict[str, Any]:
+    """The single-process parameters and buffers MetaInit(SEED) gives ``family``."""
+    import torch
+
+    from composer_par.plugin.initialize import materialize
+
+    model = build(family)
+    materialize(model, torch.device("cpu"), SEED)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _parts_differ(model: Any, expected: dict[str, Any], optimizer: Any = None,
+                  expected_optimizer: dict[str, Any] | None = None) -> list[str]:
+    """The state-dict entries (and optimizer states) whose part on this rank is not
+    bitwise the same part of ``expected`` (sliced as DTensor itself slices)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from composer_par.plugin import clean_name
+
+    pairs = [(clean_name(n), t, expected[clean_name(n)]) for n, t in model.state_dict().items()]
+    if optimizer is not None:
+        assert expected_optimizer is not None
+        state = get_optimizer_state_dict(model, optimizer)["state"]
+        pairs += [(f"{name}:{k}", v, expected_optimizer[f"{name}:{k}"])
+                  for name, values in state.items() for k, v in values.items()]
+    out = []
+    for name, tensor, ref in pairs:
+        mine = _local_part(tensor).detach()
+        theirs = _same_part(ref, tensor)
+        if mine.shape != theirs.shape or not torch.equal(mine, theirs):
+            out.append(name)
+    return out
+
+
+def full_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Whole tensors of the model's state dict and of its optimizer's states (by
+    ``parameter:state``), gathered on every rank."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.plugin import clean_name
+
+    def whole(t: Any) -> Any:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    model_state = {clean_name(n): whole(t) for n, t in model.state_dict().items()}
+    optim = get_optimizer_state_dict(model, optimizer)["state"]
+    return model_state, {f"{name}:{k}": whole(v) for name, values in optim.items()
+                         for k, v in values.items()}
+
+
+def packed_checkpoints(directory: str) -> list[dict[str, Any]]:
+    """For each PACKED_CASES family, on this process group: TP with packed weights from
+    MetaInit(SEED) (its parts bitwise the single-process model's) takes one Adam step and
+    is saved, with its optimizer, by composer_par.checkpoint; it is loaded into FSDP2 and
+    into TP (each first initialized from another seed), and the FSDP2 copy, saved, into
+    TP again: every rank's part of every tensor and optimizer state is compared bitwise
+    with the saved model's. The TP checkpoint is left for one process to load; the saved
+    model's whole tensors are returned (rank 0) to compare it with."""
+    import os
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from composer_par import checkpoint
+    from composer_par.plugin.initialize import strided_alone
+
+    def adam(model: Any) -> Any:
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    out = []
+    for family in PACKED_CASES:
+        row: dict[str, Any] = {"family": family}
+        try:
+            tp, _ = packed_model(family, "tp", SEED)
+            row["strided"] = sorted(n for n, p in tp.named_parameters()
+                                    if isinstance(p, DTensor) and strided_alone(p.placements))
+            row["initial"] = _parts_differ(tp, initial(family))
+            optimizer = adam(tp)
+            tp(**batch(family, 0)).loss.backward()
+            optimizer.step()
+            saved_model, saved_optim = full_state(tp, optimizer)
+            saved = os.path.join(directory, f"{family}-tp")
+            checkpoint.save(saved, tp, optimizer, step=0)
+            for layout in ("fsdp2", "tp"):
+                model, _ = packed_model(family, layout, SEED + 1)
+                optimizer = adam(model)
+                checkpoint.load(saved, model, optimizer)
+                row[f"tp->{layout}"] = _parts_differ(model, saved_model, optimizer,
+                                                     saved_optim)
+                if layout == "fsdp2":
+                    checkpoint.save(os.path.join(directory, f"{family}-fsdp2"), model,
+                                    optimizer, step=0)
+            model, _ = packed_model(family, "tp", SEED + 1)
+            optimizer = adam(model)
+            checkpoint.load(os.path.join(directory, f"{family}-fsdp2"), model, optimizer)
+            row["fsdp2->tp"] = _parts_differ(model, saved_model, optimizer, saved_optim)
+            if torch.distributed.get_rank() == 0:
+                row["saved"] = (saved_model, saved_optim)
+        except Exception:
+            row["error"] = traceback.format_exc()[-3000:]
+        out.append(row)
+    return out

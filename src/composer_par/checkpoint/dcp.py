@@ -44,6 +44,7 @@ from composer_par.checkpoint.integrity import (
 from composer_par.checkpoint.matching import Spec, convertible
 from composer_par.checkpoint.paths import contained, read_bounded
 from composer_par.checkpoint.rng import rank_file, restore_rng, save_rng
+from composer_par.checkpoint.strided import for_dcp
 from composer_par.logging import get_logger
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ def save(
     writer = digesting_writer(directory, sync_files=True)
     try:
         with dcp_errors(f"saving {directory}", directory):
-            dcp.save(state, storage_writer=writer, no_dist=not _dist.active())
+            dcp.save(for_dcp(state), storage_writer=writer, no_dist=not _dist.active())
     except CheckpointError as exc:  # DCP raises it on every rank alike
         failure = str(exc).removeprefix(f"saving {directory} failed: ")
     if not failure:
@@ -431,8 +432,10 @@ def load(
         log.warning("checkpoint keys not loaded", path=str(directory), count=len(unexpected),
                     first=unexpected[:5])
     with dcp_errors(f"loading {directory}"):
-        dcp.load(state, storage_reader=verifying_reader(directory, metadata, manifest,
-                                                        collective=_dist.active()),
+        # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
+        dcp.load(for_dcp(state),
+                 storage_reader=verifying_reader(directory, metadata, manifest,
+                                                 collective=_dist.active()),
                  no_dist=not _dist.active())
     optim_state = None
     if osd is not None:

@@ -22,6 +22,7 @@ from composer_par.checkpoint.errors import dcp_errors
 from composer_par.checkpoint.matching import Match, Spec, match
 from composer_par.checkpoint.safetensors_io import dtype_name
 from composer_par.checkpoint.sources import WeightsSource
+from composer_par.checkpoint.strided import for_dcp
 from composer_par.logging import get_logger
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def load_safetensors(
     to_load = {m.keys[name]: state_dict[name] for name in m.keys}
     reader = SafetensorsReader(source, keys=to_load)
     with dcp_errors(f"loading {source.path}"):
-        dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
+        dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
     return _finish(model, state_dict, m, strict=strict, started=started,
                    bytes_read=reader.bytes_read, tied=tied)
 
@@ -223,6 +224,6 @@ def load_checkpoint_weights(
     to_load = {prefix + m.keys[name]: state_dict[name] for name in m.keys}
     reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
     with dcp_errors(f"loading {directory}"):
-        dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
+        dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
     return _finish(model, state_dict, m, strict=strict, started=started,
                    bytes_read=reader.bytes_verified, tied=tied)

@@ -356,20 +356,19 @@ def load_safetensors_fused(model: nn.Module, path: str, fused: dict[str, Fused],
                            tied: dict[str, list[str]]) -> Any:
     """:func:`load_safetensors_into` where some model tensors are stored as several
     (``fused``: name -> its parts). DCP is told each fused tensor is stored in chunks, one
-    per part, so it plans every rank's reads of its own shard as for any tensor; tensors
-    split by a strided placement are read box by box (:func:`read_local_parts`)."""
+    per part, so it plans every rank's reads of its own part as for any tensor (also of a
+    part a strided placement makes several boxes: see :mod:`composer_par.checkpoint.strided`)."""
     import time
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
 
     from composer_par.checkpoint import _dist
     from composer_par.checkpoint.errors import dcp_errors
     from composer_par.checkpoint.matching import match
     from composer_par.checkpoint.sources import WeightsSource
+    from composer_par.checkpoint.strided import for_dcp
     from composer_par.checkpoint.weights import _finish, expected_specs, source_specs
-    from composer_par.plugin.initialize import strided_alone
 
     started = time.perf_counter()
     source = WeightsSource.open(path)
@@ -379,19 +378,12 @@ def load_safetensors_fused(model: nn.Module, path: str, fused: dict[str, Fused],
     error = m.error(strict=strict)
     if error is not None:
         raise error
-    strided = [n for n in m.keys if isinstance(state_dict[n], DTensor)
-               and strided_alone(state_dict[n].placements)]
-    to_load = {m.keys[n]: state_dict[n] for n in m.keys if n not in strided}
+    to_load = {m.keys[n]: state_dict[n] for n in m.keys}
     reader = _fusing_reader(source, to_load, {k: v for k, v in fused.items() if k in to_load})
     with dcp_errors(f"loading {source.path}"):
-        dcp.load(to_load, storage_reader=reader, no_dist=not _dist.active())
-    read = int(reader.bytes_read)
-    for name in strided:
-        key, tensor = m.keys[name], state_dict[name]
-        whole = (Part(key, (0,) * tensor.ndim, tuple(tensor.shape)),)
-        read += read_local_parts(tensor, source, fused[key].parts if key in fused else whole)
-    return _finish(model, state_dict, m, strict=strict, started=started, bytes_read=read,
-                   tied=tied)
+        dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
+    return _finish(model, state_dict, m, strict=strict, started=started,
+                   bytes_read=reader.bytes_read, tied=tied)
 
 
 def _fusing_reader(source: Any, keys: Any, fused: dict[str, Fused]) -> Any:
@@ -430,92 +422,6 @@ def _fusing_reader(source: Any, keys: Any, fused: dict[str, Fused]) -> Any:
     return FusingReader(source, keys=[k for k in keys if k not in fused])
 
 
-def held_indices(tensor: Any) -> list[Any]:
-    """For each dim of ``tensor`` (a DTensor or a plain tensor), the global index of each
-    of this rank's positions along it, in local order. A placement splits one dim, so
-    each dim's indices are those of a 1-D tensor split by the placements on that dim."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if not isinstance(tensor, DTensor):
-        return [torch.arange(n) for n in tensor.shape]
-    out = []
-    for dim, size in enumerate(tensor.shape):
-        placements: list[Any] = []
-        for p in tensor.placements:
-            if isinstance(p, _StridedShard) and p.dim == dim:
-                placements.append(_StridedShard(0, split_factor=p.split_factor))
-            elif isinstance(p, Shard) and p.dim == dim:
-                placements.append(Shard(0))
-            else:
-                placements.append(Replicate())
-        index = torch.arange(size, device=tensor.device_mesh.device_type)
-        out.append(distribute_tensor(index, tensor.device_mesh, placements,
-                                     src_data_rank=None).to_local().cpu())
-    return out
-
-
-def _runs(wanted: Any, where: Any) -> list[tuple[int, int, int]]:
-    """``(first index, length, first position)`` of each run of consecutive indices held
-    at consecutive positions."""
-    runs: list[tuple[int, int, int]] = []
-    values, places = wanted.tolist(), where.tolist()
-    for i, (value, place) in enumerate(zip(values, places, strict=True)):
-        if runs and value == values[i - 1] + 1 and place == places[i - 1] + 1:
-            first, length, start = runs[-1]
-            runs[-1] = (first, length + 1, start)
-        else:
-            runs.append((value, 1, i))
-    return runs
-
-
-def read_local_parts(tensor: Any, path: Any, parts: tuple[Part, ...]) -> int:
-    """Fill this rank's part of ``tensor`` (a DTensor or a plain tensor) from the stored
-    tensors ``parts`` (boxes of it) of the safetensors at ``path`` (a path or an open
-    source): each run of the rank's indices inside a box is one read of its bytes.
-    Returns the bytes read."""
-    import itertools
-    import os
-
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from composer_par.checkpoint.safetensors_io import read_region
-    from composer_par.checkpoint.sources import WeightsSource
-
-    source = path if isinstance(path, WeightsSource) else WeightsSource.open(path)
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    held = held_indices(tensor)
-    done = 0
-    for part in parts:
-        entry = attrs.evolve(source.entries[part.key], shape=part.shape)
-        where, wanted = [], []
-        for dim, indices in enumerate(held):
-            begin = part.offsets[dim]
-            position = ((indices >= begin) & (indices < begin + part.shape[dim])).nonzero()
-            where.append(position.flatten())
-            wanted.append(indices[position.flatten()] - begin)
-        if any(len(w) == 0 for w in where):
-            continue  # none of this box is on this rank
-        fd = os.open(entry.path, os.O_RDONLY)
-        try:
-            for runs in itertools.product(*(_runs(w, p) for w, p in zip(wanted, where,
-                                                                          strict=True))):
-                lengths = [length for _, length, _ in runs]
-                block = torch.empty(lengths, dtype=local.dtype)
-                done += read_region(fd, entry, [first for first, _, _ in runs], lengths, block)
-                index = tuple(
-                    where[d][start:start + length].view(
-                        [-1 if i == d else 1 for i in range(len(runs))])
-                    for d, (_, length, start) in enumerate(runs))
-                with torch.no_grad():
-                    local[index] = block.to(local.device)
-        finally:
-            os.close(fd)
-    return done
-
-
 __all__ = [
     "RULES",
     "Fused",
@@ -523,10 +429,8 @@ __all__ = [
     "WeightsLoader",
     "checkpoint_specs",
     "fused_specs",
-    "held_indices",
     "load_checkpoint_into",
     "load_safetensors_fused",
     "load_safetensors_into",
-    "read_local_parts",
     "safetensors_specs",
 ]
