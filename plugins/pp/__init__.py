@@ -32,6 +32,7 @@ from composer_par.plugin import (
     Role,
     Rule,
     Severity,
+    clean_name,
     did_you_mean,
     dim_option,
     hookimpl,
@@ -331,6 +332,7 @@ class PP(Plugin):
         split = self.compute_split(ctx.model, ctx.blocks, size)
         layout = self.stage_placement(size)
         group = ctx.submesh(self.dim).get_group()
+        model_keys = tuple(clean_name(k) for k in ctx.model.state_dict(keep_vars=True))
         _, built = build_parts(ctx.model, split.stages, split.shared, layout[rank], ctx.blocks)
         parts = [StagePart(stage, module, blocks, owned) for stage, module, blocks, owned in built]
         microbatches = self.microbatch_count(size)
@@ -354,7 +356,7 @@ class PP(Plugin):
         ctx.pipeline = Pipeline(
             dim=self.dim, size=size, rank=rank, schedule=info.name, microbatches=microbatches,
             split=split.stages, placement=layout, parts=parts, build_schedule=schedule,
-            check_batch=check_batch, stage_params=split.params)
+            check_batch=check_batch, stage_params=split.params, model_keys=model_keys)
         # Whatever looks at the whole model's blocks from here on sees this rank's only.
         ctx.blocks[:] = [b for p in parts for b in p.blocks]
         held = "; ".join(f"stage {p.stage}: {len(p.blocks)} block(s)" for p in parts)

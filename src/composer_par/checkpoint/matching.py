@@ -4,11 +4,19 @@ DCP ignores keys of a checkpoint that the model lacks; composer_par reports them
 match is computed from shapes and dtypes alone (a file's header, a DCP checkpoint's
 metadata, a model on the meta device), so validation finds every problem before a byte
 of weights is read or a tensor allocated.
+
+A model cut into pipeline stages is loaded one part at a time: a part lacks the tensors
+of the other stages, which a file of the whole model holds. Inside
+:func:`rest_of_model` (the weights loaders' materialize stage opens it with the whole
+model's names from the plan's pipeline), :func:`match` counts the file keys of those
+names as the rest of the model's: neither loaded here nor unexpected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -49,6 +57,23 @@ def lossy(found: str, expected: str) -> bool:
         return False
     return _FLOAT_RANK[expected] < _FLOAT_RANK[found] or {found, expected} == {
         "bfloat16", "float16"}
+
+
+# The names (the model's own) of the tensors that other parts of the model hold.
+_REST: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "composer_par_rest_of_model", default=frozenset())
+
+
+@contextlib.contextmanager
+def rest_of_model(names: Collection[str]) -> Iterator[None]:
+    """While open, :func:`match` treats the file keys of ``names`` (model names of the
+    tensors other parts of the model hold: another pipeline stage's) as neither missing
+    here nor unexpected."""
+    token = _REST.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _REST.reset(token)
 
 
 @attrs.frozen
@@ -109,6 +134,9 @@ def match(
         if lossy(found.dtype, spec.dtype):
             lossy_.append((name, spec.dtype, found.dtype))
         keys[name] = key
+    rest = _REST.get()
+    if rest:
+        used.update(adapter.to_file(n) for n in rest if n not in model)
     unexpected = tuple(k for k in file if k not in used)
     return Match(source, keys, tuple(missing), unexpected, tuple(mismatched), tuple(lossy_))
 

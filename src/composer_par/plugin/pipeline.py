@@ -59,6 +59,11 @@ class Pipeline:
     build_schedule: Callable[[Callable[..., Any]], Any]
     check_batch: Callable[[int], None]
     stage_params: tuple[int, ...] = ()  # parameters of each stage (tied counted once)
+    # Every state-dict key (clean names, in state-dict order) of the whole model before
+    # the split, every stage's: weights checks count a key another stage holds as the
+    # model's, not as unexpected, and an export writes the model's order. Empty when the
+    # splitter does not say.
+    model_keys: tuple[str, ...] = ()
 
     @property
     def num_stages(self) -> int:
