@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,22 +178,31 @@ def save(
 
     root = Path(path)
     rank, world = _dist.rank(), _dist.world_size()
-    extra_json = _to_json(extra, "extra")
     plan_toml = plan if isinstance(plan, str) or plan is None else plan.to_toml()
     started = time.perf_counter()
-    # Everything that can be refused is refused before a step directory is claimed.
-    msd, osd = _state_dicts(model, optimizer)
-    state: dict[str, Any] = {MODEL: msd}
-    info: dict[str, Any] = {"format": FORMAT, "world_size": world,
-                            "plan": plan_toml, "extra": extra_json}
-    if osd is not None:
-        tensors, scalars = _split_optim_state(osd["state"])
-        state[OPTIM] = {"state": tensors}
-        info["optimizer"] = {
-            "param_groups": _to_json(osd["param_groups"], "optimizer param_groups"),
-            "scalars": scalars,
-            "class": type(optimizer).__name__,
-        }
+    # Everything that can be refused is refused before a step directory is claimed, on
+    # every rank together: ranks holding different parameters (pipeline stages) can
+    # fail differently, and a rank that raised alone would leave the others waiting.
+    state: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    own: tuple[list[Any], dict[str, Any]] | None = None
+    refused = ""
+    try:
+        extra_json = _to_json(extra, "extra")
+        msd, osd = _state_dicts(model, optimizer)
+        state[MODEL] = msd
+        info.update({"format": FORMAT, "world_size": world, "plan": plan_toml,
+                     "extra": extra_json})
+        if osd is not None:
+            tensors, scalars = _split_optim_state(osd["state"])
+            state[OPTIM] = {"state": tensors}
+            own = (_to_json(osd["param_groups"], "optimizer param_groups"), scalars)
+    except CheckpointError as exc:
+        refused = str(exc)
+    groups = _gather_optimizer_json(own, refused)
+    if groups is not None:
+        info["optimizer"] = {"param_groups": groups[0], "scalars": groups[1],
+                             "class": type(optimizer).__name__}
     chosen: tuple[int, str, str] = (0, "", "")
     job: Job | None = None
     if rank == 0:
@@ -254,6 +263,59 @@ def save(
     log.info("checkpoint saved", path=str(directory), step=step_value,
              seconds=round(time.perf_counter() - started, 3))
     return directory
+
+
+def _gather_optimizer_json(own: tuple[list[Any], dict[str, Any]] | None, refused: str
+                           ) -> tuple[list[Any], dict[str, Any]] | None:
+    """Every rank's optimizer parameter groups and non-tensor state as one, on rank 0
+    (None elsewhere, and without an optimizer); raises on every rank if any refused.
+
+    Ranks that hold different parameters (pipeline stages) have groups over different
+    parameter names, so rank 0's alone would leave the other stages' parameters without
+    their hyperparameters. A rank sends its groups only if no lower rank has the same
+    (data-parallel peers do), so rank 0 receives one copy per distinct layout.
+    """
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(own, sort_keys=True).encode()).hexdigest() \
+        if own is not None else ""
+    answers = _dist.gather((refused, digest))
+    problems = list(dict.fromkeys(p for p, _ in answers if p))
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    first = [d for _, d in answers].index(digest)
+    gathered = _dist.gather_to_root(own if first == _dist.rank() else None)
+    if gathered is None or own is None:
+        return None
+    return (merge_param_groups([g[0] for g in gathered if g is not None]),
+            {k: v for g in gathered if g is not None for k, v in g[1].items()})
+
+
+def merge_param_groups(everyone: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The parameter groups of several ranks' optimizers as one list (state-dict form:
+    ``params`` are parameter names). Groups at the same index with equal hyperparameters
+    are one group over the union of their parameters; each name is listed once, in the
+    first group that has it. Loading matches a rank's groups to these by parameter name,
+    so any layout finds its parameters' hyperparameters."""
+    import json
+
+    merged: list[dict[str, Any]] = []
+    by_key: dict[tuple[int, str], dict[str, Any]] = {}
+    seen: set[str] = set()
+    for groups in everyone:
+        for index, group in enumerate(groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            key = (index, json.dumps(hyper, sort_keys=True))
+            new = [p for p in group.get("params", []) if p not in seen]
+            seen.update(new)
+            target = by_key.get(key)
+            if target is None and (new or not group.get("params")):
+                target = by_key[key] = {**hyper, "params": []}
+                merged.append(target)
+            if target is not None:
+                target["params"].extend(new)
+    return merged
 
 
 def _claim_step_dir(root: Path, step: int | None, job: Job) -> tuple[int, str, str]:
@@ -356,12 +418,29 @@ def stored_specs(metadata: Any) -> dict[str, Spec]:
             if isinstance(v, TensorStorageMetadata)}
 
 
+def held_nowhere(keys: list[str], held: Collection[str]) -> set[str]:
+    """Those of ``keys`` (the same list on every rank) that no rank holds (``held``: this
+    rank's): one all-reduce of a flag per key, however many ranks hold which parts."""
+    if not _dist.active():
+        return {k for k in keys if k not in held}
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([1 if k in held else 0 for k in keys], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return {k for k, flag in zip(keys, flags.tolist(), strict=True) if not flag}
+
+
 def check_keys(source: str, expected: Mapping[str, Spec], found: Mapping[str, Spec],
-               prefixes: tuple[str, ...], *, strict: bool) -> None:
+               prefixes: tuple[str, ...], *, strict: bool,
+               unheld: Collection[str] | None = None) -> None:
     """Raise KeyMismatchError unless ``found`` (the checkpoint's keys under ``prefixes``)
-    holds every ``expected`` key with a loadable shape and dtype (strict: and no others)."""
+    holds every ``expected`` key with a loadable shape and dtype (strict: and no others).
+    ``unheld``: the found keys no rank's model has (default: those not ``expected``); the
+    others belong to a part of the model another rank holds, and are not unexpected."""
     missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k.startswith(prefixes) and k not in expected]
+    unexpected = [k for k in found if k.startswith(prefixes) and k not in expected
+                  and (unheld is None or k in unheld)]
     mismatched = [
         (k, spec.describe(), found[k].describe()) for k, spec in expected.items()
         if k in found and (found[k].shape != spec.shape
@@ -401,6 +480,9 @@ def load(
     restore = has_rng = False
     unexpected: list[str] = []
     failure: CheckpointError | None = None
+    expected: dict[str, Spec] = {}
+    found: dict[str, Spec] = {}
+    prefixes = (f"{MODEL}.",) + ((f"{OPTIM}.",) if osd is not None else ())
     # Everything that can be wrong with the files is found here, on every rank, before
     # anything is read into the model.
     try:
@@ -416,9 +498,15 @@ def load(
         if OPTIM in state:
             expected.update(_flat_specs(state[OPTIM]["state"], f"{OPTIM}.state"))
         found = stored_specs(metadata)
-        prefixes = (f"{MODEL}.",) + ((f"{OPTIM}.",) if osd is not None else ())
-        unexpected = [k for k in found if k.startswith(prefixes) and k not in expected]
-        check_keys(str(directory), expected, found, prefixes, strict=strict)
+    except CheckpointError as exc:
+        failure = exc
+    _agree_or_raise(failure, f"loading {directory}")
+    # A rank that holds part of the model (a pipeline stage) lacks the keys of the
+    # others: a key is unexpected only when no rank's model has it.
+    unheld = held_nowhere(sorted(k for k in found if k.startswith(prefixes)), expected)
+    try:
+        unexpected = [k for k in found if k in unheld]
+        check_keys(str(directory), expected, found, prefixes, strict=strict, unheld=unheld)
         saved_world = int(info.get("world_size", 0) or 0)
         rng = rank_file(directory, rank)
         has_rng = rng.is_file()
