@@ -119,7 +119,8 @@ def export_safetensors(
     code = dtype_code(dtype) if dtype is not None else None
     planned = [PlannedTensor(names[k], code or dtype_code(v.dtype), tuple(v.shape))
                for k, v in tensors.items()]
-    layout = FileLayout.plan(planned, max_file_bytes)
+    layout = FileLayout.plan(_every_ranks(planned, _model_order(plan, adapter or Identity())),
+                             max_file_bytes)
 
     problem, staging = "", ""
     if _dist.rank() == 0:
@@ -152,6 +153,42 @@ def export_safetensors(
              bytes=layout.total_bytes, written_here=written,
              seconds=round(time.perf_counter() - started, 3))
     return target
+
+
+def _model_order(plan: Any, adapter: StateDictAdapter) -> dict[str, int]:
+    """File name -> position of its tensor in the whole model, where the plan's pipeline
+    says the whole model's keys (a rank holds only its stages' tensors)."""
+    pipeline = getattr(plan, "pipeline", None)
+    keys = getattr(pipeline, "model_keys", ()) or ()
+    order: dict[str, int] = {}
+    for key in keys:
+        order.setdefault(adapter.to_file(key), len(order))
+    return order
+
+
+def _every_ranks(planned: list[PlannedTensor], order: dict[str, int]) -> list[PlannedTensor]:
+    """The tensors of every rank, once each, the same list on every rank: ranks that hold
+    different parts of the model (pipeline stages) each plan only their own. In the
+    whole model's order where known, else in rank order. A name two ranks describe
+    differently is an error, raised on every rank alike."""
+    import hashlib
+
+    mine = tuple((t.name, t.dtype, t.shape) for t in planned)
+    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
+    digests = _dist.gather(digest)
+    # Ranks with the same tensors (data-parallel peers) send them once.
+    everyone = _dist.gather(mine if digests.index(digest) == _dist.rank() else None)
+    merged: dict[str, PlannedTensor] = {}
+    for listed in everyone:
+        for name, code, shape in listed or ():
+            known = merged.setdefault(name, PlannedTensor(name, code, shape))
+            if (known.dtype, known.shape) != (code, shape):
+                raise CheckpointError(
+                    f"{name}: ranks hold it as {known.dtype} {list(known.shape)} and as "
+                    f"{code} {list(shape)}; cannot export one tensor of two shapes")
+    ranked = list(merged.values())
+    last = len(order)
+    return sorted(ranked, key=lambda t: order.get(t.name, last))
 
 
 def _create(target: Path, layout: FileLayout) -> tuple[str, str]:
