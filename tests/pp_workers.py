@@ -490,3 +490,45 @@ def observed_order(schedule: str, per_rank: int, microbatches: int) -> list[tupl
     seen.clear()
     step.step(batch, batch)
     return seen
+
+
+# -- checkpoints of other models, and what a load left aside -------------------------------
+
+
+def pp_save_depth(root: str, layers: int) -> None:
+    """One process: llama4 with ``layers`` blocks instead, two AdamW steps as ``pp_save``,
+    saved to ``root/layers-N``: a checkpoint with more (or fewer) keys than llama4."""
+    import torch
+
+    from composer_par.checkpoint import save
+
+    task = attrs.evolve(llama4, n_layers=layers)
+    plan = _checkpoint_plan("one_process", seed=11)
+    with torch.device("meta"):
+        model = task.build()
+    model = plan.apply(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    step = plan.training_step(model, loss_fn_for(task))
+    for n in range(2):
+        inputs, targets = split_batch(task, task.batch(n))
+        step.step(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+    save(f"{root}/layers-{layers}", model, optimizer, step=2, plan=plan)
+
+
+def pp_safetensors_report(directory: str, layout: str, strict: bool
+                          ) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+    """``layout`` materialized by LoadSafetensors: this rank's report's unexpected and
+    missing keys and the number of tensors it loaded."""
+    import torch
+
+    from composer_par import LoadSafetensors, ParallelPlan
+
+    plan = ParallelPlan.from_toml(CHECKPOINT_LAYOUTS[layout][1]).use(
+        LoadSafetensors(path=directory, strict=strict))
+    with torch.device("meta"):
+        model = llama4.build()
+    plan.apply(model)
+    report = plan.notes["load_safetensors_report"]
+    return tuple(report.unexpected), tuple(report.missing), len(report.loaded)

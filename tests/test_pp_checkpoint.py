@@ -2,17 +2,17 @@
 
 A DCP checkpoint saved from PP x FSDP2 (one and two stages per rank) loads into FSDP2
 without a pipeline and into one process, and one saved without a pipeline loads into
-PP x FSDP2: every full tensor of model and optimizer (AdamW) state bitwise equal. The
-optimizer's parameter groups survive only the loads into a plan without a pipeline (an
-xfail test below: the checkpoint keeps rank 0's groups).
-LoadSafetensors into a pipeline reads on each rank only its stage's tensors (its shard
-of them).
+PP x FSDP2: every full tensor of model and optimizer (AdamW) state bitwise equal, and
+every rank's optimizer keeps the saved hyperparameters (the checkpoint holds every
+stage's parameter groups, not rank 0's alone).
 
-Under a pipeline a rank's model holds its stages' keys only, so the other stages' keys
-in a checkpoint or weights file are "unexpected" to the strict key checks of
-``checkpoint.load`` and LoadSafetensors, which do not know of pipelines yet: loading into
-a pipeline takes ``strict=False`` today (the xfail tests below say what is missing), and
-``export_safetensors`` plans its files from rank 0's keys alone.
+Under a pipeline a rank's model holds its stages' keys only. The strict key checks count
+the whole model: ``checkpoint.load`` calls a key unexpected only when no rank's model
+has it, LoadSafetensors' check at materialize knows the other stages' tensors from the
+plan's pipeline (``Pipeline.model_keys``), and both still refuse keys that no stage has
+or lacks. LoadSafetensors into a pipeline reads on each rank only its stage's tensors
+(its shard of them); ``export_safetensors`` from a pipeline writes every stage's tensors
+into one directory, byte for byte the files one process writes.
 """
 
 from __future__ import annotations
@@ -67,19 +67,29 @@ def test_pp_checkpoints_load_without_pp_into_one_process_and_back(tmp_path: Path
         assert_bitwise(saved[pair.split("->")[0]], loaded[pair], pair)
 
 
-def test_strict_load_into_a_pipeline_names_the_other_stages_keys(tmp_path: Path) -> None:
+def test_strict_load_into_a_pipeline_refuses_keys_no_stage_has_or_lacks(tmp_path: Path
+                                                                        ) -> None:
+    """Checkpoints of a llama with 5 and with 3 blocks, strictly into llama4 cut in two
+    stages: the fifth block's keys are in no stage; the fourth block's are missing from
+    stage 1. Every rank raises, and only those keys are named."""
     root = str(tmp_path)
-    run_ranks(workers.pp_save_many, 1, args=(root, ["one_process"]), timeout=300)
-    (got,) = run_ranks(workers.pp_load_many, 4, args=(root, [
-        ("one_process", "pp_fsdp2", True)]), timeout=300)[:1]
-    text = got["one_process->pp_fsdp2"]
-    assert isinstance(text, str) and text.startswith("KeyMismatchError"), text
-    assert "not in the model" in text
+    run_ranks(workers.pp_save_depth, 1, args=(root, 5), timeout=300)
+    run_ranks(workers.pp_save_depth, 1, args=(root, 3), timeout=300)
+    ranks = run_ranks(workers.pp_load_many, 4, args=(root, [
+        ("layers-5", "pp_fsdp2", True), ("layers-3", "pp_fsdp2", True)]), timeout=300)
+    for rank, got in enumerate(ranks):
+        deeper = got["layers-5->pp_fsdp2"]
+        assert isinstance(deeper, str) and deeper.startswith("KeyMismatchError"), deeper
+        assert "not in the model" in deeper and "layers.4." in deeper, deeper
+        assert "missing" not in deeper and "layers.3." not in deeper, deeper
+        shallower = got["layers-3->pp_fsdp2"]
+        assert isinstance(shallower, str) and "layers.3." in shallower, shallower
+        if rank >= 2:  # stage 1 (layers 2 and 3) lacks its last block
+            assert shallower.startswith("KeyMismatchError") and "missing" in shallower
+        else:  # its own keys are all there: it names the ranks that failed
+            assert "rank 2:" in shallower and "rank 3:" in shallower, shallower
 
 
-@pytest.mark.xfail(reason="checkpoint.save records the optimizer's parameter groups from "
-                   "rank 0 alone: loaded into a pipeline, the other stages' ranks get groups "
-                   "without lr, betas, eps and weight_decay", strict=True)
 def test_optimizer_groups_load_into_every_pipeline_rank(tmp_path: Path) -> None:
     root = str(tmp_path)
     run_ranks(workers.pp_save_many, 4, args=(root, ["pp_fsdp2"]), timeout=300)
@@ -90,8 +100,6 @@ def test_optimizer_groups_load_into_every_pipeline_rank(tmp_path: Path) -> None:
         assert groups[0].get("lr") == 0.01 and groups[0].get("betas") == (0.9, 0.999)
 
 
-@pytest.mark.xfail(reason="checkpoint.load's strict key check does not know of pipeline "
-                   "stages yet: keys other stages own count as unexpected", strict=True)
 def test_strict_load_into_a_pipeline(tmp_path: Path) -> None:
     root = str(tmp_path)
     saved = run_ranks(workers.pp_save_many, 1, args=(root, ["one_process"]), timeout=300)[0]
@@ -121,20 +129,48 @@ def test_load_safetensors_into_a_pipeline_reads_each_stages_own_tensors(tmp_path
         assert loaded[0] | loaded[2] == {k.removeprefix("model.") for k in exported}
 
 
-@pytest.mark.xfail(reason="LoadSafetensors' strict check at materialize does not know of "
-                   "pipeline stages yet: the other stages' tensors count as unexpected",
-                   strict=True)
 def test_strict_load_safetensors_into_a_pipeline(tmp_path: Path) -> None:
     directory = str(tmp_path / "hf")
-    run_ranks(workers.pp_export, 1, args=(directory, "one_process"), timeout=300)
-    run_ranks(workers.pp_load_safetensors, 4, args=(directory, "pp_fsdp2", True), timeout=300)
-
-
-@pytest.mark.xfail(reason="export_safetensors plans its files from rank 0's keys: under a "
-                   "pipeline those are stage 0's only", strict=True)
-def test_export_safetensors_from_a_pipeline(tmp_path: Path) -> None:
-    directory = str(tmp_path / "hf")
-    exported = run_ranks(workers.pp_export, 4, args=(directory, "pp_fsdp2"), timeout=300)[0]
-    ranks = run_ranks(workers.pp_load_safetensors, 1, args=(directory, "one_process"),
+    exported = run_ranks(workers.pp_export, 1, args=(directory, "one_process"),
+                         timeout=300)[0]
+    ranks = run_ranks(workers.pp_load_safetensors, 4, args=(directory, "pp_fsdp2", True),
                       timeout=300)
-    assert_bitwise(exported, ranks[0][0], "export from pp")
+    assert_bitwise(exported, ranks[0][0], "strict")
+    # Two parts per rank, each checked on its own; and not strict: a part's report lists
+    # no other stage's tensor as unexpected.
+    for layout, strict in (("pp_virtual_fsdp2", True), ("pp_fsdp2", False)):
+        reports = run_ranks(workers.pp_safetensors_report, 4,
+                            args=(directory, layout, strict), timeout=300)
+        for unexpected, missing, loaded in reports:
+            assert unexpected == () and missing == () and loaded > 0, (layout, unexpected)
+
+
+def _tensors_in_file_order(path: Path) -> list[str]:
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    header.pop("__metadata__", None)
+    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+
+
+def test_export_safetensors_from_a_pipeline(tmp_path: Path) -> None:
+    """Every stage's tensors in one Hugging Face-layout directory: it loads into one
+    process bitwise, and its bytes are those one process exports (same weights, the
+    whole model's order), with one and with two stages per rank."""
+    run_ranks(workers.pp_export, 1, args=(str(tmp_path / "one"), "one_process"), timeout=300)
+    alone = (tmp_path / "one" / "model.safetensors").read_bytes()
+    for layout in ("pp_fsdp2", "pp_virtual_fsdp2"):
+        directory = tmp_path / layout
+        exported = run_ranks(workers.pp_export, 4, args=(str(directory), layout),
+                             timeout=300)[0]
+        assert sorted(p.name for p in directory.iterdir()) == ["model.safetensors"], layout
+        ranks = run_ranks(workers.pp_load_safetensors, 1, args=(str(directory), "one_process"),
+                          timeout=300)
+        assert_bitwise(exported, ranks[0][0], f"export from {layout}")
+        written = directory / "model.safetensors"
+        assert _tensors_in_file_order(written) == _tensors_in_file_order(
+            tmp_path / "one" / "model.safetensors"), layout
+        assert written.read_bytes() == alone, layout

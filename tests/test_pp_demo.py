@@ -2,8 +2,8 @@
 
 The plan below is FSDP2 over dp_shard with ``[[plugins]] name = "pp"`` added: that table is
 the only change from a plan without a pipeline. The demo trains as the same plan without
-the pipeline does, and train.py trains and saves under torchrun. Resuming from a
-checkpoint saved under a pipeline does not work yet (the xfail tests say why).
+the pipeline does, and train.py trains and saves under torchrun; both resume from a
+checkpoint saved under the pipeline and continue as a run that never stopped.
 """
 
 from __future__ import annotations
@@ -53,11 +53,6 @@ name = "meta_init"
 seed = 0
 """
 
-RESUME_BUG = ("checkpoint.save records the optimizer's parameter groups from rank 0 alone: "
-              "under a pipeline the other stages' ranks load groups without their "
-              "parameters' hyperparameters (lr, betas) and their first step fails")
-
-
 def test_demo_with_a_pipeline_trains_as_without_one(tmp_path: Path) -> None:
     """4 ranks (pp 2 x dp_shard 2) against 2 (dp_shard 2): the same global batches from
     the same weights, so the same losses up to summation order."""
@@ -83,7 +78,6 @@ def test_without_the_pp_table_the_plan_is_refused_and_with_it_valid() -> None:
     assert ParallelPlan.from_toml(PLAN).validate(world_size=4).ok
 
 
-@pytest.mark.xfail(reason=RESUME_BUG, strict=True)
 def test_demo_with_a_pipeline_resumes_bitwise(tmp_path: Path) -> None:
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
@@ -114,7 +108,6 @@ def test_train_py_with_a_pipeline_trains_and_saves_under_torchrun(tmp_path: Path
     assert "step-000000002" in first
 
 
-@pytest.mark.xfail(reason=RESUME_BUG, strict=True)
 def test_train_py_with_a_pipeline_resumes_under_torchrun(tmp_path: Path) -> None:
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
