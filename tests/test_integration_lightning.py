@@ -1,0 +1,193 @@
+"""Lightning Fabric and the Lightning Trainer running composer_par plans.
+
+One launch of 4 gloo ranks trains every case (FSDP2 x TP 2 x 2 and HSDP x FSDP2 2 x 2, on
+a Hugging Face LlamaForCausalLM from config and on the project's Llama) through the plain
+plan loop, Fabric and the Trainer, saves and loads checkpoints every way, and tries the
+Trainer set-ups refused at setup; the tests below read its results. The refusals Lightning
+meets while building the strategy need no processes and run here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from composer_par.testing import run_ranks
+from tests import lightning_workers as workers
+
+pytest.importorskip("lightning")
+
+CASES = [("hf_llama", "fsdp2_tp"), ("hf_llama", "hsdp_fsdp2"), ("llama", "fsdp2_tp"),
+         ("llama", "hsdp_fsdp2")]
+KEYS = [f"{kind}/{plan}" for kind, plan in CASES]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("lightning")
+    return run_ranks(workers.run_all, 4, args=(str(root), CASES), timeout=900)
+
+
+def _each(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    out = [r[key] for r in ranks]
+    for result in out:
+        assert "error" not in result, result.get("error")
+    return out
+
+
+def _close(losses: list[float], expected: list[float]) -> bool:
+    return len(losses) == len(expected) and all(
+        abs(a - b) <= 1e-5 + 1.3e-6 * abs(b) for a, b in zip(losses, expected, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", KEYS)
+def test_fabric_trains_as_the_plain_loop(ranks: list[dict[str, Any]], key: str) -> None:
+    for result in _each(ranks, key):
+        fabric = result["fabric"]
+        # built on meta by fabric.init_module, the plan's mesh (its dims, its object), the
+        # sampler from plan.data_shard()
+        assert fabric["on_meta"] and fabric["plans_mesh"] and fabric["sampler"]
+        assert fabric["mesh"] == (("dp_shard", "tp") if "fsdp2_tp" in key
+                                  else ("dp_replicate", "dp_shard"))
+        assert len(fabric["losses"]) == workers.STEPS
+        assert _close(fabric["losses"], result["plain_losses"]), (fabric["losses"],
+                                                                   result["plain_losses"])
+        assert fabric["losses"][-1] < fabric["losses"][0]
+        same = result["fabric_vs_plain"]
+        assert same["count"] > 0 and same["close"], same
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", KEYS)
+def test_trainer_trains_as_the_plain_loop(ranks: list[dict[str, Any]], key: str) -> None:
+    for result in _each(ranks, key):
+        assert result["trainer_steps"] == workers.STEPS
+        assert _close(result["trainer_losses"], result["plain_losses"]), (
+            result["trainer_losses"], result["plain_losses"])
+        same = result["trainer_vs_plain"]
+        assert same["count"] > 0 and same["close"], same
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", KEYS)
+def test_checkpoints_cross_between_lightning_and_composer_par(ranks: list[dict[str, Any]],
+                                                              key: str) -> None:
+    for result in _each(ranks, key):
+        # fabric.save -> composer_par.checkpoint.load, and the other way round, bitwise
+        assert result["plain_loaded_fabric"]["bitwise"], result["plain_loaded_fabric"]
+        assert result["plain_loaded_extra"] == {"epoch": workers.SAVE_AT}
+        assert result["fabric_loaded_plain"]["bitwise"], result["fabric_loaded_plain"]
+        assert result["fabric_loaded_epoch"] == workers.SAVE_AT
+        # trainer.save_checkpoint -> composer_par.checkpoint.load, with Lightning's state
+        assert result["plain_loaded_trainer"]["bitwise"], result["plain_loaded_trainer"]
+        assert result["plain_loaded_trainer_epoch"] == workers.SAVE_AT - 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", KEYS)
+def test_resume_through_the_adapters_continues_bitwise(ranks: list[dict[str, Any]],
+                                                       key: str) -> None:
+    for result in _each(ranks, key):
+        tail = workers.STEPS - workers.SAVE_AT
+        assert result["fabric_resumed"]["bitwise"], result["fabric_resumed"]
+        assert result["fabric_resumed_losses"] == result["fabric"]["losses"][-tail:]
+        assert result["trainer_resumed"]["bitwise"], result["trainer_resumed"]
+        assert result["trainer_resumed_losses"] == result["trainer_losses"][-tail:]
+        assert result["trainer_resumed_steps"] == workers.STEPS
+
+
+@pytest.mark.distributed
+def test_trainer_refuses_a_module_the_plan_cannot_own(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        # CP707: a parameter outside the submodule the plan applies to; CP702: a model
+        # configure_model already sharded
+        assert result["refusals"] == {"outside": ["CP707"], "configure_model": ["CP702"]}
+
+
+# -- refused while Lightning builds the strategy: no processes -------------------------------
+
+
+def _fabric(plan: Any, devices: int = 4, **kwargs: Any) -> Any:
+    from lightning.fabric import Fabric
+
+    from composer_par.integrations.lightning import FabricStrategy
+
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k != "precision"}
+    return Fabric(strategy=FabricStrategy(plan, **settings), devices=devices,
+                  accelerator="cpu", **kwargs)
+
+
+def _codes(build: Any) -> list[str]:
+    from composer_par.integrations.errors import IntegrationError
+
+    with pytest.raises(IntegrationError) as info:
+        build()
+    assert "nothing was built" in str(info.value)
+    return info.value.report.codes()
+
+
+def test_a_plan_that_fits_is_accepted() -> None:
+    fabric = _fabric(workers.make_plan("fsdp2_tp"), data_parallel_size=2,
+                     tensor_parallel_size=2, timeout=300)
+    assert fabric.world_size == 4
+
+
+def test_precision_over_the_plans_mixed_precision_is_refused() -> None:
+    import lightning as L
+
+    from composer_par.integrations.lightning import TrainerStrategy
+
+    plan = workers.make_plan("fsdp2_bf16")
+    assert _codes(lambda: _fabric(plan, precision="bf16-mixed")) == ["CP701"]
+    assert _codes(lambda: L.Trainer(strategy=TrainerStrategy(plan), devices=4,
+                                    accelerator="cpu", precision="bf16-true",
+                                    logger=False)) == ["CP701"]
+    # no mixed precision in the plan: Lightning's precision is the only one
+    _fabric(workers.make_plan("fsdp2_tp"), precision="bf16-mixed")
+
+
+def test_strategy_settings_the_plan_decides_are_refused() -> None:
+    plan = workers.make_plan("fsdp2_tp")
+    assert _codes(lambda: _fabric(plan, parallelize_fn=lambda m, mesh: m)) == ["CP702"]
+    assert _codes(lambda: _fabric(plan, data_parallel_size=4)) == ["CP703"]
+    assert _codes(lambda: _fabric(plan, tensor_parallel_size=4)) == ["CP703"]
+    assert _codes(lambda: _fabric(plan, timeout=timedelta(seconds=60))) == ["CP706"]
+    assert _codes(lambda: _fabric(plan, save_distributed_checkpoint=False)) == ["CP706"]
+
+
+def test_a_process_count_the_plan_does_not_fit_is_refused() -> None:
+    import lightning as L
+
+    from composer_par.integrations.lightning import TrainerStrategy
+
+    plan = workers.make_plan("hsdp_fsdp2")
+    assert _codes(lambda: _fabric(plan, devices=2)) == ["CP704"]
+    assert _codes(lambda: L.Trainer(strategy=TrainerStrategy(plan), devices=8,
+                                    accelerator="cpu", logger=False)) == ["CP704"]
+
+
+def test_a_pipeline_plan_is_refused() -> None:
+    import lightning as L
+
+    from composer_par.integrations.lightning import TrainerStrategy
+
+    plan = workers.make_plan("pp", world=2)
+    assert _codes(lambda: _fabric(plan, devices=2)) == ["CP705"]
+    assert _codes(lambda: L.Trainer(strategy=TrainerStrategy(plan), devices=2,
+                                    accelerator="cpu", logger=False)) == ["CP705"]
+
+
+def test_composer_par_does_not_import_lightning() -> None:
+    code = ("import sys, composer_par, composer_par.integrations, "
+            "composer_par.integrations.errors\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in "
+            "('lightning', 'lightning_fabric', 'pytorch_lightning')], 'lightning imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert done.returncode == 0, done.stderr
