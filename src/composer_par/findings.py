@@ -211,6 +211,37 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
     # CP7xx: a trainer a plan runs inside (composer_par.integrations); found by the
     # adapters before anything is built.
     # -- Lightning Fabric and Trainer: CP701-CP709 --
+    Rule("CP701", _E, "Lightning's precision over the plan's mixed precision",
+         "keep one: precision=\"32-true\" with the plan's mixed_precision, or drop "
+         "mixed_precision from the plan",
+         "plan = ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2(mixed_precision=\"bfloat16\"))\n"
+         "Fabric(strategy=FabricStrategy(plan), devices=4, precision=\"bf16-mixed\")"),
+    Rule("CP702", _E, "the model is parallelized outside the plan",
+         "drop parallelize_fn (or the parallelism in configure_model); let the strategy "
+         "apply the plan to a plainly built model",
+         "FabricStrategy(plan, parallelize_fn=my_parallelize)"),
+    Rule("CP703", _E, "Lightning's mesh sizes disagree with the plan's mesh",
+         "drop data_parallel_size and tensor_parallel_size: the plan's mesh is the "
+         "strategy's mesh",
+         "plan = ParallelPlan(MeshSpec(dp_shard=2, tp=2)).use(FSDP2()).use(TP())\n"
+         "FabricStrategy(plan, data_parallel_size=4)"),
+    Rule("CP704", _E, "Lightning's process count does not match the plan",
+         "set devices x num_nodes to the plan's world size, or change the mesh sizes",
+         "plan = ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())\n"
+         "Fabric(strategy=FabricStrategy(plan), devices=2)"),
+    Rule("CP705", _E, "a pipeline plan in Lightning's loop",
+         "train a pipeline plan with plan.training_step in a loop of your own",
+         "plan = ParallelPlan(MeshSpec(pp=2)).use(PP()).use(MetaInit())\n"
+         "Fabric(strategy=FabricStrategy(plan), devices=2)"),
+    Rule("CP706", _E, "a strategy setting the plan decides",
+         "drop the setting: give the plan its timeout; export full weights with "
+         "export_safetensors",
+         "FabricStrategy(plan, save_distributed_checkpoint=False)"),
+    Rule("CP707", _E, "LightningModule parameters outside the module the plan applies to",
+         "move them into that submodule, or apply the plan to the whole LightningModule "
+         "(TrainerStrategy(plan, module=\"\"))",
+         "lit.scale = nn.Parameter(torch.ones(1))  # beside lit.model\n"
+         "Trainer(strategy=TrainerStrategy(plan), devices=4).fit(lit)"),
     # -- accelerate and the Hugging Face Trainer: CP711-CP719 --
 )
 
