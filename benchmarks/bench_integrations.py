@@ -1,0 +1,239 @@
+"""One training step through a trainer's adapter vs the plain plan loop, same plan.
+
+One function per adapter: each trains the same plan on the same Llama (built on meta,
+MetaInit, so every side starts from the same weights) on 4 gloo ranks, through the
+trainer and through the plain loop (``plan.training_step`` and a torch AdamW), timing
+the steps of both interleaved in one run, so that machine noise hits them alike. A step's
+wall time is the slowest rank's (ranks start each step together, after a barrier); its
+CPU time is what all ranks' processes spent.
+
+* ``lightning``: Lightning Fabric (``FabricStrategy``: forward, ``fabric.backward``, step,
+  zero_grad, and the loss averaged over the ranks as ``plan.training_step`` returns it)
+  and the Lightning Trainer (``TrainerStrategy``: one ``training_step`` per batch, timed
+  by a callback from batch start to batch end, its optimizer step and hooks included).
+  The Trainer's fit is the outer loop: between two of its steps the callback runs one
+  plain step and one Fabric step, alternating which goes first.
+
+    .venv/bin/python benchmarks/bench_integrations.py [--adapter lightning] [--repeats 30]
+
+Prints per adapter the minima and medians of each side and the ratios adapter / plain
+(target <= 1.03): on a shared machine read the ratios of minima, and CPU time, first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+TARGET = 1.03
+RANKS = 4
+MESH = {"dp_shard": 2, "tp": 2}
+
+
+def _plan() -> Any:
+    from composer_par import FSDP2, TP, MeshSpec, MetaInit, ParallelPlan
+
+    return ParallelPlan(MeshSpec(**MESH)).use(FSDP2()).use(TP()).use(MetaInit(seed=0))
+
+
+def _llama(layers: int, dim: int, seq: int) -> Any:
+    from composer_par.models.llama import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2,
+                             ffn_hidden=2 * dim, max_seq_len=seq))
+
+
+def _loss(outputs: Any, tokens: Any) -> Any:
+    from composer_par.models.llama import next_token_loss
+
+    return next_token_loss(outputs, tokens)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+# -- Lightning ------------------------------------------------------------------------------
+
+
+def lightning_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
+                   warmup: int) -> dict[str, Any]:
+    """Rank side: the Trainer's fit drives; plain and Fabric steps run between its steps."""
+    import lightning as L
+    import structlog
+    import torch
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from composer_par.integrations.lightning import FabricStrategy, TrainerStrategy
+
+    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
+    gen = torch.Generator().manual_seed(0)
+    vocab = 256
+    steps = warmup + repeats
+    tokens = torch.randint(0, vocab, (batch * steps, seq), generator=gen)
+
+    plain_plan = _plan()
+    with torch.device("meta"):
+        plain_model = _llama(layers, dim, seq)
+    plain_model = plain_plan.apply(plain_model)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
+    plain_step = plain_plan.training_step(plain_model, _loss)
+    index, count = plain_plan.data_shard()
+    per_rank = batch // count
+
+    fabric = Fabric(strategy=FabricStrategy(_plan()), devices=RANKS, accelerator="cpu")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        fabric_model = _llama(layers, dim, seq)
+    fabric_model = fabric.setup_module(fabric_model)
+    fabric_opt = fabric.setup_optimizers(torch.optim.AdamW(fabric_model.parameters(), lr=1e-4))
+
+    def local(step: int) -> Any:
+        return tokens[step * batch:(step + 1) * batch].chunk(count)[index]
+
+    def plain(step: int) -> tuple[float, float]:
+        x = local(step)
+        clock = _Clock()
+        plain_step.step(x, x)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        return clock.stop()
+
+    def through_fabric(step: int) -> tuple[float, float]:
+        x = local(step)
+        clock = _Clock()
+        loss = _loss(fabric_model(x), x)
+        fabric.backward(loss)
+        fabric_opt.step()
+        fabric_opt.zero_grad()
+        fabric.all_reduce(loss.detach(), reduce_op="mean")
+        return clock.stop()
+
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "fabric": [], "trainer": []}
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: Any = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = _llama(layers, dim, seq)
+
+        def training_step(self, data: Any, batch_idx: int) -> Any:
+            (x,) = data
+            loss = _loss(self.model(x), x)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    class Interleave(L.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, data: Any, i: int) -> None:
+            self.clock = _Clock()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, out: Any, data: Any,
+                               i: int) -> None:
+            spent = self.clock.stop()
+            sides: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
+                ("plain", plain), ("fabric", through_fabric)]
+            for name, run in sides if i % 2 == 0 else sides[::-1]:
+                taken = run(i)
+                if i >= warmup:
+                    times[name].append(taken)
+            if i >= warmup:
+                times["trainer"].append(spent)
+
+    # The Trainer's sampler (from plan.data_shard()) gives each rank what local() does:
+    # without shuffling, rank r of n reads samples r, r + n, ...; the plain and Fabric
+    # sides read contiguous chunks, which is the same amount of work.
+    trainer = L.Trainer(strategy=TrainerStrategy(_plan()), devices=RANKS, accelerator="cpu",
+                        max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[Interleave()])
+    trainer.fit(Lit(), DataLoader(TensorDataset(tokens), batch_size=per_rank))
+    return times
+
+
+def bench_lightning(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_par.testing.distributed import run_ranks
+
+    results = run_ranks("bench_integrations:lightning_rank", RANKS,
+                        args=(args.layers, args.dim, args.seq, args.batch, args.repeats,
+                              args.warmup), timeout=1800)
+    return _summarize("lightning", results, ("fabric", "trainer"), args.repeats)
+
+
+def _summarize(adapter: str, results: list[dict[str, Any]], sides: tuple[str, ...],
+               repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"adapter": adapter, "sides": {}}
+    for metric, index, combine in (("wall", 0, max), ("cpu", 1, sum)):
+        plain = [combine(r["plain"][i][index] for r in results) for i in range(repeats)]
+        for side in sides:
+            theirs = [combine(r[side][i][index] for r in results) for i in range(repeats)]
+            out["sides"].setdefault(side, {})[metric] = {
+                "min_ms": min(theirs) * 1e3, "plain_min_ms": min(plain) * 1e3,
+                "median_ms": statistics.median(theirs) * 1e3,
+                "plain_median_ms": statistics.median(plain) * 1e3,
+                "ratio_min": min(theirs) / min(plain),
+                "ratio_median": statistics.median(theirs) / statistics.median(plain)}
+    return out
+
+
+ADAPTERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "lightning": bench_lightning,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--adapter", choices=sorted(ADAPTERS), action="append",
+                        help="the adapters to measure (default: all)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+
+    load_before = os.getloadavg()
+    reports = [ADAPTERS[name](args) for name in (args.adapter or sorted(ADAPTERS))]
+    load_after = os.getloadavg()
+    if args.json:
+        print(json.dumps({"target": TARGET, "mesh": MESH, "reports": reports,
+                          "load_average": [load_before[0], load_after[0]]}, indent=2))
+        return
+    print(f"one training step through a trainer's adapter vs the plain plan loop: plan "
+          f"FSDP2 x TP {MESH}, Llama {args.layers} blocks, dim {args.dim}, seq {args.seq}, "
+          f"global batch {args.batch}, {RANKS} gloo ranks, {args.repeats} interleaved "
+          f"repeats ({os.cpu_count()} cores; load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after)")
+    for report in reports:
+        for side, metrics in report["sides"].items():
+            print(f"  {report['adapter']}: {side}")
+            for metric, m in metrics.items():
+                label = "wall (slowest rank)" if metric == "wall" else "cpu (all ranks)"
+                verdict = "meets" if m["ratio_min"] <= TARGET else "MISSES"
+                print(f"    {label:20s} min {m['min_ms']:7.1f} ms, plain "
+                      f"{m['plain_min_ms']:7.1f} ms: ratio {m['ratio_min']:.3f} ({verdict} "
+                      f"<= {TARGET})   median {m['median_ms']:7.1f} ms, plain "
+                      f"{m['plain_median_ms']:7.1f} ms: ratio {m['ratio_median']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
