@@ -192,9 +192,19 @@ class WeightsLoader(Plugin):
     def _uninitializable(self, model: nn.Module, missing: set[str]) -> list[Finding]:
         from composer_par.plugin.initialize import initializer, post_order
 
-        pick = initializer(model, self.init_fn)
+        needing = _needing_init(post_order(model), missing)
+        try:
+            pick = initializer(model, self.init_fn)
+        except (ImportError, AttributeError) as exc:
+            if not needing:
+                return []
+            path, module, why = needing[0]
+            return [Finding(
+                "CP418", f"module {clean_name(path) or '<root>'} ({type(module).__name__}) "
+                f"owns {why}, which no file provides, and init_fn {self.init_fn!r} cannot be "
+                f"imported: {exc}", fix="give init_fn as 'importable.module:function'")]
         found = []
-        for path, module, why in _needing_init(post_order(model), missing):
+        for path, module, why in needing:
             if pick(module) is None:
                 found.append(Finding(
                     "CP418", f"module {clean_name(path) or '<root>'} "
