@@ -57,10 +57,11 @@ def test_pp_checkpoints_load_without_pp_into_one_process_and_back(tmp_path: Path
         ("one_process", "pp_fsdp2", False), ("pp_fsdp2", "pp_virtual_fsdp2", False)]),
         timeout=600)
     loaded = {**one, **ranks[0]}
-    # Without a pipeline every rank's optimizer keeps the saved hyperparameters.
-    for rank in ranks:
-        for pair in ("pp_fsdp2->fsdp2_4", "pp_virtual_fsdp2->fsdp2_4"):
-            assert rank[pair]["held"] and rank[pair]["groups"][0]["lr"] == 0.01, pair
+    # With and without a pipeline every rank's optimizer keeps the saved hyperparameters.
+    for rank in [*ranks, one]:
+        for pair, got in rank.items():
+            assert got["held"] and got["groups"][0]["lr"] == 0.01, pair
+            assert got["groups"][0]["weight_decay"] == 0.1, pair
     for pair in ["pp_fsdp2->one_process", "pp_virtual_fsdp2->one_process",
                  "pp_fsdp2->fsdp2_4", "pp_virtual_fsdp2->fsdp2_4",
                  "one_process->pp_fsdp2", "pp_fsdp2->pp_virtual_fsdp2"]:
