@@ -107,6 +107,125 @@ def test_digests_do_not_depend_on_torch_s_own_crcs(tmp_path: Path) -> None:
     assert "differ from what was committed" in ck.verify(directory)[0]
 
 
+def test_the_crc32_used_is_zlib_s_function_computed_by_zlib_ng() -> None:
+    """The digests are zlib's CRC-32, whatever computes them: zlib-ng's (the declared
+    dependency, several times faster) must give zlib's values, for small inputs (hashed
+    holding the GIL) and large ones, and continued across pieces."""
+    import random
+    import zlib
+
+    from zlib_ng import zlib_ng
+
+    from composer_par.checkpoint import integrity
+
+    assert integrity.crc32 is zlib_ng.crc32
+    rng = random.Random(5)
+    for size in (0, 1, 5 * 1024 - 1, 5 * 1024 + 1, 3 * 2**20 + 7):
+        data = rng.randbytes(size)
+        assert integrity.crc32(data) == zlib.crc32(data), size
+        cut = size // 3
+        assert integrity.crc32(data[cut:], integrity.crc32(data[:cut])) == zlib.crc32(data)
+
+
+def test_a_checkpoint_digested_by_zlib_itself_loads_and_verifies(saved: Path) -> None:
+    """A commit record written by an older version (stdlib zlib's CRC-32) is read as it
+    always was: every segment recomputed with zlib, the step still verifies and loads, and
+    a flipped byte is still found."""
+    import zlib
+
+    from composer_par.checkpoint.integrity import FileRecord, Manifest
+
+    manifest = steps.read_manifest(saved)
+    assert manifest is not None
+    files = {}
+    for name, record in manifest.files.items():
+        data = (saved / name).read_bytes()
+        files[name] = FileRecord(record.size, tuple(
+            (o, n, zlib.crc32(data[o:o + n])) for o, n, _ in record.segments))
+    assert files == manifest.files
+    steps.commit(saved, 3, Manifest(saved, files))
+    assert ck.verify(saved) == []
+    model, optimizer, _ = fresh()
+    ck.load(saved, model, optimizer)
+    flip(saved / "__0_0.distcp", 3000)
+    model, optimizer, _ = fresh()
+    with pytest.raises(CorruptFileError, match="differ from what was committed"):
+        ck.load(saved, model, optimizer)
+
+
+def _verify_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("composer-par-verify")]
+
+
+def _wait_for_no_verify_thread() -> None:
+    deadline = time.monotonic() + 10
+    while _verify_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _verify_threads() == []
+
+
+@pytest.mark.parametrize("prepared", ["none", "part"])
+def test_chunks_not_checked_ahead_are_checked_before_they_are_read(
+        saved: Path, prepared: str) -> None:
+    """The checks start from the rank's own plan, before DCP exchanges the plans; a reader
+    whose read plan holds chunks it did not check ahead (no plan prepared, or only part of
+    it) checks those before reading them, and no checking thread or open file is left."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from composer_par.checkpoint.dcp import read_metadata
+    from composer_par.checkpoint.errors import dcp_errors
+    from composer_par.checkpoint.integrity import verifying_reader
+
+    key = "model.layers.1.attention.wq.weight"
+    metadata = read_metadata(saved)
+    (chunk,) = [v for k, v in metadata.storage_data.items() if k.fqn == key]
+    flip(saved / "__0_0.distcp", chunk.offset + chunk.length // 2)
+    manifest = steps.read_manifest(saved)
+    assert manifest is not None
+    model, _, before = fresh()
+    reader = verifying_reader(saved, metadata, manifest)
+
+    def prepare(plan: Any) -> Any:
+        plan = FileSystemReader.prepare_local_plan(reader, plan)
+        if prepared == "part":  # everything but the corrupt chunk
+            reader._start(manifest, [i for i in plan.items if i.storage_index.fqn != key])
+        return plan
+
+    reader.prepare_local_plan = prepare
+    open_files = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(CorruptFileError, match=rf"__0_0\.distcp: bytes {chunk.offset}-.* "
+                       rf"\({key}\) differ"), dcp_errors("loading"):
+        dcp.load({"model": model.state_dict()}, storage_reader=reader, no_dist=True)
+    assert torch.equal(state(model)["layers.1.attention.wq.weight"],
+                       before["layers.1.attention.wq.weight"])
+    _wait_for_no_verify_thread()
+    assert len(os.listdir("/proc/self/fd")) == open_files
+
+
+def test_checks_started_for_a_load_that_never_reads_end_by_themselves(saved: Path) -> None:
+    """A load that fails after this rank's plan was made (another rank's plan, say) never
+    reaches read_data: the checks started for it finish, close their files and end."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from composer_par.checkpoint.dcp import read_metadata
+    from composer_par.checkpoint.integrity import verifying_reader
+
+    metadata = read_metadata(saved)
+    model, _, _ = fresh()
+    open_files = len(os.listdir("/proc/self/fd"))
+    reader = verifying_reader(saved, metadata, steps.read_manifest(saved))
+    reader.set_up_storage_reader(metadata, True)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"model": model.state_dict()}, metadata, True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    assert plan.items and reader.checker is not None
+    _wait_for_no_verify_thread()
+    assert len(os.listdir("/proc/self/fd")) == open_files
+
+
 def test_flipped_bytes_in_a_shard_are_found_by_every_reader(
         saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shard = saved / "__0_0.distcp"
