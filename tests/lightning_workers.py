@@ -240,6 +240,7 @@ def _lit_module(kind: str) -> Any:
         def configure_model(self) -> None:
             if self.model is None:
                 self.model = build(kind)
+                self.built_on_meta = all(p.is_meta for p in self.model.parameters())
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             (tokens,) = batch
@@ -285,7 +286,7 @@ def trainer_run(kind: str, plan_name: str, save_dir: str, *, resume: bool = Fals
                         callbacks=[] if resume else [SaveAt()])
     trainer.fit(lit, ckpt_path=save_dir if resume else None)
     return {"losses": lit.losses, "final": full(lit.model), "at_save": lit.at_save,
-            "global_step": trainer.global_step}
+            "global_step": trainer.global_step, "built_on_meta": lit.built_on_meta}
 
 
 def trainer_refusals() -> dict[str, list[str]]:
@@ -364,6 +365,7 @@ def run_all(root: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
                 "trainer_losses": tr["losses"],
                 "trainer_vs_plain": compare(tr["final"], ref["final"]),
                 "trainer_steps": tr["global_step"],
+                "trainer_built_on_meta": tr["built_on_meta"],
                 "trainer_resumed": compare(tr_resumed["final"], tr["final"]),
                 "trainer_resumed_losses": tr_resumed["losses"],
                 "trainer_resumed_steps": tr_resumed["global_step"],

@@ -67,6 +67,8 @@ def test_fabric_trains_as_the_plain_loop(ranks: list[dict[str, Any]], key: str) 
 @pytest.mark.parametrize("key", KEYS)
 def test_trainer_trains_as_the_plain_loop(ranks: list[dict[str, Any]], key: str) -> None:
     for result in _each(ranks, key):
+        # configure_model built the model on meta without asking; the plan materialized it
+        assert result["trainer_built_on_meta"]
         assert result["trainer_steps"] == workers.STEPS
         assert _close(result["trainer_losses"], result["plain_losses"]), (
             result["trainer_losses"], result["plain_losses"])
@@ -181,6 +183,23 @@ def test_a_pipeline_plan_is_refused() -> None:
     assert _codes(lambda: _fabric(plan, devices=2)) == ["CP705"]
     assert _codes(lambda: L.Trainer(strategy=TrainerStrategy(plan), devices=2,
                                     accelerator="cpu", logger=False)) == ["CP705"]
+
+
+# torch.compile's first use imports dynamo, whose torch.jit use warns on this torch.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_compiled_lightning_module_is_refused_by_lightning() -> None:
+    """Compile on both sides cannot happen in the Trainer: Lightning itself refuses a
+    compiled LightningModule under a model-parallel strategy, before any process starts
+    (the plan's Compile plugin compiles per block)."""
+    import lightning as L
+    import torch
+
+    from composer_par.integrations.lightning import TrainerStrategy
+
+    trainer = L.Trainer(strategy=TrainerStrategy(workers.make_plan("fsdp2_tp")), devices=4,
+                        accelerator="cpu", logger=False, max_epochs=1)
+    with pytest.raises(RuntimeError, match="compiled model is incompatible"):
+        trainer.fit(torch.compile(workers._lit_module("llama")))
 
 
 def test_composer_par_does_not_import_lightning() -> None:

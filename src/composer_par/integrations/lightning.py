@@ -458,6 +458,7 @@ class TrainerStrategy(_PlanMixin, _TrainerModelParallel):
             raise TypeError("the plan replaced the LightningModule itself; apply it to a "
                             "submodule: TrainerStrategy(plan, module=...)")
         self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()  # what the plan did not place (buffers outside its module)
         _clip_across_meshes(self.precision_plugin)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
