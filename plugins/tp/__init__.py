@@ -179,10 +179,12 @@ class TP(Plugin):
 
     # -- model-aware validation ------------------------------------------------------
 
-    def resolve(self, model: nn.Module, tp_size: int) -> Resolution:
+    def resolve(self, model: nn.Module, tp_size: int, *, starts: bool = True,
+                ends: bool = True) -> Resolution:
         """Which module gets which style (patterns expanded, defaults filled), with the
-        model-aware findings. Mutates nothing."""
-        return resolve(self, model, tp_size)
+        model-aware findings. Mutates nothing. ``starts``/``ends``: ``model`` begins /
+        ends the whole model (a pipeline stage may do neither)."""
+        return resolve(self, model, tp_size, starts=starts, ends=ends)
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module, mesh: MeshSpec) -> list[Finding]:
@@ -200,7 +202,13 @@ class TP(Plugin):
         size = ctx.mesh.size(self.dim)
         if size == 1:
             return f"{self.dim}(1): nothing to split"
-        resolution = self.resolve(ctx.model, size)
+        # A pipeline stage may lack the model's start (embedding) or end (norm, head).
+        stage, last = None, None
+        if ctx.pipeline is not None:
+            stage = next((p.stage for p in ctx.pipeline.parts if p.module is ctx.model), None)
+            last = ctx.pipeline.num_stages - 1
+        resolution = self.resolve(ctx.model, size, starts=stage in (None, 0),
+                                  ends=stage in (None, last))
         errors = [f for f in resolution.findings if f.severity.value == "error"]
         if errors:  # validate() ran already; the model changed since (a convert stage)
             raise RuntimeError("TP plan no longer fits the model:\n" +

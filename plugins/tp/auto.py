@@ -139,9 +139,17 @@ HF_SOURCE = "Hugging Face tp plan"
 
 def auto_plan(
     model: nn.Module, modules: Mapping[str, Any], parameters: Mapping[str, tuple[Any, str]],
-    sequence_parallel: bool, loss_parallel: bool,
+    sequence_parallel: bool, loss_parallel: bool, *, starts: bool = True, ends: bool = True,
 ) -> AutoPlan:
-    """The auto plan: the model's own Hugging Face tp plan, else recognized names."""
+    """The auto plan: the model's own Hugging Face tp plan, else recognized names.
+
+    ``starts``/``ends``: ``model`` begins / ends the whole model. A pipeline stage after
+    the first lacks the token embedding, one before the last the norm and output head;
+    with sequence parallel such a stage takes / hands on the residual stream as it is
+    between blocks (each tp rank's sequence shard), so only the stage that starts the
+    model needs the embedding that shards the stream and only the one that ends it the
+    head that gathers it.
+    """
     hf = hf_tp_plan(model)
     family = _family(modules)
     if hf:
@@ -149,7 +157,8 @@ def auto_plan(
         problem = None
         if not entries:
             problem = "the model's Hugging Face tp plan matches none of its modules"
-        elif loss_parallel and not any(s.style == "colwise_gather" for _, s in entries):
+        elif loss_parallel and ends and not any(s.style == "colwise_gather"
+                                                for _, s in entries):
             problem = ("loss_parallel = true, but the model's Hugging Face tp plan has no "
                        "gathered output head (colwise_gather_output) to keep sharded")
         return AutoPlan(entries, HF_SOURCE, problem, tuple(fallbacks))
@@ -157,8 +166,8 @@ def auto_plan(
         entries, fallbacks = _llama_plan(model, modules, family, sequence_parallel)
         problem = None
         styles = {s.style for _, s in entries}
-        if sequence_parallel and not (styles & {"embedding_rowwise"} and
-                                      styles & {"colwise_gather"}):
+        if sequence_parallel and not ((styles & {"embedding_rowwise"} or not starts) and
+                                      (styles & {"colwise_gather"} or not ends)):
             # A vision model (ViT: a patch convolution, a classifier) has neither.
             problem = ("sequence_parallel = true, but the auto plan found no token embedding "
                        f"({'/'.join(EMBEDDING_NAMES)}) or no output head "
@@ -173,7 +182,7 @@ def auto_plan(
                        f"{', '.join(left)} whole (a fused q/k/v projection): a module "
                        "left whole between sequence-sharded norms has no sequence-parallel "
                        "layout")
-        elif loss_parallel and "colwise_gather" not in styles:
+        elif loss_parallel and ends and "colwise_gather" not in styles:
             problem = ("loss_parallel = true, but the auto plan found no output head "
                        f"({'/'.join(OUTPUT_NAMES)}) in {type(model).__name__} to keep "
                        "sharded on the vocabulary")

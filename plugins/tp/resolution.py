@@ -58,7 +58,10 @@ class Resolution:
     fallbacks: tuple[Fallback, ...] = ()
 
 
-def resolve(tp: TP, model: nn.Module, tp_size: int) -> Resolution:
+def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
+            ends: bool = True) -> Resolution:
+    """``starts``/``ends``: whether ``model`` begins / ends the whole model (False for a
+    pipeline stage after the first / before the last; see :func:`.auto.auto_plan`)."""
     modules = modules_by_name(model)
     parameters = parameters_by_name(modules)
     findings: list[Finding] = []
@@ -80,7 +83,8 @@ def resolve(tp: TP, model: nn.Module, tp_size: int) -> Resolution:
                 "model.named_modules()] to see them",
             ))
     else:
-        auto = auto_plan(model, modules, parameters, tp.sequence_parallel, tp.loss_parallel)
+        auto = auto_plan(model, modules, parameters, tp.sequence_parallel, tp.loss_parallel,
+                         starts=starts, ends=ends)
         parsed, source, fallbacks = auto.entries, auto.source, auto.fallbacks
         if auto.problem:
             findings.append(Finding("CP408", auto.problem, fix=(
@@ -105,7 +109,7 @@ def resolve(tp: TP, model: nn.Module, tp_size: int) -> Resolution:
                 table.setdefault(name, (pattern, spec))
     specs = {name: chosen[name][1] for name in modules if name in chosen}
     if source == HF_SOURCE and tp.sequence_parallel and specs:
-        specs, problem = hf_sequence_parallel(specs, modules)
+        specs, problem = hf_sequence_parallel(specs, modules, starts=starts, ends=ends)
         if problem:
             findings.append(Finding("CP408", problem, fix=(
                 "set sequence_parallel = false, or give TP(plan={...}) explicitly with the "

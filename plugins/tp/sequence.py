@@ -38,12 +38,20 @@ def is_norm(module: Any) -> bool:
     return name.endswith("Norm") or "LayerNorm" in name or "RMSNorm" in name
 
 
-def hf_sequence_parallel(specs: Mapping[str, StyleSpec], modules: Mapping[str, Any]) -> tuple[
+def hf_sequence_parallel(specs: Mapping[str, StyleSpec], modules: Mapping[str, Any], *,
+                         starts: bool = True, ends: bool = True) -> tuple[
     dict[str, StyleSpec], str | None
 ]:
     """The Hugging Face plan's entries (module path -> spec) with sequence-parallel layouts,
-    and a reason when this model's plan cannot have them (nothing else changes then)."""
+    and a reason when this model's plan cannot have them (nothing else changes then).
+    ``starts``/``ends``: the model begins / ends the whole model (a pipeline stage may
+    not)."""
     out = dict(specs)
+    if not (starts and ends):
+        return out, ("sequence_parallel = true on a pipeline stage of a model laid out by "
+                     "its Hugging Face tp plan: that layout keeps the residual stream a "
+                     "DTensor (the model computes positions from its full shape), which "
+                     "the pipeline's point-to-point sends between stages cannot carry")
     embeddings = [p for p, s in specs.items() if s.style in _EMBEDDINGS]
     heads = [p for p, s in specs.items() if s.style == "colwise_gather" and "." not in p]
     if not embeddings:
