@@ -379,3 +379,61 @@ def run_all(root: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
     results["rank"] = dist.get_rank()
     results["pid"] = os.getpid()
     return results
+
+
+# -- Lightning launching its own processes ------------------------------------------------------
+
+
+def launched_by_fabric() -> dict[str, Any]:
+    """``python -m tests.lightning_workers``: Fabric starts the second process itself and
+    initializes the process group (gloo, the plan's timeout), as in a user's script; both
+    ranks train a plan through Fabric and through the plain loop and compare."""
+    import torch
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+
+    from composer_par import FSDP2, MeshSpec, MetaInit, ParallelPlan
+    from composer_par.integrations.lightning import FabricStrategy
+
+    def plan() -> Any:
+        return ParallelPlan(MeshSpec(dp_shard=2), timeout=120).use(FSDP2()).use(
+            MetaInit(seed=SEED))
+
+    fabric = Fabric(strategy=FabricStrategy(plan()), devices=2, accelerator="cpu")
+    fabric.launch()
+    tokens = dataset("llama").tensors[0]
+    index, count = fabric.strategy.plan.data_shard()
+    with fabric.init_module(empty_init=True):
+        model = build("llama")
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(optimizer(model.parameters()))
+    plain_plan = plan()
+    with torch.device("meta"):
+        reference = build("llama")
+    reference = plain_plan.apply(reference)
+    ref_opt = optimizer(reference.parameters())
+    step = plain_plan.training_step(reference, loss_fn)
+    losses, ref_losses = [], []
+    local = tokens.chunk(count)[index]
+    for _ in range(3):
+        loss = loss_fn(model(local), local)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+        ref_losses.append(float(step.step(local, local)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    from composer_par.mesh import _group_timeout
+
+    wait = _group_timeout(dist.distributed_c10d._get_default_group(), "cpu")
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(),
+            "backend": dist.get_backend(), "timeout_s": wait.total_seconds() if wait else None,
+            "losses": losses, "ref_losses": ref_losses,
+            "same": compare(full(model._forward_module), full(reference))}
+
+
+if __name__ == "__main__":
+    import json
+
+    print("RESULT " + json.dumps(launched_by_fabric(), default=str), flush=True)

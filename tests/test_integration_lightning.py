@@ -112,6 +112,32 @@ def test_trainer_refuses_a_module_the_plan_cannot_own(ranks: list[dict[str, Any]
         assert result["refusals"] == {"outside": ["CP707"], "configure_model": ["CP702"]}
 
 
+@pytest.mark.distributed
+def test_fabric_starting_its_own_processes_runs_the_plan() -> None:
+    """As a user's script runs: Fabric starts the second process and initializes the
+    process group itself (gloo on CPU, the plan's timeout); Fabric trains as the plain
+    loop does on both ranks."""
+    import json
+    import os
+
+    torchrun = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "ROLE_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "tests.lightning_workers"], env=env,
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = sorted((json.loads(line.removeprefix("RESULT "))
+                      for line in done.stdout.splitlines() if line.startswith("RESULT ")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1], done.stdout[-2000:]
+    for result in results:
+        assert (result["world"], result["backend"], result["timeout_s"]) == (2, "gloo", 120.0)
+        assert _close(result["losses"], result["ref_losses"]), result
+        assert result["same"]["count"] > 0 and result["same"]["close"], result["same"]
+
+
 # -- refused while Lightning builds the strategy: no processes -------------------------------
 
 
