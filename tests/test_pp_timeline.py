@@ -92,6 +92,31 @@ def test_explain_draws_the_timeline_in_text_json_and_svg() -> None:
     assert render_timeline_text(line) in text
 
 
+def test_explain_svg_holds_the_layout_and_the_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``composer-par explain --svg`` of a pipeline plan: the layout, then the timeline."""
+    import subprocess
+    import sys
+
+    plan_file = tmp_path / "pp.toml"
+    plan_file.write_text('[mesh]\npp = 2\ndp_shard = 2\n\n[[plugins]]\nname = "pp"\n'
+                         'schedule = "1F1B"\nmicrobatches = 4\n\n[[plugins]]\n'
+                         'name = "fsdp2"\n', encoding="utf-8")
+    picture = tmp_path / "pp.svg"
+    done = subprocess.run([sys.executable, "-m", "composer_par.cli", "explain",
+                           str(plan_file), "--world-size", "4", "--svg", str(picture)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    root = ET.parse(picture).getroot()
+    layout, timeline = list(root)
+    assert layout.get("data-world-size") == "4"
+    assert int(timeline.get("y", "0")) >= int(layout.get("height", "0"))
+    boxes = [e for e in timeline.iter("{http://www.w3.org/2000/svg}rect")
+             if e.get("class") == "action"]
+    assert len(boxes) == 2 * 2 * 4
+    assert int(root.get("height", "0")) == int(layout.get("height", "0")) + int(
+        timeline.get("height", "0"))
+
+
 def test_no_timeline_without_a_resolved_mesh_or_with_a_refused_schedule() -> None:
     assert ParallelPlan(MeshSpec(pp=-1)).use(PP()).explain().timelines == ()
     refused = ParallelPlan(MeshSpec(pp=4)).use(PP(schedule="1F1B", microbatches=2))

@@ -161,14 +161,20 @@ def run_validate_model(args: argparse.Namespace, out: Output) -> int:
 def explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--svg", metavar="FILE", type=Path,
                         help="also draw the layout (nodes x devices, rank groups per mesh dim) "
-                        "into this SVG file")
+                        "and, for a pipeline, its schedule's timeline into this SVG file")
 
 
 def layout_picture(
     explanation: Explanation, out: Output, svg: Path | None, title: str,
 ) -> tuple[str, dict[str, Any]]:
     """(text, data) of the layout picture: the terminal grid, and the SVG if asked."""
-    from composer_par.tools.draw import Grid, render_svg, render_text
+    from composer_par.tools.draw import (
+        Grid,
+        render_svg,
+        render_text,
+        render_timeline_svg,
+        stack_svgs,
+    )
 
     if not explanation.mesh.is_resolved or not explanation.groups:
         if svg is not None:
@@ -180,7 +186,11 @@ def layout_picture(
     text = render_text(grid, color=out.color)
     if svg is not None:
         try:
-            svg.write_text(render_svg(grid, title=title), encoding="utf-8")
+            # A pipeline's schedule timelines go below the layout, in the same file.
+            drawn = [render_svg(grid, title=title),
+                     *(render_timeline_svg(t) for t in explanation.timelines)]
+            svg.write_text(drawn[0] if len(drawn) == 1 else stack_svgs(drawn),
+                           encoding="utf-8")
         except OSError as exc:
             raise InputError(f"cannot write {svg}: {exc.strerror or exc}") from exc
         data["svg"] = str(svg)

@@ -312,6 +312,30 @@ def _action_fill(kind: str, stage: int, stages: int) -> str:
     return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
 
 
+def stack_svgs(documents: list[str]) -> str:
+    """One SVG document holding ``documents`` (each a whole ``<svg>`` with ``width`` and
+    ``height``) one below the other, each kept whole as a nested ``<svg>``."""
+    import re
+
+    sizes = []
+    for doc in documents:
+        root = re.match(r'\s*<svg\b[^>]*\bwidth="(\d+)"[^>]*\bheight="(\d+)"', doc)
+        if root is None:
+            raise ValueError("stack_svgs needs documents whose root <svg> gives width and "
+                             "height")
+        sizes.append((int(root.group(1)), int(root.group(2))))
+    width = max(w for w, _ in sizes)
+    height = sum(h for _, h in sizes)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">']
+    y = 0
+    for doc, (_, h) in zip(documents, sizes, strict=True):
+        # The nested root keeps its own attributes; only its place moves.
+        out.append(doc.replace("<svg ", f'<svg y="{y}" ', 1))
+        y += h
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def render_timeline_svg(timeline: Timeline) -> str:
     """The timeline as SVG: a lane per rank, a box per action (forward blue, backward
     orange, weight backward green; lighter for later stages), the label inside."""
@@ -345,4 +369,4 @@ def render_timeline_svg(timeline: Timeline) -> str:
 
 
 __all__ = ["DimGrid", "Grid", "cells_shown", "render_svg", "render_text",
-           "render_timeline_svg", "render_timeline_text"]
+           "render_timeline_svg", "render_timeline_text", "stack_svgs"]
