@@ -424,12 +424,21 @@ def launched_by_fabric() -> dict[str, Any]:
         ref_losses.append(float(step.step(local, local)))
         ref_opt.step()
         ref_opt.zero_grad()
+    refused = []
+    try:  # the plan replaces the parameters an optimizer built before would hold
+        fabric.setup(build("llama"), optimizer(model.parameters()))
+    except RuntimeError as exc:
+        refused.append("setup" if "setup_module" in str(exc) else str(exc))
+    try:
+        fabric.save("unused", {"model": model}, filter={"model": lambda key, value: True})
+    except TypeError as exc:
+        refused.append("filter" if "filter" in str(exc) else str(exc))
     from composer_par.mesh import _group_timeout
 
     wait = _group_timeout(dist.distributed_c10d._get_default_group(), "cpu")
     return {"rank": dist.get_rank(), "world": dist.get_world_size(),
             "backend": dist.get_backend(), "timeout_s": wait.total_seconds() if wait else None,
-            "losses": losses, "ref_losses": ref_losses,
+            "losses": losses, "ref_losses": ref_losses, "refused": refused,
             "same": compare(full(model._forward_module), full(reference))}
 
 

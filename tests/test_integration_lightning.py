@@ -134,6 +134,8 @@ def test_fabric_starting_its_own_processes_runs_the_plan() -> None:
     assert [r["rank"] for r in results] == [0, 1], done.stdout[-2000:]
     for result in results:
         assert (result["world"], result["backend"], result["timeout_s"]) == (2, "gloo", 120.0)
+        # fabric.setup(model, optimizer) and a filtered save are refused, saying why
+        assert result["refused"] == ["setup", "filter"]
         assert _close(result["losses"], result["ref_losses"]), result
         assert result["same"]["count"] > 0 and result["same"]["close"], result["same"]
 
