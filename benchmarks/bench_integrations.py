@@ -13,6 +13,9 @@ CPU time is what all ranks' processes spent.
   by a callback from batch start to batch end, its optimizer step and hooks included).
   The Trainer's fit is the outer loop: between two of its steps the callback runs one
   plain step and one Fabric step, alternating which goes first.
+* ``accelerate``: ``prepare_accelerator`` and ``accelerator.prepare`` (forward,
+  ``accelerator.backward``, the AcceleratedOptimizer's step and zero_grad, the loss
+  averaged with ``accelerator.reduce``), interleaved step by step with the plain loop.
 
     .venv/bin/python benchmarks/bench_integrations.py [--adapter lightning] [--repeats 30]
 
@@ -177,6 +180,78 @@ def bench_lightning(args: argparse.Namespace) -> dict[str, Any]:
     return _summarize("lightning", results, ("fabric", "trainer"), args.repeats)
 
 
+# -- accelerate -----------------------------------------------------------------------------
+
+
+def accelerate_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
+                    warmup: int) -> dict[str, Any]:
+    """Rank side: plain steps and steps through the accelerate adapter, interleaved
+    (alternating which goes first); each side has its own model from the same weights."""
+    import structlog
+    import torch
+
+    from composer_par.integrations.accelerate import prepare_accelerator
+
+    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
+    gen = torch.Generator().manual_seed(0)
+    steps = warmup + repeats
+    tokens = torch.randint(0, 256, (batch * steps, seq), generator=gen)
+
+    plain_plan = _plan()
+    with torch.device("meta"):
+        plain_model = _llama(layers, dim, seq)
+    plain_model = plain_plan.apply(plain_model)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
+    plain_step = plain_plan.training_step(plain_model, _loss)
+    index, count = plain_plan.data_shard()
+
+    with torch.device("meta"):
+        meta = _llama(layers, dim, seq)
+    accelerator, model = prepare_accelerator(_plan(), meta)
+    model, optimizer = accelerator.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def local(step: int) -> Any:
+        return tokens[step * batch:(step + 1) * batch].chunk(count)[index]
+
+    def plain(step: int) -> tuple[float, float]:
+        x = local(step)
+        clock = _Clock()
+        plain_step.step(x, x)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        return clock.stop()
+
+    def through_accelerate(step: int) -> tuple[float, float]:
+        x = local(step)
+        clock = _Clock()
+        loss = _loss(model(x), x)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.reduce(loss.detach(), reduction="mean")
+        return clock.stop()
+
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "accelerate": []}
+    sides: list[tuple[str, Callable[[int], tuple[float, float]]]] = [
+        ("plain", plain), ("accelerate", through_accelerate)]
+    for i in range(steps):
+        for name, run in sides if i % 2 == 0 else sides[::-1]:
+            taken = run(i)
+            if i >= warmup:
+                times[name].append(taken)
+    return times
+
+
+def bench_accelerate(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_par.testing.distributed import run_ranks
+
+    results = run_ranks("bench_integrations:accelerate_rank", RANKS,
+                        args=(args.layers, args.dim, args.seq, args.batch, args.repeats,
+                              args.warmup), timeout=1800)
+    return _summarize("accelerate", results, ("accelerate",), args.repeats)
+
+
 def _summarize(adapter: str, results: list[dict[str, Any]], sides: tuple[str, ...],
                repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {"adapter": adapter, "sides": {}}
@@ -194,6 +269,7 @@ def _summarize(adapter: str, results: list[dict[str, Any]], sides: tuple[str, ..
 
 
 ADAPTERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "accelerate": bench_accelerate,
     "lightning": bench_lightning,
 }
 

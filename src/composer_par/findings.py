@@ -243,6 +243,36 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "lit.scale = nn.Parameter(torch.ones(1))  # beside lit.model\n"
          "Trainer(strategy=TrainerStrategy(plan), devices=4).fit(lit)"),
     # -- accelerate and the Hugging Face Trainer: CP711-CP719 --
+    Rule("CP711", _E, "the trainer's process count does not match the plan",
+         "launch as many processes as the plan's mesh holds (on CPU: Accelerator(cpu=True), "
+         "TrainingArguments(use_cpu=True))",
+         "# under torchrun --nproc-per-node 2\n"
+         "PlanAccelerator(ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()))"),
+    Rule("CP712", _E, "the trainer's own activation checkpointing",
+         "turn it off and add ActivationCheckpoint() to the plan",
+         "PlanTrainer(plan, model, TrainingArguments(\"out\", activation_checkpointing=True))"),
+    Rule("CP713", _E, "the trainer's own torch.compile",
+         "turn it off and add Compile() to the plan",
+         "PlanAccelerator(plan, dynamo_backend=\"inductor\")"),
+    Rule("CP714", _E, "the trainer would shard or wrap the model itself",
+         "remove the FSDP / DeepSpeed / Megatron-LM / TP settings: the plan shards",
+         "PlanAccelerator(plan, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))"),
+    Rule("CP715", _E, "CPU-RAM-efficient loading under a plan",
+         "turn it off; load with LoadSafetensors or initialize with MetaInit",
+         "# FSDP_CPU_RAM_EFFICIENT_LOADING=true\nPlanAccelerator(plan)"),
+    Rule("CP716", _E, "the trainer's context or sequence parallelism",
+         "set cp_size and sp_size to 1; use TP(sequence_parallel=True) in the plan",
+         "PlanAccelerator(plan, parallelism_config=ParallelismConfig(cp_size=2))"),
+    Rule("CP717", _E, "the trainer's mixed precision under a plan",
+         "set mixed_precision='no' and give FSDP2 a mixed_precision policy in the plan",
+         "PlanAccelerator(plan, mixed_precision=\"bf16\")"),
+    Rule("CP718", _E, "a pipeline plan in a trainer loop that cannot run a schedule",
+         "train it with plan.training_step and a torch optimizer, or drop the pp plugin",
+         "PlanAccelerator(ParallelPlan(MeshSpec(pp=2)).use(PP()).use(MetaInit()))"),
+    Rule("CP719", _E, "batches dispatched from rank 0 instead of the plan's data shards",
+         "leave dispatch_batches unset or False",
+         "PlanAccelerator(plan, dataloader_config=DataLoaderConfiguration("
+         "dispatch_batches=True))"),
 )
 
 
