@@ -2,6 +2,14 @@
 
 Replicate dims contributed by other plugins (HSDP) through the composition hook
 ``composer_par_replicate_dims`` make the mesh 2-D: (replicate, shard), replicate outer.
+
+A Hugging Face model's own FSDP plan (transformers' ``_fsdp_plan``: ``model.layers.*``,
+``model.embed_tokens``, ``model.norm``, ``lm_head``, each ``free_full_weight`` or
+``keep_full_weight``) is followed where blocks are detected: its units beside the blocks
+are sharded as units of their own, those it keeps whole kept unsharded from forward to
+backward (CP425); a unit holding a tied weight, or overlapping a block, stays in its
+parent's unit. Explicit blocks replace the model's plan (CP426). Its expert-parallel
+plan (``_ep_plan``) has no plugin to apply it (CP427).
 """
 
 from __future__ import annotations
@@ -51,7 +59,90 @@ RULES = (
          "its parent's group)",
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(blocks=[\"BertEmbeddings\", "
          "\"BertLayer\"])).use(MetaInit()).validate(bert_for_masked_lm)"),
+    Rule("CP425", Severity.INFO, "FSDP2 follows the model's own FSDP plan",
+         "nothing to do; pass blocks= to choose the units yourself",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())"
+         ".validate(llama_for_causal_lm)"),
+    Rule("CP426", Severity.INFO, "explicit blocks replace the model's own FSDP plan",
+         "leave blocks out to follow the model's plan, or keep them to choose the units",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(blocks=\"model.layers\"))"
+         ".use(MetaInit()).validate(llama_for_causal_lm)"),
+    Rule("CP427", Severity.INFO, "the model's expert-parallel plan is not applied",
+         "nothing to do: the experts train as the plan's other weights do (sharded by FSDP2, "
+         "split per expert by TP's auto plan)",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())"
+         ".validate(mixtral_for_causal_lm)"),
 )
+
+#: transformers' FSDP styles -> whether the unit reshards after forward.
+FSDP_STYLES = {"free_full_weight": True, "keep_full_weight": False}
+
+
+@attrs.frozen
+class OwnUnit:
+    """A unit of the model's own FSDP plan: its entry, the modules it shards together
+    (clean names, and the names to look them up by) and its style."""
+
+    key: str
+    paths: tuple[str, ...]
+    raw: tuple[str, ...]
+    style: str
+
+
+def _plan_pattern(key: str) -> Any:
+    import re
+
+    # transformers numbers layers with "*": one path component.
+    return re.compile("".join("[^.]+" if part == "*" else re.escape(part)
+                              for part in re.split(r"(\*)", key)))
+
+
+def own_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[tuple[str, str]]]:
+    """The model's own FSDP plan (a Hugging Face model's ``_fsdp_plan``) as units beside
+    ``blocks``: ``(units, [(entry, why it is left to its parent's unit)])``. Entries that
+    match no module are dropped (transformers' default plan names ``embed_tokens`` and
+    ``layers.*`` under every base model, whatever its modules are called), and so are
+    those that are the blocks."""
+    from composer_par.plugin import clean_name
+    from composer_par.plugin.initialize import tied_outside
+
+    plan = getattr(model, "_fsdp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return [], []
+    named = {clean_name(n): n for n, _ in model.named_modules() if n}
+    block_paths = {p for p, _ in blocks}
+    units: list[OwnUnit] = []
+    left: list[tuple[str, str]] = []
+    for entry, style in plan.items():
+        keys = tuple(entry) if isinstance(entry, (tuple, list)) else (str(entry),)
+        patterns = [_plan_pattern(k) for k in keys]
+        paths = tuple(n for n in named if any(p.fullmatch(n) for p in patterns))
+        label = " + ".join(keys)
+        if not paths or set(paths) <= block_paths:
+            continue
+        if style not in FSDP_STYLES:
+            left.append((label, f"its style {style!r} is none of {sorted(FSDP_STYLES)}"))
+            continue
+        overlap = next((p for p in paths for b in block_paths
+                        if p == b or p.startswith(b + ".") or b.startswith(p + ".")), None)
+        if overlap is not None:
+            left.append((label, f"{overlap} overlaps the blocks"))
+            continue
+        # A tie inside the unit is fine; one with a module outside it would put one
+        # parameter in two units.
+        ties = [(a, b) for path in paths
+                for _, a, b in tied_outside(model, [(path, model.get_submodule(named[path]))])
+                if not any(b.startswith(q + ".") for q in paths)]
+        if ties:
+            left.append((label, f"{ties[0][0]} is tied to {ties[0][1]} outside it"))
+            continue
+        units.append(OwnUnit(label, paths, tuple(named[p] for p in paths), str(style)))
+    return units, left
+
+
+def _ep_plan(model: Any) -> dict[str, Any]:
+    plan = getattr(model, "_ep_plan", None)
+    return dict(plan) if isinstance(plan, dict) else {}
 
 
 @attrs.frozen
@@ -181,7 +272,7 @@ class FSDP2(Plugin):
     def composer_par_validate_model(self, model: Any, blocks: list[Any]) -> list[Finding]:
         from composer_par.plugin.initialize import tied_outside
 
-        found = []
+        found = self._own_plan_findings(model, blocks)
         for path, name, twin in tied_outside(model, blocks):
             found.append(Finding(
                 "CP424",
@@ -190,6 +281,43 @@ class FSDP2(Plugin):
                 "groups and fail, or shard the two names apart",
                 fix=f"give blocks that leave {path} out (its parent's group then holds both "
                 "twins), or a block holding both; detected blocks do this themselves"))
+        return found
+
+    def _own_plan_findings(self, model: Any, blocks: list[Any]) -> list[Finding]:
+        name = type(model).__name__
+        units, left = own_units(model, blocks)
+        found = []
+        if units and self.blocks is not None:
+            found.append(Finding(
+                "CP426", f"blocks={self.blocks!r} gives the FSDP units; {name}'s own FSDP "
+                f"plan (_fsdp_plan) would also shard {_units_text(units)} as units of their "
+                "own: they stay in the root's unit",
+                fix="leave blocks out to follow the model's plan, or keep them to choose the "
+                "units"))
+        elif units or left:
+            kept = ("" if self.reshard_after_forward is None or not any(
+                u.style == "keep_full_weight" for u in units) else
+                f"; reshard_after_forward={self.reshard_after_forward} applies to them all")
+            message = (f"{name}'s own FSDP plan (_fsdp_plan): "
+                       + (f"{_units_text(units)} sharded as units of their own beside "
+                          f"{len(blocks)} block(s){kept}" if units else "no unit beside the "
+                          "blocks"))
+            if left:
+                message += "; left in their parent's unit: " + "; ".join(
+                    f"{key} ({why})" for key, why in left)
+            found.append(Finding("CP425", message,
+                                 fix="nothing to do; pass blocks= to choose the units yourself"))
+        experts = _ep_plan(model)
+        if experts:
+            shown = ", ".join(f"{k}: {v}" for k, v in list(experts.items())[:3])
+            found.append(Finding(
+                "CP427", f"{name} has an expert-parallel plan (_ep_plan: {shown}"
+                f"{', ...' if len(experts) > 3 else ''}), which no plugin applies: "
+                "composer_par has no expert parallelism (tokens are not dispatched to experts "
+                "on other ranks); each rank computes every expert, whose weights FSDP2 "
+                "shards with their block",
+                fix="nothing to do: the experts train as the plan's other weights do (split "
+                "per expert over tp by TP's auto plan, moe_tp_experts)"))
         return found
 
     @hookimpl
@@ -240,11 +368,20 @@ class FSDP2(Plugin):
         for _, block in ctx.blocks:
             fully_shard(block, mp_policy=block_policy, **common)
             sharded.append(block)
+        units = own_units(ctx.model, ctx.blocks)[0] if self.blocks is None else []
+        for unit in units:
+            modules = [ctx.model.get_submodule(raw) for raw in unit.raw]
+            reshard = common.get("reshard_after_forward", FSDP_STYLES[unit.style])
+            fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=block_policy,
+                        **{**common, "reshard_after_forward": reshard})
+            sharded.extend(modules)
         fully_shard(ctx.model, mp_policy=mp.policy(root=True), **common)
         sharded.append(ctx.model)
         ctx.data_parallel_modules.extend(sharded)
         dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim))
         detail = f"fully_shard on {len(ctx.blocks)} block(s) + root over ({dims})"
+        if units:
+            detail += f"; the model's own FSDP units: {_units_text(units)}"
         for dim in hooked:
             install_all_reduce(ctx, sharded, comm_hooks[dim], owner=self.name,
                                replace_native=False)
@@ -254,3 +391,7 @@ class FSDP2(Plugin):
             detail += f"; {self.dim} comms by {comm_hooks[self.dim].plugin}'s comm hook"
         return detail
 
+
+
+def _units_text(units: list[OwnUnit]) -> str:
+    return ", ".join(f"{u.key} ({u.style})" for u in units)

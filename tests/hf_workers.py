@@ -776,3 +776,29 @@ def packed_checkpoints(directory: str) -> list[dict[str, Any]]:
             row["error"] = traceback.format_exc()[-3000:]
         out.append(row)
     return out
+
+
+# -- the model's own FSDP plan ------------------------------------------------------------
+
+
+def own_fsdp_units(family: str) -> dict[str, Any]:
+    """FSDP2 over every rank on ``family`` (MetaInit): which of its modules are FSDP units
+    and, after one forward (no backward), which hold their parameters unsharded (kept
+    whole from forward to backward) or sharded again."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from composer_par import FSDP2, MeshSpec, MetaInit, ParallelPlan
+
+    plan = ParallelPlan(MeshSpec(dp_shard=dist.get_world_size())).use(FSDP2()).use(
+        MetaInit(seed=SEED))
+    model = plan.apply(build(family))
+    units = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n)
+    with torch.no_grad():
+        model(**{k: v for k, v in batch(family, 0).items() if k != "labels"})
+    sharded = {n: isinstance(m.weight, DTensor) for n, m in model.named_modules()
+               if n in units and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    return {"units": units, "sharded_after_forward": sharded,
+            "applied": [s.detail for s in plan.applied if s.plugin == "fsdp2"]}

@@ -1,8 +1,9 @@
 """Real Hugging Face models, without processes: what TP(plan="auto") reads from them and
 the styles it gives, the fallbacks and findings (CP407 beside CP408/CP420, CP409, CP421),
 sequence parallel's layouts or its refusal, tied weights against FSDP blocks (CP424),
-activation checkpointing and the generation cache (CP422, CP423), and MetaInit's
-distribution against the model's own ``post_init``."""
+activation checkpointing and the generation cache (CP422, CP423), MetaInit's
+distribution against the model's own ``post_init``, and the model's own FSDP and
+expert-parallel plans (CP425-CP427; one test applies FSDP2 on 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def test_cp407_is_reported_beside_a_plan_problem() -> None:
     model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.q_proj": "mla_kv_a_proj"}
     plan = ParallelPlan(MeshSpec(dp_shard=16, tp=4)).use(FSDP2()).use(TP()).use(MetaInit())
     report = plan.validate(model, world_size=64)
-    assert sorted(report.codes()) == ["CP407", "CP420"], report.format()
+    # (and FSDP2 follows the model's own FSDP plan: CP425, an info)
+    assert sorted(report.codes()) == ["CP407", "CP420", "CP425"], report.format()
     assert "num_key_value_heads=2" in only(report, "CP407").message
     fallback = only(report, "CP420")
     assert "'mla_kv_a_proj'" in fallback.message and "self_attn.q_proj" in fallback.message
@@ -260,3 +262,68 @@ def test_estimate_follows_the_models_attention_implementation() -> None:
         found[kind] = est.memory.activations
     # eager keeps the attention scores (5 * heads * seq / hidden per token and layer)
     assert found["eager"] > 10 * found["sdpa"]
+
+
+# -- the model's own FSDP and expert-parallel plans -----------------------------------------
+
+
+def test_the_models_own_fsdp_plan_gives_units_beside_the_blocks_cp425() -> None:
+    from composer_par.plugins.fsdp2 import own_units
+
+    model = hf_workers.build("llama")
+    assert model._fsdp_plan == {"lm_head": "keep_full_weight",  # transformers 5.24's own
+                                "model.embed_tokens": "free_full_weight",
+                                "model.layers.*": "free_full_weight",
+                                "model.norm": "keep_full_weight"}
+    units, left = own_units(model, find_blocks(model))
+    assert [(u.paths, u.style) for u in units] == [
+        (("lm_head",), "keep_full_weight"), (("model.embed_tokens",), "free_full_weight"),
+        (("model.norm",), "keep_full_weight")] and not left  # model.layers.*: the blocks
+    plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())
+    finding = only(plan.validate(model, world_size=2), "CP425")
+    assert finding.severity.value == "info"
+    assert "lm_head (keep_full_weight), model.embed_tokens (free_full_weight)" in finding.message
+    # A tied embedding and head stay in the root's unit, together.
+    units, left = own_units(hf_workers.build("gemma"), find_blocks(hf_workers.build("gemma")))
+    assert [u.key for u in units] == ["model.norm"]
+    assert [key for key, _ in left] == ["lm_head", "model.embed_tokens"]
+    assert "is tied to model.embed_tokens.weight outside it" in left[0][1]
+    # transformers' default plan names base-model modules GPT-2, ViT and BERT lack (and
+    # layers GPT-NeoX has as its blocks): nothing beside the blocks, nothing said.
+    for family in ("gpt2", "vit", "bert", "gpt_neox"):
+        model = hf_workers.build(family)
+        assert own_units(model, find_blocks(model)) == ([], []), family
+        assert "CP425" not in plan.validate(model, world_size=2).codes(), family
+
+
+def test_explicit_blocks_replace_the_models_own_fsdp_plan_cp426() -> None:
+    plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(blocks="model.layers")).use(MetaInit())
+    report = plan.validate(hf_workers.build("qwen3"), world_size=2)
+    finding = only(report, "CP426")
+    assert "blocks='model.layers' gives the FSDP units" in finding.message
+    assert "model.norm (keep_full_weight)" in finding.message and "CP425" not in report.codes()
+
+
+def test_the_expert_parallel_plan_is_reported_as_not_applied_cp427() -> None:
+    plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())
+    for family in ("mixtral", "qwen3_moe"):
+        model = hf_workers.build(family)
+        assert model._ep_plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+        finding = only(plan.validate(model, world_size=2), "CP427")
+        assert "composer_par has no expert parallelism" in finding.message
+        assert finding.severity.value == "info"
+    assert "CP427" not in plan.validate(hf_workers.build("llama"), world_size=2).codes()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fsdp2_shards_the_models_own_units_as_its_plan_says() -> None:
+    from composer_par.testing.distributed import run_ranks
+
+    for result in run_ranks(hf_workers.own_fsdp_units, 2, args=("llama",), timeout=240):
+        assert result["units"] == ["lm_head", "model.embed_tokens", "model.layers.0",
+                                   "model.layers.1", "model.norm"]
+        # keep_full_weight: whole from forward to backward; free_full_weight: sharded again
+        assert result["sharded_after_forward"] == {
+            "lm_head": False, "model.norm": False, "model.embed_tokens": True}
+        assert "the model's own FSDP units: lm_head" in result["applied"][0]
