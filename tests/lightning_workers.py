@@ -60,6 +60,9 @@ def make_plan(name: str, world: int = 4) -> Any:
                                                           ).use(init)
     if name == "pp":
         return ParallelPlan(MeshSpec(pp=world)).use(PP()).use(init)
+    if name == "pp_fsdp2":
+        return (ParallelPlan(MeshSpec(pp=2, dp_shard=world // 2)).use(PP()).use(FSDP2())
+                .use(init))
     raise ValueError(name)
 
 
@@ -210,6 +213,43 @@ def fabric_run(kind: str, plan_name: str, save_dir: str, *, start: int = 0,
             at_save = full(model._forward_module)
     out.update(losses=losses, final=full(model._forward_module), at_save=at_save)
     return out
+
+
+def fabric_pipeline(kind: str, plan_name: str, save_dir: str) -> dict[str, Any]:
+    """A pipeline plan through Fabric: the step through fabric.strategy.training_step;
+    the model's forward alone is refused."""
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from composer_par.integrations.lightning import FabricStrategy
+
+    plan = make_plan(plan_name)
+    fabric = Fabric(strategy=FabricStrategy(plan), devices=4, accelerator="cpu")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = build(kind)
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(optimizer(model.parameters()))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(kind), shuffle=True,
+                                                 batch_size=per_rank_batch(plan)))
+    refused = ""
+    try:
+        model(next(iter(dataset(kind)))[0][None])
+    except RuntimeError as exc:
+        refused = str(exc)
+    step = fabric.strategy.training_step(model, loss_fn)
+    losses, at_save = [], {}
+    for epoch in range(STEPS):
+        for (tokens,) in loader:
+            losses.append(float(step.step(tokens, tokens)))
+            fabric.clip_gradients(model, opt, max_norm=CLIP)
+            opt.step()
+            opt.zero_grad()
+        if epoch + 1 == SAVE_AT:
+            fabric.save(save_dir, {"model": model, "optimizer": opt, "epoch": SAVE_AT})
+            at_save = full(model._forward_module)
+    return {"losses": losses, "final": full(model._forward_module), "at_save": at_save,
+            "refused": "fabric.strategy.training_step" in refused}
 
 
 def load_plain(kind: str, plan_name: str, load_dir: str) -> dict[str, Any]:
@@ -375,6 +415,16 @@ def run_all(root: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
         except Exception:
             results[key] = {"error": traceback.format_exc()}
             raise
+    base = Path(root) / "pipeline"
+    ref = plain("llama", "pp_fsdp2", str(base / "plain"))
+    fab = fabric_pipeline("llama", "pp_fsdp2", str(base / "fabric"))
+    outside = load_plain("llama", "pp_fsdp2", str(base / "fabric"))
+    results["pipeline"] = {
+        "plain_losses": ref["losses"], "fabric_losses": fab["losses"],
+        "forward_refused": fab["refused"],
+        "fabric_vs_plain": compare(fab["final"], ref["final"]),
+        "plain_loaded_fabric": compare(outside["loaded"], fab["at_save"]),
+    }
     results["refusals"] = trainer_refusals()
     results["rank"] = dist.get_rank()
     results["pid"] = os.getpid()
@@ -385,7 +435,7 @@ def run_all(root: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
 
 
 def launched_by_fabric() -> dict[str, Any]:
-    """``python -m tests.lightning_workers``: Fabric starts the second process itself and
+    """``python -m tests.lightning_workers OUT_DIR``: Fabric starts the second process itself and
     initializes the process group (gloo, the plan's timeout), as in a user's script; both
     ranks train a plan through Fabric and through the plain loop and compare."""
     import torch
@@ -444,5 +494,8 @@ def launched_by_fabric() -> dict[str, Any]:
 
 if __name__ == "__main__":
     import json
+    import sys
 
-    print("RESULT " + json.dumps(launched_by_fabric(), default=str), flush=True)
+    # One file per rank: two processes printing to one pipe can interleave their lines.
+    result = launched_by_fabric()
+    Path(sys.argv[1], f"rank{result['rank']}.json").write_text(json.dumps(result))

@@ -229,10 +229,11 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "set devices x num_nodes to the plan's world size, or change the mesh sizes",
          "plan = ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())\n"
          "Fabric(strategy=FabricStrategy(plan), devices=2)"),
-    Rule("CP705", _E, "a pipeline plan in Lightning's loop",
-         "train a pipeline plan with plan.training_step in a loop of your own",
+    Rule("CP705", _E, "a pipeline plan in the Lightning Trainer's loop",
+         "train a pipeline plan with Fabric (its step through "
+         "fabric.strategy.training_step) or with plan.training_step in a loop of your own",
          "plan = ParallelPlan(MeshSpec(pp=2)).use(PP()).use(MetaInit())\n"
-         "Fabric(strategy=FabricStrategy(plan), devices=2)"),
+         "Trainer(strategy=TrainerStrategy(plan), devices=2)"),
     Rule("CP706", _E, "a strategy setting the plan decides",
          "drop the setting: give the plan its timeout; export full weights with "
          "export_safetensors",

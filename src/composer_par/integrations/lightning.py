@@ -21,7 +21,8 @@ reads, and the other way round.
 Settings of Lightning that would do part of the plan's job a second time are refused when
 Lightning builds the strategy's launcher (inside ``Fabric(...)`` / ``Trainer(...)``), before
 a process group, a mesh or a model is touched: findings CP701-CP707, raised as
-:class:`~composer_par.integrations.errors.IntegrationError`.
+:class:`~composer_par.integrations.errors.IntegrationError`. A pipeline plan runs in Fabric
+through ``fabric.strategy.training_step(model, loss_fn)``; the Trainer refuses it (CP705).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from composer_par.findings import Finding
 from composer_par.integrations.errors import refuse_errors
 from composer_par.logging import get_logger
 from composer_par.plugin import Stage
+from composer_par.training import TrainingStep
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -115,13 +117,16 @@ def setup_findings(plan: ParallelPlan, *, precision: str, processes: int, nodes:
                     "strategy's mesh"))
         findings += plan.validate(world_size=world).errors
     splitters = [plan.hooks.name_of(p) for p in plan.hooks.implementers(Stage.PIPELINE_SPLIT)]
-    if splitters:
+    # Fabric leaves the loop to the user, who drives a pipeline through
+    # fabric.strategy.training_step; the Trainer's loop is its own.
+    if splitters and trainer != FABRIC:
         findings.append(Finding(
             "CP705", f"{' and '.join(splitters)} splits the model into pipeline stages, but "
             f"{trainer}'s loop calls the model's forward and then backward on a loss; a "
             "pipeline schedule must run both itself", plugin=splitters[0],
-            fix="train a pipeline plan with its own loop (plan.training_step(model, loss_fn)"
-            ".step(inputs, targets)), or use a plan without a pipeline in Lightning"))
+            fix="train a pipeline plan with Fabric (FabricStrategy(plan), the step through "
+            "fabric.strategy.training_step(model, loss_fn)) or with plan.training_step in a "
+            "loop of your own"))
     timeout = settings.get("timeout")
     if timeout is not None and _seconds(timeout) != plan.timeout.total_seconds():
         findings.append(Finding(
@@ -242,7 +247,9 @@ class FabricStrategy(_PlanMixin, _FabricModelParallel):
     state)`` writes a composer_par checkpoint under ``path`` (a new step directory; the
     state's one model and at most one optimizer through DCP, the other values as JSON
     ``extra``) and ``fabric.load(path, state)`` reads the latest committed step (or the
-    step directory given); ``fabric.clip_gradients`` clips across every mesh.
+    step directory given); ``fabric.clip_gradients`` clips across every mesh. A plan with
+    a pipeline trains through :meth:`training_step` (the schedule runs forward and
+    backward); its model's forward called alone is refused.
 
     The other arguments are ``ModelParallelStrategy``'s; given, they are checked against
     the plan (CP702, CP703, CP706): the plan decides them.
@@ -281,7 +288,30 @@ class FabricStrategy(_PlanMixin, _FabricModelParallel):
 
     def _apply_plan(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _refuse_parallelized(module, FABRIC, "before fabric.setup_module")
-        return self.plan.apply(module)
+        applied = self.plan.apply(module)
+        if self.plan.pipeline is not None:
+            self._in_schedule = False
+            applied.register_forward_pre_hook(self._outside_schedule)
+        return applied
+
+    def _outside_schedule(self, module: nn.Module, args: Any) -> None:
+        # A stage's forward alone returns hidden states, not the model's outputs: a loss
+        # on them would train nonsense without an error.
+        if not self._in_schedule:
+            raise RuntimeError(
+                "this model is one pipeline stage of the plan: its forward runs inside the "
+                "pipeline schedule. Instead of model(inputs) and fabric.backward(loss), "
+                "call step = fabric.strategy.training_step(model, loss_fn) once and "
+                "loss = step.step(inputs, targets) every step")
+
+    def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]
+                      ) -> TrainingStep:
+        """``plan.training_step`` on the model ``fabric.setup_module`` returned: forward,
+        loss and backward of a step (through the pipeline schedule when the plan has
+        one), returning the global-batch mean loss. The loop of a pipeline plan; any
+        other plan may use it too."""
+        module = getattr(model, "_forward_module", model)
+        return _ScheduledStep(self, module, loss_fn)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self._apply_plan(module, self.device_mesh)
@@ -303,7 +333,9 @@ class FabricStrategy(_PlanMixin, _FabricModelParallel):
 
         self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
-        norm = clip_grad_norm_(params, float(max_norm), float(norm_type))
+        stages = self.plan.pipeline.size if self.plan.pipeline is not None else 1
+        norm = clip_grad_norm_(params, float(max_norm), float(norm_type),
+                               pipeline_size=stages)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of the gradients is {float(norm)}; "
                                "pass error_if_nonfinite=False to clip anyway")
@@ -364,6 +396,22 @@ def _clip_across_meshes(precision: Any) -> None:
         clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val))
 
     precision.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, precision)
+
+
+class _ScheduledStep(TrainingStep):
+    """The plan's training step, with the strategy told that forwards run in it."""
+
+    def __init__(self, strategy: FabricStrategy, model: nn.Module,
+                 loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__(strategy.plan, model, loss_fn)
+        self._strategy = strategy
+
+    def step(self, inputs: Any, targets: Any, **kwargs: Any) -> torch.Tensor:
+        self._strategy._in_schedule = True
+        try:
+            return super().step(inputs, targets, **kwargs)
+        finally:
+            self._strategy._in_schedule = False
 
 
 # -- Trainer --------------------------------------------------------------------------------
