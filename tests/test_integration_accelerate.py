@@ -365,10 +365,13 @@ def test_a_clean_setting_refuses_nothing(clean_env: pytest.MonkeyPatch) -> None:
                                       "dataloader_config": DataLoaderConfiguration()}) == []
 
 
-def test_import_composer_par_imports_no_trainer() -> None:
+def test_import_composer_par_and_the_adapters_imports_no_trainer() -> None:
     import subprocess
 
-    code = ("import sys, composer_par, composer_par.integrations; "
+    # the adapters' modules too: accelerate and transformers come with the first
+    # accelerator or trainer made, and lightning never
+    code = ("import sys, composer_par, composer_par.integrations, "
+            "composer_par.integrations.accelerate, composer_par.integrations.hf_trainer; "
             "print(sorted(m for m in ('accelerate', 'transformers', 'lightning') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
