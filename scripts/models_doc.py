@@ -110,13 +110,22 @@ def render(two: list[list[dict[str, Any]]], four: list[list[dict[str, Any]]],
         "split the vocabulary) stay one parameter; BERT's `BertEmbeddings`, which holds the "
         "word embedding tied to the MLM decoder, is not made an FSDP unit.",
         "- **Weights** (tests/test_hf_weights.py): each family's `save_pretrained` loads "
-        "with LoadSafetensors into FSDP2 and TP (and FSDP2 x TP for Llama, Gemma, GPT-NeoX "
-        "and Mixtral) with the plain model's logits; the older key names transformers 5 "
-        "writes for GPT-NeoX and ViT are renamed as transformers renames them. Mixtral's "
-        "and Qwen3-MoE's files hold per-expert tensors that transformers merges when it "
-        "loads: refused (CP415, saying why) before anything changes; read once with "
-        "`from_pretrained` and written with `export_safetensors`, they load. Every export "
-        "reads back with `from_pretrained` to the same state dict.",
+        "with LoadSafetensors into FSDP2, TP and FSDP2 x TP (every family TP supports; "
+        "GPT-2 and BERT refused under TP, CP408) with the plain model's logits, each rank "
+        "reading exactly the bytes of its own part. The file's keys are converted as "
+        "transformers converts them when it loads: GPT-NeoX's and ViT's older names "
+        "renamed, Mixtral's and Qwen3-MoE's per-expert tensors merged into the fused "
+        "experts (stacked, gate and up concatenated; each rank reads only its experts' or "
+        "its slices' bytes). Every export reads back with `from_pretrained` to the same "
+        "state dict. DCP checkpoints of TP's packed weights (Phi3's `gate_up_proj` as "
+        "packed halves, Mixtral's packed experts) load into FSDP2, TP and one process "
+        "bitwise ([checkpoints.md](checkpoints.md)).",
+        "- **The models' own FSDP and expert-parallel plans** (transformers' `_fsdp_plan`, "
+        "`_ep_plan`): FSDP2 shards the FSDP plan's units beside the blocks (embedding, "
+        "final norm, head; those it keeps whole stay unsharded from forward to backward; "
+        "a tied embedding and head stay in the root's unit), CP425; explicit `blocks=` "
+        "replace it, CP426. No plugin applies the expert-parallel plan (no expert "
+        "parallelism: each rank computes every expert), CP427.",
         "- **Mixture of experts** (Mixtral, Qwen3-MoE) run with transformers' default "
         "experts implementation; the dry run cannot step them on fake tensors (their router "
         "picks tokens with data-dependent ops) and says so ([estimate.md](estimate.md)).",
