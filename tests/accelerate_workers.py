@@ -234,6 +234,15 @@ def parity_case(kind: str, plan_name: str) -> dict[str, Any]:
     params = _full(model)
     config = accelerator.parallelism_config
     index, count = accelerator.plan.data_shard()
+    # The control: accelerate's own split over all processes would give this rank
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+
+    own = prepare_data_loader(
+        torch.utils.data.DataLoader(Rows(kind, STEPS), batch_size=GLOBAL_BATCH // count),
+        put_on_device=False, num_processes=dist.get_world_size(),
+        process_index=dist.get_rank())
+    first = next(iter(own))
     return {
         "rank": dist.get_rank(), "kind": kind, "plan": plan_name,
         "losses": losses, "plain_losses": plain_losses,
@@ -246,6 +255,7 @@ def parity_case(kind: str, plan_name: str) -> dict[str, Any]:
         "optimizer_wraps": type(optimizer).__name__,
         "model_type": type(model).__name__,
         "prepared_is_applied": model is accelerator._plan_models[0],
+        "own_split_differs": not torch.equal(first, global_batch(kind, 0).chunk(count)[index]),
     }
 
 

@@ -76,8 +76,10 @@ def test_adapter_trains_as_the_plain_loop(launch: dict[tuple[str, ...], list[dic
         assert result["sizes"] == sizes
         assert result["mesh_is_plans"]
         assert result["num_processes"] == 4
-        # ranks that differ only in tp read the same samples
+        # ranks that differ only in tp read the same samples; accelerate's own split over
+        # all processes would not (the control: with TP it hands ranks 1-3 other data)
         assert result["shard"] == shards[rank]
+        assert result["own_split_differs"] == (plan == "fsdp2_tp" and rank > 0)
         # prepare adopted the plan's model unwrapped; the optimizer is accelerate's
         assert result["prepared_is_applied"]
         assert result["model_type"].startswith("FSDP")
