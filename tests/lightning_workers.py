@@ -276,6 +276,7 @@ def _lit_module(kind: str) -> Any:
             super().__init__()
             self.model: Any = None
             self.losses: list[float] = []
+            self.val_losses: list[float] = []
 
         def configure_model(self) -> None:
             if self.model is None:
@@ -289,6 +290,10 @@ def _lit_module(kind: str) -> Any:
             dist.all_reduce(total)
             self.losses.append(float(total) / dist.get_world_size())
             return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            (tokens,) = batch
+            self.val_losses.append(float(loss_fn(self.model(tokens), tokens)))
 
         def configure_optimizers(self) -> Any:
             return optimizer(self.model.parameters())
@@ -325,8 +330,22 @@ def trainer_run(kind: str, plan_name: str, save_dir: str, *, resume: bool = Fals
                         enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[] if resume else [SaveAt()])
     trainer.fit(lit, ckpt_path=save_dir if resume else None)
-    return {"losses": lit.losses, "final": full(lit.model), "at_save": lit.at_save,
-            "global_step": trainer.global_step, "built_on_meta": lit.built_on_meta}
+    final = full(lit.model)
+    # Lightning sets the strategy up again for validate: the trained model is kept as it
+    # is (this rank reads its validation shard, whole, from the same sampler kwargs).
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = dataset(kind)
+    trainer.validate(lit, DataLoader(data, batch_size=GLOBAL_BATCH), verbose=False)
+    shard = DistributedSampler(data, shuffle=False, **trainer.strategy.distributed_sampler_kwargs)
+    (mine,) = next(iter(DataLoader(data, batch_size=GLOBAL_BATCH, sampler=shard)))
+    with torch.no_grad():
+        expected = float(loss_fn(lit.model(mine), mine))
+    return {"losses": lit.losses, "final": final, "at_save": lit.at_save,
+            "global_step": trainer.global_step, "built_on_meta": lit.built_on_meta,
+            "validated": lit.val_losses == [expected],
+            "unchanged": compare(full(lit.model), final)["bitwise"]}
 
 
 def trainer_refusals() -> dict[str, list[str]]:
@@ -406,6 +425,7 @@ def run_all(root: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
                 "trainer_vs_plain": compare(tr["final"], ref["final"]),
                 "trainer_steps": tr["global_step"],
                 "trainer_built_on_meta": tr["built_on_meta"],
+                "trainer_validated": tr["validated"] and tr["unchanged"],
                 "trainer_resumed": compare(tr_resumed["final"], tr["final"]),
                 "trainer_resumed_losses": tr_resumed["losses"],
                 "trainer_resumed_steps": tr_resumed["global_step"],

@@ -69,6 +69,8 @@ def test_trainer_trains_as_the_plain_loop(ranks: list[dict[str, Any]], key: str)
     for result in _each(ranks, key):
         # configure_model built the model on meta without asking; the plan materialized it
         assert result["trainer_built_on_meta"]
+        # trainer.validate after fit: set up again, the trained model kept and evaluated
+        assert result["trainer_validated"]
         assert result["trainer_steps"] == workers.STEPS
         assert _close(result["trainer_losses"], result["plain_losses"]), (
             result["trainer_losses"], result["plain_losses"])

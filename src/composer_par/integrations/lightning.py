@@ -437,6 +437,7 @@ class TrainerStrategy(_PlanMixin, _TrainerModelParallel):
         super().__init__(process_group_backend=process_group_backend, timeout=plan.timeout)
         self.plan = plan
         self.module_name = module
+        self._applied: nn.Module | None = None
         self._trainer_name = TRAINER
         self._given = _given(data_parallel_size=data_parallel_size,
                              tensor_parallel_size=tensor_parallel_size,
@@ -498,13 +499,17 @@ class TrainerStrategy(_PlanMixin, _TrainerModelParallel):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         parent, name, target = self._target()
-        self._check_module(target)
-        applied = self.plan.apply(target)
-        if name:
-            setattr(parent, name, applied)
-        elif applied is not target:
-            raise TypeError("the plan replaced the LightningModule itself; apply it to a "
-                            "submodule: TrainerStrategy(plan, module=...)")
+        # Lightning sets the strategy up again for every fit, validate, test and predict
+        # call: a module this strategy applied the plan to stays as it is.
+        if target is not self._applied:
+            self._check_module(target)
+            applied = self.plan.apply(target)
+            if name:
+                setattr(parent, name, applied)
+            elif applied is not target:
+                raise TypeError("the plan replaced the LightningModule itself; apply it to a "
+                                "submodule: TrainerStrategy(plan, module=...)")
+            self._applied = applied
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()  # what the plan did not place (buffers outside its module)
         _clip_across_meshes(self.precision_plugin)
