@@ -250,14 +250,19 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _on_cpu(plan: ParallelPlan) -> bool:
+    """The plan runs on CPU (gloo): no CUDA here, or its device says cpu."""
+    import torch
+
+    return not torch.cuda.is_available() or str(plan.device or "").startswith("cpu")
+
+
 def _device_mesh(plan: ParallelPlan, world: int) -> Any:
     """The plan's DeviceMesh, built once here when the plan has none, so that the plan's
     apply, accelerate's config and every collective share one set of process groups."""
-    import torch
-
     mesh = plan._device_mesh
     if mesh is None:
-        device_type = "cuda" if torch.cuda.is_available() and plan.device != "cpu" else "cpu"
+        device_type = "cpu" if _on_cpu(plan) else "cuda"
         mesh = plan.mesh.resolve(world).build(device_type, timeout=plan.timeout)
         # The plan builds its mesh at apply only when it has none: give it this one.
         plan._device_mesh = mesh
@@ -280,12 +285,11 @@ def plan_accelerator_class() -> type:
         built. ``cpu`` defaults to True when the plan runs on CPU (gloo)."""
 
         def __init__(self, plan: ParallelPlan, **kwargs: Any) -> None:
-            import torch
 
             world = _world_size()
             refuse_errors(TRAINER, plan_findings(plan, world, TRAINER)
                           + accelerate_findings(plan, kwargs))
-            if "cpu" not in kwargs and (not torch.cuda.is_available() or plan.device == "cpu"):
+            if "cpu" not in kwargs and _on_cpu(plan):
                 kwargs["cpu"] = True
             super().__init__(**kwargs)
             self.plan = plan
