@@ -227,7 +227,7 @@ def refusals() -> dict[str, str]:
     import torch
     from composer_par.plugins.pp import PipelineError
 
-    from composer_par import PP, Compile, MeshSpec, MetaInit, ParallelPlan
+    from composer_par import PP, Compile, MeshSpec, MetaInit, ParallelPlan, PlanError
 
     out: dict[str, str] = {}
     plan = ParallelPlan(MeshSpec(pp=2)).use(PP(schedule="GPipe", microbatches=4)).use(
@@ -246,11 +246,12 @@ def refusals() -> dict[str, str]:
         Compile(backend="aot_eager")).use(MetaInit(seed=1))
     with torch.device("meta"):
         model = llama4.build()
+    # Found by validation, before the model is split or compiled.
     try:
         plan.apply(model)
         out["compile"] = "applied"
-    except PipelineError as exc:
-        out["compile"] = str(exc)
+    except PlanError as exc:
+        out["compile"] = exc.report.format()
     return out
 
 

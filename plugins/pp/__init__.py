@@ -32,6 +32,7 @@ from composer_par.plugin import (
     Role,
     Rule,
     Severity,
+    Stage,
     clean_name,
     did_you_mean,
     dim_option,
@@ -80,8 +81,8 @@ RULES = (
     Rule("CP606", _E, "a combination torch's pipelining does not support here",
          "use a schedule without split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS), "
          "or drop the conflicting plugin",
-         "ParallelPlan(MeshSpec(pp=2)).use(PP(schedule=\"ZBVZeroBubble\"))"
-         ".use(Compile(backend=\"aot_eager\")).apply(model)"),
+         "[mesh]\npp = 2\n\n[[plugins]]\nname = \"pp\"\nschedule = \"ZBVZeroBubble\"\n\n"
+         "[[plugins]]\nname = \"compile\"\nbackend = \"aot_eager\"\n"),
     Rule("CP607", _W, "sharding or tensor parallelism crosses nodes while pp stays inside",
          "list pp first in [mesh], so the pipeline's point-to-point sends cross nodes and "
          "the collectives stay inside a node",
@@ -233,8 +234,22 @@ class PP(Plugin):
                 found.append(Finding("CP603", problem,
                                      fix=f"use microbatches = {fit} (or any larger count "
                                      f"{info.name} accepts), or another schedule"))
+        compilers = plan.stage_plugins(Stage.COMPILE)
+        if info.split_backward and compilers:
+            found.append(self._compiled_refusal(info.name, f"{', '.join(compilers)} compiles "
+                                                "the blocks"))
         found += self._topology(plan, mesh, topology)
         return found
+
+    def _compiled_refusal(self, schedule: str, what: str) -> Finding:
+        # torch refuses torch.compile wrappers for these schedules itself; blocks compiled
+        # in place through AOTAutograd fail in the weight backward (measured on torch
+        # 2.13: "compiled with non-empty donated buffers").
+        return Finding(
+            "CP606", f"{schedule} splits each backward into input and weight gradients, "
+            f"which torch does not support on compiled modules ({what})",
+            fix="use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or drop compile",
+            plugin=self.name)
 
     def _topology(self, plan: PlanView, mesh: MeshSpec, topology: Topology | None
                   ) -> list[Finding]:
@@ -262,11 +277,18 @@ class PP(Plugin):
                                     ) -> list[Finding]:
         if self.info is None or self.dim not in mesh or mesh.size(self.dim) < 1:
             return []
+        from .runtime import compiled_modules
+
+        found: list[Finding] = []
+        compiled = compiled_modules([model]) if self.info.split_backward else []
+        if compiled:
+            found.append(self._compiled_refusal(
+                self.info.name, f"{', '.join(compiled[:3])} compiled before the plan"))
         try:
             split = self.compute_split(model, blocks, mesh.size(self.dim))
         except SplitError as exc:
-            return [Finding(exc.code, str(exc), fix=exc.fix)]
-        return [Finding(
+            return [*found, Finding(exc.code, str(exc), fix=exc.fix)]
+        return found + [Finding(
             "CP609", f"{a} (stage {sa}) and {b} (stage {sb}) are one tied parameter: "
             "each stage would train its own copy",
             fix="untie them (for a Hugging Face model: tie_word_embeddings = false), or "
@@ -373,14 +395,10 @@ class PP(Plugin):
             return f"nothing to change for {info.name}"
         compiled = compiled_modules([ctx.model])
         if compiled:
-            # torch refuses torch.compile wrappers for these schedules itself; blocks
-            # compiled in place through AOTAutograd fail in the weight backward (measured
-            # on torch 2.13: "compiled with non-empty donated buffers").
-            raise PipelineError(Finding(
-                "CP606", f"{info.name} splits each backward into input and weight gradients, "
-                f"which torch does not support on compiled modules ({', '.join(compiled[:3])}"
-                " compiled)", fix="use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or drop "
-                "compile", plugin=self.name))
+            # Validation finds a compile stage and a model compiled before the plan; this
+            # catches a module compiled by any other means during apply.
+            raise PipelineError(self._compiled_refusal(
+                info.name, f"{', '.join(compiled[:3])} compiled"))
         changed = keep_unsharded_until_backward(ctx.model, ctx.data_parallel_modules)
         if not changed:
             return "no sharded module to keep unsharded"

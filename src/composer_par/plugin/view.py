@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration
+    from composer_par.plugin.base import Declaration, Stage
     from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook
     from composer_par.topology import Topology
@@ -55,6 +55,11 @@ class PlanView:
     def plugin_names(self) -> tuple[str, ...]:
         """The names the plan's plugins declared, in the plan's order."""
         return tuple(self._caller.name_of(p) for p in self._caller.ordered())
+
+    def stage_plugins(self, stage: Stage) -> tuple[str, ...]:
+        """The names of the plugins that act in ``stage`` of the apply order, in the order
+        they run there (e.g. whether anything compiles, before anything is compiled)."""
+        return tuple(self._caller.name_of(p) for p in self._caller.implementers(stage))
 
     def declarations(self) -> list[Declaration]:
         """Every plugin's declaration (claims, capabilities, ordering, block use)."""
