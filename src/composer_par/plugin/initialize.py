@@ -330,8 +330,9 @@ def _local_slice(full: torch.Tensor, target: DTensor) -> torch.Tensor | None:
 def strided_alone(placements: Any) -> bool:
     """A strided split that is not FSDP2's own (``_StridedShard(d)`` on the shard dim over
     ``Shard(d)`` on an inner dim): TP's packed projections, each rank holding a slice of
-    each packed part. A rank's part is then several boxes of the tensor, while DCP and the
-    safetensors export describe it as one: they must read or write such a tensor whole."""
+    each packed part. A rank's part is then several boxes of the tensor, while DTensor
+    describes it to DCP as one: checkpoints describe it box by box
+    (:mod:`composer_par.checkpoint.strided`), and the safetensors export gathers it whole."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
