@@ -16,6 +16,9 @@ CPU time is what all ranks' processes spent.
 * ``accelerate``: ``prepare_accelerator`` and ``accelerator.prepare`` (forward,
   ``accelerator.backward``, the AcceleratedOptimizer's step and zero_grad, the loss
   averaged with ``accelerator.reduce``), interleaved step by step with the plain loop.
+* ``hf_trainer``: ``PlanTrainer`` (one Trainer step: forward, backward, the grad norm it
+  logs, the optimizer and scheduler steps, zero_grad; timed by a callback from
+  on_step_begin to on_step_end), a plain step run by the callback after each.
 
     .venv/bin/python benchmarks/bench_integrations.py [--adapter lightning] [--repeats 30]
 
@@ -252,6 +255,96 @@ def bench_accelerate(args: argparse.Namespace) -> dict[str, Any]:
     return _summarize("accelerate", results, ("accelerate",), args.repeats)
 
 
+# -- the Hugging Face Trainer -------------------------------------------------------------
+
+
+def hf_trainer_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
+                    warmup: int) -> dict[str, Any]:
+    """Rank side: the Trainer's train drives; a callback times each of its steps (from
+    on_step_begin to on_step_end: forward, backward, the grad norm it logs, the optimizer
+    and scheduler steps, zero_grad) and runs one plain step after it. Both sides train
+    Hugging Face's LlamaForCausalLM of the same size as the other adapters' Llama (the
+    Trainer writes to a model's config, which the project's Llama keeps frozen)."""
+    import tempfile
+
+    import structlog
+    import torch
+    import transformers
+
+    from composer_par.integrations.hf_trainer import PlanTrainer
+
+    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
+    transformers.logging.set_verbosity_error()
+    gen = torch.Generator().manual_seed(0)
+    steps = warmup + repeats
+    tokens = torch.randint(0, 256, (batch * steps, seq), generator=gen)
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+        use_cache=False)
+
+    def hf_llama() -> Any:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config)
+
+    plain_plan = _plan()
+    plain_model = plain_plan.apply(hf_llama())
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
+    plain_step = plain_plan.training_step(plain_model, lambda out, _ids: out.loss)
+    index, count = plain_plan.data_shard()
+
+    def plain(step: int) -> tuple[float, float]:
+        x = tokens[step * batch:(step + 1) * batch].chunk(count)[index]
+        clock = _Clock()
+        plain_step.step((), x, input_ids=x, labels=x)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        return clock.stop()
+
+    class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return len(tokens)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": tokens[i], "labels": tokens[i]}
+
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "trainer": []}
+
+    class Interleave(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.clock = _Clock()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            spent = self.clock.stop()
+            i = state.global_step - 1
+            taken = plain(i)
+            if i >= warmup:
+                times["trainer"].append(spent)
+                times["plain"].append(taken)
+
+    model = hf_llama()
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="bench-trainer-"), use_cpu=True, max_steps=steps,
+        per_device_train_batch_size=batch // count, learning_rate=1e-4, optim="adamw_torch",
+        weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=0.0,
+        train_sampling_strategy="sequential", logging_strategy="no", save_strategy="no",
+        report_to="none", disable_tqdm=True, average_tokens_across_devices=False)
+    trainer = PlanTrainer(_plan(), model=model, args=args, train_dataset=Tokens(),
+                          callbacks=[Interleave()])
+    trainer.train()
+    return times
+
+
+def bench_hf_trainer(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_par.testing.distributed import run_ranks
+
+    results = run_ranks("bench_integrations:hf_trainer_rank", RANKS,
+                        args=(args.layers, args.dim, args.seq, args.batch, args.repeats,
+                              args.warmup), timeout=1800)
+    return _summarize("hf_trainer", results, ("trainer",), args.repeats)
+
+
 def _summarize(adapter: str, results: list[dict[str, Any]], sides: tuple[str, ...],
                repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {"adapter": adapter, "sides": {}}
@@ -270,6 +363,7 @@ def _summarize(adapter: str, results: list[dict[str, Any]], sides: tuple[str, ..
 
 ADAPTERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "accelerate": bench_accelerate,
+    "hf_trainer": bench_hf_trainer,
     "lightning": bench_lightning,
 }
 

@@ -374,8 +374,8 @@ class Losses:
         return Keep()
 
 
-def _trainer(plan_name: str, directory: str, steps: int, save_steps: int | None = None
-             ) -> tuple[Any, Losses]:
+def _trainer(plan_name: str, directory: str, steps: int, save_steps: int | None = None,
+             **arguments: Any) -> tuple[Any, Losses]:
     import torch
     import transformers
 
@@ -390,7 +390,8 @@ def _trainer(plan_name: str, directory: str, steps: int, save_steps: int | None 
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=MAX_NORM, train_sampling_strategy="sequential", logging_steps=1,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        report_to="none", disable_tqdm=True, seed=SEED, dataloader_num_workers=0)
+        report_to="none", disable_tqdm=True, seed=SEED, dataloader_num_workers=0,
+        **arguments)
     losses = Losses()
     trainer = PlanTrainer(plan, model=build("hf"), args=args,
                           train_dataset=DictRows("hf", STEPS),
@@ -444,6 +445,12 @@ def trainer_case(kind: str, plan_name: str, directory: str) -> dict[str, Any]:
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-3"))
     result["resume"] = _bitwise(final, _local_state(resumed.model, resumed.optimizer))
     result["resumed_steps"] = resumed.state.global_step
+    # tokens counted on each rank alone (average_tokens_across_devices=False): the same
+    # losses
+    alone, alone_losses = _trainer(plan_name, out_dir + "-alone", 2,
+                                   average_tokens_across_devices=False)
+    alone.train()
+    result["alone_losses"] = alone_losses.losses
     # save_model: Hugging Face safetensors, each rank writing its parts, and the config
     exported = os.path.join(out_dir, "exported")
     trainer.save_model(exported)

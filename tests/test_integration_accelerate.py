@@ -157,6 +157,9 @@ def test_trainer_with_a_plan_trains_as_the_plain_loop(
         assert result["checkpoint_extra"]["trainer"]["scheduler"]["last_epoch"] == 3
         assert result["resume"] == []
         assert result["resumed_steps"] == accelerate_workers.STEPS
+        torch.testing.assert_close(torch.tensor(result["alone_losses"], dtype=torch.float64),
+                                   torch.tensor(result["plain_losses"][:2], dtype=torch.float64),
+                                   rtol=RTOL, atol=ATOL)
         # save_model outside a checkpoint: safetensors of the full weights, and the config
         name, diff = result["exported"]
         assert diff == 0.0, f"rank {rank}: exported {name} differs by {diff}"

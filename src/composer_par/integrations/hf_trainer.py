@@ -189,6 +189,16 @@ def plan_trainer_class() -> type:
                                             self.accelerator.num_processes)
             return self.accelerator.num_processes // count
 
+        def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
+            """The tokens the loss is normalized by: the Trainer divides its count by
+            get_tp_size() whether or not it gathered it over the processes; a count it did
+            not gather is this rank's own data shard's, so the division is undone."""
+            count = super()._get_num_items_in_batch(batch_samples, device)
+            if (count is not None and not self.args.average_tokens_across_devices
+                    and hasattr(count, "dim")):
+                count = count * self.get_tp_size()
+            return count
+
         # -- gradients ---------------------------------------------------------------------------
 
         def _clip_grad_norm(self, model: nn.Module) -> Any:
