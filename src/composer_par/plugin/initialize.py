@@ -221,9 +221,10 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
 
 def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.device,
                             slots: list[Slot], done: set[int] | None, *, gather: bool) -> int:
-    originals = {(id(m), n): (m, n, m._parameters[n]) for m, n in slots}
+    # Slots are distinct registrations (callers list each once): a plain list will do.
+    originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
-    for m, n, param in originals.values():
+    for m, n, param in originals:
         if param is None:
             continue
         # A tied parameter its first owner initialized gets scratch even when plain, so
@@ -237,7 +238,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
     try:
         with torch.no_grad():
             init(module)
-            for m, n, original in originals.values():
+            for m, n, original in originals:
                 result = m._parameters[n]
                 if original is None or result is None:
                     continue
@@ -248,7 +249,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
                 if done is not None:
                     done.add(id(original))
     finally:
-        for m, n, original in originals.values():
+        for m, n, original in originals:
             m._parameters[n] = original
     return scratch_bytes
 
@@ -344,11 +345,27 @@ def strided_alone(placements: Any) -> bool:
     return False
 
 
+def _modules_in_order(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()`` (parents first, each module once), walked with a list: torch's
+    nested generators pay for every level of depth at each module."""
+    seen: set[int] = set()
+    out: list[nn.Module] = []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:  # registered twice: kept where the walk first met it
+            continue
+        seen.add(id(module))
+        out.append(module)
+        stack.extend(c for c in reversed(module._modules.values()) if c is not None)
+    return out
+
+
 def tie_groups(model: nn.Module) -> list[TieGroup]:
     """Parameters registered under several names (tied weights, e.g. an embedding shared
     with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
     by_param: dict[int, TieGroup] = {}
-    for module in model.modules():
+    for module in _modules_in_order(model):
         for name, param in module._parameters.items():
             if param is not None:
                 by_param.setdefault(id(param), []).append((module, name))
