@@ -124,6 +124,25 @@ class ParallelPlan:
 
     # -- what the plan runs on -------------------------------------------------------
 
+    def device_mesh(self, world_size: int | None = None, device_type: str | None = None
+                    ) -> DeviceMesh:
+        """The plan's DeviceMesh on the live process group: the one it was given or built
+        by an earlier call, else built now (with the plan's timeout) and kept, so that
+        every later apply shards over it. For code that needs the mesh before apply (a
+        trainer's strategy or accelerator): it and the plan then share one set of process
+        groups. Raises MeshError if a kept mesh has another number of ranks than
+        ``world_size``."""
+        if self._device_mesh is not None:
+            size = int(self._device_mesh.size())
+            if world_size is not None and size != world_size:
+                raise MeshError(f"the plan's DeviceMesh has {size} ranks but {world_size} "
+                                "were asked for")
+            return self._device_mesh
+        world = world_size if world_size is not None else self.world_size() or 1
+        self._device_mesh = self.mesh.resolve(world).build(device_type,
+                                                           timeout=as_timeout(self.timeout))
+        return self._device_mesh
+
     def world_size(self) -> int | None:
         """The number of ranks, if anything says it (mesh, process group, topology)."""
         if self._device_mesh is not None:

@@ -260,13 +260,7 @@ def _on_cpu(plan: ParallelPlan) -> bool:
 def _device_mesh(plan: ParallelPlan, world: int) -> Any:
     """The plan's DeviceMesh, built once here when the plan has none, so that the plan's
     apply, accelerate's config and every collective share one set of process groups."""
-    mesh = plan._device_mesh
-    if mesh is None:
-        device_type = "cpu" if _on_cpu(plan) else "cuda"
-        mesh = plan.mesh.resolve(world).build(device_type, timeout=plan.timeout)
-        # The plan builds its mesh at apply only when it has none: give it this one.
-        plan._device_mesh = mesh
-    return mesh
+    return plan.device_mesh(world, "cpu" if _on_cpu(plan) else "cuda")
 
 
 # -- the accelerator -----------------------------------------------------------------------

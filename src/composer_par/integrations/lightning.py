@@ -187,18 +187,15 @@ class _PlanMixin:
     def _build_mesh(self, world: int, device: torch.device) -> DeviceMesh:
         """The plan's mesh on the live process group: the plan keeps it, so that apply
         shards over the very groups the strategy reports (no second set of groups)."""
-        live = getattr(self.plan, "_device_mesh", None)
-        if live is not None:
-            if int(live.size()) != world:
-                refuse_errors(self._trainer_name, [Finding(
-                    "CP704", f"the plan's DeviceMesh has {int(live.size())} ranks but the "
-                    f"process group has {world}", fix="build the plan's mesh on the "
-                    "process group Lightning runs, or give the plan a MeshSpec")])
-            return live  # type: ignore[no-any-return]
-        mesh = self.plan.mesh.resolve(world).build(device.type, timeout=self.plan.timeout)
-        # The plan builds its mesh in apply unless it holds one; it takes this one.
-        self.plan._device_mesh = mesh
-        return mesh
+        from composer_par.mesh import MeshError
+
+        try:
+            return self.plan.device_mesh(world, device.type)
+        except MeshError as exc:
+            refuse_errors(self._trainer_name, [Finding(
+                "CP704", f"{exc} (the process group has {world})", fix="build the plan's "
+                "mesh on the process group Lightning runs, or give the plan a MeshSpec")])
+            raise  # refuse_errors raised already; this keeps type checkers informed
 
     def _sampler_kwargs(self, rank: int, world: int) -> dict[str, Any]:
         index, count = self.plan.data_shard(rank=rank, world_size=world)
