@@ -15,7 +15,7 @@ validation needs no peers, and a plan that got past it would run its stages ther
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -596,21 +596,6 @@ def _error_codes() -> set[str]:
 
 def _code(name: str) -> str:
     return name.split(" ")[0]
-
-
-@pytest.fixture
-def fake_world() -> Iterator[World]:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(world_size: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-    try:
-        yield init
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ fake world of any size shows each rank's part.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,23 +20,6 @@ from composer_par.plugin.initialize import _local_slice, keep_local_part  # noqa
 
 SHAPES = [(7, 5), (3,), (1, 9), (8, 4), (2, 3, 5)]
 MESHES = [(4,), (2, 2), (3, 2), (2, 2, 2)]
-
-
-@pytest.fixture
-def fake_world() -> Iterator[object]:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(rank: int, world_size: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-    try:
-        yield init
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _placements(ndim_mesh: int, ndim_tensor: int) -> list[tuple[object, ...]]:
@@ -54,7 +36,7 @@ def test_every_rank_keeps_the_part_distribute_tensor_gives(fake_world, mesh_shap
         world *= size
     checked = 0
     for rank in range(world):
-        fake_world(rank, world)
+        fake_world(world, rank)
         mesh = init_device_mesh("cpu", mesh_shape)
         for shape in SHAPES:
             full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
@@ -79,7 +61,7 @@ def test_a_strided_placement_goes_to_distribute_tensor(fake_world) -> None:  # t
     from torch.distributed.device_mesh import init_device_mesh
 
     for rank in range(4):
-        fake_world(rank, 4)
+        fake_world(4, rank)
         mesh = init_device_mesh("cpu", (2, 2))
         placements = (_StridedShard(0, split_factor=2), Shard(0))
         full = torch.arange(48, dtype=torch.float32).reshape(8, 6)

@@ -9,7 +9,6 @@ rank's DeviceMesh can be built and asked for its group on every mesh dim.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -247,24 +246,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture
-def fake_world() -> Iterator[object]:
-    """``init(rank, world_size)`` starts a fake process group; destroyed after the test."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(rank: int, world_size: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-    try:
-        yield init
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _device_mesh(spec: MeshSpec) -> object:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -278,7 +259,7 @@ def test_every_rank_gets_the_group_device_mesh_builds(fake_world, layout) -> Non
 
     spec = MeshSpec(**layout)
     for rank in range(spec.world_size):
-        fake_world(rank, spec.world_size)
+        fake_world(spec.world_size, rank)
         mesh = _device_mesh(spec)
         assert mesh.mesh_dim_names == spec.names  # type: ignore[attr-defined]
         for name in spec.names:
@@ -296,7 +277,7 @@ def test_all_groups_in_device_mesh_order(fake_world, layout) -> None:  # type: i
     from torch.distributed._mesh_layout import _MeshLayout
 
     spec = MeshSpec(**layout)
-    fake_world(0, spec.world_size)
+    fake_world(spec.world_size, 0)
     mesh = _device_mesh(spec)
     assert mesh.mesh.flatten().tolist() == list(range(spec.world_size))  # type: ignore[attr-defined]
     for i, name in enumerate(spec.names):
@@ -310,7 +291,7 @@ def test_all_groups_in_device_mesh_order(fake_world, layout) -> None:  # type: i
 
 
 def test_build_makes_the_named_device_mesh_and_infers_minus_one(fake_world) -> None:  # type: ignore[no-untyped-def]
-    fake_world(5, 8)
+    fake_world(8, 5)
     mesh = MeshSpec(dp_replicate=2, dp_shard=-1).build("cpu")
     assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert tuple(mesh.shape) == (2, 4)
@@ -320,7 +301,7 @@ def test_build_makes_the_named_device_mesh_and_infers_minus_one(fake_world) -> N
 
 
 def test_build_rejects_a_mesh_that_does_not_fit_the_world(fake_world) -> None:  # type: ignore[no-untyped-def]
-    fake_world(0, 32)
+    fake_world(32, 0)
     with pytest.raises(MeshError, match=r"= 64 != world_size\(32\)"):
         MeshSpec(dp_replicate=4, dp_shard=8, tp=2).build("cpu")
 
@@ -336,7 +317,7 @@ def test_build_without_a_process_group_says_how_to_get_one() -> None:
 def test_from_device_mesh_needs_dim_names(fake_world) -> None:  # type: ignore[no-untyped-def]
     from torch.distributed.device_mesh import init_device_mesh
 
-    fake_world(0, 4)
+    fake_world(4, 0)
     mesh = init_device_mesh("cpu", (2, 2))
     with pytest.raises(MeshError, match="mesh_dim_names"):
         MeshSpec.from_device_mesh(mesh)

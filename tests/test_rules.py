@@ -9,7 +9,6 @@ errors (CP5xx) are tested in tests/test_planfile.py.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import attrs
@@ -203,22 +202,6 @@ def _outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests say their own topology; a surrounding torchrun must not leak in."""
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def fake_world() -> Iterator[Any]:
-    """``init(world_size)`` starts a fake process group (rank 0); destroyed after the test."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def init(world_size: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-    try:
-        yield init
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def plan_of(mesh: MeshSpec, *plugins: Plugin, topology: Topology | None = None) -> ParallelPlan:

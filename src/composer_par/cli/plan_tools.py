@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,24 +84,24 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _gbps(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected Gbit/s as a number; got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite bandwidth > 0; got {text}")
-    return value
+def _positive_rate(unit: str, what: str) -> Callable[[str], float]:
+    """An argparse type for a finite rate > 0 in ``unit`` (``what`` names it in errors)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {unit} as a number; got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a finite {what} > 0; got {text}")
+        return value
+
+    return parse
 
 
-def _tflops(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TFLOP/s as a number; got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite throughput > 0; got {text}")
-    return value
+_gbps = _positive_rate("Gbit/s", "bandwidth")
+_tflops = _positive_rate("TFLOP/s", "throughput")
 
 
 def _dtype(text: str) -> str:

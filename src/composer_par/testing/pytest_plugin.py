@@ -1,4 +1,5 @@
-"""pytest plugin (entry point ``composer_par``): the ``ranks`` and ``parity`` fixtures.
+"""pytest plugin (entry point ``composer_par``): the ``ranks``, ``parity`` and
+``fake_world`` fixtures.
 
 Installed with composer-par, so plugin authors' test suites get them without a
 conftest. Loading it imports no torch: only the rank processes (and the single-process
@@ -8,7 +9,7 @@ reference of ``parity``) do, so test sessions that never use the fixtures pay no
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -76,3 +77,24 @@ def parity(tmp_path: os.PathLike[str]) -> Parity:
     """Train a plan against a single-process reference: ``parity.check(task=..., plan=...,
     world_size=...)``; count its collectives: ``parity.comm(...)``."""
     return Parity(tmp_path)
+
+
+@pytest.fixture
+def fake_world() -> Iterator[Callable[..., None]]:
+    """One process standing for any rank of a world, no peers: ``fake_world(world_size,
+    rank=0)`` starts torch's fake process group (again, for another rank or size, if one
+    is running), on which DeviceMeshes build and local work (sharding, validation,
+    ``apply``) runs while collectives do nothing. Destroyed after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(world_size: int, rank: int = 0) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    try:
+        yield init
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
