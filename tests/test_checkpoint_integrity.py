@@ -153,72 +153,77 @@ def test_a_checkpoint_digested_by_zlib_itself_loads_and_verifies(saved: Path) ->
         ck.load(saved, model, optimizer)
 
 
-def _wide(tmp_path: Path) -> tuple[torch.nn.Module, Path, Any]:
-    """A committed step of a model with a tensor of 1.6 MB (its bytes one large segment),
-    and that tensor's stored chunk."""
+def _verify_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("composer-par-verify")]
+
+
+def _wait_for_no_verify_thread() -> None:
+    deadline = time.monotonic() + 10
+    while _verify_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _verify_threads() == []
+
+
+@pytest.mark.parametrize("prepared", ["none", "part"])
+def test_chunks_not_checked_ahead_are_checked_before_they_are_read(
+        saved: Path, prepared: str) -> None:
+    """The checks start from the rank's own plan, before DCP exchanges the plans; a reader
+    whose read plan holds chunks it did not check ahead (no plan prepared, or only part of
+    it) checks those before reading them, and no checking thread or open file is left."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
     from composer_par.checkpoint.dcp import read_metadata
+    from composer_par.checkpoint.errors import dcp_errors
+    from composer_par.checkpoint.integrity import verifying_reader
 
-    torch.manual_seed(0)
-    model = wide_model()
-    directory = ck.save(tmp_path / "wide", model, step=1)
-    (chunk,) = [v for k, v in read_metadata(directory).storage_data.items()
-                if k.fqn == "model.0.weight"]
-    return model, directory, chunk
+    key = "model.layers.1.attention.wq.weight"
+    metadata = read_metadata(saved)
+    (chunk,) = [v for k, v in metadata.storage_data.items() if k.fqn == key]
+    flip(saved / "__0_0.distcp", chunk.offset + chunk.length // 2)
+    manifest = steps.read_manifest(saved)
+    assert manifest is not None
+    model, _, before = fresh()
+    reader = verifying_reader(saved, metadata, manifest)
 
+    def prepare(plan: Any) -> Any:
+        plan = FileSystemReader.prepare_local_plan(reader, plan)
+        if prepared == "part":  # everything but the corrupt chunk
+            reader._start(manifest, [i for i in plan.items if i.storage_index.fqn != key])
+        return plan
 
-def wide_model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(640, 640), torch.nn.Linear(640, 8))
-
-
-def test_a_large_tensor_is_checked_as_it_is_read_and_never_loaded_corrupt(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor's bytes are hashed as DCP reads them into its storage (no second pass from
-    the file: nothing large is hashed from it), every byte read is counted as checked, and
-    a flipped byte among them fails the load before the tensor reaches the model."""
-    from composer_par.checkpoint import integrity
-
-    _, directory, chunk = _wide(tmp_path)
-    from_file: list[int] = []
-    original = integrity.crc_range
-
-    def recorded(fd: int, offset: int, length: int, *args: Any) -> int:
-        from_file.append(length)
-        return original(fd, offset, length, *args)
-
-    monkeypatch.setattr(integrity, "crc_range", recorded)
-    report = ck.load_checkpoint_weights(wide_model(), directory)
-    assert report.bytes_read == (directory / "__0_0.distcp").stat().st_size
-    assert from_file and max(from_file) < 2**20, from_file
-    flip(directory / "__0_0.distcp", chunk.offset + chunk.length // 2)
-    target = wide_model()
-    before = target[0].weight.detach().clone()
-    with pytest.raises(CorruptFileError, match=r"__0_0\.distcp: bytes \d+-\d+ \(model\.0\."
-                       r"weight\) differ from what was committed"):
-        ck.load(directory, target)
-    assert torch.equal(target[0].weight, before)
+    reader.prepare_local_plan = prepare
+    open_files = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(CorruptFileError, match=rf"__0_0\.distcp: bytes {chunk.offset}-.* "
+                       rf"\({key}\) differ"), dcp_errors("loading"):
+        dcp.load({"model": model.state_dict()}, storage_reader=reader, no_dist=True)
+    assert torch.equal(state(model)["layers.1.attention.wq.weight"],
+                       before["layers.1.attention.wq.weight"])
+    _wait_for_no_verify_thread()
+    assert len(os.listdir("/proc/self/fd")) == open_files
 
 
-def test_a_large_segment_read_in_parts_is_checked_before_it_is_handed_out(
-        tmp_path: Path) -> None:
-    """Read other than in one piece (torch does not, today), a tensor's bytes are checked
-    whole from the file once more than a zip parser's probe of them is asked for; the
-    probe itself (the chunk's last 4 KiB) is served."""
+def test_checks_started_for_a_load_that_never_reads_end_by_themselves(saved: Path) -> None:
+    """A load that fails after this rank's plan was made (another rank's plan, say) never
+    reaches read_data: the checks started for it finish, close their files and end."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
     from composer_par.checkpoint.dcp import read_metadata
     from composer_par.checkpoint.integrity import verifying_reader
 
-    _, directory, chunk = _wide(tmp_path)
-    flip(directory / "__0_0.distcp", chunk.offset + chunk.length // 2)
-    metadata = read_metadata(directory)
-    reader = verifying_reader(directory, metadata, steps.read_manifest(directory))
+    metadata = read_metadata(saved)
+    model, _, _ = fresh()
+    open_files = len(os.listdir("/proc/self/fd"))
+    reader = verifying_reader(saved, metadata, steps.read_manifest(saved))
     reader.set_up_storage_reader(metadata, True)
-    with open(directory / "__0_0.distcp", "rb") as file:
-        view = reader._slice_file(file, chunk)
-        view.seek(-4096, os.SEEK_END)
-        assert len(view.read(4096)) == 4096
-        view.seek(4096)
-        with pytest.raises(CorruptFileError, match=r"bytes \d+-\d+ \(model\.0\.weight\) "
-                           "differ"):
-            view.read(100_000)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"model": model.state_dict()}, metadata, True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    assert plan.items and reader.checker is not None
+    _wait_for_no_verify_thread()
+    assert len(os.listdir("/proc/self/fd")) == open_files
 
 
 def test_flipped_bytes_in_a_shard_are_found_by_every_reader(

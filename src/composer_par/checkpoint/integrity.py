@@ -12,10 +12,9 @@ Each rank digests the shard files it writes as the bytes go out (no byte is read
 the CRC-32 that ``torch.save`` already computes for each tensor's bytes is taken from the
 zip it writes rather than computed twice), and its other files right after writing
 them; rank 0 gathers the records and writes them into the marker, last. ``load`` checks
-``.metadata`` and ``composer_par.json`` before using them, and each stored chunk as DCP
-reads it (a tensor's bytes hashed as they are copied into its storage, before
-``torch.load`` returns it), so corrupt bytes never reach the model; ``inspect --verify``
-checks every byte of every file.
+``.metadata`` and ``composer_par.json`` before using them, and each stored chunk before
+DCP reads it, so corrupt bytes never reach the model; ``inspect --verify`` checks every
+byte of every file.
 
 Why CRC-32 (zlib's function): it is the digest torch.save already writes for each
 tensor's bytes, so a save need not compute it again; computed by zlib-ng (a dependency)
@@ -33,7 +32,6 @@ can recompute it; DCP's ``.metadata`` is a pickle anyway: trusted sources only).
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -229,16 +227,6 @@ class Manifest:
             got = crc32(view[offset:offset + length])
             if got != crc:
                 raise _differs(path, offset, length, crc, got)
-
-    def unchecked(self, name: str, offset: int, length: int) -> list[tuple[int, int, int]]:
-        """The segments of ``name`` overlapping ``offset, offset + length`` that this
-        manifest has not checked yet."""
-        return [s for s in self._record(name).segments
-                if s[0] < offset + length and s[0] + s[1] > offset
-                and (name, s[0]) not in self._verified]
-
-    def mark_checked(self, name: str, seg_offset: int) -> None:
-        self._verified.add((name, seg_offset))
 
     def check_range(self, name: str, offset: int, length: int, fd: int,
                     scratch: memoryview | None = None, key: str = "") -> int:
@@ -454,126 +442,76 @@ def digesting_writer(path: Path, **kwargs: Any) -> Any:
     return writer
 
 
-# A segment at least this large (a tensor's bytes) is hashed as DCP reads it; smaller ones
-# (a zip's headers and directory: tens of bytes to a few KiB) are checked before it.
-_STREAM_AT_LEAST = 1 << 20
-# Bytes read from the page cache, then hashed, at a time: small enough to be hashed while
-# still in the core's cache, after the copy that brought them there.
-_PIECE = 256 * 1024
-# Of a large segment, at most this many bytes are handed to torch.load's zip parser before
-# the segment is checked (its first read is of the chunk's last 4 KiB, to find the zip's
-# directory, which takes the end of the tensor's bytes with it). A tensor's values are
-# its whole segment, so they come only from a read that covers it (checked as it is read)
-# or after more than this was read in parts (then checked whole first).
-_LOOSE_AT_MOST = 64 * 1024
+class _ChunkChecker:
+    """Checks stored chunks against the manifest in one thread, in file order, starting
+    as soon as a rank knows which chunks it will read: DCP then exchanges the ranks' plans,
+    a wait the hashing fills. :meth:`wait` blocks until a chunk's check has passed (or
+    raises its error); nothing of a chunk is read into the model before that."""
 
+    def __init__(self, manifest: Manifest, directory: Path, storage_data: Mapping[Any, Any],
+                 items: Iterable[Any]) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
 
-class _CheckedChunk(io.RawIOBase):
-    """One stored chunk of a shard file as DCP reads it (``torch.load`` of it), checked
-    against the manifest on the way in.
-
-    The small segments of the chunk are checked when the view is made, before any of it is
-    parsed. A large segment that one read covers whole (torch reads a tensor's bytes in
-    one ``readinto``, straight into its storage) is read piece by piece and each piece
-    hashed right after the copy, while it is still in the cache: no second pass over the
-    memory; the read raises before it returns if the digest differs, so ``torch.load``
-    fails and the bytes reach no tensor of the model. A large segment read in parts is
-    checked whole from the file as soon as more than :data:`_LOOSE_AT_MOST` of it has been
-    asked for."""
-
-    def __init__(self, reader: Any, manifest: Manifest, directory: Path, name: str,
-                 key: str, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self.reader = reader
         self.manifest = manifest
-        self.path = directory / name
-        self.name, self.key, self.fd = name, key, fd
-        self.offset, self.length, self.position = offset, length, 0
-        self.large: list[tuple[int, int, int]] = []
-        self.loose: dict[int, int] = {}  # bytes of a large segment read in parts, by offset
-        for segment in manifest.unchecked(name, offset, length):
-            if segment[1] >= _STREAM_AT_LEAST:
-                self.large.append(segment)
-            else:
-                self._check_from_file(segment)
+        self.directory = directory
+        self.storage_data = storage_data
+        self._fds: dict[str, int] = {}
+        # The checking thread's alone; larger ranges are hashed through a memory map.
+        self._scratch = memoryview(bytearray(_MAP_AT_LEAST))
+        self._checks: dict[Any, Future[int]] = {}
+        order = sorted(items, key=lambda i: (storage_data[i.storage_index].relative_path,
+                                             storage_data[i.storage_index].offset))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="composer-par-verify")
+        for item in order:
+            if item.storage_index not in self._checks:
+                self._checks[item.storage_index] = pool.submit(self._check, item, True)
+        # Queued last and never cancelled: the thread closes its files, then ends by
+        # itself, even if the load fails before read_data (another rank's plan, say).
+        self._finished = pool.submit(self._close)
+        pool.shutdown(wait=False)
 
-    def _check_from_file(self, segment: tuple[int, int, int]) -> None:
-        seg_offset, seg_length, crc = segment
+    def _check(self, item: Any, in_thread: bool) -> int:
+        info = self.storage_data[item.storage_index]
+        name = info.relative_path
         try:
-            got = crc_range(self.fd, seg_offset, seg_length)
+            return self._check_chunk(name, info.offset, info.length, item.storage_index.fqn,
+                                     in_thread)
         except OSError as exc:
-            raise CorruptFileError(f"{self.path}: unreadable: {exc}") from exc
-        if got != crc:
-            raise _differs(self.path, seg_offset, seg_length, crc, got, self.key)
-        self.manifest.mark_checked(self.name, seg_offset)
-        self.reader.bytes_verified += seg_length
+            raise CorruptFileError(f"{self.directory / name}: unreadable: {exc}") from exc
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.length}[whence]
-        self.position = max(0, base + offset)
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        start = self.offset + self.position
-        end = start + max(0, min(len(view), self.length - self.position))
-        streamed = []
-        for segment in [s for s in self.large if s[0] < end and s[0] + s[1] > start]:
-            seg_offset, seg_end = segment[0], segment[0] + segment[1]
-            if start <= seg_offset and seg_end <= end:
-                self.large.remove(segment)
-                streamed.append(segment)
-                continue
-            self.loose[seg_offset] = self.loose.get(seg_offset, 0) + min(end, seg_end) - max(
-                start, seg_offset)
-            if self.loose[seg_offset] > _LOOSE_AT_MOST:
-                self.large.remove(segment)
-                self._check_from_file(segment)
-        done = self._read(view, start, end, streamed)
-        self.position += done
-        return done
-
-    def _read(self, view: memoryview, start: int, end: int,
-              streamed: list[tuple[int, int, int]]) -> int:
-        """Read ``start:end`` of the file into ``view``; hash, piece by piece, the parts in
-        ``streamed`` segments (each lies whole within the range)."""
-        crcs = [0] * len(streamed)
-        position = start
+    def _check_chunk(self, name: str, offset: int, length: int, key: str,
+                     in_thread: bool) -> int:
+        if in_thread:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._fds[name] = os.open(self.directory / name, os.O_RDONLY)
+            return self.manifest.check_range(name, offset, length, fd, self._scratch, key)
+        fd = os.open(self.directory / name, os.O_RDONLY)
         try:
-            while position < end:
-                n = min(end - position, _PIECE if streamed else end - position)
-                got = os.preadv(self.fd, [view[position - start:position - start + n]],
-                                position)
-                if got <= 0:
-                    break
-                for i, (seg_offset, seg_length, _) in enumerate(streamed):
-                    lo, hi = max(position, seg_offset), min(position + got,
-                                                             seg_offset + seg_length)
-                    if lo < hi:
-                        crcs[i] = crc32(view[lo - start:hi - start], crcs[i])
-                position += got
-        except OSError as exc:
-            raise CorruptFileError(f"{self.path}: unreadable: {exc}") from exc
-        for (seg_offset, seg_length, crc), got_crc in zip(streamed, crcs, strict=True):
-            if seg_offset + seg_length > position or got_crc != crc:
-                raise _differs(self.path, seg_offset, seg_length, crc, got_crc, self.key)
-            self.manifest.mark_checked(self.name, seg_offset)
-            self.reader.bytes_verified += seg_length
-        return position - start
+            return self.manifest.check_range(name, offset, length, fd, key=key)
+        finally:
+            os.close(fd)
 
-    def read(self, size: int | None = -1) -> bytes:
-        remaining = max(0, self.length - self.position)
-        buffer = bytearray(remaining if size is None or size < 0 else min(size, remaining))
-        return bytes(buffer[:self.readinto(buffer)])
+    def _close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def covers(self, items: Iterable[Any]) -> bool:
+        return all(item.storage_index in self._checks for item in items)
+
+    def wait(self, item: Any) -> int:
+        """The bytes hashed for ``item`` (0 where an earlier chunk shared its segments)."""
+        check = self._checks.get(item.storage_index)
+        if check is None:  # not in the plan the checks started from: checked here
+            return self._check(item, False)
+        return check.result()
+
+    def close(self) -> None:
+        """Stop the checks not started yet, and wait for the thread to end."""
+        for check in self._checks.values():
+            check.cancel()
+        self._finished.result()
 
 
 def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, *,
@@ -582,15 +520,18 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
     ``metadata``; before it reads anything it checks that every file this rank will read
     has its committed size (with ``collective``, every rank of the default process group
     loads, and the ranks agree on that first), and with a ``manifest`` it checks each
-    stored chunk's digests as DCP reads the chunk, before its bytes reach the model (see
-    :class:`_CheckedChunk`). Errors name the file (and the key)."""
+    stored chunk's digest before DCP reads that chunk into the model. The digests are
+    checked in a thread (CRC-32 and ``pread`` release the GIL) that starts once this
+    rank's plan is made, before DCP exchanges the plans between the ranks, and runs ahead
+    of DCP's reading, so it costs little time where a core is free. Errors name the file
+    (and the key)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from composer_par.checkpoint import _dist
 
     class VerifyingReader(FileSystemReader):
         bytes_verified = 0
-        _keys: dict[tuple[str, int], str] | None = None  # a chunk's key, by file and offset
+        checker: _ChunkChecker | None = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -600,7 +541,27 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def prepare_local_plan(self, plan: Any) -> Any:
+            plan = super().prepare_local_plan(plan)
+            if manifest is not None:
+                self._start(manifest, plan.items)
+            return plan
+
+        def _start(self, manifest: Manifest, items: list[Any]) -> _ChunkChecker:
+            if self.checker is not None:
+                self.checker.close()
+            self.checker = _ChunkChecker(manifest, directory, self.storage_data, items)
+            return self.checker
+
         def read_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                return self._read_data(plan, planner)
+            finally:
+                if self.checker is not None:
+                    self.checker.close()
+                    self.checker = None
+
+        def _read_data(self, plan: Any, planner: Any) -> Any:
             per_file: dict[str, list[Any]] = {}
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path,
@@ -618,10 +579,13 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
                     raise CorruptFileError("; ".join(failed))
             if problem is not None:
                 raise problem
+            checker = self.checker
+            if manifest is not None and (checker is None or not checker.covers(plan.items)):
+                checker = self._start(manifest, plan.items)
             future = None
             for name, items in per_file.items():
                 items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-                future = self._read_file(plan, planner, name, items)
+                future = self._read_file(plan, planner, name, items, checker)
             return future if future is not None else super().read_data(plan, planner)
 
         def _check_size(self, name: str, items: list[Any]) -> None:
@@ -639,44 +603,31 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
                 raise CorruptFileError(f"{path}: truncated: {size} bytes, .metadata places "
                                        f"data up to byte {end}")
 
-        def _read_file(self, plan: Any, planner: Any, name: str, items: list[Any]) -> Any:
+        def _read_file(self, plan: Any, planner: Any, name: str, items: list[Any],
+                       checker: _ChunkChecker | None) -> Any:
+            """DCP reads ``items`` of file ``name``: all at once without digests, else one
+            by one, each once its chunk has been checked."""
             import dataclasses
 
-            try:
-                future = super().read_data(dataclasses.replace(plan, items=items), planner)
-                future.wait()
-                if manifest is not None:
-                    self._check_unread(manifest, name, items)
-                return future
-            except CheckpointError:
-                raise
-            except (EOFError, OSError, RuntimeError, ValueError) as exc:
-                raise CorruptFileError(f"{directory / name}: unreadable: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+            def read(chunk: list[Any]) -> Any:
+                try:
+                    future = super(VerifyingReader, self).read_data(
+                        dataclasses.replace(plan, items=chunk), planner)
+                    future.wait()
+                    return future
+                except CheckpointError:
+                    raise
+                except (EOFError, OSError, RuntimeError, ValueError) as exc:
+                    raise CorruptFileError(f"{directory / name}: unreadable: "
+                                           f"{type(exc).__name__}: {exc}") from exc
 
-        def _check_unread(self, manifest: Manifest, name: str, items: list[Any]) -> None:
-            """Every segment of the chunks read has been checked as it was read; one that
-            torch did not read (none, with torch's reader as it is) is checked here, so
-            that a load never ends with a chunk unchecked."""
-            fd = os.open(directory / name, os.O_RDONLY)
-            try:
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    self.bytes_verified += manifest.check_range(
-                        name, info.offset, info.length, fd, key=item.storage_index.fqn)
-            finally:
-                os.close(fd)
-
-        def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            # DCP's reader asks for each stored chunk's view here, then torch.loads it.
-            if manifest is None:
-                return super()._slice_file(file, sinfo)
-            if self._keys is None:
-                self._keys = {(s.relative_path, s.offset): i.fqn
-                              for i, s in self.storage_data.items()}
-            key = self._keys.get((sinfo.relative_path, sinfo.offset), "")
-            return _CheckedChunk(self, manifest, directory, sinfo.relative_path, key,
-                                 file.fileno(), sinfo.offset, sinfo.length)
+            if checker is None:
+                return read(items)
+            future = None
+            for item in items:
+                self.bytes_verified += checker.wait(item)
+                future = read([item])
+            return future
 
     return VerifyingReader(str(directory))
 
