@@ -129,14 +129,17 @@ def test_cp411_a_block_compiled_before_the_plan() -> None:
     assert finding.message == "block layers.0 (DecoderLayer) is already compiled (Module.compile())"
 
 
-def test_cp412_inductor_on_cpu_without_a_cxx_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cp412_inductor_on_cpu_without_a_cxx_compiler() -> None:
     from torch._inductor import config
 
     plan = ParallelPlan(MeshSpec(), device="cpu").use(Compile()).use(MetaInit())
     assert "CP412" not in plan.validate(meta_llama()).codes()  # gcc is on this machine
-    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler++"))
-    (finding,) = plan.validate(meta_llama()).findings
+    # config.patch, not monkeypatch: monkeypatch's undo deletes the setting, which torch's
+    # config then hides from every later reader in the process.
+    with config.patch({"cpp.cxx": (None, "no-such-compiler++")}):
+        (finding,) = plan.validate(meta_llama()).findings
     assert finding.code == "CP412" and "no-such-compiler++" in finding.message
+    assert config.cpp.cxx != (None, "no-such-compiler++")  # restored, still readable
     # Not an error for other backends.
     other = ParallelPlan(MeshSpec(), device="cpu").use(Compile(backend="aot_eager"))
     assert "CP412" not in other.use(MetaInit()).validate(meta_llama()).codes()

@@ -620,7 +620,7 @@ def test_a_refused_apply_leaves_the_model_untouched(name: str, tmp_path: Path,
         # inductor's C++ compiler, as if none were installed (its own setting)
         from torch._inductor import config
 
-        with config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        with config.patch({"cpp.cxx": (None, "no-such-c++-compiler")}):
             _refused_untouched(code, *CASES[name](tmp_path, fake_world))
         return
     _refused_untouched(code, *CASES[name](tmp_path, fake_world))
