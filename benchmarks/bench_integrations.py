@@ -74,6 +74,39 @@ class _Clock:
 # -- Lightning ------------------------------------------------------------------------------
 
 
+class _PlainLoop:
+    """The plain side of a rank: the project's Llama under the same plan, trained by
+    ``plan.training_step`` and a torch AdamW on this rank's share of each global batch
+    (``tokens`` holds one global batch per step)."""
+
+    def __init__(self, layers: int, dim: int, seq: int, batch: int, steps: int) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 256, (batch * steps, seq), generator=gen)
+        self.batch = batch
+        plan = _plan()
+        with torch.device("meta"):
+            model = _llama(layers, dim, seq)
+        model = plan.apply(model)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.training_step = plan.training_step(model, _loss)
+        self.index, self.count = plan.data_shard()
+
+    def local(self, step: int) -> Any:
+        """This rank's part of step ``step``'s global batch."""
+        whole = self.tokens[step * self.batch:(step + 1) * self.batch]
+        return whole.chunk(self.count)[self.index]
+
+    def step(self, step: int) -> tuple[float, float]:
+        x = self.local(step)
+        clock = _Clock()
+        self.training_step.step(x, x)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return clock.stop()
+
+
 def lightning_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
                    warmup: int) -> dict[str, Any]:
     """Rank side: the Trainer's fit drives; plain and Fabric steps run between its steps."""
@@ -86,18 +119,9 @@ def lightning_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
     from composer_par.integrations.lightning import FabricStrategy, TrainerStrategy
 
     structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
-    gen = torch.Generator().manual_seed(0)
-    vocab = 256
     steps = warmup + repeats
-    tokens = torch.randint(0, vocab, (batch * steps, seq), generator=gen)
-
-    plain_plan = _plan()
-    with torch.device("meta"):
-        plain_model = _llama(layers, dim, seq)
-    plain_model = plain_plan.apply(plain_model)
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
-    plain_step = plain_plan.training_step(plain_model, _loss)
-    index, count = plain_plan.data_shard()
+    loop = _PlainLoop(layers, dim, seq, batch, steps)
+    tokens, count = loop.tokens, loop.count
     per_rank = batch // count
 
     fabric = Fabric(strategy=FabricStrategy(_plan()), devices=RANKS, accelerator="cpu")
@@ -107,16 +131,7 @@ def lightning_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
     fabric_model = fabric.setup_module(fabric_model)
     fabric_opt = fabric.setup_optimizers(torch.optim.AdamW(fabric_model.parameters(), lr=1e-4))
 
-    def local(step: int) -> Any:
-        return tokens[step * batch:(step + 1) * batch].chunk(count)[index]
-
-    def plain(step: int) -> tuple[float, float]:
-        x = local(step)
-        clock = _Clock()
-        plain_step.step(x, x)
-        plain_opt.step()
-        plain_opt.zero_grad()
-        return clock.stop()
+    local, plain = loop.local, loop.step
 
     def through_fabric(step: int) -> tuple[float, float]:
         x = local(step)
@@ -196,17 +211,8 @@ def accelerate_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
     from composer_par.integrations.accelerate import prepare_accelerator
 
     structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
-    gen = torch.Generator().manual_seed(0)
     steps = warmup + repeats
-    tokens = torch.randint(0, 256, (batch * steps, seq), generator=gen)
-
-    plain_plan = _plan()
-    with torch.device("meta"):
-        plain_model = _llama(layers, dim, seq)
-    plain_model = plain_plan.apply(plain_model)
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
-    plain_step = plain_plan.training_step(plain_model, _loss)
-    index, count = plain_plan.data_shard()
+    loop = _PlainLoop(layers, dim, seq, batch, steps)
 
     with torch.device("meta"):
         meta = _llama(layers, dim, seq)
@@ -214,16 +220,7 @@ def accelerate_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
     model, optimizer = accelerator.prepare(
         model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-    def local(step: int) -> Any:
-        return tokens[step * batch:(step + 1) * batch].chunk(count)[index]
-
-    def plain(step: int) -> tuple[float, float]:
-        x = local(step)
-        clock = _Clock()
-        plain_step.step(x, x)
-        plain_opt.step()
-        plain_opt.zero_grad()
-        return clock.stop()
+    local, plain = loop.local, loop.step
 
     def through_accelerate(step: int) -> tuple[float, float]:
         x = local(step)
