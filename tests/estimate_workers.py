@@ -3,6 +3,7 @@ every collective counted per mesh dim by :class:`composer_par.testing.comm_count
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 
@@ -13,6 +14,7 @@ def measure_steps(plans: list[str], task: str = "composer_par.testing.tasks:llam
     the global batch under a CommCounter; return each plan's per-mesh-dim summary."""
     import torch
     import torch.distributed as dist
+    from composer_par.plugins.tp import loss_parallel
 
     from composer_par.plan import ParallelPlan
     from composer_par.testing.comm_count import CommCounter
@@ -27,10 +29,13 @@ def measure_steps(plans: list[str], task: str = "composer_par.testing.tasks:llam
         model = plan.apply(model)
         index, count = plan.data_shard()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        # A loss-parallel plan's loss (and its backward) runs inside loss_parallel().
+        sharded_loss = any(getattr(p, "loss_parallel", False) for p in plan.plugins)
         with CommCounter() as counter:
             for step in range(steps):
-                loss = the_task.loss(model, the_task.batch(step).chunk(count)[index])
-                loss.backward()
+                with loss_parallel() if sharded_loss else contextlib.nullcontext():
+                    loss = the_task.loss(model, the_task.batch(step).chunk(count)[index])
+                    loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
         mesh = plan.mesh.resolve(dist.get_world_size())

@@ -568,6 +568,10 @@ MEASURED_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
         '[[plugins]]\nname = "fsdp2"\n', ("tp",)),
     "fsdp2 x tp": ('[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\n'
                    '[[plugins]]\nname = "fsdp2"\n', ("tp",)),
+    # loss-parallel cross-entropy's reductions happen inside DTensor's dispatch
+    "fsdp2 x tp, sequence and loss parallel": (
+        '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
+        'loss_parallel = true\n[[plugins]]\nname = "fsdp2"\n', ("tp",)),
 }
 
 

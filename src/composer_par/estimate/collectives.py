@@ -212,4 +212,12 @@ def _tp_collectives(
         logits = workload.seq * workload.micro_batch * model.vocab * act_bytes
         out.append(Collective(dim.name, "all_gather", logits * micro, micro,
                               "logits gathered from the vocabulary-split output head"))
+    elif model.vocab and has_root:
+        # Loss-parallel cross-entropy (torch's) reduces one fp32 value per token three
+        # times in forward, over the vocabulary shards: the logits' max, the sum of their
+        # exponentials and the target's logit; its backward is local.
+        per_token = workload.seq * workload.micro_batch * 4
+        out.append(Collective(dim.name, "all_reduce", 3 * per_token * micro, 3 * micro,
+                              "loss-parallel cross-entropy: max, sum of exponentials and "
+                              "target logit per token"))
     return out

@@ -23,6 +23,11 @@ So a backend that runs a reduce-scatter as an all-reduce of the full tensor and 
 its slice has the same payload as one that runs a real reduce-scatter, and
 :mod:`composer_par.estimate` reports its predictions in the same unit.
 
+Collectives DTensor issues inside its own dispatch (an operator's redistribution of
+its inputs, loss-parallel cross-entropy's reductions) are counted too: the mode declines
+ops on DTensors, as ``CommDebugMode`` does, so they reach it after DTensor has turned
+them into plain-tensor ops and collectives. The two agree call for call (tested).
+
 A call is recorded at dispatch, before the backend runs it; asynchronous work is
 counted when issued. The mode must be active on the thread that issues the
 collectives (on CPU the autograd engine runs backward on the calling thread).
@@ -36,14 +41,20 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from composer_par.mesh import MeshSpec
 
 __all__ = ["Call", "CommCounter", "collective_kind", "group_label", "wire_bytes"]
 
-NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 
 # op name -> (kind, the argument whose bytes are the payload, multiply by group_size).
 # Names are the same in every namespace that has them.
@@ -82,6 +93,8 @@ _OPS: dict[str, tuple[str, str, bool]] = {
     "all_reduce_coalesced_": ("all_reduce", "inputs", False),
     "broadcast": ("broadcast", "input", False),
     "all_to_all_single": ("all_to_all", "input", False),
+    # DTensor's own (a shard-dim change on one mesh dim)
+    "shard_dim_alltoall": ("all_to_all", "input", False),
     "isend": ("send", "tensor", False),
     "irecv": ("recv", "tensor", False),
     "batch_p2p_ops": ("p2p", "tensors", False),
@@ -171,6 +184,15 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
+        if _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
+            # A mode runs before tensor subclasses do: an op on DTensors reaches here whole,
+            # and the collectives DTensor issues to carry it out (redistributions inside
+            # its dispatch, loss-parallel's reductions) would run with this mode popped.
+            # Declining lets DTensor run first; those collectives then come back here as
+            # plain-tensor ops.
+            return NotImplemented
         if func.namespace in NAMESPACES:
             entry = _OPS.get(func._schema.name.split("::", 1)[1])
             if entry is not None:
