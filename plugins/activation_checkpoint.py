@@ -1,10 +1,15 @@
 """ActivationCheckpoint: recompute the shared blocks' activations in backward.
 
 ``mode="full"`` saves nothing inside a checkpointed block (its inputs only) and
-recomputes its whole forward in backward; ``mode="selective"`` saves the outputs of the
-matrix multiplications (the expensive ops) and recomputes the rest (norms, activations,
-elementwise ops), through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
-``every=N`` checkpoints the N-th, 2N-th, ... block (1-based, as torchtitan counts).
+recomputes its whole forward in backward, stopping as soon as the tensors backward needs
+are back unless ``early_stop=False``. ``mode="selective"`` saves what ``save`` names and
+recomputes the rest, through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``:
+``"matmul"`` the outputs of the matrix multiplications (the expensive ops; with
+``matmul_every=N`` only the 1st, (N+1)-th, ... of each block), ``"collectives"`` the
+outputs of the functional collectives (``torch.ops._c10d_functional``: what TP and
+DTensor issue), so that a recomputation in backward never issues a collective again.
+``policy`` replaces those choices with the user's own op policy. ``every=N`` checkpoints
+the N-th, 2N-th, ... block (1-based, as torchtitan counts).
 
 Why no wrapper module: ``checkpoint_wrapper`` inserts ``_checkpoint_wrapped_module.``
 into every parameter name under the block, which then reaches ``named_parameters()``,
@@ -20,8 +25,11 @@ the eager, aot_eager and inductor backends, full and selective).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import re
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
@@ -52,18 +60,26 @@ if TYPE_CHECKING:
 # The instance attribute that marks a block this plugin checkpointed (and in which mode);
 # the shared already-wrapped check knows it.
 MARK = CHECKPOINT_MARK
+# The instance attribute holding how a checkpointed block recomputes (a CheckpointHow).
+HOW = CHECKPOINT_MARK + "_how"
 
 # aten ops whose outputs selective mode saves: the matrix multiplications, which are what
 # a recompute would spend its time on. nn.Linear reaches the dispatcher as mm/addmm.
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
 
+# The namespaces of the functional collectives, every op and every overload in them
+# (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_to_all_single,
+# broadcast, the coalesced forms, wait_tensor, ...): what TP's redistributions and
+# DTensor issue. c10d's own ops (dist.all_reduce and friends) are left out: they write
+# into their arguments, and a selective checkpoint caches outputs, not mutations.
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
 
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
+# What selective mode can save, and what it saves unless told otherwise: both, so that a
+# recomputation in backward runs no collective again.
+SAVABLE = ("matmul", "collectives")
+DEFAULT_SAVE = ("matmul", "collectives")
 
-    if _is_matmul(op):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @functools.cache
@@ -79,15 +95,95 @@ def _matmul_overloads() -> frozenset[Any]:
     return frozenset(found)
 
 
-def _is_matmul(op: Any) -> bool:
+def is_matmul(op: Any) -> bool:
+    """Whether ``op`` (an aten OpOverload) is one of the matrix multiplications."""
     return op in _matmul_overloads()
 
 
-def selective_context_fn() -> Any:
-    """The ``context_fn`` of selective mode: save matmul outputs, recompute the rest."""
+def is_collective(op: Any) -> bool:
+    """Whether ``op`` is a functional collective (any op of ``_c10d_functional``)."""
+    return getattr(op, "namespace", None) in COLLECTIVE_NAMESPACES
+
+
+def selective_policy(save: tuple[str, ...] = DEFAULT_SAVE, matmul_every: int = 1) -> Any:
+    """A fresh op policy for one checkpointed region: save what ``save`` names (with
+    ``matmul_every=N``, the 1st, (N+1)-th, ... matmul of the region), recompute the rest.
+
+    The matmul count lives in the policy, one per forward of the region and one per its
+    recompute (``ctx.is_recompute``), so a recompute that asks the policy again makes
+    the forward's decisions; a new region (each block, each forward) gets a new policy
+    from :func:`selective_context_fn`.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save_matmul, save_collectives = "matmul" in save, "collectives" in save
+    seen = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_matmul(op):
+            if not save_matmul:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            index = seen[ctx.is_recompute]
+            seen[ctx.is_recompute] = index + 1
+            if index % matmul_every == 0:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if save_collectives and is_collective(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_context_fn(save: tuple[str, ...] = DEFAULT_SAVE, matmul_every: int = 1) -> Any:
+    """A ``context_fn`` of selective mode (by default: save matmul and collective outputs,
+    recompute the rest), for ``torch.utils.checkpoint.checkpoint``."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_selective_policy)
+    return create_selective_checkpoint_contexts(selective_policy(save, matmul_every))
+
+
+def policy_context_fn(policy: Callable[..., Any]) -> Any:
+    """The ``context_fn`` of a user-given op policy."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def resolve_policy(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The op policy a ``"package.module:function"`` string names (a callable as is).
+
+    Raises ValueError naming the string and what is wrong with it.
+    """
+    if callable(spec):
+        return spec
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"policy {spec!r}: cannot import module {module_name!r} "
+                         f"({type(exc).__name__}: {exc})") from exc
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise ValueError(f"policy {spec!r}: {module_name!r} has no {attr_path!r}") from exc
+    if not callable(target):
+        raise ValueError(f"policy {spec!r} is a {type(target).__name__}, not a callable "
+                         "(ctx, op, *args, **kwargs) -> CheckpointPolicy")
+    return target  # type: ignore[no-any-return]
+
+
+@attrs.frozen
+class CheckpointHow:
+    """How one checkpointed block recomputes: full (with ``early_stop`` None: torch's
+    setting), or selective with the built-in choices or a user's op policy."""
+
+    mode: str = "full"
+    save: tuple[str, ...] = DEFAULT_SAVE
+    matmul_every: int = 1
+    policy: Callable[..., Any] | None = None
+    early_stop: bool | None = None
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -96,25 +192,47 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     Module-level (not a closure) and bound with ``types.MethodType`` so that a deepcopy
     of the block is bound to the copy, never to the original.
     """
-    from torch.utils.checkpoint import checkpoint
+    import torch
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    if self.__dict__[MARK] == "selective":
-        return checkpoint(
-            type(self).forward, self, *args, use_reentrant=False,
-            context_fn=selective_context_fn, **kwargs,
-        )
+    how: CheckpointHow = self.__dict__.get(HOW) or CheckpointHow(self.__dict__[MARK])
+    forward = type(self).forward
+    if how.mode == "selective":
+        # A partial built here, not a function kept on the block: dynamo traces a
+        # context_fn only as a function or a functools.partial it can see being made.
+        if how.policy is not None:
+            context_fn = functools.partial(policy_context_fn, how.policy)
+        else:
+            context_fn = functools.partial(selective_context_fn, how.save, how.matmul_every)
+        return checkpoint(forward, self, *args, use_reentrant=False, context_fn=context_fn,
+                          **kwargs)
     # No context_fn at all for full mode: dynamo (torch 2.13) refuses to trace
     # checkpoint(..., context_fn=noop_context_fn) ("checkpoint not implemented for
     # LazyVariableTracker context_fn"), although noop is the default.
-    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+    # Under torch.compile the partitioner decides what the compiled backward recomputes,
+    # and dynamo would break the graph at set_checkpoint_early_stop (torch marks it not
+    # to be traced): a compiled block leaves the setting out.
+    if how.early_stop is None or torch.compiler.is_compiling():
+        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+    # torch reads the early-stop setting when the checkpoint's forward starts (into the
+    # frame its backward recomputes from), and the global one overrides the argument:
+    # set around the call, it holds for this block's backward whatever encloses it.
+    with set_checkpoint_early_stop(how.early_stop):
+        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_block(block: nn.Module, mode: str) -> None:
-    """Make ``block`` recompute its activations in backward; names and module unchanged."""
+def checkpoint_block(block: nn.Module, mode: str | CheckpointHow) -> None:
+    """Make ``block`` recompute its activations in backward; names and module unchanged.
+
+    ``mode``: ``"full"``, ``"selective"`` (saves matmul and collective outputs) or a
+    :class:`CheckpointHow` for the other choices.
+    """
     why = already_wrapped(block)
     if why:
         raise RuntimeError(f"cannot checkpoint {type(block).__name__}: it {why}")
-    object.__setattr__(block, MARK, mode)
+    how = mode if isinstance(mode, CheckpointHow) else CheckpointHow(mode)
+    object.__setattr__(block, MARK, how.mode)
+    object.__setattr__(block, HOW, how)
     object.__setattr__(block, "forward", types.MethodType(_checkpointed_forward, block))
 
 
@@ -163,14 +281,53 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
+
+def _save_tuple(value: Any) -> Any:
+    # One name alone reads as the list of that name; anything else goes to the validator.
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _check_save(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"save must be a list of names from {list(SAVABLE)}; got {value!r}")
+    unknown = [v for v in value if v not in SAVABLE]
+    if unknown:
+        raise ValueError(f"save names {unknown}, which selective checkpointing does not know: "
+                         f"it saves {list(SAVABLE)}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"save names an output kind twice: {list(value)}")
+
+
+def _check_policy(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None or callable(value):
+        return
+    if not isinstance(value, str) or not _DOTTED.fullmatch(value):
+        raise ValueError(
+            f"policy must be a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy or a "
+            f"'package.module:function' string naming one; got {value!r}")
+
+
+def _check_early_stop(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"early_stop must be true or false; got {value!r}")
+
+
 @attrs.frozen
 class ActivationCheckpoint(Plugin):
     """Activation checkpointing on the shared blocks (stage ``activation_checkpoint``).
 
     Options: ``mode`` (``"full"``: recompute each checkpointed block entirely;
-    ``"selective"``: keep matmul outputs, recompute the rest); ``every`` (checkpoint every
-    N-th block; 1 = all); ``blocks`` (a module path or block class names; else the blocks
-    another plugin names, else detected).
+    ``"selective"``: keep what ``save`` names, recompute the rest); ``every`` (checkpoint
+    every N-th block; 1 = all); ``save`` (selective: ``"matmul"`` and/or ``"collectives"``
+    outputs; default both, so backward issues no collective again); ``matmul_every``
+    (selective: save one matmul output in N, the 1st, (N+1)-th, ...); ``policy``
+    (selective: the user's op policy, a callable ``(ctx, op, *args, **kwargs) ->
+    CheckpointPolicy`` or a ``"package.module:function"`` string, instead of ``save``);
+    ``early_stop`` (full: stop recomputing once backward has what it needs, torch's
+    default, or recompute the whole block); ``blocks`` (a module path or block class
+    names; else the blocks another plugin names, else detected).
     """
 
     name: ClassVar[str] = "activation_checkpoint"
@@ -184,9 +341,49 @@ class ActivationCheckpoint(Plugin):
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
+    save: tuple[str, ...] = attrs.field(default=DEFAULT_SAVE, converter=_save_tuple,
+                                        validator=_check_save)
+    matmul_every: int = int_option(1, low=1)
+    policy: str | Callable[..., Any] | None = attrs.field(default=None, validator=_check_policy)
+    early_stop: bool | None = attrs.field(default=None, validator=_check_early_stop)
+
+    def __attrs_post_init__(self) -> None:
+        # Options that mean nothing in the chosen mode are refused, not ignored.
+        selective_only = [f"{k}={v!r}" for k, v in (
+            ("save", self.save), ("matmul_every", self.matmul_every),
+            ("policy", self.policy)) if v != attrs.fields_dict(type(self))[k].default]
+        if self.mode == "full" and selective_only:
+            raise ValueError(
+                f"{', '.join(selective_only)} choose what selective checkpointing saves, and "
+                "mode='full' saves nothing inside a block: use mode='selective', or drop "
+                f"{' and '.join(s.split('=')[0] for s in selective_only)}")
+        if self.mode == "selective" and self.early_stop is not None:
+            raise ValueError(
+                "early_stop applies to mode='full' (whether its recomputation stops once "
+                "backward has the tensors it needs): selective mode recomputes only what its "
+                "policy does not save; drop early_stop, or use mode='full'")
+        if self.policy is not None and (self.save != DEFAULT_SAVE or self.matmul_every != 1):
+            raise ValueError(
+                "policy decides for every op itself: save and matmul_every would be ignored; "
+                "drop them, or drop policy")
+        if self.mode == "selective" and not self.save and self.policy is None:
+            raise ValueError(
+                "save=[] saves nothing: that is full recomputation; use mode='full' (or "
+                "save=['matmul'], ['collectives'] or both)")
+        if self.matmul_every != 1 and "matmul" not in self.save:
+            raise ValueError(
+                f"matmul_every={self.matmul_every} picks which matmul outputs to save, and save "
+                f"is {list(self.save)}: add 'matmul' to save, or drop matmul_every")
+
+    def how(self, policy: Callable[..., Any] | None = None) -> CheckpointHow:
+        """How the blocks recompute (``policy``: the resolved op policy, if any)."""
+        if self.mode == "full":
+            return CheckpointHow("full", early_stop=self.early_stop)
+        return CheckpointHow("selective", self.save, self.matmul_every, policy)
 
     def declare(self) -> Declaration:
-        # Compile (or any plugin) learns how the blocks are wrapped from this.
+        # Compile (or any plugin) learns how the blocks are wrapped from this: the mode
+        # names the kind (a policy or the save choices are selective checkpointing too).
         return attrs.evolve(super().declare(), checkpointing=self.mode)
 
     @hookimpl
@@ -223,20 +420,52 @@ class ActivationCheckpoint(Plugin):
                 "be checkpointed",
                 fix=f"use every <= {len(blocks)} (1 checkpoints every block), or drop the plugin",
             ))
+        if isinstance(self.policy, str):
+            try:
+                resolve_policy(self.policy)
+            except ValueError as exc:
+                found.append(Finding(
+                    "CP210", str(exc),
+                    fix=f"make {self.policy.partition(':')[0]!r} importable on every rank "
+                    "(installed, or on PYTHONPATH) with a function (ctx, op, *args, **kwargs) "
+                    "-> CheckpointPolicy under the name after the colon, or pass the callable "
+                    "itself"))
         return found
 
     @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:
         which = "every block" if self.every == 1 else f"every {_ordinal(self.every)} block"
-        how = ("recompute the whole block in backward" if self.mode == "full"
-               else "save matmul outputs, recompute the rest")
-        return [("activation_checkpoint", f"{self.mode} checkpointing of {which}: {how}")]
+        return [("activation_checkpoint", f"{self.mode} checkpointing of {which}: "
+                 f"{self._how_text()}")]
+
+    def _how_text(self) -> str:
+        if self.mode == "full":
+            stop = {None: "", True: " (early stop on: recomputation ends once backward has "
+                    "what it needs)", False: " (early stop off: the whole forward is "
+                    "recomputed)"}[self.early_stop]
+            return "recompute the whole block in backward" + stop
+        if self.policy is not None:
+            shown = self.policy if isinstance(self.policy, str) else getattr(
+                self.policy, "__qualname__", repr(self.policy))
+            return f"the op policy {shown} decides what is saved"
+        kinds = []
+        if "matmul" in self.save:
+            kinds.append("matmul" if self.matmul_every == 1
+                         else f"1 in {self.matmul_every} matmul")
+        if "collectives" in self.save:
+            kinds.append("collective")
+        text = f"save {' and '.join(kinds)} outputs, recompute the rest"
+        if "collectives" in self.save:
+            text += " (no collective issued again in backward)"
+        return text
 
     @hookimpl
     def composer_par_activation_checkpoint(self, ctx: ApplyContext) -> str:
+        policy = resolve_policy(self.policy) if self.policy is not None else None
+        how = self.how(policy)
         picked = chosen(len(ctx.blocks), self.every)
         for index in picked:
-            checkpoint_block(ctx.blocks[index][1], self.mode)
+            checkpoint_block(ctx.blocks[index][1], how)
         ctx.notes["checkpointed_blocks"] = [ctx.blocks[i][0] for i in picked]
         detail = f"{self.mode} checkpointing on {len(picked)} of {len(ctx.blocks)} block(s)"
         if picked and caches_in_training(ctx.model):
@@ -245,4 +474,6 @@ class ActivationCheckpoint(Plugin):
         return detail
 
 
-__all__ = ["ActivationCheckpoint", "checkpoint_block", "selective_context_fn"]
+__all__ = ["ActivationCheckpoint", "CheckpointHow", "checkpoint_block", "is_collective",
+           "is_matmul", "policy_context_fn", "resolve_policy", "selective_context_fn",
+           "selective_policy"]
