@@ -14,6 +14,8 @@ plan (``_ep_plan``) has no plugin to apply it (CP427).
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
@@ -22,18 +24,25 @@ from composer_par.plugin import (
     Claim,
     EstimateSettings,
     Finding,
+    OptionError,
     Plugin,
     Role,
     Rule,
     Severity,
     blocks_option,
     bool_option,
+    did_you_mean,
     dim_option,
     dtype_option,
     hookimpl,
     ordering_option,
 )
-from composer_par.plugin.fsdp_state import install_all_reduce, install_shard_comms
+from composer_par.plugin.fsdp_state import (
+    install_all_reduce,
+    install_shard_comms,
+    premul_sum_supported,
+    set_gradient_divide_factor,
+)
 
 if TYPE_CHECKING:
     from composer_par.plugin import MeshSpec, PlanView, Topology
@@ -72,6 +81,21 @@ RULES = (
          "split per expert by TP's auto plan)",
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())"
          ".validate(mixtral_for_causal_lm)"),
+    Rule("CP428", Severity.ERROR, "reshard_units names no FSDP2 unit of the model",
+         "name a unit the plan makes (a block's path, a module of units=, or root), or a "
+         "pattern matching some (\"layers.*\")",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(reshard_units={\"layers.9\": False}))"
+         ".use(MetaInit()).validate(llama)"),
+    Rule("CP429", Severity.ERROR, "a module of units= cannot be an FSDP2 unit of its own",
+         "name modules that exist, hold parameters, and are neither blocks, inside or around "
+         "a block, inside or around another unit, nor tied to a weight outside them",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(units=[\"layers.1\"]))"
+         ".use(MetaInit()).validate(llama)"),
+    Rule("CP430", Severity.ERROR, "reshard_units gives one unit two values",
+         "give the unit its own entry (an exact path wins over patterns), or make the "
+         "patterns agree",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(reshard_units={\"layers.*\": False, "
+         "\"*.1\": True})).use(MetaInit()).validate(llama)"),
 )
 
 #: transformers' FSDP styles -> whether the unit reshards after forward.
@@ -192,14 +216,99 @@ def _reshard(instance: Any, attribute: Any, value: Any) -> None:
         )
 
 
+#: The key of ``reshard_units`` that names the root's unit (the model's own parameters).
+ROOT = "root"
+_GLOB = frozenset("*?[")
+
+
+def _reshard_units(value: Any) -> dict[str, bool | int]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise OptionError(
+            "reshard_units must be a table of unit -> true, false or a positive int (e.g. "
+            f"{{ root = false, \"layers.47\" = false }}); got {value!r}")
+    out: dict[str, bool | int] = {}
+    for key, flag in value.items():
+        if not isinstance(key, str) or not key:
+            raise OptionError(f"reshard_units: a key must be a unit path or pattern; got {key!r}")
+        if not isinstance(flag, int) or (not isinstance(flag, bool) and flag < 1):
+            raise OptionError(f"reshard_units[{key!r}] must be true, false, or a positive int; "
+                              f"got {flag!r}")
+        out[key] = flag
+    return out
+
+
+def _unit_paths(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, str) and v for v in value):
+        raise OptionError(f"units must be a list of module paths (e.g. [\"tok_embeddings\", "
+                          f"\"output\"]); got {value!r}")
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+        raise OptionError(f"units names {twice[0]!r} twice; each module is one unit")
+    if ROOT in value:
+        raise OptionError(f"units: {ROOT!r} is the root's unit, which FSDP2 always makes; "
+                          "list the modules to shard as units of their own")
+    return tuple(value)
+
+
+def _divide_factor(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise OptionError(f"gradient_divide_factor must be a number > 0 or None; got {value!r}")
+    if value == float("inf"):
+        raise OptionError("gradient_divide_factor must be finite; got inf")
+    return float(value)
+
+
+@attrs.frozen
+class Unit:
+    """One ``fully_shard`` call: the unit's name (a block's or module's path, the model
+    plan's entry, or ``root``), the clean paths of the modules it groups (none for the
+    root), what made it one (``block``, ``unit``, ``model plan``, ``root``), the model
+    plan's reshard style for its units, and the modules themselves."""
+
+    name: str
+    paths: tuple[str, ...]
+    kind: str
+    style: bool | None = None
+    modules: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
+
+    def matches(self, key: str) -> bool:
+        names = (self.name, *self.paths)
+        if _GLOB & set(key):
+            return any(fnmatch.fnmatchcase(n, key) for n in names)
+        return key in names
+
+
+def _units_summary(units: list[Unit]) -> str:
+    """The units by name, runs of blocks shortened (``layers.0 ... layers.47 (48 blocks)``)."""
+    blocks = [u.name for u in units if u.kind == "block"]
+    shown = ([] if not blocks else [blocks[0]] if len(blocks) == 1 else
+             [f"{blocks[0]} ... {blocks[-1]} ({len(blocks)} blocks)"])
+    return ", ".join([*shown, *(u.name for u in units if u.kind != "block")])
+
+
 @attrs.frozen
 class FSDP2(Plugin):
     """Fully sharded data parallel (``torch.distributed.fsdp.fully_shard``).
 
     Options: ``dim`` (default ``dp_shard``); ``reshard_after_forward`` (bool, an int
-    world size to reshard to, or None for torch's default); ``mixed_precision``
-    (:class:`MixedPrecision`, a table, or ``"bf16"``); ``offload`` (``"none"`` or
-    ``"cpu"``); ``blocks`` (a module path or block class names; else detected).
+    world size to reshard to, or None for torch's default); ``reshard_units`` (the same
+    per unit: ``{"root": False, "layers.47": False}``, keys unit paths or fnmatch patterns
+    of them, ``root`` the root's unit; each over ``reshard_after_forward``);
+    ``mixed_precision`` (:class:`MixedPrecision`, a table, or ``"bf16"``); ``offload``
+    (``"none"`` or ``"cpu"``); ``blocks`` (a module path or block class names; else
+    detected); ``units`` (module paths each sharded as a unit of its own beside the blocks,
+    before the root, e.g. ``["tok_embeddings", "output"]``: the blocks, which activation
+    checkpointing and compile share, stay as they are); ``gradient_divide_factor`` (divide
+    the summed gradients by this instead of the data-parallel size, on every unit).
     """
 
     name: ClassVar[str] = "fsdp2"
@@ -209,11 +318,17 @@ class FSDP2(Plugin):
 
     dim: str = dim_option("dp_shard")
     reshard_after_forward: bool | int | None = attrs.field(default=None, validator=_reshard)
+    # A dict, so a plan file's inline table round-trips; left out of the hash (a dict has
+    # none) and compared by value.
+    reshard_units: dict[str, bool | int] = attrs.field(
+        factory=dict, converter=_reshard_units, hash=False)
     mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=_mixed_precision)
     offload: Literal["none", "cpu"] = attrs.field(
         default="none", validator=attrs.validators.in_(("none", "cpu"))
     )
     blocks: str | tuple[str, ...] | None = blocks_option()
+    units: tuple[str, ...] = attrs.field(default=(), converter=_unit_paths)
+    gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
@@ -237,15 +352,23 @@ class FSDP2(Plugin):
                 "backward); else set reshard_after_forward = true, or an int divisor of "
                 "the shard size",
             ))
-        value = self.reshard_after_forward
-        if value is None or isinstance(value, bool) or self.dim not in mesh:
+        if self.dim not in mesh:
             return found
+        ints = [("reshard_after_forward", self.reshard_after_forward),
+                *((f"reshard_units[{k!r}]", v) for k, v in self.reshard_units.items())]
+        for label, value in ints:
+            if value is not None and not isinstance(value, bool):
+                found += self._int_reshard_findings(label, value, mesh, topology)
+        return found
+
+    def _int_reshard_findings(self, label: str, value: int, mesh: MeshSpec,
+                              topology: Topology | None) -> list[Finding]:
+        found = []
         size = mesh.size(self.dim)
         if size > 0 and (size % value or value > size):
             found.append(Finding(
                 "CP303",
-                f"reshard_after_forward={value} does not divide the shard size "
-                f"{self.dim}({size})",
+                f"{label}={value} does not divide the shard size {self.dim}({size})",
                 fix=f"use a divisor of {size} (e.g. the devices per node), or true/false",
             ))
         if topology is not None and mesh.is_resolved and mesh.world_size == topology.world_size:
@@ -260,7 +383,7 @@ class FSDP2(Plugin):
             if crossing is not None:
                 found.append(Finding(
                     "CP304",
-                    f"reshard_after_forward={value} regroups {self.dim} into runs of {value} "
+                    f"{label}={value} regroups {self.dim} into runs of {value} "
                     f"ranks, and run {list(crossing)} spans nodes on {topology.describe()}: "
                     "the backward all-gather would cross nodes",
                     fix=f"use a divisor of {size} whose runs fit in a node (at most "
@@ -273,6 +396,9 @@ class FSDP2(Plugin):
         from composer_par.plugin.initialize import tied_outside
 
         found = self._own_plan_findings(model, blocks)
+        units, unit_found = self.unit_list(model, blocks)
+        found += unit_found
+        found += self.reshard_values(units)[1]
         for path, name, twin in tied_outside(model, blocks):
             found.append(Finding(
                 "CP424",
@@ -283,13 +409,120 @@ class FSDP2(Plugin):
                 "twins), or a block holding both; detected blocks do this themselves"))
         return found
 
+    def unit_list(self, model: Any, blocks: list[Any], *, part: bool = False
+                  ) -> tuple[list[Unit], list[Finding]]:
+        """Every unit FSDP2 makes of ``model``, in the order it shards them (the blocks,
+        the model plan's or ``units``' modules, the root), and the findings on ``units``.
+        ``part``: ``model`` is one pipeline stage's part, which holds some units only."""
+        from composer_par.plugin import clean_name, names_near
+        from composer_par.plugin.initialize import tied_outside
+
+        units = [Unit(clean_name(path), (clean_name(path),), "block", modules=(block,))
+                 for path, block in blocks]
+        if self.blocks is None and not self.units:
+            units += [Unit(u.key, u.paths, "model plan", FSDP_STYLES[u.style],
+                           modules=tuple(model.get_submodule(r) for r in u.raw))
+                      for u in own_units(model, blocks)[0]]
+        named: dict[str, Any] = {}
+        for raw, module in model.named_modules():
+            if raw:
+                named.setdefault(clean_name(raw), module)  # the outer of a wrapper pair
+        block_paths = [u.name for u in units if u.kind == "block"]
+        found: list[Finding] = []
+        taken: list[str] = []
+        for path in self.units:
+            module = named.get(path)
+            if module is None and part:
+                continue  # in another stage's part
+            problem = None
+            if module is None:
+                near = names_near(model, path, 3)
+                problem = (f"{type(model).__name__} has no module {path!r}"
+                           + (f" (near: {', '.join(near)})" if near else ""))
+            elif path in block_paths:
+                problem = f"{path} is a block, a unit of its own already"
+            else:
+                outer = next((b for b in block_paths if path.startswith(b + ".")), None)
+                inner = [b for b in block_paths if b.startswith(path + ".")]
+                around = next((t for t in taken
+                               if path.startswith(t + ".") or t.startswith(path + ".")), None)
+                ties = [(a, b) for _, a, b in tied_outside(model, [(path, module)])]
+                if outer is not None:
+                    problem = f"{path} is inside block {outer}, whose unit holds it"
+                elif inner:
+                    problem = (f"{path} holds {len(inner)} block(s) ({inner[0]}, ...), units "
+                               "of their own already")
+                elif around is not None:
+                    problem = f"{path} and {around}, both in units, overlap"
+                elif next(iter(module.parameters()), None) is None:
+                    problem = f"{path} holds no parameters: its unit would shard nothing"
+                elif ties:
+                    problem = (f"{path} holds {ties[0][0]}, which is tied to {ties[0][1]} "
+                               "outside it: one parameter cannot be in two units")
+            if problem is not None:
+                found.append(Finding(
+                    "CP429", f"units={list(self.units)!r}: {problem}",
+                    fix="name modules beside the blocks, each holding parameters of its own "
+                    "(e.g. the token embedding, the output head); the blocks are units "
+                    "already"))
+                continue
+            taken.append(path)
+            units.append(Unit(path, (path,), "unit", modules=(module,)))
+        units.append(Unit(ROOT, (), "root", modules=(model,)))
+        return units, found
+
+    def reshard_values(self, units: list[Unit]
+                       ) -> tuple[dict[str, bool | int | None], list[Finding]]:
+        """Each unit's ``reshard_after_forward`` (None: torch's default), and the findings
+        on ``reshard_units``: an entry naming no unit (CP428), two values for one (CP430).
+
+        An exact path beats patterns; otherwise the table's entries, then the model plan's
+        style for its units (unless ``reshard_after_forward`` is given), then
+        ``reshard_after_forward``."""
+        values: dict[str, bool | int | None] = {}
+        found: list[Finding] = []
+        used: set[str] = set()
+        for unit in units:
+            exact = [k for k in self.reshard_units if not _GLOB & set(k) and unit.matches(k)]
+            patterns = [k for k in self.reshard_units if _GLOB & set(k) and unit.matches(k)]
+            used.update(exact, patterns)
+            chosen = exact or patterns
+            value: bool | int | None = self.reshard_after_forward
+            if chosen:
+                # True and 1 are different settings (1 keeps a one-rank copy)
+                given = {(type(self.reshard_units[k]), self.reshard_units[k]) for k in chosen}
+                if len(given) > 1:
+                    shown = ", ".join(f"{k!r}: {self.reshard_units[k]}" for k in chosen)
+                    found.append(Finding(
+                        "CP430", f"reshard_units gives unit {unit.name} {len(given)} values "
+                        f"({shown})",
+                        fix=f"give {unit.name!r} an entry of its own (an exact path wins over "
+                        "patterns), or make the patterns agree"))
+                value = self.reshard_units[chosen[0]]
+            elif unit.style is not None and self.reshard_after_forward is None:
+                value = unit.style
+            values[unit.name] = value
+        for key in self.reshard_units:
+            if key not in used:
+                found.append(Finding(
+                    "CP428", f"reshard_units names {key!r}, which is no FSDP2 unit; the units "
+                    f"are {_units_summary(units)}"
+                    + did_you_mean(key, [u.name for u in units]),
+                    fix="name a unit the plan makes (a block's path, a module of units=, or "
+                    f"{ROOT}), or a pattern matching some (\"layers.*\"); to make a module a "
+                    "unit, list it in units="))
+        return values, found
+
     def _own_plan_findings(self, model: Any, blocks: list[Any]) -> list[Finding]:
         name = type(model).__name__
         units, left = own_units(model, blocks)
         found = []
-        if units and self.blocks is not None:
+        if units and (self.blocks is not None or self.units):
+            given = (f"blocks={self.blocks!r}" if self.units == () else
+                     f"units={list(self.units)!r}" if self.blocks is None else
+                     f"blocks={self.blocks!r} with units={list(self.units)!r}")
             found.append(Finding(
-                "CP426", f"blocks={self.blocks!r} gives the FSDP units; {name}'s own FSDP "
+                "CP426", f"{given} gives the FSDP units; {name}'s own FSDP "
                 f"plan (_fsdp_plan) would also shard {_units_text(units)} as units of their "
                 "own: they stay in the root's unit",
                 fix="leave blocks out to follow the model's plan, or keep them to choose the "
@@ -331,12 +564,18 @@ class FSDP2(Plugin):
         hooked = {h.dim for h in plan.comm_hooks() if h.all_reduce}
         dims = [*(d for d in plan.replicate_dims() if d in plan.mesh and d not in hooked),
                 self.dim]
-        opts = ", ".join(f"{k}={v}" for k, v in self.options().items() if k != "dim")
-        return [(
+        opts = ", ".join(f"{k}={v}" for k, v in self.options().items()
+                         if k not in ("dim", "units", "gradient_divide_factor"))
+        middle = f", then {', '.join(self.units)}" if self.units else ""
+        steps = [(
             "data_parallel",
-            f"fully_shard each block, then the root, over mesh ({', '.join(dims)})"
+            f"fully_shard each block{middle}, then the root, over mesh ({', '.join(dims)})"
             + (f" with {opts}" if opts else ""),
         )]
+        if self.gradient_divide_factor is not None:
+            steps.append(("finalize", f"divide gradients by {self.gradient_divide_factor:g} "
+                          "on every FSDP module"))
+        return steps
 
     @hookimpl
     def composer_par_data_parallel(self, ctx: ApplyContext) -> str:
@@ -361,27 +600,38 @@ class FSDP2(Plugin):
             offload = OffloadPolicy()
         mp = self.mixed_precision or MixedPrecision()
         common = {"mesh": mesh, "offload_policy": offload}
-        if self.reshard_after_forward is not None:
-            common["reshard_after_forward"] = self.reshard_after_forward
+        units, problems = self.unit_list(ctx.model, ctx.blocks, part=ctx.pipeline is not None)
+        if problems:  # validation refuses these first; a model changed since then
+            raise ValueError(problems[0].message)
+        reshard = self.reshard_values(units)[0]
         sharded = []
-        block_policy = mp.policy(root=False)
-        for _, block in ctx.blocks:
-            fully_shard(block, mp_policy=block_policy, **common)
-            sharded.append(block)
-        units = own_units(ctx.model, ctx.blocks)[0] if self.blocks is None else []
+        block_policy, root_policy = mp.policy(root=False), mp.policy(root=True)
+        # Bottom-up: each block, then the other units, then the root (whose unit holds
+        # whatever no other unit took).
         for unit in units:
-            modules = [ctx.model.get_submodule(raw) for raw in unit.raw]
-            reshard = common.get("reshard_after_forward", FSDP_STYLES[unit.style])
-            fully_shard(modules if len(modules) > 1 else modules[0], mp_policy=block_policy,
-                        **{**common, "reshard_after_forward": reshard})
+            options = dict(common)
+            if reshard[unit.name] is not None:  # else torch's default (the root: kept)
+                options["reshard_after_forward"] = reshard[unit.name]
+            modules = list(unit.modules)
+            fully_shard(modules if len(modules) > 1 else modules[0],
+                        mp_policy=root_policy if unit.kind == "root" else block_policy,
+                        **options)
             sharded.extend(modules)
-        fully_shard(ctx.model, mp_policy=mp.policy(root=True), **common)
-        sharded.append(ctx.model)
         ctx.data_parallel_modules.extend(sharded)
         dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim))
-        detail = f"fully_shard on {len(ctx.blocks)} block(s) + root over ({dims})"
-        if units:
-            detail += f"; the model's own FSDP units: {_units_text(units)}"
+        extra = [u for u in units if u.kind == "unit"]
+        detail = (f"fully_shard on {len(ctx.blocks)} block(s) + "
+                  + (f"{len(extra)} unit(s) ({', '.join(u.name for u in extra)}) + "
+                     if extra else "") + f"root over ({dims})")
+        own = [u for u in units if u.kind == "model plan"]
+        if own:
+            detail += ("; the model's own FSDP units: "
+                       + ", ".join(f"{u.name} ({'free' if u.style else 'keep'}_full_weight)"
+                                   for u in own))
+        if self.reshard_units:
+            detail += "; reshard_after_forward per unit: " + ", ".join(
+                f"{u.name}={reshard[u.name]}" for u in units
+                if reshard[u.name] != self.reshard_after_forward and u.kind != "model plan")
         for dim in hooked:
             install_all_reduce(ctx, sharded, comm_hooks[dim], owner=self.name,
                                replace_native=False)
@@ -390,6 +640,30 @@ class FSDP2(Plugin):
             install_shard_comms(ctx, sharded, comm_hooks[self.dim], owner=self.name)
             detail += f"; {self.dim} comms by {comm_hooks[self.dim].plugin}'s comm hook"
         return detail
+
+    @hookimpl
+    def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
+        factor = self.gradient_divide_factor
+        if factor is None:
+            return None
+        from composer_par.plugin.fsdp_state import fsdp_state
+
+        modules = ctx.data_parallel_modules
+        for module in modules:
+            # Another plugin (HSDP's own option) may have set one already: two factors
+            # would leave whichever ran last, silently.
+            other = {group.gradient_divide_factor
+                     for group in fsdp_state(module)._fsdp_param_groups} - {None, factor}
+            if other:
+                raise ValueError(
+                    f"{self.name}: gradient_divide_factor={factor:g}, but the FSDP modules "
+                    f"already divide by {sorted(other)[0]:g} (set by another plugin, e.g. "
+                    "hsdp's gradient_divide_factor): give the factor on one plugin only")
+        forced = set_gradient_divide_factor(modules, factor,
+                                            sum_only=not premul_sum_supported(ctx))
+        note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
+        return (f"gradient divide factor {factor:g} on {len(modules)} FSDP module(s)"
+                f"{note}")
 
 
 

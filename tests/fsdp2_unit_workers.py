@@ -1,0 +1,128 @@
+"""Rank-side functions for tests/test_fsdp2_units.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def train_every_rank(cases: dict[str, Any]) -> dict[str, tuple[list[float], dict[str, Any]]]:
+    """For each :class:`~composer_par.testing.parity.ParityCase`: build its task on meta,
+    apply its plan, train its steps on this rank's data shard; returns the mean loss of
+    each step and this rank's view of every full parameter afterwards (each rank's, not
+    only rank 0's: a rank whose shard went wrong shows it here)."""
+    import torch.distributed as dist
+
+    from composer_par.testing.parity import full_parameters, start_rank
+
+    out = {}
+    for name, case in cases.items():
+        task, _plan, model, index, count, optimizer = start_rank(case)
+        losses = []
+        for step in range(case.steps):
+            loss = task.loss(model, task.batch(step).chunk(count)[index])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total = loss.detach().float().clone()
+            dist.all_reduce(total)
+            losses.append(float(total) / dist.get_world_size())
+        out[name] = (losses, full_parameters(model))
+    return out
+
+
+def gradients(plans: dict[str, str], task: str = "composer_par.testing.tasks:llama"
+              ) -> dict[str, dict[str, Any]]:
+    """For each plan (plan-file TOML): one forward and backward of this rank's share of
+    step 0's batch; returns every parameter's full gradient by name."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.blocks import clean_name
+    from composer_par.plan import ParallelPlan
+    from composer_par.testing.parity import _resolve
+
+    the_task = _resolve(task)
+    out = {}
+    for name, text in plans.items():
+        plan = ParallelPlan.from_toml(text)
+        with torch.device("meta"):
+            model = the_task.build()
+        model = plan.apply(model)
+        index, count = plan.data_shard()
+        the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
+        grads = {}
+        for pname, param in model.named_parameters():
+            assert param.grad is not None, pname
+            grad = param.grad
+            grads[clean_name(pname)] = (grad.full_tensor() if isinstance(grad, DTensor)
+                                        else grad).detach().clone()
+        out[name] = grads
+    return out
+
+
+def unit_settings(plan_text: str, task: str = "composer_par.testing.tasks:llama"
+                  ) -> dict[str, Any]:
+    """What FSDP2 made of the task's model under ``plan_text``: each FSDP module's clean
+    path ("" the root), whether it reshards after forward (True, False, or the int group
+    size), its parameters' names, and its gradient divide factor; and the apply log."""
+    import torch
+
+    from composer_par.blocks import clean_name
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin.fsdp_state import fsdp_state
+    from composer_par.testing.parity import _resolve
+
+    the_task = _resolve(task)
+    plan = ParallelPlan.from_toml(plan_text)
+    with torch.device("meta"):
+        model = the_task.build()
+    model = plan.apply(model)
+    index, count = plan.data_shard()
+    # One forward: the root's lazy init decides torch's default for the root.
+    the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
+    units = {}
+    for raw, module in model.named_modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        groups = fsdp_state(module)._fsdp_param_groups
+        if not groups:
+            continue
+        group = groups[0]
+        info = group.post_forward_mesh_info
+        if info is None:
+            reshard: bool | int = False
+        elif info.shard_mesh_size == group.mesh_info.shard_mesh_size:
+            reshard = True
+        else:
+            reshard = int(info.shard_mesh_size)
+        units[clean_name(raw)] = {
+            "reshard": reshard,
+            "params": sorted(clean_name(p._param_fqn or "") for p in group.fsdp_params),
+            "factor": group.gradient_divide_factor,
+        }
+    return {"units": units, "log": [(s.stage, s.plugin, s.detail) for s in plan.applied]}
+
+
+def apply_errors(plans: dict[str, str], task: str = "composer_par.testing.tasks:llama"
+                 ) -> dict[str, str | None]:
+    """For each plan (plan-file TOML): apply it to the task's model built on meta; the
+    message of the error apply raised, or None."""
+    import torch
+
+    from composer_par.plan import ParallelPlan
+    from composer_par.testing.parity import _resolve
+
+    the_task = _resolve(task)
+    out: dict[str, str | None] = {}
+    for name, text in plans.items():
+        plan = ParallelPlan.from_toml(text)
+        with torch.device("meta"):
+            model = the_task.build()
+        try:
+            plan.apply(model)
+        except ValueError as exc:
+            out[name] = str(exc)
+        else:
+            out[name] = None
+    return out
