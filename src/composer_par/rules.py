@@ -232,7 +232,9 @@ def plugin_rules(
             Finding(
                 "CP208",
                 f"plugins disagree on the blocks ({shown})",
-                fix="give `blocks` on one plugin only, or the same value on each",
+                fix="give `blocks` on one plugin only, or the same value on each; a module "
+                "to shard as a unit of its own but not to treat as a block (an embedding) "
+                "goes in FSDP2's `units` instead",
                 plugin=block_specs[1][0],
             )
         )
