@@ -60,9 +60,12 @@ ACS = ("none", "full", "selective")
 
 # composer_par's TP plan for torchtitan's module names. The fused q/k/v Linear stacks
 # per kv-head groups (q heads, k, v) on its output features, so a plain column split
-# keeps whole groups on each rank, as torchtitan's own sharding does.
+# keeps whole groups on each rank, as torchtitan's own sharding does. The token embedding
+# stays whole over tp (FSDP still shards it over dp_shard): torchtitan's Embedding.forward
+# takes its weight's local tensor and, without the tp group only torchtitan's parallelize
+# gives it, embeds into that alone, so torch's DTensor embedding styles (a DTensor input
+# beside a local weight) cannot drive it. That costs memory and saves a forward all-reduce.
 TP_PLAN = {
-    "tok_embeddings": "embedding_rowwise",
     "layers.*.attention.qkv_linear.wqkv": "colwise",
     "layers.*.attention.wo": "rowwise",
     "layers.*.feed_forward.w1": "colwise",
@@ -253,7 +256,12 @@ def by_plan(cfg: Any, mesh: dict[str, int], ac: str, sequence_parallel: bool,
     if "dp_replicate" in mesh:
         plan.use(HSDP())
     if "tp" in mesh:
-        plan.use(TP(plan=TP_PLAN, sequence_parallel=sequence_parallel, loss_parallel=True))
+        # replicate_rest off: its replicate style hands modules DTensor inputs, and
+        # torchtitan's Embedding runs on its weight's local tensor (see TP_PLAN). The
+        # parameters then sit on two meshes, as on torchtitan's side; AdamW's foreach path
+        # takes that, and no clip_grad_norm_ runs here.
+        plan.use(TP(plan=TP_PLAN, sequence_parallel=sequence_parallel, loss_parallel=True,
+                    replicate_rest=False))
     if ac != "none":
         plan.use(ActivationCheckpoint(mode=ac))
     model = plan.apply(model)
