@@ -557,7 +557,9 @@ class FSDP2(Plugin):
     def composer_par_estimate_settings(self) -> EstimateSettings:
         mp = self.mixed_precision or MixedPrecision()
         return EstimateSettings(reshard_after_forward=self.reshard_after_forward,
-                                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+                                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                                units=self.units or None,
+                                reshard_units=tuple(self.reshard_units.items()) or None)
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -560,6 +560,12 @@ MEASURED_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
                                  'reshard_after_forward = true\nmixed_precision = "bf16"\n', ()),
     "fsdp2 reshard 2": ('[mesh]\ndp_shard = 4\n[[plugins]]\nname = "fsdp2"\n'
                         "reshard_after_forward = 2\n", ()),
+    # Each module of units= is a unit of its own; reshard_units per unit (an int: a sub-group).
+    "fsdp2 embedding and head units, last block kept": (
+        '[mesh]\ndp_shard = 4\n[[plugins]]\nname = "fsdp2"\nunits = ["tok_embeddings", "output"]\n'
+        'reshard_units = { "layers.1" = false, root = true }\n', ()),
+    "fsdp2 last block reshard 2": ('[mesh]\ndp_shard = 4\n[[plugins]]\nname = "fsdp2"\n'
+                                   'reshard_units = { "layers.1" = 2 }\n', ()),
     "hsdp x fsdp2": ('[mesh]\ndp_replicate = 2\ndp_shard = 2\n[[plugins]]\nname = "hsdp"\n'
                      '[[plugins]]\nname = "fsdp2"\n', ("hsdp",)),
     "hsdp alone": ('[mesh]\ndp_replicate = 4\n[[plugins]]\nname = "hsdp"\n', ("hsdp",)),

@@ -395,3 +395,38 @@ def test_a_second_divide_factor_is_refused_at_finalize() -> None:
         assert errors["hsdp only"] is None and errors["the same"] is None, errors
         assert errors["both"] is not None and "fsdp2: gradient_divide_factor=4, but the FSDP " \
             "modules already divide by 2" in errors["both"], errors["both"]
+
+
+# -- the estimator follows the options ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in COUNT_CASES if "hsdp" not in n])
+def test_estimated_calls_equal_the_golden_counts(name: str) -> None:
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    plan_text, expected = COUNT_CASES[name]
+    with torch.device("meta"):
+        shape = ModelShape.from_module(llama.build())
+    est = estimate_plan(ParallelPlan.from_toml(plan_text), shape,
+                        Workload(seq=llama.seq_len, micro_batch=2), world_size=4)
+    merged: dict[str, dict[str, int]] = {}
+    for label, kinds in expected.items():
+        dim = label.removesuffix(" (subgroup)")
+        for kind, calls in kinds.items():
+            merged.setdefault(dim, {}).setdefault(kind, 0)
+            merged[dim][kind] += calls
+    assert {t.dim.name: t.calls() for t in est.traffic} == merged
+
+
+def test_estimator_splits_units_off_the_root_and_says_when_it_cannot() -> None:
+    from composer_par.estimate import ModelShape
+
+    with torch.device("meta"):
+        shape = ModelShape.from_module(llama.build())
+    split, missing = shape.with_units(("tok_embeddings", "output", "nope"))
+    assert [g.name for g in split.groups] == [*BLOCKS, "tok_embeddings", "output", "root"]
+    assert [t.name for t in split.groups[-1].tensors] == ["norm.weight"]
+    assert sum(g.numel for g in split.groups) == sum(g.numel for g in shape.groups)
+    assert missing == ["nope"]
+    numbers = ModelShape.from_numbers(params=10**9)
+    assert numbers.with_units(("tok_embeddings",)) == (numbers, ["tok_embeddings"])

@@ -101,25 +101,37 @@ def _fsdp_collectives(
 ) -> list[Collective]:
     """FSDP2 over ``dim``: which groups all-gather and reduce-scatter, with padding."""
     f = dim.size
-    reshard = layout.reshard_after_forward
     out: list[Collective] = []
     groups = [g for g in model.groups if g.numel]
     ag_fwd = sum(g.padded_numel(tp, f) * g.count for g in groups) * ag_bytes
     calls = sum(g.count for g in groups)
     out.append(Collective(dim.name, "all_gather", ag_fwd * micro, calls * micro,
                           "parameters, forward (every group)"))
-    # Which groups are resharded after forward, so all-gathered again in backward.
-    # None (torch's default): every group but the root's; True / an int: every group.
-    again = [g for g in groups if reshard is not False and (g.block or reshard is not None)]
-    if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < f:
-        if reshard > 1:
-            nodes = run_nodes(layout, dim.name, reshard)
-            payload = sum(g.padded_numel(tp, f) * g.count for g in again) * ag_bytes
-            out.append(Collective(dim.name, "all_gather", payload * micro,
-                                  sum(g.count for g in again) * micro,
-                                  f"parameters, backward (resharded to groups of {reshard})",
-                                  group_size=reshard, nodes=nodes))
-    elif again:
+    # Which groups are resharded after forward, so all-gathered again in backward: None
+    # (torch's default) reshards every group but the root's; True or an int n >= the
+    # shard size every group it is given to; 1 < n < f to runs of n ranks (a sub-group);
+    # False (and n = 1) none.
+    again = []
+    runs: dict[int, list[Any]] = {}
+    for g in groups:
+        reshard = layout.reshard_of(g.name)
+        if reshard is None:
+            if g.name != "root" or g.block:
+                again.append(g)
+        elif isinstance(reshard, bool):
+            if reshard:
+                again.append(g)
+        elif reshard >= f:
+            again.append(g)
+        elif reshard > 1:
+            runs.setdefault(reshard, []).append(g)
+    for size, members in sorted(runs.items()):
+        payload = sum(g.padded_numel(tp, f) * g.count for g in members) * ag_bytes
+        out.append(Collective(dim.name, "all_gather", payload * micro,
+                              sum(g.count for g in members) * micro,
+                              f"parameters, backward (resharded to groups of {size})",
+                              group_size=size, nodes=run_nodes(layout, dim.name, size)))
+    if again:
         payload = sum(g.padded_numel(tp, f) * g.count for g in again) * ag_bytes
         out.append(Collective(dim.name, "all_gather", payload * micro,
                               sum(g.count for g in again) * micro,

@@ -165,9 +165,15 @@ def estimate(
     layout = attrs.evolve(layout, checkpoint_every=every)
     tp = layout.size_of(Role.MODEL_PARALLEL)
     shard = layout.size_of(Role.SHARD)
-    memory = memory_per_rank(layout, model, workload, parts, dtype=dtype,
+    # Modules that are data-parallel units of their own leave the root's group.
+    grouped, unfound = model.with_units(layout.units)
+    if unfound:
+        notes.append(f"units {', '.join(unfound)}: no parameter of the model's root group "
+                     "lies under them (give --model to measure the model); counted in the "
+                     "root's unit")
+    memory = memory_per_rank(layout, grouped, workload, parts, dtype=dtype,
                              reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard)
-    collectives, uncovered = communication(layout, model, workload, parts, dtype=dtype,
+    collectives, uncovered = communication(layout, grouped, workload, parts, dtype=dtype,
                                            reduce_dtype=reduce_dtype, mode=mode, tp=tp,
                                            shard=shard)
     notes += uncovered

@@ -4,6 +4,7 @@ state through the ``composer_par_estimate_settings`` hook)."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,10 @@ class Layout:
     topology: Topology | None
     dims: tuple[DimInfo, ...]
     reshard_after_forward: bool | int | None = None
+    # Modules that are FSDP units of their own beside the blocks, and reshard_after_forward
+    # per unit (see EstimateSettings).
+    units: tuple[str, ...] = ()
+    reshard_units: tuple[tuple[str, bool | int], ...] = ()
     param_dtype: str | None = None  # the data-parallel plugin's mixed precision
     reduce_dtype: str | None = None
     sequence_parallel: bool = False
@@ -97,6 +102,18 @@ class Layout:
             options["activation_checkpoint"] = _policy(policies[-1])
         options.update(merge_settings(hooks.estimate_settings()))
         return cls.build(mesh, plan.effective_topology(), roles, owners, **options)
+
+    def reshard_of(self, unit: str) -> bool | int | None:
+        """``reshard_after_forward`` of the unit named ``unit`` (a block's path, a module of
+        ``units``, or ``root``): an exact entry of ``reshard_units``, else the first pattern
+        matching it, else ``reshard_after_forward`` (None: torch's default)."""
+        for key, value in self.reshard_units:
+            if key == unit:
+                return value
+        for key, value in self.reshard_units:
+            if set(key) & set("*?[") and fnmatch.fnmatchcase(unit, key):
+                return value
+        return self.reshard_after_forward
 
     def dims_with(self, role: Role) -> list[DimInfo]:
         return [d for d in self.dims if d.role is role and d.size > 1]

@@ -124,8 +124,8 @@ def memory_per_rank(
         # the unsharded parameters of the current and the prefetched group, and the
         # unsharded gradients of one group before its reduce-scatter
         buffers += 2 * largest * ag_bytes + largest * rs_bytes
-        root = [g for g in model.groups if not g.block and g.numel]
-        if root and layout.reshard_after_forward is None:
+        root = [g for g in model.groups if not g.block and g.numel and g.name == "root"]
+        if root and layout.reshard_of("root") is None:
             buffers += root[0].padded_numel(tp, shard) * ag_bytes  # the root stays unsharded
     elif layout.dims_with(Role.REPLICATE):
         buffers += largest * rs_bytes

@@ -261,6 +261,30 @@ class ModelShape:
                    assumed=tuple(assumed),
                    attention=implementation if isinstance(implementation, str) else None)
 
+    def with_units(self, paths: tuple[str, ...]) -> tuple[ModelShape, list[str]]:
+        """The shape with the root group's tensors under each of ``paths`` (modules
+        sharded as FSDP units of their own) moved to a group of their own, before the
+        root's; and the paths no root tensor lies under (an analytic model names none)."""
+        if not paths:
+            return self, []
+        groups = list(self.groups)
+        root = next((i for i, g in enumerate(groups) if g.name == "root" and not g.block),
+                    None)
+        missing = list(paths)
+        if root is None:
+            return self, missing
+        rest = list(groups[root].tensors)
+        units = []
+        for path in paths:
+            mine = tuple(t for t in rest if t.name.startswith(path + "."))
+            if mine:
+                missing.remove(path)
+                rest = [t for t in rest if t not in mine]
+                units.append(ParamGroup(path, mine, block=False))
+        tail = [ParamGroup("root", tuple(rest), block=False)] if rest else []
+        groups[root:root + 1] = [*units, *tail]
+        return attrs.evolve(self, groups=tuple(groups)), missing
+
     @property
     def block_groups(self) -> list[ParamGroup]:
         return [g for g in self.groups if g.block]

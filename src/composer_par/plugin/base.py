@@ -93,6 +93,11 @@ class EstimateSettings:
     reshard_after_forward: bool | int | None = None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    # Modules sharded as units of their own beside the blocks (their module paths), and
+    # reshard_after_forward per unit: (unit path, fnmatch pattern or "root"; value) pairs,
+    # an exact path over patterns.
+    units: tuple[str, ...] | None = None
+    reshard_units: tuple[tuple[str, bool | int], ...] | None = None
     # Model parallelism (TP and the like).
     sequence_parallel: bool | None = None
     loss_parallel: bool | None = None
