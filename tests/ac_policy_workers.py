@@ -92,13 +92,14 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _build(mesh: dict[str, int], options: dict[str, Any] | None, n_layers: int) -> Any:
+def _build(mesh: dict[str, int], options: dict[str, Any] | None, n_layers: int,
+           task_options: dict[str, Any] | None = None) -> Any:
     import torch
 
     from composer_par import FSDP2, TP, ActivationCheckpoint, MeshSpec, MetaInit, ParallelPlan
     from composer_par.testing.tasks import LlamaTask
 
-    task = LlamaTask(n_layers=n_layers)
+    task = LlamaTask(**{"n_layers": n_layers, **(task_options or {})})
     plan = ParallelPlan(MeshSpec(**mesh)).use(TP())
     if mesh.get("dp_shard", 1) > 1:
         plan.use(FSDP2())
@@ -135,7 +136,8 @@ def structure(model: Any) -> dict[str, Any]:
 
 
 def one_step(mesh: dict[str, int], n_layers: int = 2,
-             variants: tuple[str, ...] = tuple(VARIANTS)) -> dict[str, Any]:
+             variants: tuple[str, ...] = tuple(VARIANTS),
+             task_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per variant on this rank: the loss, the collectives of backward per mesh dim, the
     aten ops backward ran, whether every gradient equals the one without checkpointing
     (bitwise: recomputation runs the same CPU kernels on the same inputs), and the bytes
@@ -152,7 +154,7 @@ def one_step(mesh: dict[str, int], n_layers: int = 2,
     reference: dict[str, torch.Tensor] = {}
     shape: dict[str, Any] = {}
     for label in variants:
-        task, plan, model = _build(mesh, VARIANTS[label], n_layers)
+        task, plan, model = _build(mesh, VARIANTS[label], n_layers, task_options)
         index, count = plan.data_shard()
         batch = task.batch(0).chunk(count)[index]
         if label == "none":
