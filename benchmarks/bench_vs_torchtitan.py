@@ -19,8 +19,8 @@ checkpointing none, full or selective. Per mode it prints:
 * the step-time ratio composer_par / torchtitan: the slowest rank's step, steps
   interleaved (alternating which side goes first), ratio of medians and of minima;
 * collectives and payload bytes per step on each side, counted by
-  ``composer_par.testing.comm_count.CommCounter`` (the slowest... the largest rank), with
-  torch's ``CommDebugMode`` call count next to it as a cross-check;
+  ``composer_par.testing.comm_count.CommCounter`` (the rank with the most), with torch's
+  ``CommDebugMode`` call count next to it as a cross-check;
 * collectives re-issued in backward under checkpointing: backward's collectives with
   checkpointing minus backward's without, same side and mesh (when both were run);
 * whether the losses of every step are equal (bitwise, else the largest difference) and
@@ -430,6 +430,7 @@ def _rank_main(modes: list[str], acs: list[str], layers: int, seq: int, batch: i
                 step += 1
             record["losses"] = {n: s.losses for n, s in sides.items()}
             record["param_diff"] = _param_diff(cp_model, tt_model)
+            record["summed"] = summed
             out[f"{mode}/{ac}"] = record
             del sides, tt_model, cp_model
     return out
@@ -466,6 +467,7 @@ def _summarize(results: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
                                       for r in rows)
         entry["loss_max_diff"] = max(diffs)
         entry["param_max_diff"] = max(r["param_diff"] for r in rows)
+        entry["summed"] = rows[0]["summed"]
         report[key] = entry
     for key, entry in report.items():
         mode, ac = key.split("/")
@@ -487,7 +489,11 @@ def _print(report: dict[str, Any], args: argparse.Namespace, load: tuple[float, 
           f"vs composer_par, {RANKS} gloo ranks, seq {args.seq}, global batch {args.batch}, "
           f"{args.steps} untimed steps, {args.repeats} interleaved timed repeats "
           f"({os.cpu_count()} cores; load average {load[0]:.1f} before, {load[1]:.1f} "
-          f"after). Times: the slowest rank's step.")
+          f"after). Times: the slowest rank's step. Gradients "
+          + ("summed over data parallelism on both sides (torchtitan's convention)."
+             if report and next(iter(report.values()))["summed"] else
+             "summed by torchtitan, averaged by composer_par (its FSDP2 has no divide "
+             "factor): losses compared as each side computes them."))
     for key, e in report.items():
         tt, cp = e["sides"]["torchtitan"], e["sides"]["composer_par"]
         print(f"  {key}")
@@ -499,9 +505,10 @@ def _print(report: dict[str, Any], args: argparse.Namespace, load: tuple[float, 
                   f"of minima {e['ratio_min']:.3f}")
         for label, side in (("torchtitan", tt), ("composer_par", cp)):
             reissued = side["reissued_in_backward"]
+            agree = "agrees" if side["comm_debug_calls"] == side["calls"] else "DIFFERS"
             print(f"    {label:12s} {side['calls']:4d} collectives ({side['forward_calls']} "
                   f"forward, {side['backward_calls']} backward; CommDebugMode "
-                  f"{side['comm_debug_calls']}), {side['bytes'] / 1024:9.1f} KiB"
+                  f"{side['comm_debug_calls']}: {agree}), {side['bytes'] / 1024:9.1f} KiB"
                   + ("" if reissued is None else f", re-issued in backward {reissued}"))
         print(f"    collectives {_verdict(cp['calls'] <= tt['calls'])} ({cp['calls']} <= "
               f"{tt['calls']}), bytes {_verdict(cp['bytes'] <= tt['bytes'])}; losses "
