@@ -430,3 +430,20 @@ def test_estimator_splits_units_off_the_root_and_says_when_it_cannot() -> None:
     assert missing == ["nope"]
     numbers = ModelShape.from_numbers(params=10**9)
     assert numbers.with_units(("tok_embeddings",)) == (numbers, ["tok_embeddings"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_units_under_a_pipeline_train_like_a_single_process() -> None:
+    # Each stage shards the units its part holds: the embedding is in stage 0's part
+    # only, the last block (kept gathered) in stage 1's.
+    from tests.pp_workers import StepCase, check_step_cases
+
+    plan = plan_toml("pp = 2\ndp_shard = 2", 'name = "pp"\nschedule = "1F1B"',
+                     'name = "fsdp2"\nunits = ["tok_embeddings"]\n'
+                     'reshard_units = { "layers.3" = false }')
+    case = StepCase(ParityCase(task="tests.pp_workers:llama4", plan=plan, world_size=4,
+                               steps=6, lr=1.0), clip=0.5)
+    [(result, _, _)] = check_step_cases([case], timeout=360)
+    result.assert_close()
+    assert result.losses[-1] < result.losses[0] - 0.05, result.losses
