@@ -8,9 +8,12 @@ the same weights, in one run. Per policy it prints:
   checkpointing (calls and payload bytes, counted by ``CommCounter``): what a
   recomputation issues again;
 * the matmuls backward runs again (aten ``mm`` calls beyond no checkpointing);
-* the activation memory: the bytes of the tensors forward produced that are still held
-  when forward ends (what the step keeps for backward, saved tensors and a selective
-  checkpoint's cache together, each storage once), and its ratio to no checkpointing;
+* the activation memory by torch's memory tracker (``MemTracker``, which follows tensor
+  storages and works on CPU): the activation bytes held when forward ends (what the step
+  keeps for backward: saved tensors, a selective checkpoint's cache, the checkpoints'
+  inputs, the loss), their peak during forward, and the peak of activations and
+  backward's temporaries (recomputed tensors among them) over a whole step, each with
+  its ratio to no checkpointing (the larger rank's);
 * whether every rank's gradients equal those without checkpointing (bitwise).
 
     .venv/bin/python benchmarks/bench_ac_policies.py [--layers 4] [--dim 128] [--seq 64]
@@ -54,6 +57,10 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base_bytes = sum(k["bytes"] for k in base["backward"].get("tp", {}).values())
         held = max(r["activation_bytes"] for r in per_rank)
         base_held = max(r["activation_bytes"] for r in ref)
+        peak = max(r["peak_activation_bytes"] for r in per_rank)
+        base_peak = max(r["peak_activation_bytes"] for r in ref)
+        step = max(r["step_peak_bytes"] for r in per_rank)
+        base_step = max(r["step_peak_bytes"] for r in ref)
         out.append({
             "policy": label,
             "saves": SAVES[label],
@@ -62,6 +69,10 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "recomputed_mm": first["ops"].get("mm", 0) - base["ops"].get("mm", 0),
             "activation_bytes": held,
             "activation_ratio": held / base_held,
+            "peak_activation_bytes": peak,
+            "peak_activation_ratio": peak / base_peak,
+            "step_peak_bytes": step,
+            "step_peak_ratio": step / base_step,
             "grads_equal_on_every_rank": all(not r["unequal_grads"] for r in per_rank),
             "loss": first["loss"],
         })
@@ -94,13 +105,17 @@ def main() -> None:
     print(f"Llama: {args.layers} blocks, dim {args.dim}, seq {args.seq}, global batch "
           f"{args.batch}, vocab 1024; TP 2 on 2 gloo ranks (one step, backward counted)\n")
     head = ("| policy | saves | tp collectives re-issued | re-issued bytes | matmuls "
-            "recomputed | activation memory | vs no AC | grads equal |")
+            "recomputed | activations held after forward | vs no AC | peak in forward | "
+            "vs no AC | step peak | vs no AC | grads equal |")
     print(head)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 12)
     for row in table:
         print(f"| {row['policy']} | {row['saves']} | {row['reissued_tp_calls']} | "
               f"{row['reissued_tp_bytes'] / 1024:.0f} KiB | {row['recomputed_mm']} | "
               f"{row['activation_bytes'] / 2**20:.2f} MiB | {row['activation_ratio']:.2f} | "
+              f"{row['peak_activation_bytes'] / 2**20:.2f} MiB | "
+              f"{row['peak_activation_ratio']:.2f} | "
+              f"{row['step_peak_bytes'] / 2**20:.2f} MiB | {row['step_peak_ratio']:.2f} | "
               f"{'yes' if row['grads_equal_on_every_rank'] else 'NO'} |")
 
 

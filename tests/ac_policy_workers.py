@@ -32,54 +32,6 @@ def save_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
 not_callable = 42
 
 
-class LiveOutputs(TorchDispatchMode):
-    """Remembers the storage of every tensor the ops in forward produce (a DTensor's by its
-    local tensor), weakly: after forward, those still alive are what the step holds for
-    backward (the autograd graph's saved tensors, a selective checkpoint's cache, the
-    checkpoints' inputs) plus the loss; a storage is counted once however many views
-    of it are kept."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, Any] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        import weakref
-
-        import torch
-        from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_leaves
-
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, DTensor):
-                leaf = leaf._local_tensor
-            if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
-                storage = leaf.untyped_storage()
-                if storage.nbytes():
-                    self.storages[id(storage)] = (weakref.ref(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self) -> int:
-        import gc
-
-        gc.collect()
-        seen: set[int] = set()
-        total = 0
-        for ref, nbytes in self.storages.values():
-            storage = ref()
-            if storage is None:
-                continue
-            try:
-                where = storage.data_ptr()
-            except RuntimeError:  # its tensor is gone and the storage object with it
-                continue
-            if where not in seen:
-                seen.add(where)
-                total += nbytes
-        return total
-
-
 class CountOps(TorchDispatchMode):
     """Counts the aten ops that run, by name (an op on DTensors once, as DTensor's op)."""
 
@@ -140,9 +92,13 @@ def one_step(mesh: dict[str, int], n_layers: int = 2,
              task_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per variant on this rank: the loss, the collectives of backward per mesh dim, the
     aten ops backward ran, whether every gradient equals the one without checkpointing
-    (bitwise: recomputation runs the same CPU kernels on the same inputs), and the bytes
-    forward leaves held for backward (see :class:`LiveOutputs`)."""
+    (bitwise: recomputation runs the same CPU kernels on the same inputs), and, by torch's
+    memory tracker, the activation bytes held when forward ends (what backward needs:
+    saved tensors, a selective checkpoint's cache, the checkpoints' inputs, the loss) and
+    their peak during forward; and the peak of activations and backward's temporaries over
+    a whole step."""
     import torch
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.distributed.tensor import DTensor
 
     from composer_par import MeshSpec
@@ -159,9 +115,15 @@ def one_step(mesh: dict[str, int], n_layers: int = 2,
         batch = task.batch(0).chunk(count)[index]
         if label == "none":
             shape = structure(model)
-        with CommCounter() as forward_comm, LiveOutputs() as live:
+        # torch's memory tracker follows tensor storages through a dispatch mode (no
+        # allocator statistics needed, so it measures on CPU) and tells activations from
+        # parameters, buffers and gradients.
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with CommCounter() as forward_comm, tracker:
             loss = task.loss(model, batch)
-        held = live.alive_bytes()
+            held = tracker.get_tracker_snapshot("current")
+            peak = tracker.get_tracker_snapshot("peak")
         for hook in shape.pop("hooks", []):
             hook.remove()
         with CommCounter() as backward_comm, CountOps() as ops:
@@ -171,6 +133,13 @@ def one_step(mesh: dict[str, int], n_layers: int = 2,
         if label == "none":
             reference = grads
         unequal = sorted(n for n, g in grads.items() if not torch.equal(g, reference[n]))
+        # The step's peak, backward's recomputation included, in a second step of its own
+        # (the tracker would count the modes above as part of the step).
+        whole = MemTracker()
+        whole.track_external(model)
+        with whole:
+            task.loss(model, batch).backward()
+            step_peak = whole.get_tracker_snapshot("peak")
         out[label] = {
             "loss": float(loss.detach()),
             "forward": forward_comm.summary(spec, rank),
@@ -178,7 +147,11 @@ def one_step(mesh: dict[str, int], n_layers: int = 2,
             "ops": dict(ops.ops),
             "unequal_grads": unequal,
             "grads": len(grads),
-            "activation_bytes": held,
+            "activation_bytes": sum(int(d[_MemRefType.ACT]) for d in held.values()),
+            "peak_activation_bytes": sum(int(d[_MemRefType.ACT]) for d in peak.values()),
+            # Activations and backward's temporaries (recomputed tensors among them).
+            "step_peak_bytes": sum(int(d[_MemRefType.ACT]) + int(d[_MemRefType.TEMP])
+                                   for d in step_peak.values()),
         }
     out["structure"] = shape
     return out
