@@ -28,7 +28,10 @@ checkpointing none, full or selective. Per mode it prints:
 
 Targets: step-time ratio <= 1.00; composer_par's collectives and bytes no more than
 torchtitan's. A CPU run needs stand-ins for torchtitan's accelerator-only pieces; they live
-in this file alone (``_standins``), each with its reason.
+in this file alone, each with its reason: ``_standins`` (device type, Triton kernels,
+FlexAttention), SUM reductions for torchtitan's FSDP modules on gloo (``by_torchtitan``),
+and its model config's runtime settings applied without importing its trainer
+(``_config``).
 
     .venv/bin/python benchmarks/bench_vs_torchtitan.py [--modes fsdp,hsdp] [--ac none,full]
         [--steps 2] [--repeats 10] [--json]
