@@ -239,22 +239,47 @@ def _reshard_units(value: Any) -> dict[str, bool | int]:
     return out
 
 
-def _unit_paths(value: Any) -> tuple[str, ...]:
+#: An entry of ``units``: one module's path, or the paths of modules sharded together.
+UnitEntry = str | tuple[str, ...]
+
+
+def _entry_paths(entry: UnitEntry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else entry
+
+
+def _unit_paths(value: Any) -> tuple[UnitEntry, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, str) and v for v in value):
-        raise OptionError(f"units must be a list of module paths (e.g. [\"tok_embeddings\", "
-                          f"\"output\"]); got {value!r}")
-    twice = sorted({v for v in value if value.count(v) > 1})
+    wrong = OptionError(
+        "units must be a list of module paths, or of lists of them for modules sharded "
+        f"together (e.g. [\"tok_embeddings\", [\"norm\", \"output\"]]); got {value!r}")
+    if not isinstance(value, (list, tuple)):
+        raise wrong
+    entries: list[UnitEntry] = []
+    for entry in value:
+        if isinstance(entry, (list, tuple)) and len(entry) == 1:
+            entry = entry[0]
+        if isinstance(entry, str) and entry:
+            entries.append(entry)
+        elif (isinstance(entry, (list, tuple)) and entry
+              and all(isinstance(p, str) and p for p in entry)):
+            entries.append(tuple(entry))
+        else:
+            raise wrong
+    paths = [p for e in entries for p in _entry_paths(e)]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:
-        raise OptionError(f"units names {twice[0]!r} twice; each module is one unit")
-    if ROOT in value:
+        raise OptionError(f"units names {twice[0]!r} twice; each module is in one unit")
+    if ROOT in paths:
         raise OptionError(f"units: {ROOT!r} is the root's unit, which FSDP2 always makes; "
                           "list the modules to shard as units of their own")
-    return tuple(value)
+    return tuple(entries)
+
+
+def _units_shown(entries: tuple[UnitEntry, ...]) -> str:
+    return repr([e if isinstance(e, str) else list(e) for e in entries])
 
 
 def _divide_factor(value: Any) -> float | None:
@@ -327,7 +352,7 @@ class FSDP2(Plugin):
         default="none", validator=attrs.validators.in_(("none", "cpu"))
     )
     blocks: str | tuple[str, ...] | None = blocks_option()
-    units: tuple[str, ...] = attrs.field(default=(), converter=_unit_paths)
+    units: tuple[UnitEntry, ...] = attrs.field(default=(), converter=_unit_paths)
     gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
@@ -414,8 +439,7 @@ class FSDP2(Plugin):
         """Every unit FSDP2 makes of ``model``, in the order it shards them (the blocks,
         the model plan's or ``units``' modules, the root), and the findings on ``units``.
         ``part``: ``model`` is one pipeline stage's part, which holds some units only."""
-        from composer_par.plugin import clean_name, names_near
-        from composer_par.plugin.initialize import tied_outside
+        from composer_par.plugin import clean_name
 
         units = [Unit(clean_name(path), (clean_name(path),), "block", modules=(block,))
                  for path, block in blocks]
@@ -430,46 +454,64 @@ class FSDP2(Plugin):
         block_paths = [u.name for u in units if u.kind == "block"]
         found: list[Finding] = []
         taken: list[str] = []
-        for path in self.units:
-            module = named.get(path)
-            if module is None and part:
-                continue  # in another stage's part
+        for entry in self.units:
+            paths = _entry_paths(entry)
+            if part:  # a pipeline stage's part shards the modules it holds
+                paths = tuple(p for p in paths if p in named)
+                if not paths:
+                    continue
             problem = None
-            if module is None:
-                near = names_near(model, path, 3)
-                problem = (f"{type(model).__name__} has no module {path!r}"
-                           + (f" (near: {', '.join(near)})" if near else ""))
-            elif path in block_paths:
-                problem = f"{path} is a block, a unit of its own already"
-            else:
-                outer = next((b for b in block_paths if path.startswith(b + ".")), None)
-                inner = [b for b in block_paths if b.startswith(path + ".")]
-                around = next((t for t in taken
-                               if path.startswith(t + ".") or t.startswith(path + ".")), None)
-                ties = [(a, b) for _, a, b in tied_outside(model, [(path, module)])]
-                if outer is not None:
-                    problem = f"{path} is inside block {outer}, whose unit holds it"
-                elif inner:
-                    problem = (f"{path} holds {len(inner)} block(s) ({inner[0]}, ...), units "
-                               "of their own already")
-                elif around is not None:
-                    problem = f"{path} and {around}, both in units, overlap"
-                elif next(iter(module.parameters()), None) is None:
-                    problem = f"{path} holds no parameters: its unit would shard nothing"
-                elif ties:
-                    problem = (f"{path} holds {ties[0][0]}, which is tied to {ties[0][1]} "
-                               "outside it: one parameter cannot be in two units")
+            for path in paths:
+                problem = self._unit_problem(model, path, named.get(path), block_paths,
+                                             taken, paths)
+                if problem is not None:
+                    break
+                taken.append(path)
             if problem is not None:
                 found.append(Finding(
-                    "CP429", f"units={list(self.units)!r}: {problem}",
+                    "CP429", f"units={_units_shown(self.units)}: {problem}",
                     fix="name modules beside the blocks, each holding parameters of its own "
                     "(e.g. the token embedding, the output head); the blocks are units "
                     "already"))
                 continue
-            taken.append(path)
-            units.append(Unit(path, (path,), "unit", modules=(module,)))
+            units.append(Unit(" + ".join(paths), paths, "unit",
+                              modules=tuple(named[p] for p in paths)))
         units.append(Unit(ROOT, (), "root", modules=(model,)))
         return units, found
+
+    @staticmethod
+    def _unit_problem(model: Any, path: str, module: Any, block_paths: list[str],
+                      taken: list[str], together: tuple[str, ...]) -> str | None:
+        """Why the module at ``path`` cannot be (part of) a unit of its own, or None;
+        ``together``: the paths of its unit (a tie among them stays inside it)."""
+        from composer_par.plugin import names_near
+        from composer_par.plugin.initialize import tied_outside
+
+        if module is None:
+            near = names_near(model, path, 3)
+            return (f"{type(model).__name__} has no module {path!r}"
+                    + (f" (near: {', '.join(near)})" if near else ""))
+        if path in block_paths:
+            return f"{path} is a block, a unit of its own already"
+        outer = next((b for b in block_paths if path.startswith(b + ".")), None)
+        if outer is not None:
+            return f"{path} is inside block {outer}, whose unit holds it"
+        inner = [b for b in block_paths if b.startswith(path + ".")]
+        if inner:
+            return (f"{path} holds {len(inner)} block(s) ({inner[0]}, ...), units of their "
+                    "own already")
+        around = next((t for t in taken
+                       if path.startswith(t + ".") or t.startswith(path + ".")), None)
+        if around is not None:
+            return f"{path} and {around}, both in units, overlap"
+        if next(iter(module.parameters()), None) is None:
+            return f"{path} holds no parameters: its unit would shard nothing"
+        ties = [(a, b) for _, a, b in tied_outside(model, [(path, module)])
+                if not any(b == q or b.startswith(q + ".") for q in together)]
+        if ties:
+            return (f"{path} holds {ties[0][0]}, which is tied to {ties[0][1]} outside its "
+                    "unit: one parameter cannot be in two units")
+        return None
 
     def reshard_values(self, units: list[Unit]
                        ) -> tuple[dict[str, bool | int | None], list[Finding]]:
@@ -519,8 +561,8 @@ class FSDP2(Plugin):
         found = []
         if units and (self.blocks is not None or self.units):
             given = (f"blocks={self.blocks!r}" if self.units == () else
-                     f"units={list(self.units)!r}" if self.blocks is None else
-                     f"blocks={self.blocks!r} with units={list(self.units)!r}")
+                     f"units={_units_shown(self.units)}" if self.blocks is None else
+                     f"blocks={self.blocks!r} with units={_units_shown(self.units)}")
             found.append(Finding(
                 "CP426", f"{given} gives the FSDP units; {name}'s own FSDP "
                 f"plan (_fsdp_plan) would also shard {_units_text(units)} as units of their "
@@ -568,7 +610,8 @@ class FSDP2(Plugin):
                 self.dim]
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items()
                          if k not in ("dim", "units", "gradient_divide_factor"))
-        middle = f", then {', '.join(self.units)}" if self.units else ""
+        middle = (", then " + ", ".join(" + ".join(_entry_paths(e)) for e in self.units)
+                  if self.units else "")
         steps = [(
             "data_parallel",
             f"fully_shard each block{middle}, then the root, over mesh ({', '.join(dims)})"

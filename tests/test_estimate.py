@@ -564,6 +564,10 @@ MEASURED_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2 embedding and head units, last block kept": (
         '[mesh]\ndp_shard = 4\n[[plugins]]\nname = "fsdp2"\nunits = ["tok_embeddings", "output"]\n'
         'reshard_units = { "layers.1" = false, root = true }\n', ()),
+    "fsdp2 torchtitan's units": (
+        '[mesh]\ndp_shard = 4\n[[plugins]]\nname = "fsdp2"\n'
+        'units = ["tok_embeddings", ["norm", "output"]]\n'
+        'reshard_units = { "norm + output" = false }\n', ()),
     "fsdp2 last block reshard 2": ('[mesh]\ndp_shard = 4\n[[plugins]]\nname = "fsdp2"\n'
                                    'reshard_units = { "layers.1" = 2 }\n', ()),
     "hsdp x fsdp2": ('[mesh]\ndp_replicate = 2\ndp_shard = 2\n[[plugins]]\nname = "hsdp"\n'

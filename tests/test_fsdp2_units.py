@@ -74,6 +74,11 @@ ROOT_RESHARDED = 'name = "fsdp2"\nreshard_units = { root = true }'
 BLOCKS_KEPT = 'name = "fsdp2"\nreshard_after_forward = true\nreshard_units = { "layers.*" = false }'
 LAST_BLOCK_INT = 'name = "fsdp2"\nreshard_units = { "layers.1" = 2 }'
 DIVIDE_BY_1 = 'name = "fsdp2"\ngradient_divide_factor = 1.0'
+# torchtitan's Llama layout: the embedding alone, the final norm and the head as one unit
+# kept gathered after forward (backward starts there), each block; the root then holds no
+# parameter of its own, so its unit communicates nothing.
+TORCHTITAN_UNITS = ('name = "fsdp2"\nunits = ["tok_embeddings", ["norm", "output"]]\n'
+                    'reshard_units = { "norm + output" = false }')
 
 FOUR = "dp_shard = 4"
 COUNT_CASES: dict[str, tuple[str, dict[str, dict[str, int]]]] = {
@@ -96,6 +101,10 @@ COUNT_CASES: dict[str, tuple[str, dict[str, dict[str, int]]]] = {
     "hsdp x fsdp2 2x2, embedding unit": (
         plan_toml("dp_replicate = 2\ndp_shard = 2", 'name = "hsdp"', EMBEDDING),
         golden(units_of(("tok_embeddings",)), shard=2, replicate="dp_replicate")),
+    "torchtitan's units, root without parameters": (
+        plan_toml(FOUR, TORCHTITAN_UNITS),
+        golden([u for u in units_of(("tok_embeddings", "norm + output"),
+                                    {"norm + output": False}) if u[0] != "root"])),
 }
 
 
@@ -113,6 +122,8 @@ def test_golden_counts_are_derived_as_documented() -> None:
     assert COUNT_CASES["last block resharded to runs of 2"][1] == {
         "dp_shard": {"all_gather": 3 + 1, "reduce_scatter": 3},
         "dp_shard (subgroup)": {"all_gather": 1}}
+    assert COUNT_CASES["torchtitan's units, root without parameters"][1] == {
+        "dp_shard": {"all_gather": 4 + 3, "reduce_scatter": 4}}
     assert COUNT_CASES["hsdp x fsdp2 2x2, embedding unit"][1] == {
         "dp_shard": {"all_gather": 4 + 3, "reduce_scatter": 4},
         "dp_replicate": {"all_reduce": 4}}
@@ -204,6 +215,8 @@ PARITY_FOUR = {
     "gradient divide factor 1": (plan_toml(FOUR, DIVIDE_BY_1), 4.0),
     "hsdp x fsdp2 2x2, embedding unit": (
         plan_toml("dp_replicate = 2\ndp_shard = 2", 'name = "hsdp"', EMBEDDING), 1.0),
+    "torchtitan's units, layers checkpointed": (plan_toml(FOUR, TORCHTITAN_UNITS, AC_LAYERS),
+                                                1.0),
 }
 
 
@@ -322,6 +335,9 @@ def test_units_must_not_overlap_hold_nothing_or_split_a_tie() -> None:
     ({"reshard_units": {"root": "no"}}, "reshard_units['root']"),
     ({"units": "tok_embeddings"}, None),  # one path is a list of one
     ({"units": ["output", "output"]}, "units names 'output' twice"),
+    ({"units": [["norm", "output"], "output"]}, "units names 'output' twice"),
+    ({"units": [["norm", 2]]}, "units must be a list of module paths, or of lists"),
+    ({"units": [[]]}, "units must be a list of module paths, or of lists"),
     ({"units": ["root"]}, "'root' is the root's unit"),
     ({"units": [1]}, "units must be a list of module paths"),
     ({"gradient_divide_factor": 0}, "gradient_divide_factor must be a number > 0"),
@@ -337,6 +353,44 @@ def test_option_values_are_checked(options: dict[str, object], message: str | No
         return
     with pytest.raises(OptionError, match=message.replace("(", r"\(").replace("[", r"\[")):
         FSDP2(**options)  # type: ignore[arg-type]
+
+
+def test_modules_sharded_together_are_one_unit_named_by_their_paths() -> None:
+    fsdp = FSDP2(units=["tok_embeddings", ["norm", "output"], ["layers"]],
+                 reshard_units={"norm + output": False})
+    assert fsdp.units == ("tok_embeddings", ("norm", "output"), "layers")
+    fsdp = attrs.evolve(fsdp, units=("tok_embeddings", ("norm", "output")))
+    units, found = fsdp.unit_list(_model(), [(b, None) for b in BLOCKS])
+    assert not found
+    assert [(u.name, u.paths, u.kind) for u in units[L:]] == [
+        ("tok_embeddings", ("tok_embeddings",), "unit"),
+        ("norm + output", ("norm", "output"), "unit"), ("root", (), "root")]
+    assert fsdp.reshard_values(units)[0]["norm + output"] is False
+    # a key naming one module of the unit names the unit
+    by_path = attrs.evolve(fsdp, reshard_units={"output": False})
+    assert by_path.reshard_values(units) == (
+        {**{b: None for b in BLOCKS}, "tok_embeddings": None, "norm + output": False,
+         "root": None}, [])
+    text = ParallelPlan(MeshSpec(dp_shard=2)).use(fsdp).use(MetaInit()).to_toml()
+    assert 'units = ["tok_embeddings", ["norm", "output"]]' in text
+    assert ParallelPlan.from_toml(text).plugin("fsdp2") == fsdp
+    assert "then tok_embeddings, norm + output, then the root" in str(
+        ParallelPlan(MeshSpec(dp_shard=2)).use(fsdp).explain())
+
+
+def test_a_tie_inside_a_unit_of_several_modules_is_fine() -> None:
+    model = torch.nn.ModuleDict({
+        "layers": torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2)),
+        "embed": torch.nn.Embedding(8, 4),
+        "out": torch.nn.Linear(4, 8, bias=False),
+    })
+    model["out"].weight = model["embed"].weight
+    report = _plan(FSDP2(blocks="layers", units=[["embed", "out"]])).validate(
+        model, world_size=2)
+    assert report.codes() == [], report.format()
+    report = _plan(FSDP2(blocks="layers", units=["embed", "out"])).validate(
+        model, world_size=2)
+    assert report.codes() == ["CP429", "CP429"], report.format()
 
 
 def test_int_per_unit_must_divide_the_shard_size() -> None:

@@ -47,7 +47,7 @@ class Layout:
     reshard_after_forward: bool | int | None = None
     # Modules that are FSDP units of their own beside the blocks, and reshard_after_forward
     # per unit (see EstimateSettings).
-    units: tuple[str, ...] = ()
+    units: tuple[str | tuple[str, ...], ...] = ()
     reshard_units: tuple[tuple[str, bool | int], ...] = ()
     param_dtype: str | None = None  # the data-parallel plugin's mixed precision
     reduce_dtype: str | None = None
@@ -104,14 +104,16 @@ class Layout:
         return cls.build(mesh, plan.effective_topology(), roles, owners, **options)
 
     def reshard_of(self, unit: str) -> bool | int | None:
-        """``reshard_after_forward`` of the unit named ``unit`` (a block's path, a module of
-        ``units``, or ``root``): an exact entry of ``reshard_units``, else the first pattern
-        matching it, else ``reshard_after_forward`` (None: torch's default)."""
+        """``reshard_after_forward`` of the unit named ``unit`` (a block's path, an entry
+        of ``units``, ``"a + b"`` for modules sharded together, or ``root``): an entry of
+        ``reshard_units`` naming it or one of its paths, else the first pattern matching
+        one, else ``reshard_after_forward`` (None: torch's default)."""
+        names = {unit, *unit.split(" + ")}
         for key, value in self.reshard_units:
-            if key == unit:
+            if key in names:
                 return value
         for key, value in self.reshard_units:
-            if set(key) & set("*?[") and fnmatch.fnmatchcase(unit, key):
+            if set(key) & set("*?[") and any(fnmatch.fnmatchcase(n, key) for n in names):
                 return value
         return self.reshard_after_forward
 

@@ -4,6 +4,7 @@ model (ideally built on meta) or derived from numbers (params, layers, hidden, .
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -261,26 +262,31 @@ class ModelShape:
                    assumed=tuple(assumed),
                    attention=implementation if isinstance(implementation, str) else None)
 
-    def with_units(self, paths: tuple[str, ...]) -> tuple[ModelShape, list[str]]:
-        """The shape with the root group's tensors under each of ``paths`` (modules
-        sharded as FSDP units of their own) moved to a group of their own, before the
-        root's; and the paths no root tensor lies under (an analytic model names none)."""
-        if not paths:
+    def with_units(self, entries: Sequence[str | tuple[str, ...]]
+                   ) -> tuple[ModelShape, list[str]]:
+        """The shape with the root group's tensors under each entry (a module path, or the
+        paths of modules sharded together, as FSDP units of their own) moved to a group
+        of their own named ``"a + b"``, before the root's; and the paths no root tensor
+        lies under (an analytic model names none)."""
+        if not entries:
             return self, []
         groups = list(self.groups)
         root = next((i for i, g in enumerate(groups) if g.name == "root" and not g.block),
                     None)
-        missing = list(paths)
+        every = [p for e in entries for p in ((e,) if isinstance(e, str) else e)]
         if root is None:
-            return self, missing
+            return self, every
+        missing = []
         rest = list(groups[root].tensors)
         units = []
-        for path in paths:
-            mine = tuple(t for t in rest if t.name.startswith(path + "."))
+        for entry in entries:
+            paths = (entry,) if isinstance(entry, str) else tuple(entry)
+            missing += [p for p in paths
+                        if not any(t.name.startswith(p + ".") for t in rest)]
+            mine = tuple(t for t in rest if any(t.name.startswith(p + ".") for p in paths))
             if mine:
-                missing.remove(path)
                 rest = [t for t in rest if t not in mine]
-                units.append(ParamGroup(path, mine, block=False))
+                units.append(ParamGroup(" + ".join(paths), mine, block=False))
         tail = [ParamGroup("root", tuple(rest), block=False)] if rest else []
         groups[root:root + 1] = [*units, *tail]
         return attrs.evolve(self, groups=tuple(groups)), missing

@@ -93,10 +93,11 @@ class EstimateSettings:
     reshard_after_forward: bool | int | None = None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
-    # Modules sharded as units of their own beside the blocks (their module paths), and
-    # reshard_after_forward per unit: (unit path, fnmatch pattern or "root"; value) pairs,
-    # an exact path over patterns.
-    units: tuple[str, ...] | None = None
+    # Modules sharded as units of their own beside the blocks (a module path, or a tuple
+    # of the paths of modules sharded together, named "a + b"), and reshard_after_forward
+    # per unit: (unit name or path, fnmatch pattern or "root"; value) pairs, an exact name
+    # over patterns.
+    units: tuple[str | tuple[str, ...], ...] | None = None
     reshard_units: tuple[tuple[str, bool | int], ...] | None = None
     # Model parallelism (TP and the like).
     sequence_parallel: bool | None = None
