@@ -674,9 +674,12 @@ class FSDP2(Plugin):
                        + ", ".join(f"{u.name} ({'free' if u.style else 'keep'}_full_weight)"
                                    for u in own))
         if self.reshard_units:
+            # The units reshard_units changed, against what they would have had without it.
+            before = attrs.evolve(self, reshard_units={}).reshard_values(units)[0]
             detail += "; reshard_after_forward per unit: " + ", ".join(
                 f"{u.name}={reshard[u.name]}" for u in units
-                if reshard[u.name] != self.reshard_after_forward and u.kind != "model plan")
+                if (type(reshard[u.name]), reshard[u.name])
+                != (type(before[u.name]), before[u.name]))
         for dim in hooked:
             install_all_reduce(ctx, sharded, comm_hooks[dim], owner=self.name,
                                replace_native=False)
