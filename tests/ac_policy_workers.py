@@ -45,14 +45,15 @@ class CountOps(TorchDispatchMode):
 
 
 def _build(mesh: dict[str, int], options: dict[str, Any] | None, n_layers: int,
-           task_options: dict[str, Any] | None = None) -> Any:
+           task_options: dict[str, Any] | None = None, sequence_parallel: bool = False
+           ) -> Any:
     import torch
 
     from composer_par import FSDP2, TP, ActivationCheckpoint, MeshSpec, MetaInit, ParallelPlan
     from composer_par.testing.tasks import LlamaTask
 
     task = LlamaTask(**{"n_layers": n_layers, **(task_options or {})})
-    plan = ParallelPlan(MeshSpec(**mesh)).use(TP())
+    plan = ParallelPlan(MeshSpec(**mesh)).use(TP(sequence_parallel=sequence_parallel))
     if mesh.get("dp_shard", 1) > 1:
         plan.use(FSDP2())
     if options is not None:
@@ -89,7 +90,8 @@ def structure(model: Any) -> dict[str, Any]:
 
 def one_step(mesh: dict[str, int], n_layers: int = 2,
              variants: tuple[str, ...] = tuple(VARIANTS),
-             task_options: dict[str, Any] | None = None) -> dict[str, Any]:
+             task_options: dict[str, Any] | None = None,
+             sequence_parallel: bool = False) -> dict[str, Any]:
     """Per variant on this rank: the loss, the collectives of backward per mesh dim, the
     aten ops backward ran, whether every gradient equals the one without checkpointing
     (bitwise: recomputation runs the same CPU kernels on the same inputs), and, by torch's
@@ -110,7 +112,8 @@ def one_step(mesh: dict[str, int], n_layers: int = 2,
     reference: dict[str, torch.Tensor] = {}
     shape: dict[str, Any] = {}
     for label in variants:
-        task, plan, model = _build(mesh, VARIANTS[label], n_layers, task_options)
+        task, plan, model = _build(mesh, VARIANTS[label], n_layers, task_options,
+                                   sequence_parallel)
         index, count = plan.data_shard()
         batch = task.batch(0).chunk(count)[index]
         if label == "none":

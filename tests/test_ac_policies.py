@@ -326,3 +326,24 @@ def test_backward_collectives_under_fsdp2_x_tp_2x2() -> None:
     check_ranks(results, MeshSpec(dp_shard=2, tp=2))
     for result in results:
         assert calls(result["none"]["backward"], "dp_shard") > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_selective_issues_no_collective_again_under_sequence_parallel() -> None:
+    # Sequence parallelism adds all-gathers and reduce-scatters inside each block (into and
+    # out of attention and the MLP): saved by default, as TP's all-reduces are.
+    variants = ("none", "selective (matmul + collectives)", "selective (matmul only)")
+    results = run_ranks("tests.ac_policy_workers:one_step", 2, args=({"tp": 2},),
+                        kwargs={"variants": variants, "sequence_parallel": True}, timeout=200)
+    for rank, result in enumerate(results):
+        reference = result["none"]
+        kinds = set(reference["forward"]["tp"])
+        assert {"all_gather", "reduce_scatter"} <= kinds, kinds
+        for label in variants[1:]:
+            assert result[label]["unequal_grads"] == [], (rank, label)
+            assert result[label]["loss"] == reference["loss"], (rank, label)
+        extra = {label: calls(result[label]["backward"], "tp") - calls(reference["backward"], "tp")
+                 for label in variants[1:]}
+        assert extra["selective (matmul + collectives)"] == 0, (rank, extra)
+        assert extra["selective (matmul only)"] > 0, (rank, extra)
