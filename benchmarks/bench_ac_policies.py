@@ -17,7 +17,7 @@ the same weights, in one run. Per policy it prints:
 * whether every rank's gradients equal those without checkpointing (bitwise).
 
     .venv/bin/python benchmarks/bench_ac_policies.py [--layers 4] [--dim 128] [--seq 64]
-        [--batch 8] [--json]
+        [--batch 8] [--sequence-parallel] [--json]
 
 The policies and the measurement are those of tests/test_ac_policies.py
 (tests/ac_policy_workers.py), so the table and the tests count the same things.
@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="TP with sequence parallelism (all-gathers and reduce-scatters "
+                        "inside each block instead of all-reduces)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
 
@@ -95,15 +98,19 @@ def main() -> None:
             "n_heads": 8, "n_kv_heads": 4, "vocab_size": 1024}
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     results = run_ranks("tests.ac_policy_workers:one_step", 2,
-                        args=({"tp": 2}, args.layers), kwargs={"task_options": task},
+                        args=({"tp": 2}, args.layers),
+                        kwargs={"task_options": task,
+                                "sequence_parallel": args.sequence_parallel},
                         timeout=600, env={"PYTHONPATH": path})
     table = rows(results)
     if args.json:
         print(json.dumps({"model": {"layers": args.layers, **task}, "mesh": {"tp": 2},
+                          "sequence_parallel": args.sequence_parallel,
                           "rows": table}, indent=2))
         return
     print(f"Llama: {args.layers} blocks, dim {args.dim}, seq {args.seq}, global batch "
-          f"{args.batch}, vocab 1024; TP 2 on 2 gloo ranks (one step, backward counted)\n")
+          f"{args.batch}, vocab 1024; TP 2{' with sequence parallelism' * args.sequence_parallel}"
+          " on 2 gloo ranks (one step, backward counted)\n")
     head = ("| policy | saves | tp collectives re-issued | re-issued bytes | matmuls "
             "recomputed | activations held after forward | vs no AC | peak in forward | "
             "vs no AC | step peak | vs no AC | grads equal |")
