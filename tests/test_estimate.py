@@ -578,6 +578,18 @@ MEASURED_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
         '[[plugins]]\nname = "fsdp2"\n', ("tp",)),
     "fsdp2 x tp": ('[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\n'
                    '[[plugins]]\nname = "fsdp2"\n', ("tp",)),
+    # full checkpointing reissues a block's collectives up to its last saved tensor
+    "fsdp2 x tp, full checkpointing": (
+        '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\n[[plugins]]\nname = "fsdp2"\n'
+        '[[plugins]]\nname = "activation_checkpoint"\nmode = "full"\n', ("tp",)),
+    "fsdp2 x tp, sequence parallel, full checkpointing": (
+        '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
+        '[[plugins]]\nname = "fsdp2"\n[[plugins]]\nname = "activation_checkpoint"\n'
+        'mode = "full"\n', ("tp",)),
+    "fsdp2 x tp, sequence parallel, selective checkpointing": (
+        '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
+        '[[plugins]]\nname = "fsdp2"\n[[plugins]]\nname = "activation_checkpoint"\n'
+        'mode = "selective"\n', ("tp",)),
     # loss-parallel cross-entropy's reductions happen inside DTensor's dispatch
     "fsdp2 x tp, sequence and loss parallel": (
         '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'

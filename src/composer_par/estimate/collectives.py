@@ -189,17 +189,24 @@ def _tp_collectives(
 ) -> list[Collective]:
     x = workload.seq * workload.micro_batch * model.hidden * act_bytes
     layers = model.layers
+    # Full checkpointing recomputes a block's forward in backward, its collectives with
+    # it, up to the last tensor backward needs (torch's early stop): the MLP's output
+    # collective is never reissued. Selective checkpointing saves collective outputs (the
+    # plugin's default), so it reissues none.
     recomputed = layers // layout.checkpoint_every if mode == "full" else 0
     has_root = any(not g.block and g.numel for g in model.groups)
     root = 1 if has_root else 0
     out: list[Collective] = []
     if layout.sequence_parallel:
         # per block and direction: gather the attention and the MLP input, reduce-scatter
-        # their outputs; the embedding scatters (forward) and the head gathers its input
-        calls = 2 * (2 * layers + root) + 2 * recomputed
-        out.append(Collective(dim.name, "all_gather", calls * x * micro, calls * micro,
+        # their outputs; the embedding scatters (forward) and the head gathers its input;
+        # a recomputed block gathers both inputs again and reduce-scatters attention's
+        gathers = 2 * (2 * layers + root) + 2 * recomputed
+        scatters = 2 * (2 * layers + root) + recomputed
+        out.append(Collective(dim.name, "all_gather", gathers * x * micro, gathers * micro,
                               "activations (sequence parallel): attention/MLP inputs"))
-        out.append(Collective(dim.name, "reduce_scatter", calls * x * micro, calls * micro,
+        out.append(Collective(dim.name, "reduce_scatter", scatters * x * micro,
+                              scatters * micro,
                               "activations (sequence parallel): attention/MLP outputs"))
         if shard > 1:
             # the sequence-parallel norms' gradients are partial sums over tp; FSDP2
@@ -215,7 +222,7 @@ def _tp_collectives(
         # input gradient of every column-parallel Linear that takes a replicated input
         # (torch's ColwiseParallel reduces each separately) and of the output head
         colwise = max(2, model.matrices_per_block - 2) if model.matrices_per_block else 2
-        calls = (2 * layers + root + 2 * recomputed) + (colwise * layers + root)
+        calls = (2 * layers + root + recomputed) + (colwise * layers + root)
         out.append(Collective(dim.name, "all_reduce", calls * x * micro, calls * micro,
                               f"activations: forward 2 per block, backward {colwise} per block "
                               "(one per column-parallel input), +1 each way at the "

@@ -54,6 +54,11 @@ def activation_bytes(
 
     ``recompute=False`` leaves out the one block that full checkpointing recomputes at a
     time (a rank holding several microbatches' activations recomputes one block)."""
+    if _is_llama_like(model):
+        return _llama_activation_bytes(model, workload, dtype, tp=tp,
+                                       sequence_parallel=sequence_parallel,
+                                       loss_parallel=loss_parallel, mode=mode, every=every,
+                                       recompute=recompute)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -86,6 +91,77 @@ def activation_bytes(
     if model.vocab:
         logits = s * b * model.vocab * 4 / (tp if loss_parallel and tp > 1 else 1)
     return int(total * scale + logits)
+
+
+def _is_llama_like(model: ModelShape) -> bool:
+    """A decoder block of a Llama's make (RMSNorm, attention with separate q/k/v/o
+    projections, a gated MLP of ``ffn_hidden``): seven matrices per block when measured
+    from a module, or an MLP size given with the numbers."""
+    if not (model.ffn_hidden and model.heads):
+        return False
+    if model.source == "numbers":
+        return True
+    return model.matrices_per_block == 7
+
+
+def _llama_activation_bytes(
+    model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
+    loss_parallel: bool, mode: str, every: int, recompute: bool,
+) -> int:
+    """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
+    autograd keeps for backward, counted from the block's structure (measured on the
+    project's Llama and on transformers' LlamaForCausalLM, within 10%: docs/estimate.md).
+
+    Per token of a block without checkpointing (``h`` hidden, ``f`` the MLP's size,
+    ``a`` heads): each of the two RMSNorms keeps its input, the normalized tensor and
+    its output (what the projections after it keep as their input), ``3h``, plus one
+    value (the reciprocal root); attention keeps q and the k and v expanded to every head
+    (grouped-query attention repeats them before the kernel), the kernel's output (also
+    the output projection's input) and one log-sum-exp per head, ``4h + a``; the gated MLP
+    keeps the gate projection's output, its activation, the up projection's output and
+    their product, ``4f``. Tensor parallelism splits the attention and MLP terms (heads and
+    ``f``); the norms run on replicated tokens, or with sequence parallelism on the rank's
+    share of them, the projections after them then keeping the gathered whole input (``h``)
+    instead. Full checkpointing keeps each checkpointed block's input and, in backward,
+    one block's activations while it is recomputed; selective checkpointing keeps the
+    block's input and the matmul outputs: q, k, v (``h + 2 h_kv``), the output projection's
+    and the down projection's (``2h``) and the gate and up projections' (``2f``), divided
+    by ``tp`` where the matmul is split.
+    """
+    s, b, h = workload.seq, workload.micro_batch, model.hidden
+    a, f = model.heads or 1, model.ffn_hidden or 4 * h
+    kv = (model.kv_heads or a) * (h // a)
+    t = tp if tp > 1 else 1
+    eager = workload.attention == "eager"
+    attention = (4 * h + a + (a * s if eager else 0)) / t
+    mlp = 4 * f / t
+    if t > 1 and sequence_parallel:
+        norms = 2 * (2 * h / t + 1 / t + h)
+        block_input = h / t
+    else:
+        norms = 2 * (3 * h + 1)
+        block_input = h
+    full_block = norms + attention + mlp
+    matmul_outputs = (h + 2 * kv + 2 * f) / t + 2 * h
+    selective_block = block_input + matmul_outputs
+    layers = model.layers
+    checkpointed = layers // every if mode != "none" else 0
+    per_token = (layers - checkpointed) * full_block
+    if mode == "selective":
+        per_token += checkpointed * selective_block
+    elif mode == "full":
+        per_token += checkpointed * block_input
+        if checkpointed and recompute:
+            per_token += full_block  # one block's activations while it is recomputed
+    # After the blocks: the final norm (as a block's norms: 3h + 1 per token, or its
+    # sequence-parallel share and the gathered input of the head).
+    per_token += (2 * h / t + 1 / t + h) if t > 1 and sequence_parallel else 3 * h + 1
+    total = s * b * per_token * bytes_of(dtype)
+    logits = 0.0
+    if model.vocab:
+        # the loss's log-softmax output, in fp32 (losses upcast the logits)
+        logits = s * b * model.vocab * 4 / (t if loss_parallel else 1)
+    return int(total + logits)
 
 
 def optimizer_bytes(optimizer: str, mixed: bool) -> int:
