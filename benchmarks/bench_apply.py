@@ -16,6 +16,7 @@ Prints per-rank minima of wall and CPU time and the ratios plan / hand (target <
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 TARGET = 1.05
@@ -114,9 +115,19 @@ def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
     for run in runs.values():  # warm-up: first-call imports and caches
         run()
     times: dict[str, Times] = {arm: [] for arm in ARMS}
-    for _ in range(repeats):  # interleaved, so machine noise hits every arm alike
-        for arm in ARMS:
-            times[arm].append(runs[arm]())
+    for repeat in range(repeats):
+        # Interleaved, so machine noise hits every arm alike, and in a rotating order, so
+        # no arm always follows the same one. The cyclic garbage collector is run before
+        # each arm and kept off while it runs (as timeit does): the models of earlier
+        # arms hold reference cycles (FSDP's states), and freeing them would otherwise
+        # land on whichever arm happened to cross gc's threshold.
+        for arm in ARMS[repeat % len(ARMS):] + ARMS[:repeat % len(ARMS)]:
+            gc.collect()
+            gc.disable()
+            try:
+                times[arm].append(runs[arm]())
+            finally:
+                gc.enable()
     return times
 
 
@@ -146,14 +157,25 @@ def main() -> None:
             worst[kind] = max(worst[kind], p / h)
             cells.append(f"{kind}: plan {p * 1000:6.1f} ms hand {h * 1000:6.1f} ms "
                          f"ratio {p / h:.3f}")
+        # Each repeat runs the arms back to back, so a repeat's plan/hand ratio sees the
+        # same machine state on both sides; the median of those paired ratios is the
+        # steadier figure where other programs share the cores (minima of CPU time still
+        # move with cache and frequency contention).
+        paired = sorted(p[1] / h[1] for p, h in zip(times["plan"], times["hand"], strict=True))
+        median = paired[len(paired) // 2] if len(paired) % 2 else (
+            paired[len(paired) // 2 - 1] + paired[len(paired) // 2]) / 2
+        worst["cpu_paired"] = max(worst.get("cpu_paired", 0.0), median)
+        cells.append(f"paired cpu median {median:.3f}")
         dt = best["plan"][1] / best["hand_dt"][1]
         worst["cpu_dt"] = max(worst["cpu_dt"], dt)
         cells.append(f"cpu vs hand_dt {best['hand_dt'][1] * 1000:6.1f} ms ratio {dt:.3f}")
         print(f"  rank {rank}:  " + "   ".join(cells))
     verdict = "meets" if worst["cpu"] <= TARGET else "MISSES"
-    print(f"ratio plan/hand, worst rank: cpu time {worst['cpu']:.3f} -> {verdict} the target "
-          f"<= {TARGET}; wall time {worst['wall']:.3f} (wall includes waiting on a shared "
-          f"machine); cpu vs hand_dt {worst['cpu_dt']:.3f}")
+    paired_verdict = "meets" if worst["cpu_paired"] <= TARGET else "MISSES"
+    print(f"ratio plan/hand, worst rank: cpu time {worst['cpu']:.3f} (ratio of minima) -> "
+          f"{verdict} the target <= {TARGET}; median of paired cpu ratios "
+          f"{worst['cpu_paired']:.3f} -> {paired_verdict}; wall time {worst['wall']:.3f} "
+          f"(wall includes waiting on a shared machine); cpu vs hand_dt {worst['cpu_dt']:.3f}")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,9 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
                 if done is not None and id(original) in done and not gather:
                     continue  # a tied parameter its first owner initialized
                 if result is not original:
-                    keep_local_part(original, result.detach())
+                    # Under no_grad the scratch parameter is copied from as it is: a
+                    # detach per parameter would cost a tensor each.
+                    keep_local_part(original, result)
                 if done is not None:
                     done.add(id(original))
     finally:
