@@ -133,9 +133,19 @@ def _named_modules(model: nn.Module) -> list[Block]:
     return list(seen.items())
 
 
+def path_matches(pattern: str, name: str) -> bool:
+    """Whether module path ``name`` matches glob ``pattern`` component by component:
+    ``*`` stands for one path component, never for several (``fnmatch`` alone would let
+    ``"layers.*"`` match ``layers.0.attention.wq`` too, making every module under the
+    blocks a block)."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(
+        fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names, strict=True))
+
+
 def _by_path(model: nn.Module, path: str) -> list[Block]:
     if any(ch in path for ch in "*?["):
-        return [(n, m) for n, m in _named_modules(model) if fnmatch.fnmatchcase(n, path)]
+        return [(n, m) for n, m in _named_modules(model) if path_matches(path, n)]
     target: nn.Module | None
     try:  # the common case, without walking every module
         target = model.get_submodule(path)
