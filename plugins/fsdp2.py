@@ -694,20 +694,8 @@ class FSDP2(Plugin):
         factor = self.gradient_divide_factor
         if factor is None:
             return None
-        from composer_par.plugin.fsdp_state import fsdp_state
-
         modules = ctx.data_parallel_modules
-        for module in modules:
-            # Another plugin (HSDP's own option) may have set one already: two factors
-            # would leave whichever ran last, silently.
-            other = {group.gradient_divide_factor
-                     for group in fsdp_state(module)._fsdp_param_groups} - {None, factor}
-            if other:
-                raise ValueError(
-                    f"{self.name}: gradient_divide_factor={factor:g}, but the FSDP modules "
-                    f"already divide by {sorted(other)[0]:g} (set by another plugin, e.g. "
-                    "hsdp's gradient_divide_factor): give the factor on one plugin only")
-        forced = set_gradient_divide_factor(modules, factor,
+        forced = set_gradient_divide_factor(modules, factor, owner=self.name,
                                             sum_only=not premul_sum_supported(ctx))
         note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
         return (f"gradient divide factor {factor:g} on {len(modules)} FSDP module(s)"

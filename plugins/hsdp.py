@@ -159,7 +159,7 @@ class HSDP(Plugin):
         modules = ctx.data_parallel_modules
         sum_only = not premul_sum_supported(ctx)
         forced = set_gradient_divide_factor(modules, self.gradient_divide_factor,
-                                            sum_only=sum_only)
+                                            sum_only=sum_only, owner=self.name)
         note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
         return (f"gradient divide factor {self.gradient_divide_factor:g} on "
                 f"{len(modules)} FSDP module(s){note}")

@@ -438,17 +438,23 @@ def test_explicit_units_replace_the_models_own_plan() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_a_second_divide_factor_is_refused_at_finalize() -> None:
+def test_a_second_divide_factor_is_refused_at_finalize_in_either_order() -> None:
     hsdp = 'name = "hsdp"\ngradient_divide_factor = 2.0'
     mesh = "dp_replicate = 2\ndp_shard = 2"
     plans = {"both": plan_toml(mesh, hsdp, 'name = "fsdp2"\ngradient_divide_factor = 4.0'),
              "the same": plan_toml(mesh, hsdp, 'name = "fsdp2"\ngradient_divide_factor = 2.0'),
-             "hsdp only": plan_toml(mesh, hsdp, 'name = "fsdp2"')}
+             "hsdp only": plan_toml(mesh, hsdp, 'name = "fsdp2"'),
+             "fsdp2 first": plan_toml(mesh, 'name = "fsdp2"\ngradient_divide_factor = 4.0',
+                                      hsdp)}
     per_rank = run_ranks("tests.fsdp2_unit_workers:apply_errors", 4, args=(plans,), timeout=160)
     for errors in per_rank:
         assert errors["hsdp only"] is None and errors["the same"] is None, errors
         assert errors["both"] is not None and "fsdp2: gradient_divide_factor=4, but the FSDP " \
             "modules already divide by 2" in errors["both"], errors["both"]
+        # whichever order the plan gives them, the second one refuses
+        first = errors["fsdp2 first"]
+        assert first is not None and "hsdp: gradient_divide_factor=2, but the FSDP modules " \
+            "already divide by 4" in first, first
 
 
 # -- the estimator follows the options ---------------------------------------------------------

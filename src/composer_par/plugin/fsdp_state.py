@@ -243,8 +243,11 @@ def reduce_scatters(module: Any) -> bool:
     )
 
 
-def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_only: bool) -> int:
+def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_only: bool,
+                               owner: str = "") -> int:
     """Set ``factor`` on every FSDP module; returns how many were switched to SUM-only.
+    A module that another plugin gave a different factor already is refused (ValueError
+    naming ``owner``): two factors would leave whichever was set last, silently.
 
     ``FSDPModule.set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms`` act
     on the module they are called on, not on its FSDP submodules, so each module gets the
@@ -254,6 +257,16 @@ def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_onl
     keep torch's path: it divides locally before a SUM all-reduce, and forcing SUM there
     would divide twice (measured on torch 2.13).
     """
+    modules = list(modules)
+    for module in modules:
+        other = {group.gradient_divide_factor
+                 for group in fsdp_state(module)._fsdp_param_groups} - {None, factor}
+        if other:
+            raise ValueError(
+                f"{owner or 'a plugin'}: gradient_divide_factor={factor:g}, but the FSDP "
+                f"modules already divide by {sorted(other)[0]:g} (set by another plugin: "
+                "fsdp2's or hsdp's gradient_divide_factor): give the factor on one plugin "
+                "only")
     forced = 0
     for module in modules:
         module.set_gradient_divide_factor(factor)
