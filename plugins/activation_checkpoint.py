@@ -388,7 +388,15 @@ class ActivationCheckpoint(Plugin):
 
     @hookimpl
     def composer_par_estimate_settings(self) -> EstimateSettings:
-        return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every)
+        if self.mode == "full":
+            reissue = "all" if self.early_stop is False else "early_stop"
+        else:
+            # A selective policy that recomputes collectives reissues them as full
+            # checkpointing does, up to the last tensor backward needs (measured).
+            saved = self.policy is None and "collectives" in self.save
+            reissue = "none" if saved else "early_stop"
+        return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every,
+                                checkpoint_reissue=reissue)
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module, blocks: list[Block]

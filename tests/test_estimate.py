@@ -425,13 +425,19 @@ def test_the_built_ins_answer_the_settings_hook() -> None:
         "tp": EstimateSettings(sequence_parallel=True, loss_parallel=True),
         "fsdp2": EstimateSettings(reshard_after_forward=2, param_dtype="float16"),
         "activation_checkpoint": EstimateSettings(activation_checkpoint="selective",
-                                                  checkpoint_every=3),
+                                                  checkpoint_every=3,
+                                                  checkpoint_reissue="none"),
     }
     layout = Layout.from_plan(plan, world_size=4)
     assert (layout.reshard_after_forward, layout.param_dtype, layout.reduce_dtype) == (
         2, "float16", None)
     assert (layout.sequence_parallel, layout.loss_parallel) == (True, True)
     assert (layout.activation_checkpoint, layout.checkpoint_every) == ("selective", 3)
+    assert layout.reissue("selective") == "none" and layout.reissue("full") == "early_stop"
+    matmul_only = ActivationCheckpoint(mode="selective", save=["matmul"])
+    no_early_stop = ActivationCheckpoint(mode="full", early_stop=False)
+    assert matmul_only.composer_par_estimate_settings().checkpoint_reissue == "early_stop"
+    assert no_early_stop.composer_par_estimate_settings().checkpoint_reissue == "all"
 
 
 def test_a_declared_checkpointing_policy_is_the_estimates_fallback() -> None:
@@ -586,6 +592,14 @@ MEASURED_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
         '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
         '[[plugins]]\nname = "fsdp2"\n[[plugins]]\nname = "activation_checkpoint"\n'
         'mode = "full"\n', ("tp",)),
+    "fsdp2 x tp, full checkpointing without early stop": (
+        '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\n[[plugins]]\nname = "fsdp2"\n'
+        '[[plugins]]\nname = "activation_checkpoint"\nmode = "full"\nearly_stop = false\n',
+        ("tp",)),
+    "fsdp2 x tp, selective checkpointing saving matmul outputs only": (
+        '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\n[[plugins]]\nname = "fsdp2"\n'
+        '[[plugins]]\nname = "activation_checkpoint"\nmode = "selective"\nsave = ["matmul"]\n',
+        ("tp",)),
     "fsdp2 x tp, sequence parallel, selective checkpointing": (
         '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
         '[[plugins]]\nname = "fsdp2"\n[[plugins]]\nname = "activation_checkpoint"\n'

@@ -189,11 +189,13 @@ def _tp_collectives(
 ) -> list[Collective]:
     x = workload.seq * workload.micro_batch * model.hidden * act_bytes
     layers = model.layers
-    # Full checkpointing recomputes a block's forward in backward, its collectives with
-    # it, up to the last tensor backward needs (torch's early stop): the MLP's output
-    # collective is never reissued. Selective checkpointing saves collective outputs (the
-    # plugin's default), so it reissues none.
-    recomputed = layers // layout.checkpoint_every if mode == "full" else 0
+    # A checkpointed block's recomputation in backward issues its collectives again: up
+    # to the last tensor backward needs (torch's early stop, full checkpointing's
+    # default): not the MLP's output collective; without early stop, all of them;
+    # selective checkpointing that saves collective outputs (the plugin's default), none.
+    reissue = layout.reissue(mode)
+    recomputed = layers // layout.checkpoint_every if reissue != "none" else 0
+    outputs_again = recomputed if reissue == "all" else 0  # the MLP's output collective
     has_root = any(not g.block and g.numel for g in model.groups)
     root = 1 if has_root else 0
     out: list[Collective] = []
@@ -202,7 +204,7 @@ def _tp_collectives(
         # their outputs; the embedding scatters (forward) and the head gathers its input;
         # a recomputed block gathers both inputs again and reduce-scatters attention's
         gathers = 2 * (2 * layers + root) + 2 * recomputed
-        scatters = 2 * (2 * layers + root) + recomputed
+        scatters = 2 * (2 * layers + root) + recomputed + outputs_again
         out.append(Collective(dim.name, "all_gather", gathers * x * micro, gathers * micro,
                               "activations (sequence parallel): attention/MLP inputs"))
         out.append(Collective(dim.name, "reduce_scatter", scatters * x * micro,
@@ -222,7 +224,7 @@ def _tp_collectives(
         # input gradient of every column-parallel Linear that takes a replicated input
         # (torch's ColwiseParallel reduces each separately) and of the output head
         colwise = max(2, model.matrices_per_block - 2) if model.matrices_per_block else 2
-        calls = (2 * layers + root + recomputed) + (colwise * layers + root)
+        calls = (2 * layers + root + recomputed + outputs_again) + (colwise * layers + root)
         out.append(Collective(dim.name, "all_reduce", calls * x * micro, calls * micro,
                               f"activations: forward 2 per block, backward {colwise} per block "
                               "(one per column-parallel input), +1 each way at the "

@@ -20,6 +20,11 @@ from composer_par.topology import Topology
 if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan
 
+# What a checkpointed block's recomputation issues again (EstimateSettings'
+# checkpoint_reissue): nothing, its collectives up to the last tensor backward needs, all.
+REISSUE = ("none", "early_stop", "all")
+
+
 
 @attrs.frozen
 class DimInfo:
@@ -55,6 +60,7 @@ class Layout:
     loss_parallel: bool = False
     activation_checkpoint: str | None = None
     checkpoint_every: int = 1
+    checkpoint_reissue: str | None = None  # see EstimateSettings; None: the mode's default
     plugins: tuple[str, ...] = ()
 
     @classmethod
@@ -102,6 +108,16 @@ class Layout:
             options["activation_checkpoint"] = _policy(policies[-1])
         options.update(merge_settings(hooks.estimate_settings()))
         return cls.build(mesh, plan.effective_topology(), roles, owners, **options)
+
+    def reissue(self, mode: str) -> str:
+        """What checkpointing ``mode`` issues again in backward: the plan's answer when
+        the mode is the plan's own, else the mode's default (full: up to the last tensor
+        backward needs; selective: nothing, its collective outputs saved)."""
+        if mode == "none":
+            return "none"
+        if self.checkpoint_reissue is not None and mode == self.activation_checkpoint:
+            return self.checkpoint_reissue
+        return "early_stop" if mode == "full" else "none"
 
     def reshard_of(self, unit: str) -> bool | int | None:
         """``reshard_after_forward`` of the unit named ``unit`` (a block's path, an entry
@@ -151,6 +167,10 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
                     fields[key] = optional_dtype(fields[key])
             if "activation_checkpoint" in fields:
                 fields["activation_checkpoint"] = _policy(fields["activation_checkpoint"])
+            reissue = fields.get("checkpoint_reissue")
+            if reissue is not None and reissue not in REISSUE:
+                raise EstimateError(f"checkpoint_reissue must be one of {list(REISSUE)}; got "
+                                    f"{reissue!r}")
             every = fields.get("checkpoint_every")
             if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                       or every < 1):

@@ -126,7 +126,7 @@ def _llama_activation_bytes(
     one block's activations while it is recomputed; selective checkpointing keeps the
     block's input and the matmul outputs: q, k, v (``h + 2 h_kv``), the output projection's
     and the down projection's (``2h``) and the gate and up projections' (``2f``), divided
-    by ``tp`` where the matmul is split.
+    by ``tp`` where the matmul is split, and under TP the collectives' outputs.
     """
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     a, f = model.heads or 1, model.ffn_hidden or 4 * h
@@ -143,7 +143,13 @@ def _llama_activation_bytes(
         block_input = h
     full_block = norms + attention + mlp
     matmul_outputs = (h + 2 * kv + 2 * f) / t + 2 * h
-    selective_block = block_input + matmul_outputs
+    # Selective checkpointing saves collective outputs too (the plugin's default): under
+    # TP the row-parallel outputs' all-reduces (2h), or with sequence parallelism the
+    # gathered inputs (2h) and the reduce-scattered outputs (2h/t). Derived, not measured.
+    collective_outputs = 0.0
+    if t > 1:
+        collective_outputs = 2 * h + (2 * h / t if sequence_parallel else 0)
+    selective_block = block_input + matmul_outputs + collective_outputs
     layers = model.layers
     checkpointed = layers // every if mode != "none" else 0
     per_token = (layers - checkpointed) * full_block

@@ -105,6 +105,10 @@ class EstimateSettings:
     # Activation checkpointing: "none", "selective" or "full", on every N-th block.
     activation_checkpoint: str | None = None
     checkpoint_every: int | None = None
+    # Which of a checkpointed block's collectives its recomputation issues again:
+    # "none" (their outputs are saved), "early_stop" (up to the last tensor backward
+    # needs, torch's default), "all" (the whole forward's).
+    checkpoint_reissue: str | None = None
 
     def set_fields(self) -> dict[str, Any]:
         """The fields this answer sets (not None)."""
