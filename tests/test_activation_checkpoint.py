@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 from composer_par.plugins.activation_checkpoint import MARK, checkpoint_block
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from composer_par import (
     FSDP2,
@@ -22,6 +21,7 @@ from composer_par import (
 from composer_par.blocks import WRAPPER_COMPONENTS
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.tasks import EncoderTask, LlamaTask, encoder, llama
+from tests.ac_policy_workers import CountOps
 
 TASKS = {"llama": llama, "encoder": encoder}
 
@@ -60,16 +60,6 @@ def test_names_state_dict_and_gradients_unchanged(task_name: str, mode: str) -> 
     for name, grad in ref_grads.items():
         # Recomputation runs the same CPU kernels on the same inputs: bitwise equal.
         assert torch.equal(grads[name], grad), name
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def backward_ops(model: torch.nn.Module, task: Any) -> Counter[str]:

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 REISSUE = ("none", "early_stop", "all")
 
 
-
 @attrs.frozen
 class DimInfo:
     """One mesh dim as the estimator sees it."""
