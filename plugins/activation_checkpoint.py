@@ -281,7 +281,6 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-
 def _save_tuple(value: Any) -> Any:
     # One name alone reads as the list of that name; anything else goes to the validator.
     if isinstance(value, str):

@@ -702,6 +702,5 @@ class FSDP2(Plugin):
                 f"{note}")
 
 
-
 def _units_text(units: list[OwnUnit]) -> str:
     return ", ".join(f"{u.key} ({u.style})" for u in units)
