@@ -333,6 +333,26 @@ def _cp424(tmp: Path, world: World) -> Any:
     return plan, hf_workers.build("bert", meta=False)
 
 
+@case("CP428")
+def _cp428(tmp: Path, world: World) -> Any:
+    world(2)
+    plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(reshard_units={"model.layers.9": False}))
+    return plan, llama()
+
+
+@case("CP429")
+def _cp429(tmp: Path, world: World) -> Any:
+    world(2)
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(units=["model.layers.1"])), llama()
+
+
+@case("CP430")
+def _cp430(tmp: Path, world: World) -> Any:
+    world(2)
+    fsdp = FSDP2(reshard_units={"model.layers.*": False, "*.1": True})
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(fsdp), llama()
+
+
 # -- the cases: compile -------------------------------------------------------------------
 
 
