@@ -86,6 +86,28 @@ def retie(model: nn.Module, tied: dict[str, list[str]]) -> int:
     return count
 
 
+def _own_tensors(model: nn.Module) -> dict[str, Any]:
+    """The model's parameters and buffers by the names its state dict gives them."""
+    return {clean_name(n): t for n, t in [*model.named_parameters(remove_duplicate=False),
+                                          *model.named_buffers(remove_duplicate=False)]}
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are views of the same elements (a DTensor: of its local
+    tensor), so copying one onto the other changes nothing."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if b is None or isinstance(a, DTensor) != isinstance(b, DTensor):
+        return False
+    if isinstance(a, DTensor):
+        a, b = a._local_tensor, b._local_tensor
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.device == b.device and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
 def _storage(tensor: Any) -> tuple[int, int]:
     from torch.distributed.tensor import DTensor
 
@@ -129,9 +151,16 @@ def _finish(model: nn.Module, state_dict: dict[str, Any], m: Match, *, strict: b
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     names = [*m.keys, *_fill_aliases(state_dict, tied, set(m.keys))]
-    loaded = {name: state_dict[name] for name in names}
-    with dcp_errors(f"setting the weights loaded from {m.source}"):
-        set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    # DCP read into the tensors get_model_state_dict returned, which for FSDP2 and TP are
+    # the model's own (local) memory: setting those again would copy each onto itself,
+    # a quarter of the load's time on the 1.1 GB benchmark. Only what is not the model's
+    # memory is set (a state dict torch had to build anew).
+    own = _own_tensors(model)
+    loaded = {name: state_dict[name] for name in names
+              if not _same_memory(state_dict[name], own.get(name))}
+    if loaded:
+        with dcp_errors(f"setting the weights loaded from {m.source}"):
+            set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if not strict and (m.missing or m.unexpected):
         log.warning("weights loaded non-strictly", source=m.source, missing=list(m.missing[:5]),
                     unexpected=list(m.unexpected[:5]))
