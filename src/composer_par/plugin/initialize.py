@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -129,19 +130,22 @@ Slot = tuple[nn.Module, str]  # a parameter registration: (module, attribute)
 
 
 def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int,
-                done: set[int] | None = None) -> int:
+                done: set[int] | None = None, unwritten: list[str] | None = None) -> int:
     """Initialize ``module``'s own parameters as if they were whole, seeded with ``seed``,
     and keep this rank's part of each; the caller's random state is left as it was.
 
     Sharded (DTensor) parameters get full-size scratch tensors for the call; plain ones
     are written in place. ``done`` holds the ids of parameters initialized already (a
     tied parameter is initialized by its first owner only, as transformers does); the ids
-    of those initialized here are added. Returns the bytes of scratch tensors held at once.
+    of those initialized here are added. ``unwritten``, when given, gets the name of each
+    floating-point parameter the call left unwritten (see :func:`_init_with_full_tensors`).
+    Returns the bytes of scratch tensors held at once.
     """
     slots = [(module, n) for n, p in module._parameters.items() if p is not None]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seed_device(device, seed)
-        return _init_with_full_tensors(module, init, device, slots, done, gather=False)
+        return _init_with_full_tensors(module, init, device, slots, done, gather=False,
+                                       unwritten=unwritten)
 
 
 def init_children_of(module: nn.Module, init: InitFn, device: torch.device, seed: int,
@@ -220,10 +224,12 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
 
 
 def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.device,
-                            slots: list[Slot], done: set[int] | None, *, gather: bool) -> int:
+                            slots: list[Slot], done: set[int] | None, *, gather: bool,
+                            unwritten: list[str] | None = None) -> int:
     # Slots are distinct registrations (callers list each once): a plain list will do.
     originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
+    watched: list[tuple[str, torch.Tensor]] = []
     for m, n, param in originals:
         if param is None:
             continue
@@ -235,9 +241,23 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
                 torch.empty(param.shape, dtype=param.dtype, device=device))
             m._parameters[n] = nn.Parameter(full, requires_grad=param.requires_grad)
             scratch_bytes += full.numel() * full.element_size()
+        else:
+            full = param
+        if unwritten is not None and not gather and not again and full.numel() and (
+                full.dtype.is_floating_point):
+            # A NaN in the first element: an initializer that writes the tensor writes
+            # it too. One that skips the module (transformers' _init_weights for a class
+            # it does not know) leaves the NaN, and an uninitialized parameter is
+            # reported instead of training from whatever memory to_empty left. One
+            # element, so the check costs two scalar accesses, not a pass over the data.
+            flat = full.detach().view(-1)
+            flat[0] = float("nan")
+            watched.append((n, flat))
     try:
         with torch.no_grad():
             init(module)
+            if unwritten is not None:
+                unwritten.extend(n for n, flat in watched if math.isnan(flat[0].item()))
             for m, n, original in originals:
                 result = m._parameters[n]
                 if original is None or result is None:
@@ -270,20 +290,56 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     parent_rules = init_fn is None and callable(getattr(model, "_init_weights", None))
     count = peak = 0
     done: set[int] = set()
+    left: list[str] = []
+    left_types: dict[str, str] = {}
     for path, module in post_order(model):
         init = pick(module)
         if init is None:
             continue
         seed = module_seed(base_seed, clean_name(path))
         if owns_tensors(module):
-            peak = max(peak, init_module(module, init, device, seed, done))
+            unwritten: list[str] = []
+            peak = max(peak, init_module(module, init, device, seed, done, unwritten))
             count += 1
+            name = clean_name(path)
+            left += [f"{name}.{n}" if name else n for n in unwritten]
+            if unwritten:
+                left_types.setdefault(type(module).__name__, _init_name(init, module))
         elif parent_rules and any(True for _ in module.children()):
             used = init_children_of(module, init, device, seed, done)
             if used:
                 peak = max(peak, used)
                 count += 1
+    if left:
+        raise UninitializedError(left, left_types)
     return count, peak
+
+
+class UninitializedError(RuntimeError):
+    """Parameters their module's initializer did not write (they would train from
+    whatever memory ``to_empty`` left)."""
+
+    def __init__(self, names: list[str], by_type: dict[str, str]) -> None:
+        self.names = names
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        how = "; ".join(f"{cls} by {init}" for cls, init in by_type.items())
+        super().__init__(
+            f"{len(names)} parameter(s) were left uninitialized: {shown} (initialized by "
+            f"{how}, which did not write them: they would train from whatever memory "
+            "to_empty left). Fix: make their initializer write them (the module's "
+            "reset_parameters(), or MetaInit(init_fn=...), which is called on every module "
+            "that owns tensors in place of the model's _init_weights), or load them from a "
+            "checkpoint (LoadSafetensors / LoadCheckpoint)")
+
+
+def _init_name(init: InitFn, module: nn.Module) -> str:
+    owner = getattr(init, "__self__", None)
+    name = getattr(init, "__qualname__", getattr(init, "__name__", repr(init)))
+    if owner is not None:
+        return f"{type(owner).__name__}.{getattr(init, '__name__', name)}"
+    if name.endswith("_call_method.<locals>.init"):
+        return f"{type(module).__name__}.reset_parameters"
+    return str(name)
 
 
 def keep_local_part(target: torch.Tensor, full: torch.Tensor) -> None:

@@ -1,0 +1,75 @@
+"""MetaInit refuses to leave a parameter uninitialized: a module its initializer does not
+write (a custom module inside a Hugging Face model, whose ``_init_weights`` knows only
+transformers' own classes) would otherwise train from whatever memory ``to_empty`` left."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from composer_par import MeshSpec, MetaInit, ParallelPlan
+from composer_par.plugin.initialize import UninitializedError
+
+
+class Scale(nn.Module):
+    """A learnable per-channel scale with no init of its own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def test_a_custom_module_in_a_hugging_face_model_is_reported_not_left_as_garbage() -> None:
+    pytest.importorskip("transformers")
+    from tests import hf_workers
+
+    model = hf_workers.build("llama")  # on meta
+    with torch.device("meta"):
+        model.model.layers[0].post_scale = Scale(8)
+    with pytest.raises(UninitializedError) as caught:
+        ParallelPlan(MeshSpec()).use(MetaInit(seed=1)).apply(model)
+    message = str(caught.value)
+    assert caught.value.names == ["model.layers.0.post_scale.gain"], message
+    assert "Scale by LlamaForCausalLM._init_weights" in message
+    assert "init_fn" in message and "reset_parameters" in message
+
+
+def test_an_init_fn_that_covers_the_module_trains_from_written_values() -> None:
+    pytest.importorskip("transformers")
+    from tests import hf_workers
+
+    model = hf_workers.build("llama")
+    with torch.device("meta"):
+        model.model.layers[0].post_scale = Scale(8)
+    hf_init = model._init_weights
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, Scale):
+            nn.init.ones_(module.gain)
+        else:
+            hf_init(module)
+
+    ParallelPlan(MeshSpec()).use(MetaInit(seed=1, init_fn=init)).apply(model)
+    assert torch.equal(model.model.layers[0].post_scale.gain, torch.ones(8))
+    assert all(not torch.isnan(p).any() for p in model.parameters())
+
+
+def test_a_reset_parameters_that_skips_a_parameter_is_reported() -> None:
+    class HalfInit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(4, 4))
+            self.bias = nn.Parameter(torch.empty(4))
+
+        def reset_parameters(self) -> None:
+            nn.init.zeros_(self.weight)  # the bias is forgotten
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), HalfInit())
+    expected = r"1\.bias.*HalfInit by HalfInit\.reset_parameters"
+    with pytest.raises(UninitializedError, match=expected):
+        ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
