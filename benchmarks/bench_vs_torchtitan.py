@@ -38,7 +38,8 @@ and its model config's runtime settings applied without importing its trainer
     .venv/bin/python benchmarks/bench_vs_torchtitan.py [--modes fsdp,hsdp] [--ac none,full]
         [--steps 2] [--repeats 10] [--layers 6] [--json]
 
-Needs torchtitan (``pip install -e .[bench]``).
+Needs torchtitan: ``./dev`` installs it (its model and parallelize code, without its
+trainer's requirements), or ``pip install -e .[bench]`` with everything it declares.
 """
 
 from __future__ import annotations
