@@ -365,12 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if consistent else 1
     print(f"checkpoint: {size / 1e9:.2f} GB in {path}; per-rank share (bytes/4): "
           f"{share / 2**20:.0f} MiB; page-cache read of the whole file (floor): {floor:.2f} s")
-    ref = "b" if "b" in walls else None
+    b_ref: str | None = "b" if "b" in walls else None
     print(f"\n{'way of loading':<54} {'peak RSS growth per rank (MiB)':<34} "
           f"{'max/share':>9} {'wall s':>7} {'wall/(b)':>8} {'wall/floor':>10}")
     for variant, rows in results.items():
         cells = " ".join(f"{r['growth'] / 2**20:6.0f}" for r in rows)
-        vs_b = f"{walls[variant] / walls[ref]:8.2f}" if ref else f"{'-':>8}"
+        vs_b = f"{walls[variant] / walls[b_ref]:8.2f}" if b_ref else f"{'-':>8}"
         print(f"{NAMES[variant]:<54} {cells:<34} {peaks[variant]:9.2f} "
               f"{walls[variant]:7.2f} {vs_b} {walls[variant] / floor:10.2f}")
     print()
