@@ -65,7 +65,8 @@ def test_a_state_dict_of_copies_is_still_set(tmp_path: Path,
     original = sd.get_model_state_dict
 
     def copies(m: nn.Module, **kwargs: Any) -> dict[str, Any]:
-        return {k: v.clone() for k, v in original(m, **kwargs).items()}
+        state: dict[str, Any] = dict(original(m, **kwargs))
+        return {k: v.clone() for k, v in state.items()}
 
     monkeypatch.setattr(sd, "get_model_state_dict", copies)
     with torch.no_grad():
