@@ -425,7 +425,8 @@ def test_plugins_lists_the_builtins() -> None:
     code, data = run_json(["plugins"])
     rows = {r["name"]: r for r in data["plugins"]}
     assert rows["fsdp2"]["distribution"] == "composer-par"
-    assert rows["fsdp2"]["stages"] == ["data_parallel"] and data["blocked"] == []
+    # finalize: the gradient divide factor, set once every unit exists
+    assert rows["fsdp2"]["stages"] == ["data_parallel", "finalize"] and data["blocked"] == []
 
 
 @pytest.fixture

@@ -137,7 +137,12 @@ def _roll_call(store: Any, exc: BaseException, timeout: float | timedelta | None
 
     rank, world = dist.get_rank(), dist.get_world_size()
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    after = _seconds(timeout, first)
     try:
+        if after:
+            # A rank whose peer closed the connection on it (it joins the roll call with
+            # a lost connection, no timeout of its own) quotes the timed-out rank's wait.
+            store.set("waited", after)
         store.append("timed_out", f"{rank},")
         deadline = time.monotonic() + roll_call_s
         while True:
@@ -148,11 +153,12 @@ def _roll_call(store: Any, exc: BaseException, timeout: float | timedelta | None
         stuck = tuple(r for r in range(world) if r not in answered)
         where = {r: store.get(f"where/{r}").decode() for r in stuck
                  if store.check([f"where/{r}"])}
+        if not after and store.check(["waited"]):
+            after = store.get("waited").decode()
     except RuntimeError as store_error:  # the store went away with its host
         return StuckRankError(f"rank {rank}: a collective timed out ({first}); the ranks "
                               f"it waited for could not be named: {store_error}")
     waiting = tuple(sorted(answered))
-    after = _seconds(timeout, first)
     if not stuck:
         return StuckRankError(
             f"every rank timed out waiting in a collective{after}: the ranks are in "
