@@ -73,3 +73,18 @@ def test_a_reset_parameters_that_skips_a_parameter_is_reported() -> None:
     expected = r"1\.bias.*HalfInit by HalfInit\.reset_parameters"
     with pytest.raises(UninitializedError, match=expected):
         ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+
+
+def test_an_initializer_that_registers_new_parameters_has_initialized_them() -> None:
+    class Replaces(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(3))
+
+        def reset_parameters(self) -> None:
+            self.weight = nn.Parameter(torch.full((3,), 2.0))
+
+    with torch.device("meta"):
+        model = nn.Sequential(Replaces())
+    ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+    assert torch.equal(model[0].weight, torch.full((3,), 2.0))

@@ -230,7 +230,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
     # Slots are distinct registrations (callers list each once): a plain list will do.
     originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
-    watched: list[tuple[str, _Sentinel]] = []
+    watched: list[tuple[nn.Module, str, torch.Tensor, _Sentinel]] = []
     for m, n, param in originals:
         if param is None:
             continue
@@ -251,12 +251,15 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
             # class it does not know) leaves it, and an uninitialized parameter is
             # reported instead of training from whatever memory to_empty left. One
             # element, so the check costs two scalar accesses, not a pass over the data.
-            watched.append((n, _Sentinel(full)))
+            watched.append((m, n, m._parameters[n], _Sentinel(full)))  # type: ignore[arg-type]
     try:
         with torch.no_grad():
             init(module)
             if unwritten is not None:
-                unwritten.extend(n for n, sentinel in watched if sentinel.intact())
+                # An initializer that registers a new Parameter instead of writing the
+                # one it was given has initialized it too (its values are kept below).
+                unwritten.extend(n for m, n, given, sentinel in watched
+                                 if m._parameters[n] is given and sentinel.intact())
             for m, n, original in originals:
                 result = m._parameters[n]
                 if original is None or result is None:
