@@ -10,46 +10,40 @@ def train_every_rank(cases: dict[str, Any]) -> dict[str, tuple[list[float], dict
     apply its plan, train its steps on this rank's data shard; returns the mean loss of
     each step and this rank's view of every full parameter afterwards (each rank's, not
     only rank 0's: a rank whose shard went wrong shows it here)."""
-    import torch.distributed as dist
+    from composer_par.testing.parity import train_case
 
-    from composer_par.testing.parity import full_parameters, start_rank
+    return {name: train_case(case) for name, case in cases.items()}
 
-    out = {}
-    for name, case in cases.items():
-        task, _plan, model, index, count, optimizer = start_rank(case)
-        losses = []
-        for step in range(case.steps):
-            loss = task.loss(model, task.batch(step).chunk(count)[index])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            total = loss.detach().float().clone()
-            dist.all_reduce(total)
-            losses.append(float(total) / dist.get_world_size())
-        out[name] = (losses, full_parameters(model))
-    return out
+
+def _after_one_step(plan_text: str, task: str) -> tuple[Any, Any]:
+    """The plan and the task's model it applied (built on meta), after one forward and
+    backward of this rank's share of step 0's batch."""
+    import torch
+
+    from composer_par.plan import ParallelPlan
+    from composer_par.testing.parity import _resolve
+
+    the_task = _resolve(task)
+    plan = ParallelPlan.from_toml(plan_text)
+    with torch.device("meta"):
+        model = the_task.build()
+    model = plan.apply(model)
+    index, count = plan.data_shard()
+    the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
+    return plan, model
 
 
 def gradients(plans: dict[str, str], task: str = "composer_par.testing.tasks:llama"
               ) -> dict[str, dict[str, Any]]:
     """For each plan (plan-file TOML): one forward and backward of this rank's share of
     step 0's batch; returns every parameter's full gradient by name."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     from composer_par.blocks import clean_name
-    from composer_par.plan import ParallelPlan
-    from composer_par.testing.parity import _resolve
 
-    the_task = _resolve(task)
     out = {}
     for name, text in plans.items():
-        plan = ParallelPlan.from_toml(text)
-        with torch.device("meta"):
-            model = the_task.build()
-        model = plan.apply(model)
-        index, count = plan.data_shard()
-        the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
+        _plan, model = _after_one_step(text, task)
         grads = {}
         for pname, param in model.named_parameters():
             assert param.grad is not None, pname
@@ -65,21 +59,11 @@ def unit_settings(plan_text: str, task: str = "composer_par.testing.tasks:llama"
     """What FSDP2 made of the task's model under ``plan_text``: each FSDP module's clean
     path ("" the root), whether it reshards after forward (True, False, or the int group
     size), its parameters' names, and its gradient divide factor; and the apply log."""
-    import torch
-
     from composer_par.blocks import clean_name
-    from composer_par.plan import ParallelPlan
     from composer_par.plugin.fsdp_state import fsdp_state
-    from composer_par.testing.parity import _resolve
 
-    the_task = _resolve(task)
-    plan = ParallelPlan.from_toml(plan_text)
-    with torch.device("meta"):
-        model = the_task.build()
-    model = plan.apply(model)
-    index, count = plan.data_shard()
     # One forward: the root's lazy init decides torch's default for the root.
-    the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
+    plan, model = _after_one_step(plan_text, task)
     units = {}
     for raw, module in model.named_modules():
         state = getattr(module, "_get_fsdp_state", None)

@@ -163,6 +163,16 @@ def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor
     """One rank's side: build on meta, apply the plan, train; rank 0 returns the results."""
     import torch.distributed as dist
 
+    losses, params = train_case(case)
+    return losses, params if dist.get_rank() == 0 else None
+
+
+def train_case(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Build on meta, apply the plan, train ``case.steps`` steps on this rank's data
+    shard; the mean loss of each step and this rank's view of every full parameter
+    (gathered on every rank: a collective, so every rank calls it)."""
+    import torch.distributed as dist
+
     task, _plan, model, index, count, optimizer = start_rank(case)
     losses = []
     for step in range(case.steps):
@@ -174,8 +184,7 @@ def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
-    params = full_parameters(model)
-    return losses, params if dist.get_rank() == 0 else None
+    return losses, full_parameters(model)
 
 
 def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
