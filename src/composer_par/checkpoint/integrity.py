@@ -523,14 +523,21 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
     stored chunk's digest before DCP reads that chunk into the model. The digests are
     checked in a thread (CRC-32 and ``pread`` release the GIL) that starts once this
     rank's plan is made, before DCP exchanges the plans between the ranks, and runs ahead
-    of DCP's reading, so it costs little time where a core is free. Errors name the file
-    (and the key)."""
+    of the reading, so it costs little time where a core is free. Errors name the file
+    (and the key).
+
+    Each stored chunk is read straight into the tensor that receives it where
+    :mod:`~composer_par.checkpoint.direct_read` can (a contiguous part into a contiguous
+    CPU tensor of its dtype: the usual case when a job resumes on the layout it saved),
+    which halves the bytes copied and holds no second copy of the chunk; DCP's own reading
+    does the rest (resharded parts that are not contiguous, dtypes to convert)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from composer_par.checkpoint import _dist
 
     class VerifyingReader(FileSystemReader):
         bytes_verified = 0
+        items_read_directly = 0  # the rest were read by DCP
         checker: _ChunkChecker | None = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -582,11 +589,14 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
             checker = self.checker
             if manifest is not None and (checker is None or not checker.covers(plan.items)):
                 checker = self._start(manifest, plan.items)
-            future = None
+            from torch.futures import Future
+
             for name, items in per_file.items():
                 items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
-                future = self._read_file(plan, planner, name, items, checker)
-            return future if future is not None else super().read_data(plan, planner)
+                self._read_file(plan, planner, name, items, checker)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
 
         def _check_size(self, name: str, items: list[Any]) -> None:
             path = contained(directory, name, what=str(directory / ".metadata"))
@@ -604,30 +614,66 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
                                        f"data up to byte {end}")
 
         def _read_file(self, plan: Any, planner: Any, name: str, items: list[Any],
-                       checker: _ChunkChecker | None) -> Any:
-            """DCP reads ``items`` of file ``name``: all at once without digests, else one
-            by one, each once its chunk has been checked."""
+                       checker: _ChunkChecker | None) -> None:
+            """Read ``items`` of file ``name``, in file order: each straight into the
+            tensor that receives it where :mod:`direct_read` can (one copy, no second
+            copy of the chunk held), the others by DCP; with digests, each once its
+            chunk has been checked."""
             import dataclasses
 
-            def read(chunk: list[Any]) -> Any:
+            def read(chunk: list[Any]) -> None:
                 try:
-                    future = super(VerifyingReader, self).read_data(
-                        dataclasses.replace(plan, items=chunk), planner)
-                    future.wait()
-                    return future
+                    super(VerifyingReader, self).read_data(
+                        dataclasses.replace(plan, items=chunk), planner).wait()
                 except CheckpointError:
                     raise
                 except (EOFError, OSError, RuntimeError, ValueError) as exc:
                     raise CorruptFileError(f"{directory / name}: unreadable: "
                                            f"{type(exc).__name__}: {exc}") from exc
 
-            if checker is None:
-                return read(items)
-            future = None
-            for item in items:
-                self.bytes_verified += checker.wait(item)
-                future = read([item])
-            return future
+            left: list[Any] = []
+            layouts: dict[int, Any] = {}
+            fd = os.open(directory / name, os.O_RDONLY)
+            try:
+                for item in items:
+                    if checker is not None:
+                        self.bytes_verified += checker.wait(item)
+                    if self._read_direct(fd, name, item, planner, layouts):
+                        continue
+                    if checker is not None:
+                        read([item])
+                    else:
+                        left.append(item)
+            finally:
+                os.close(fd)
+            if left:
+                read(left)
+
+        def _read_direct(self, fd: int, name: str, item: Any, planner: Any,
+                         layouts: dict[int, Any]) -> bool:
+            from torch.distributed.checkpoint.planner import LoadItemType
+
+            from composer_par.checkpoint import direct_read
+
+            info = self.storage_data[item.storage_index]
+            if item.type != LoadItemType.TENSOR or info.transform_descriptors:
+                return False
+            if info.offset not in layouts:
+                layouts[info.offset] = direct_read.stored_tensor(fd, info.offset, info.length)
+            stored = layouts[info.offset]
+            if stored is None:
+                return False
+            target = planner.resolve_tensor(item).detach()
+            try:
+                if not direct_read.read_into(fd, stored, item.storage_offsets, item.lengths,
+                                             target):
+                    return False
+            except (EOFError, OSError) as exc:
+                raise CorruptFileError(f"{directory / name}: unreadable: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            planner.commit_tensor(item, target)
+            self.items_read_directly += 1
+            return True
 
     return VerifyingReader(str(directory))
 
