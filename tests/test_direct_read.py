@@ -151,7 +151,7 @@ def test_a_checkpoint_load_reads_every_tensor_directly(
     with torch.no_grad():
         for value in model.state_dict().values():
             value.zero_()
-    read = []
+    read: list[bool] = []
     real = direct_read.read_into
 
     def counted(*args: Any) -> bool:
@@ -159,10 +159,15 @@ def test_a_checkpoint_load_reads_every_tensor_directly(
         read.append(ok)
         return ok
 
-    loads = []
+    loads: list[Any] = []
     real_load = torch.load
     monkeypatch.setattr(direct_read, "read_into", counted)
-    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+
+    def counted_load(*args: Any, **kwargs: Any) -> Any:
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted_load)
     ck.load(tmp_path, model, optimizer)
     assert read and all(read)
     assert loads == []
