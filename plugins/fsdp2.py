@@ -36,6 +36,7 @@ from composer_par.plugin import (
     dtype_option,
     hookimpl,
     ordering_option,
+    walk_modules,
 )
 from composer_par.plugin.fsdp_state import (
     install_all_reduce,
@@ -133,7 +134,7 @@ def own_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[tuple[
     plan = getattr(model, "_fsdp_plan", None)
     if not isinstance(plan, dict) or not plan:
         return [], []
-    named = {clean_name(n): n for n, _ in model.named_modules() if n}
+    named = {clean_name(n): n for n, _ in walk_modules(model) if n}
     block_paths = {p for p, _ in blocks}
     units: list[OwnUnit] = []
     left: list[tuple[str, str]] = []
@@ -448,7 +449,7 @@ class FSDP2(Plugin):
                            modules=tuple(model.get_submodule(r) for r in u.raw))
                       for u in own_units(model, blocks)[0]]
         named: dict[str, Any] = {}
-        for raw, module in model.named_modules():
+        for raw, module in walk_modules(model) if self.units else ():
             if raw:
                 named.setdefault(clean_name(raw), module)  # the outer of a wrapper pair
         block_paths = [u.name for u in units if u.kind == "block"]

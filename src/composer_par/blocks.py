@@ -44,6 +44,44 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 
+def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(model.named_modules())``: the same names, modules and order (parents first;
+    a module registered twice comes once, at its first path), walked with a stack. torch's
+    nested generators pay for every level of depth at each module, and a plan walks the
+    model several times per validation and apply."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append((name, module))
+        children = module._modules
+        if children:
+            prefix = f"{name}." if name else ""
+            stack.extend((prefix + child_name, child) for child_name, child
+                         in reversed(children.items()) if child is not None)
+    return out
+
+
+def walk_tensors(model: nn.Module, kind: str = "_parameters",
+                 modules: list[tuple[str, nn.Module]] | None = None) -> list[tuple[str, Any]]:
+    """``list(model.named_parameters())`` (``kind="_buffers"``: ``named_buffers()``), the
+    same names, tensors and order (a tensor registered twice comes once), from
+    :func:`walk_modules` (or ``modules``, its result, when the caller has it)."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, module in walk_modules(model) if modules is None else modules:
+        for attr, tensor in getattr(module, kind).items():
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            out.append((f"{name}.{attr}" if name else attr, tensor))
+    return out
+
+
 def _tuple_of_str(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -126,7 +164,7 @@ def _named_modules(model: nn.Module) -> list[Block]:
     """Non-root modules by clean name; a wrapper and its inner module share a name, and
     the outer one (the wrapper, which is what stands in the model) is kept."""
     seen: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
+    for name, module in walk_modules(model):
         clean = clean_name(name)
         if clean and clean not in seen:
             seen[clean] = module

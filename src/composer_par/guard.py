@@ -35,7 +35,9 @@ class UnshardedParameterError(RuntimeError):
 class _Guard:
     def __init__(self, model: nn.Module) -> None:
         self.model = weakref.ref(model)
-        self.sharded = {id(p) for p in model.parameters()}
+        from composer_par.blocks import walk_tensors
+
+        self.sharded = {id(p) for _, p in walk_tensors(model)}
         # id -> (the unsharded tensor, weakly, and the parameter's name)
         self.unsharded: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.handle: RemovableHandle | None = model.register_forward_hook(self._after_forward)

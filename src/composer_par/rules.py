@@ -422,7 +422,11 @@ def model_rules(
     dtensors: list[str] = []
     on_meta = False
     materialized = 0
-    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+    from composer_par.blocks import walk_modules, walk_tensors
+
+    modules = walk_modules(model)
+    for name, tensor in (*walk_tensors(model, modules=modules),
+                         *walk_tensors(model, "_buffers", modules)):
         if isinstance(tensor, DTensor):
             dtensors.append(name)
         if tensor.is_meta:

@@ -55,7 +55,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   receive (the model, the shared blocks, the mesh, ``submesh()``, the device, the typed
   ``data_parallel_modules`` and ``installed_comm_hooks``); :class:`HookCaller`, the plan's
   one hook caller (``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
-  :class:`BlockSpec`, :func:`clean_name`.
+  :class:`BlockSpec`, :func:`clean_name`; :func:`walk_modules` and :func:`walk_tensors`
+  (``named_modules()`` and ``named_parameters()`` as lists, a few times faster).
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
@@ -71,7 +72,14 @@ never import another plugin or read its options. docs/writing-plugins.md is the 
 form, starting from the plugin above.
 """
 
-from composer_par.blocks import Block, BlockSpec, clean_name, names_near
+from composer_par.blocks import (
+    Block,
+    BlockSpec,
+    clean_name,
+    names_near,
+    walk_modules,
+    walk_tensors,
+)
 from composer_par.dtypes import DtypeError, dtype_name
 
 # The estimator's modules import composer_par.plugin.base, not this package: no cycle.
@@ -173,5 +181,7 @@ __all__ = [
     "int_option",
     "names_near",
     "ordering_option",
+    "walk_modules",
+    "walk_tensors",
     "wrapped_block_findings",
 ]
