@@ -22,8 +22,12 @@ CPU time is what all ranks' processes spent.
 
     .venv/bin/python benchmarks/bench_integrations.py [--adapter lightning] [--repeats 30]
 
-Prints per adapter the minima and medians of each side and the ratios adapter / plain
-(target <= 1.03): on a shared machine read the ratios of minima, and CPU time, first.
+Prints per adapter the minima and medians of each side, their ratios adapter / plain,
+and the paired ratio: the median over the steps of each adapter step's time over the
+plain step that ran next to it. The target (<= 1.03) is read on the paired ratio: on a
+shared machine a minimum is one lucky step (a plain step's minimum alone moved the
+ratio of minima from 1.02 to 1.18 between two runs), while neighbouring steps see the
+same machine, so their ratio moves least.
 """
 
 from __future__ import annotations
@@ -354,7 +358,9 @@ def _summarize(adapter: str, results: list[dict[str, Any]], sides: tuple[str, ..
                 "median_ms": statistics.median(theirs) * 1e3,
                 "plain_median_ms": statistics.median(plain) * 1e3,
                 "ratio_min": min(theirs) / min(plain),
-                "ratio_median": statistics.median(theirs) / statistics.median(plain)}
+                "ratio_median": statistics.median(theirs) / statistics.median(plain),
+                "ratio_paired": statistics.median(t / p for t, p in zip(theirs, plain,
+                                                                        strict=True))}
     return out
 
 
@@ -395,11 +401,11 @@ def main() -> None:
             print(f"  {report['adapter']}: {side}")
             for metric, m in metrics.items():
                 label = "wall (slowest rank)" if metric == "wall" else "cpu (all ranks)"
-                verdict = "meets" if m["ratio_min"] <= TARGET else "MISSES"
-                print(f"    {label:20s} min {m['min_ms']:7.1f} ms, plain "
-                      f"{m['plain_min_ms']:7.1f} ms: ratio {m['ratio_min']:.3f} ({verdict} "
-                      f"<= {TARGET})   median {m['median_ms']:7.1f} ms, plain "
-                      f"{m['plain_median_ms']:7.1f} ms: ratio {m['ratio_median']:.3f}")
+                verdict = "meets" if m["ratio_paired"] <= TARGET else "MISSES"
+                print(f"    {label:20s} paired ratio {m['ratio_paired']:.3f} ({verdict} <= "
+                      f"{TARGET})   min {m['min_ms']:7.1f} ms, plain {m['plain_min_ms']:7.1f} "
+                      f"ms: ratio {m['ratio_min']:.3f}   median {m['median_ms']:7.1f} ms, "
+                      f"plain {m['plain_median_ms']:7.1f} ms: ratio {m['ratio_median']:.3f}")
 
 
 if __name__ == "__main__":
