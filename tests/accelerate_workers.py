@@ -412,8 +412,9 @@ def _read_safetensors(directory: str) -> dict[str, Any]:
 
 def trainer_case(kind: str, plan_name: str, directory: str) -> dict[str, Any]:
     """The Hugging Face Trainer with a plan, 5 steps, against the plain loop; its
-    checkpoint-3 loads with composer_par.checkpoint.load outside it, and a Trainer
-    resumed from it ends bitwise where the uninterrupted Trainer ends."""
+    checkpoint-3 loads with composer_par.checkpoint.load outside it (and the plain loop's
+    checkpoint into a Trainer's model), and a Trainer resumed from it ends bitwise where
+    the uninterrupted Trainer ends."""
     import torch.distributed as dist
 
     from composer_par import checkpoint
@@ -439,6 +440,13 @@ def trainer_case(kind: str, plan_name: str, directory: str) -> dict[str, Any]:
     info = checkpoint.load(os.path.join(out_dir, "checkpoint-3"), fresh)
     result["checkpoint_vs_plain"] = _largest_difference(_full(fresh), _full(three))
     result["checkpoint_extra"] = info.extra
+    # and the other way: the plain loop's checkpoint.save loaded into a Trainer's model
+    # (applied when the Trainer was made), bitwise
+    from_plain = os.path.join(directory, f"plain-{plan_name}")
+    checkpoint.save(from_plain, three, step=3)
+    into, _ = _trainer(plan_name, out_dir + "-from-plain", STEPS)
+    checkpoint.load(from_plain, into.model)
+    result["plain_into_trainer"] = _largest_difference(_full(into.model), _full(three))
     # resume from checkpoint-3: ends where the uninterrupted Trainer ended
     final = _local_state(trainer.model, trainer.optimizer)
     resumed, _ = _trainer(plan_name, out_dir + "-resumed", STEPS)

@@ -155,6 +155,8 @@ def test_trainer_with_a_plan_trains_as_the_plain_loop(
         name, diff = result["checkpoint_vs_plain"]
         assert diff <= ATOL, f"rank {rank}: {name} differs by {diff}"
         assert result["checkpoint_extra"]["trainer"]["scheduler"]["last_epoch"] == 3
+        name, diff = result["plain_into_trainer"]
+        assert diff == 0.0, f"rank {rank}: {name} loaded into the Trainer differs by {diff}"
         assert result["resume"] == []
         assert result["resumed_steps"] == accelerate_workers.STEPS
         torch.testing.assert_close(torch.tensor(result["alone_losses"], dtype=torch.float64),
