@@ -40,8 +40,10 @@ def test_every_dtype_reads_bitwise(tmp_path: Path, dtype: torch.dtype) -> None:
     try:
         assert layout is not None and layout.dtype == dtype and layout.size == (6, 5)
         target = torch.empty(4, 5, dtype=dtype)
+        version = target._version
         assert direct_read.read_into(fd, layout, (2, 0), (4, 5), target)
         assert torch.equal(target.view(torch.uint8), tensor[2:].view(torch.uint8))
+        assert target._version > version  # as after the copy_ it stands in for
     finally:
         os.close(fd)
 

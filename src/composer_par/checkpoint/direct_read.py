@@ -265,4 +265,7 @@ def read_into(fd: int, stored: StoredTensor, offsets: Any, lengths: Any, target:
         if got <= 0:
             raise EOFError(f"the file ends {nbytes - done} bytes before the tensor does")
         done += got
+    # As the copy_ it stands in for would: autograd and anything else watching the
+    # tensor for in-place changes sees that it changed.
+    torch.autograd.graph.increment_version(target)
     return True
