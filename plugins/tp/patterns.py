@@ -3,12 +3,14 @@ names (``*`` is one path component, as in ``parallelize_module``)."""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from composer_par.plugin import clean_name
+from composer_par.plugin import clean_name, walk_modules
 from composer_par.plugin import names_near as module_names_near
+from composer_par.plugin import path_matches as matches
+
+__all__ = ["generalize", "matches", "modules_by_name", "names_near", "parameters_by_name"]
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -17,17 +19,9 @@ if TYPE_CHECKING:
 def modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
     """Module by clean name (the outer wrapper where wrappers share a name), root as ''."""
     out: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
+    for name, module in walk_modules(model):
         out.setdefault(clean_name(name), module)
     return out
-
-
-def matches(pattern: str, name: str) -> bool:
-    """Component-wise glob: ``layers.*.wq`` matches ``layers.0.wq`` only."""
-    parts, names = pattern.split("."), name.split(".")
-    return len(parts) == len(names) and all(
-        fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names, strict=True)
-    )
 
 
 def names_near(model: nn.Module, modules: Mapping[str, Any], pattern: str, n: int = 5) -> list[

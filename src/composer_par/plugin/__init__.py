@@ -55,7 +55,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   receive (the model, the shared blocks, the mesh, ``submesh()``, the device, the typed
   ``data_parallel_modules`` and ``installed_comm_hooks``); :class:`HookCaller`, the plan's
   one hook caller (``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
-  :class:`BlockSpec`, :func:`clean_name`; :func:`walk_modules` and :func:`walk_tensors`
+  :class:`BlockSpec`, :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*``
+  one path component); :func:`walk_modules` and :func:`walk_tensors`
   (``named_modules()`` and ``named_parameters()`` as lists, a few times faster).
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
@@ -77,6 +78,7 @@ from composer_par.blocks import (
     BlockSpec,
     clean_name,
     names_near,
+    path_matches,
     walk_modules,
     walk_tensors,
 )
@@ -181,6 +183,7 @@ __all__ = [
     "int_option",
     "names_near",
     "ordering_option",
+    "path_matches",
     "walk_modules",
     "walk_tensors",
     "wrapped_block_findings",
