@@ -45,6 +45,7 @@ from composer_par.plugin import (
     already_wrapped,
     blocks_option,
     hookimpl,
+    import_string_problem,
     int_option,
     ordering_option,
     wrapped_block_findings,
@@ -427,17 +428,31 @@ class ActivationCheckpoint(Plugin):
                 "be checkpointed",
                 fix=f"use every <= {len(blocks)} (1 checkpoints every block), or drop the plugin",
             ))
-        if isinstance(self.policy, str):
+        # A package that is not installed is the plan-level check's finding; here the
+        # string is imported (the model is built, so user code may run).
+        if isinstance(self.policy, str) and import_string_problem(self.policy) is None:
             try:
                 resolve_policy(self.policy)
             except ValueError as exc:
-                found.append(Finding(
-                    "CP210", str(exc),
-                    fix=f"make {self.policy.partition(':')[0]!r} importable on every rank "
-                    "(installed, or on PYTHONPATH) with a function (ctx, op, *args, **kwargs) "
-                    "-> CheckpointPolicy under the name after the colon, or pass the callable "
-                    "itself"))
+                found.append(self._policy_finding(str(exc)))
         return found
+
+    @hookimpl
+    def composer_par_validate_plan(self) -> list[Finding]:
+        """A policy string whose package is not installed, found without importing it (so
+        ``composer-par validate`` without a model finds it too)."""
+        if not isinstance(self.policy, str):
+            return []
+        problem = import_string_problem(self.policy)
+        return [] if problem is None else [self._policy_finding(f"policy {problem}")]
+
+    def _policy_finding(self, message: str) -> Finding:
+        assert isinstance(self.policy, str)
+        return Finding(
+            "CP210", message,
+            fix=f"make {self.policy.partition(':')[0]!r} importable on every rank (installed, "
+            "or on PYTHONPATH) with a function (ctx, op, *args, **kwargs) -> CheckpointPolicy "
+            "under the name after the colon, or pass the callable itself")
 
     @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:

@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.plugin import Finding, Plugin, Rule, Severity, clean_name, hookimpl, int_option
+from composer_par.plugin import (
+    Finding,
+    Plugin,
+    Rule,
+    Severity,
+    clean_name,
+    hookimpl,
+    import_string_problem,
+    int_option,
+)
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -78,9 +87,21 @@ class MetaInit(Plugin):
     # -- hooks -----------------------------------------------------------------------
 
     @hookimpl
+    def composer_par_validate_plan(self) -> list[Finding]:
+        """An init_fn string whose package is not installed, found without importing it
+        (so ``composer-par validate`` without a model finds it too)."""
+        if not isinstance(self.init_fn, str):
+            return []
+        problem = import_string_problem(self.init_fn)
+        return [] if problem is None else [Finding(
+            "CP404", f"init_fn {problem}", fix="give init_fn as 'importable.module:function'")]
+
+    @hookimpl
     def composer_par_validate_model(self, model: nn.Module) -> list[Finding]:
         from composer_par.plugin.initialize import owns_tensors, post_order
 
+        if isinstance(self.init_fn, str) and import_string_problem(self.init_fn) is not None:
+            return []  # the plan-level check's finding
         try:
             pick = self.initializer(model)
         except (ImportError, AttributeError) as exc:

@@ -153,7 +153,7 @@ def test_bad_options_and_combinations_are_refused(options: dict[str, Any], messa
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("no_such_module_anywhere:policy", "cannot import module 'no_such_module_anywhere'"),
+    ("no_such_module_anywhere:policy", "no module 'no_such_module_anywhere' is installed"),
     ("tests.ac_policy_workers:no_such_policy", "has no 'no_such_policy'"),
     ("tests.ac_policy_workers:not_callable", "is a int, not a callable"),
 ])
@@ -170,6 +170,29 @@ def test_a_policy_string_that_does_not_resolve_is_cp210_before_anything_changes(
     with pytest.raises(PlanError):
         plan.apply(model)
     assert not any("_composer_par_checkpoint" in layer.__dict__ for layer in model.layers)
+
+
+def test_a_policy_whose_package_is_missing_is_found_without_a_model(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Model-less validation (a laptop, before launch) imports no user code: it finds a
+    package that is not installed, and a malformed string; a missing function inside an
+    installed package needs the import, so it is found once the model is there."""
+    from composer_par.cli.main import main
+
+    def codes(spec: str) -> list[str]:
+        plan = ParallelPlan(MeshSpec()).use(ActivationCheckpoint(mode="selective", policy=spec))
+        return [f.code for f in plan.validate().findings]
+
+    assert codes("no_such_module_anywhere:policy") == ["CP210"]
+    assert codes("tests.ac_policy_workers:no_such_policy") == []
+    assert codes("tests.ac_policy_workers:save_nothing") == []
+    path = tmp_path / "plan.toml"
+    path.write_text('[mesh]\ndp_shard = 1\n\n[[plugins]]\nname = "activation_checkpoint"\n'
+                    'mode = "selective"\n'
+                    'policy = "no_such_module_anywhere:policy"\n')
+    assert main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "CP210" in out and "no module 'no_such_module_anywhere' is installed" in out
 
 
 def test_plan_file_round_trip_of_every_option() -> None:

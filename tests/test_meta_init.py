@@ -25,6 +25,22 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
         assert torch.equal(a[name], b[name]), f"{name} differs"
 
 
+@pytest.mark.parametrize("init_fn", ["no_such_package_anywhere:init", "not a path:init"])
+def test_an_init_fn_that_names_nothing_installed_is_found_without_a_model(
+        init_fn: str) -> None:
+    """Model-less validation finds it without importing anything; with the model there is
+    still one finding, and nothing is touched."""
+    plan = ParallelPlan(MeshSpec()).use(MetaInit(init_fn=init_fn))
+    (finding,) = plan.validate().findings
+    assert finding.code == "CP404" and init_fn in finding.message
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    assert plan.validate(model).codes() == ["CP404"]
+    with pytest.raises(PlanError):
+        plan.apply(model)
+    assert all(p.is_meta for p in model.parameters())
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
@@ -134,6 +150,7 @@ def test_tied_weights_stay_tied() -> None:
     # to_empty gives each registration its own new tensor; MetaInit ties them again.
     with torch.device("meta"):
         model = TiedHead()
-    model = ParallelPlan(MeshSpec()).use(MetaInit(seed=0)).apply(model)
+    applied = ParallelPlan(MeshSpec()).use(MetaInit(seed=0)).apply(model)
+    assert applied is model
     assert model.out.weight is model.emb.weight
     assert len(list(model.parameters())) == 1

@@ -44,7 +44,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   parallel, materialize, finalize).
 * **Options** that check what a plan file hands in and name the option when it is wrong:
   :func:`dim_option`, :func:`blocks_option`, :func:`ordering_option`, :func:`int_option`,
-  :func:`bool_option`, :func:`dtype_option` (one table of dtype names for the project,
+  :func:`bool_option`, :func:`import_string_problem` (a ``"module:function"`` option
+  checked without importing it), :func:`dtype_option` (one table of dtype names for the project,
   :func:`dtype_name`).
 * **Findings**: :class:`Finding` (code, message, fix; made inside a hook it names the
   plugin), :class:`Severity`, :class:`Rule` (a catalog entry: code, severity, meaning, fix,
@@ -123,6 +124,7 @@ from composer_par.plugin.options import (
     bool_option,
     dim_option,
     dtype_option,
+    import_string_problem,
     int_option,
     ordering_option,
 )
@@ -180,6 +182,7 @@ __all__ = [
     "dtype_option",
     "hookimpl",
     "hookspec",
+    "import_string_problem",
     "int_option",
     "names_near",
     "ordering_option",

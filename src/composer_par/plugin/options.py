@@ -125,3 +125,26 @@ def _known_dtype(instance: Any, attribute: Any, value: Any) -> None:
             dtype_name(value)
         except DtypeError as exc:
             raise OptionError(f"{attribute.name}: {exc}") from None
+
+
+def import_string_problem(spec: str) -> str | None:
+    """Why a ``"package.module:function"`` option cannot name anything installed, found
+    without importing it (None: it may; importing it is the only full check).
+
+    For the plan-level hooks, which run without a model, on a laptop, and must not run
+    user code (which may import torch): the top-level package is looked up, not imported,
+    so a misspelled or missing package is found before launch."""
+    import importlib.util
+
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr or not all(
+            part.isidentifier() for part in (*module_name.split("."), *attr.split("."))):
+        return f"{spec!r} is not 'package.module:function'"
+    top = module_name.split(".", 1)[0]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return f"{spec!r}: no module {top!r} is installed (or on the path)"
+    return None
