@@ -36,6 +36,7 @@ import attrs
 
 from composer_par.plugin import (
     ALREADY_WRAPPED,
+    IMPORT_STRING_RULE,
     Declaration,
     EstimateSettings,
     Finding,
@@ -45,7 +46,7 @@ from composer_par.plugin import (
     already_wrapped,
     blocks_option,
     hookimpl,
-    import_string_problem,
+    import_string_findings,
     int_option,
     ordering_option,
     wrapped_block_findings,
@@ -252,6 +253,7 @@ RULES = (
          "check that the model trains the same with and without the plugin, or drop it",
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(ActivationCheckpoint())"
          ".use(MetaInit()).validate(model_with_supports_gradient_checkpointing_false)"),
+    IMPORT_STRING_RULE,
 )
 
 
@@ -428,9 +430,7 @@ class ActivationCheckpoint(Plugin):
                 "be checkpointed",
                 fix=f"use every <= {len(blocks)} (1 checkpoints every block), or drop the plugin",
             ))
-        # A package that is not installed is the plan-level check's finding; here the
-        # string is imported (the model is built, so user code may run).
-        if isinstance(self.policy, str) and import_string_problem(self.policy) is None:
+        if isinstance(self.policy, str):  # the model is built: user code may run now
             try:
                 resolve_policy(self.policy)
             except ValueError as exc:
@@ -439,12 +439,9 @@ class ActivationCheckpoint(Plugin):
 
     @hookimpl
     def composer_par_validate_plan(self) -> list[Finding]:
-        """A policy string whose package is not installed, found without importing it (so
-        ``composer-par validate`` without a model finds it too)."""
-        if not isinstance(self.policy, str):
-            return []
-        problem = import_string_problem(self.policy)
-        return [] if problem is None else [self._policy_finding(f"policy {problem}")]
+        """A policy string naming a package not installed here, found without importing
+        anything (``composer-par validate`` without a model): CP224."""
+        return import_string_findings("policy", self.policy)
 
     def _policy_finding(self, message: str) -> Finding:
         assert isinstance(self.policy, str)

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.plugin import (
+    IMPORT_STRING_RULE,
     Finding,
     Plugin,
     Rule,
     Severity,
     clean_name,
     hookimpl,
-    import_string_problem,
+    import_string_findings,
     int_option,
 )
 
@@ -41,6 +42,7 @@ RULES = (
          "class Scale(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
          "        self.gain = nn.Parameter(torch.ones(8))  # no reset_parameters()\n\n"
          "ParallelPlan(MeshSpec()).use(MetaInit()).validate(model_holding_a_scale)"),
+    IMPORT_STRING_RULE,
 )
 
 
@@ -88,23 +90,17 @@ class MetaInit(Plugin):
 
     @hookimpl
     def composer_par_validate_plan(self) -> list[Finding]:
-        """An init_fn string whose package is not installed, found without importing it
-        (so ``composer-par validate`` without a model finds it too)."""
-        if not isinstance(self.init_fn, str):
-            return []
-        problem = import_string_problem(self.init_fn)
-        return [] if problem is None else [Finding(
-            "CP404", f"init_fn {problem}", fix="give init_fn as 'importable.module:function'")]
+        """An init_fn string naming a package not installed here, found without importing
+        anything (``composer-par validate`` without a model): CP224."""
+        return import_string_findings("init_fn", self.init_fn)
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module) -> list[Finding]:
         from composer_par.plugin.initialize import owns_tensors, post_order
 
-        if isinstance(self.init_fn, str) and import_string_problem(self.init_fn) is not None:
-            return []  # the plan-level check's finding
         try:
             pick = self.initializer(model)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, ValueError) as exc:  # ValueError: ':f'
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]
         found = []

@@ -44,8 +44,10 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   parallel, materialize, finalize).
 * **Options** that check what a plan file hands in and name the option when it is wrong:
   :func:`dim_option`, :func:`blocks_option`, :func:`ordering_option`, :func:`int_option`,
-  :func:`bool_option`, :func:`import_string_problem` (a ``"module:function"`` option
-  checked without importing it), :func:`dtype_option` (one table of dtype names for the project,
+  :func:`bool_option`, :func:`import_string_findings` and :func:`import_string_problem`
+  (a ``"module:function"`` option checked without importing it; rule
+  :data:`IMPORT_STRING_RULE`, CP224), :func:`dtype_option` (one table of dtype names for
+  the project,
   :func:`dtype_name`).
 * **Findings**: :class:`Finding` (code, message, fix; made inside a hook it names the
   plugin), :class:`Severity`, :class:`Rule` (a catalog entry: code, severity, meaning, fix,
@@ -119,11 +121,13 @@ from composer_par.plugin.comm import (
 )
 from composer_par.plugin.context import AppliedStep, ApplyContext
 from composer_par.plugin.options import (
+    IMPORT_STRING_RULE,
     OptionError,
     blocks_option,
     bool_option,
     dim_option,
     dtype_option,
+    import_string_findings,
     import_string_problem,
     int_option,
     ordering_option,
@@ -139,6 +143,7 @@ from composer_par.topology import Topology
 __all__ = [
     "ALREADY_WRAPPED",
     "COLLECTIVES",
+    "IMPORT_STRING_RULE",
     "PROJECT",
     "STAGES",
     "AppliedStep",
@@ -182,6 +187,7 @@ __all__ = [
     "dtype_option",
     "hookimpl",
     "hookspec",
+    "import_string_findings",
     "import_string_problem",
     "int_option",
     "names_near",

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from composer_par.dtypes import CANONICAL, DtypeError, dtype_name, optional_dtype_name
+from composer_par.findings import Finding, Rule, Severity
 
 
 def _plugin_names(value: Any) -> tuple[str, ...]:
@@ -127,13 +128,26 @@ def _known_dtype(instance: Any, attribute: Any, value: Any) -> None:
             raise OptionError(f"{attribute.name}: {exc}") from None
 
 
+
+# A plan-level finding of the plugins that take a "module:function" option: a warning,
+# since the package may be installed where the job runs and not where it is validated.
+IMPORT_STRING_RULE = Rule(
+    "CP224", Severity.WARNING,
+    "a 'module:function' option names a package not installed here",
+    "install the package where you validate too; or, if it is installed on the machines "
+    "the job runs on, nothing to do: validating with the model imports it and refuses "
+    "the plan if it does not import",
+    "ParallelPlan(MeshSpec()).use(ActivationCheckpoint(mode=\"selective\", "
+    "policy=\"my_policies:save_attention\")).validate()")
+
+
 def import_string_problem(spec: str) -> str | None:
-    """Why a ``"package.module:function"`` option cannot name anything installed, found
-    without importing it (None: it may; importing it is the only full check).
+    """Why a ``"package.module:function"`` option cannot name anything installed here,
+    found without importing it (None: it may; importing it is the only full check).
 
     For the plan-level hooks, which run without a model, on a laptop, and must not run
-    user code (which may import torch): the top-level package is looked up, not imported,
-    so a misspelled or missing package is found before launch."""
+    user code (which may import torch): the top-level package is looked up, not
+    imported."""
     import importlib.util
 
     module_name, colon, attr = spec.partition(":")
@@ -146,5 +160,15 @@ def import_string_problem(spec: str) -> str | None:
     except (ImportError, ValueError):
         found = None
     if found is None:
-        return f"{spec!r}: no module {top!r} is installed (or on the path)"
+        return f"{spec!r}: no module {top!r} is installed here (or on the path)"
     return None
+
+
+def import_string_findings(option: str, spec: Any) -> list[Finding]:
+    """The plan-level finding on a ``"module:function"`` option (nothing for a callable, or
+    for a package found here): CP224, a warning."""
+    problem = import_string_problem(spec) if isinstance(spec, str) else None
+    if problem is None:
+        return []
+    return [Finding("CP224", f"{option} {problem}: it is imported when the plan is "
+                    "validated with the model, and applied", fix=IMPORT_STRING_RULE.fix)]
