@@ -21,16 +21,13 @@ def count_steps(plans: dict[str, str], steps: int = 2, early_stop: bool = True,
 
     from composer_par.plan import ParallelPlan
     from composer_par.testing.comm_count import CommCounter
-    from composer_par.testing.parity import _resolve
+    from composer_par.testing.parity import _resolve, apply_to_built
 
     the_task = _resolve(task)
     out: dict[str, list[Counts]] = {}
     for name, text in plans.items():
         plan = ParallelPlan.from_toml(text)
-        with torch.device("meta"):
-            model = the_task.build()
-        model = plan.apply(model)
-        index, count = plan.data_shard()
+        model, index, count = apply_to_built(the_task, plan)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         mesh = plan.mesh.resolve(dist.get_world_size())
         per_step = []
@@ -49,18 +46,13 @@ def count_steps(plans: dict[str, str], steps: int = 2, early_stop: bool = True,
 
 def calls_in_order(plan_text: str, task: str = "composer_par.testing.tasks:llama") -> Any:
     """Every collective of one training step in order (op, group), for debugging a count."""
-    import torch
-
     from composer_par.plan import ParallelPlan
     from composer_par.testing.comm_count import CommCounter
-    from composer_par.testing.parity import _resolve
+    from composer_par.testing.parity import _resolve, apply_to_built
 
     the_task = _resolve(task)
     plan = ParallelPlan.from_toml(plan_text)
-    with torch.device("meta"):
-        model = the_task.build()
-    model = plan.apply(model)
-    index, count = plan.data_shard()
+    model, index, count = apply_to_built(the_task, plan)
     with CommCounter() as counter:
         the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
     return [(c.kind, c.op, c.group, c.payload_bytes) for c in counter.calls]

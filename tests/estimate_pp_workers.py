@@ -18,17 +18,14 @@ def measure_pipeline_steps(plans: list[str], task: str = TASK) -> list[dict[str,
 
     from composer_par.plan import ParallelPlan
     from composer_par.testing.comm_count import CommCounter
-    from composer_par.testing.parity import _resolve
+    from composer_par.testing.parity import _resolve, apply_to_built
     from tests.pp_workers import loss_fn_for, split_batch
 
     the_task = _resolve(task)
     out = []
     for text in plans:
         plan = ParallelPlan.from_toml(text)
-        with torch.device("meta"):
-            model = the_task.build()
-        model = plan.apply(model)
-        index, count = plan.data_shard()
+        model, index, count = apply_to_built(the_task, plan)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         step = plan.training_step(model, loss_fn_for(the_task))
         inputs, targets = split_batch(the_task, the_task.batch(0).chunk(count)[index])

@@ -18,16 +18,13 @@ def measure_steps(plans: list[str], task: str = "composer_par.testing.tasks:llam
 
     from composer_par.plan import ParallelPlan
     from composer_par.testing.comm_count import CommCounter
-    from composer_par.testing.parity import _resolve
+    from composer_par.testing.parity import _resolve, apply_to_built
 
     the_task = _resolve(task)
     out = []
     for text in plans:
         plan = ParallelPlan.from_toml(text)
-        with torch.device("meta"):
-            model = the_task.build()
-        model = plan.apply(model)
-        index, count = plan.data_shard()
+        model, index, count = apply_to_built(the_task, plan)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         # A loss-parallel plan's loss (and its backward) runs inside loss_parallel().
         sharded_loss = any(getattr(p, "loss_parallel", False) for p in plan.plugins)

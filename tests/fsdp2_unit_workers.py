@@ -18,17 +18,12 @@ def train_every_rank(cases: dict[str, Any]) -> dict[str, tuple[list[float], dict
 def _after_one_step(plan_text: str, task: str) -> tuple[Any, Any]:
     """The plan and the task's model it applied (built on meta), after one forward and
     backward of this rank's share of step 0's batch."""
-    import torch
-
     from composer_par.plan import ParallelPlan
-    from composer_par.testing.parity import _resolve
+    from composer_par.testing.parity import _resolve, apply_to_built
 
     the_task = _resolve(task)
     plan = ParallelPlan.from_toml(plan_text)
-    with torch.device("meta"):
-        model = the_task.build()
-    model = plan.apply(model)
-    index, count = plan.data_shard()
+    model, index, count = apply_to_built(the_task, plan)
     the_task.loss(model, the_task.batch(0).chunk(count)[index]).backward()
     return plan, model
 

@@ -148,15 +148,22 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 def start_rank(case: ParityCase) -> tuple[Any, ParallelPlan, nn.Module, int, int, Any]:
     """A rank's set-up: the task, the plan, the model built on meta with the plan applied,
     this rank's data shard (index, count), and the optimizer."""
-    import torch
-
     task = _resolve(case.task)
     plan = build_plan(case.plan)
+    model, index, count = apply_to_built(task, plan)
+    return task, plan, model, index, count, _optimizer(case, model.parameters())
+
+
+def apply_to_built(task: Any, plan: ParallelPlan) -> tuple[nn.Module, int, int]:
+    """``task``'s model built on meta with ``plan`` applied, and this rank's data shard
+    (index, count): the start of every rank-side test of a plan."""
+    import torch
+
     with torch.device("meta"):
         model = task.build()
     model = plan.apply(model)
     index, count = plan.data_shard()
-    return task, plan, model, index, count, _optimizer(case, model.parameters())
+    return model, index, count
 
 
 def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor] | None]:
