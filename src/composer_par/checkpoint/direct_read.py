@@ -133,8 +133,9 @@ def _pread(fd: int, length: int, offset: int) -> bytes:
     return data
 
 
-def _directory(fd: int, start: int, length: int) -> dict[str, tuple[int, int, int]]:
-    """The chunk's zip directory: record name -> (method, size, local header offset)."""
+def _directory(fd: int, start: int, length: int) -> dict[str, tuple[int, int]]:
+    """The chunk's zip directory: record name -> (size, local header offset); every record
+    stored uncompressed, or not recognised."""
     tail_len = min(length, _TAIL)
     tail = _pread(fd, tail_len, start + length - tail_len)
     if tail[-22:-18] != b"PK\x05\x06" or struct.unpack("<H", tail[-2:])[0] != 0:
@@ -154,7 +155,7 @@ def _directory(fd: int, start: int, length: int) -> dict[str, tuple[int, int, in
         directory = tail[cd_offset - (length - tail_len):][:cd_size]
     else:
         directory = _pread(fd, cd_size, start + cd_offset)
-    found: dict[str, tuple[int, int, int]] = {}
+    found: dict[str, tuple[int, int]] = {}
     at = 0
     for _ in range(entries):
         if directory[at:at + 4] != b"PK\x01\x02":
@@ -170,7 +171,7 @@ def _directory(fd: int, start: int, length: int) -> dict[str, tuple[int, int, in
                                     for v, w in zip((size, packed, header), wide, strict=True))
         if method != 0 or packed != size:
             raise _NotRecognised  # compressed: not a plain run of bytes
-        found[name.split("/", 1)[-1]] = (method, size, header)
+        found[name.split("/", 1)[-1]] = (size, header)
         at += 46 + name_len + extra_len + comment_len
     return found
 
@@ -185,9 +186,9 @@ def _zip64_values(extra: bytes, count: int) -> list[int]:
     raise _NotRecognised
 
 
-def _record(fd: int, start: int, length: int, entry: tuple[int, int, int]) -> tuple[int, int]:
+def _record(fd: int, start: int, length: int, entry: tuple[int, int]) -> tuple[int, int]:
     """(offset in the chunk, size) of a record's bytes."""
-    _, size, header = entry
+    size, header = entry
     local = _pread(fd, 30, start + header)
     if local[:4] != b"PK\x03\x04":
         raise _NotRecognised

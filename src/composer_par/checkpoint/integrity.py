@@ -537,7 +537,6 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
 
     class VerifyingReader(FileSystemReader):
         bytes_verified = 0
-        items_read_directly = 0  # the rest were read by DCP
         checker: _ChunkChecker | None = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -672,7 +671,6 @@ def verifying_reader(directory: Path, metadata: Any, manifest: Manifest | None, 
                 raise CorruptFileError(f"{directory / name}: unreadable: "
                                        f"{type(exc).__name__}: {exc}") from exc
             planner.commit_tensor(item, target)
-            self.items_read_directly += 1
             return True
 
     return VerifyingReader(str(directory))
