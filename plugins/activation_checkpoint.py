@@ -434,7 +434,12 @@ class ActivationCheckpoint(Plugin):
             try:
                 resolve_policy(self.policy)
             except ValueError as exc:
-                found.append(self._policy_finding(str(exc)))
+                found.append(Finding(
+                    "CP210", str(exc),
+                    fix=f"make {self.policy.partition(':')[0]!r} importable on every rank "
+                    "(installed, or on PYTHONPATH) with a function (ctx, op, *args, **kwargs) "
+                    "-> CheckpointPolicy under the name after the colon, or pass the callable "
+                    "itself"))
         return found
 
     @hookimpl
@@ -442,14 +447,6 @@ class ActivationCheckpoint(Plugin):
         """A policy string naming a package not installed here, found without importing
         anything (``composer-par validate`` without a model): CP224."""
         return import_string_findings("policy", self.policy)
-
-    def _policy_finding(self, message: str) -> Finding:
-        assert isinstance(self.policy, str)
-        return Finding(
-            "CP210", message,
-            fix=f"make {self.policy.partition(':')[0]!r} importable on every rank (installed, "
-            "or on PYTHONPATH) with a function (ctx, op, *args, **kwargs) -> CheckpointPolicy "
-            "under the name after the colon, or pass the callable itself")
 
     @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:

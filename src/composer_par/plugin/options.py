@@ -128,7 +128,6 @@ def _known_dtype(instance: Any, attribute: Any, value: Any) -> None:
             raise OptionError(f"{attribute.name}: {exc}") from None
 
 
-
 # A plan-level finding of the plugins that take a "module:function" option: a warning,
 # since the package may be installed where the job runs and not where it is validated.
 IMPORT_STRING_RULE = Rule(
