@@ -99,7 +99,7 @@ class HookCaller:
             self._pm = self._manager(by_plugin[id(p)] for p in reversed(order))
 
     def _manager(self, proxies: Iterator[_Proxy] | Any) -> pluggy.PluginManager:
-        pm = pluggy.PluginManager(PROJECT)
+        pm = _Manager(PROJECT)
         pm.add_hookspecs(hookspecs)
         for proxy in proxies:
             try:
@@ -309,6 +309,18 @@ def _findings(answers: list[tuple[Plugin, Any]], caller: HookCaller) -> list[Fin
 
 
 # -- the proxies pluggy holds --------------------------------------------------------------
+
+
+class _Manager(pluggy.PluginManager):
+    """pluggy's manager, told where a :class:`_Proxy` keeps its hooks: in its instance
+    dict, alone (its class defines none). ``register`` asks about every name ``dir`` lists,
+    and for the ~30 others (``object``'s) pluggy's own lookup runs
+    ``inspect.getattr_static``: most of the cost of building a plan's caller."""
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
+        if type(plugin) is _Proxy and name not in plugin.__dict__:
+            return None
+        return super().parse_hookimpl_opts(plugin, name)
 
 
 class _Proxy:
