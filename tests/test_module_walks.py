@@ -69,3 +69,32 @@ def test_random_trees_with_sharing(data: Any) -> None:
         if data.draw(st.booleans()):
             module.register_buffer("b", torch.zeros(1))
     same_walks(modules[0])
+
+
+def test_same_tree_walks_each_model_once_and_hands_out_copies() -> None:
+    from composer_par import blocks
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+    expected = list(model.named_modules())
+    with blocks.same_tree():
+        first = walk_modules(model)
+        first.clear()  # a caller's list is its own
+        model.append(nn.Tanh())  # (which same_tree forbids): the first walk answers
+        second = walk_modules(model)
+        other = nn.Linear(1, 1)
+        assert [m for _, m in walk_modules(other)] == [other]
+    assert second == expected
+    # Outside, a walk sees the tree as it is now.
+    assert len(walk_modules(model)) == len(expected) + 1
+
+
+def test_same_tree_keeps_the_walk_of_that_model_only() -> None:
+    from composer_par import blocks
+
+    a, b = nn.Linear(1, 1), nn.Sequential(nn.Linear(1, 1))
+    with blocks.same_tree():
+        walk_modules(a)
+        assert [m for _, m in walk_modules(b)][0] is b
+        with blocks.same_tree():  # nested: a fresh cache, the outer one kept after
+            assert walk_modules(a)[0][1] is a
+        assert walk_modules(a)[0][1] is a

@@ -18,9 +18,11 @@ split (:func:`tied_outside`).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -37,11 +39,30 @@ WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsd
 
 def clean_name(name: str) -> str:
     """The model's own name of a parameter or module, without wrapper components."""
-    # Substring tests first: this runs for every module and parameter name, and most
-    # names hold no wrapper component.
-    if not any(component in name for component in WRAPPER_COMPONENTS):
+    # One substring test first (every wrapper component holds "_mod"): this runs for
+    # every module and parameter name, and most names hold no wrapper component.
+    if "_mod" not in name or not any(component in name for component in WRAPPER_COMPONENTS):
         return name
     return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+# Set while nothing may change any model's module tree (a plan's validation): walks are
+# then answered from one walk per model. Keyed by id, holding the model (so the id stays
+# its own while the entry lives).
+_SAME_TREE: ContextVar[dict[int, tuple[Any, list[Any]]] | None] = ContextVar(
+    "composer_par_same_tree", default=None)
+
+
+@contextlib.contextmanager
+def same_tree() -> Iterator[None]:
+    """Within: :func:`walk_modules` walks each model once and answers again from that
+    walk (a copy each time). For code that changes no module tree: a plan's validation,
+    where the core and several plugins each walk the model."""
+    token = _SAME_TREE.set({})
+    try:
+        yield
+    finally:
+        _SAME_TREE.reset(token)
 
 
 def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -49,20 +70,31 @@ def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     a module registered twice comes once, at its first path), walked with a stack. torch's
     nested generators pay for every level of depth at each module, and a plan walks the
     model several times per validation and apply."""
+    cache = _SAME_TREE.get()
+    if cache is not None:
+        hit = cache.get(id(model))
+        if hit is not None and hit[0] is model:
+            return list(hit[1])
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
+    pop, push, keep, mark = stack.pop, stack.append, out.append, seen.add
     while stack:
-        name, module = stack.pop()
-        if id(module) in seen:
+        name, module = pop()
+        key = id(module)
+        if key in seen:
             continue
-        seen.add(id(module))
-        out.append((name, module))
+        mark(key)
+        keep((name, module))
         children = module._modules
         if children:
             prefix = f"{name}." if name else ""
-            stack.extend((prefix + child_name, child) for child_name, child
-                         in reversed(children.items()) if child is not None)
+            for child_name, child in reversed(children.items()):
+                if child is not None:
+                    push((prefix + child_name, child))
+    if cache is not None:
+        cache[id(model)] = (model, out)
+        return list(out)
     return out
 
 
@@ -133,6 +165,11 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
     """``(block path, parameter, its twin)`` for each parameter a block shares with a
     module outside it: the same Parameter registered twice (a tied embedding), or a tie
     a Hugging Face model declares (``all_tied_weights_keys``, the ties its config makes)."""
+    if not blocks:
+        return []
+    declared = getattr(model, "all_tied_weights_keys", None)
+    if not declared and not _registered_twice(model):
+        return []  # the usual case, found without naming every parameter
     names: dict[int, list[str]] = {}
     for module_name, module in [("", model), *_named_modules(model)]:
         for attr, param in module._parameters.items():
@@ -142,7 +179,6 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
     # Only a Parameter registered under two names can be split across units: look at
     # those alone (a model has a handful), not at every parameter once per block.
     shared = [group for group in names.values() if len(group) > 1]
-    declared = getattr(model, "all_tied_weights_keys", None)
     pairs = [(str(a), str(b)) for a, b in declared.items()] if isinstance(declared, dict) else []
     out = []
     for path, _ in blocks:
@@ -158,6 +194,19 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
                 if not any(row[1] == mine_name for row in out):
                     out.append((path, mine_name, other))
     return out
+
+
+def _registered_twice(model: nn.Module) -> bool:
+    """Whether any Parameter is registered in two places of ``model``."""
+    seen: set[int] = set()
+    for _, module in walk_modules(model):
+        for param in module._parameters.values():
+            if param is not None:
+                key = id(param)
+                if key in seen:
+                    return True
+                seen.add(key)
+    return False
 
 
 def _named_modules(model: nn.Module) -> list[Block]:
