@@ -26,6 +26,7 @@ from composer_par.plugin import (
     hookimpl,
     import_string_findings,
     int_option,
+    walk_modules,
 )
 
 if TYPE_CHECKING:
@@ -103,9 +104,17 @@ class MetaInit(Plugin):
         except (ImportError, AttributeError, ValueError) as exc:  # ValueError: ':f'
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]
-        found = []
+        found: list[Finding] = []
+        # A first pass over the (shared) walk; the findings come in initialization order.
+        for _, module in walk_modules(model):
+            if (module._parameters or module._buffers) and owns_tensors(module) and (
+                    pick(module) is None):
+                break
+        else:
+            return found
         for path, module in post_order(model):
-            if owns_tensors(module) and pick(module) is None:
+            if (module._parameters or module._buffers) and owns_tensors(module) and (
+                    pick(module) is None):
                 owned = [n for n, _ in module.named_parameters(recurse=False)]
                 owned += [n for n, _ in module.named_buffers(recurse=False)]
                 found.append(Finding(

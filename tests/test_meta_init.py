@@ -156,3 +156,37 @@ def test_tied_weights_stay_tied() -> None:
     assert applied is model
     assert model.out.weight is model.emb.weight
     assert len(list(model.parameters())) == 1
+
+
+def test_initializer_lookup_by_class_follows_what_the_module_would_call() -> None:
+    """The initializer is looked up once per class; an instance's own reset_parameters,
+    a staticmethod and a class without one still get what calling the method would do."""
+    import torch.nn as nn
+
+    from composer_par.plugin.initialize import initializer
+
+    calls: list[str] = []
+
+    class Plain(nn.Module):
+        def reset_parameters(self) -> None:
+            calls.append(f"plain {id(self)}")
+
+    class Static(nn.Module):
+        @staticmethod
+        def reset_parameters() -> None:
+            calls.append("static")
+
+    class Private(nn.Module):
+        def _reset_parameters(self) -> None:
+            calls.append("private")
+
+    a, b, shadowed = Plain(), Plain(), Plain()
+    shadowed.reset_parameters = lambda: calls.append("instance")  # type: ignore[method-assign]
+    root = nn.Sequential(a, b, shadowed, Static(), Private(), nn.ReLU())
+    pick = initializer(root)
+    for module in (a, b, shadowed, root[3], root[4]):
+        init = pick(module)
+        assert init is not None
+        init(module)
+    assert calls == [f"plain {id(a)}", f"plain {id(b)}", "instance", "static", "private"]
+    assert pick(root[5]) is None

@@ -17,7 +17,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib
+import inspect
 import math
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from composer_par.blocks import clean_name
+from composer_par.blocks import clean_name, walk_modules
 from composer_par.blocks import tied_outside as tied_outside  # for plugins: ties vs blocks
 from composer_par.logging import get_logger
 
@@ -63,11 +65,16 @@ def post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Mo
 
 def owns_tensors(module: nn.Module) -> bool:
     """Whether ``module`` registers parameters or buffers of its own."""
-    # The registries directly: parameters(recurse=False) builds a generator per call,
-    # and this runs for every module, twice (validation, then materialization).
-    return any(p is not None for p in module._parameters.values()) or any(
-        b is not None for b in module._buffers.values()
-    )
+    # The registries directly, in plain loops: parameters(recurse=False) and any() each
+    # build a generator per call, and this runs for every module, twice (validation,
+    # then materialization).
+    for param in module._parameters.values():
+        if param is not None:
+            return True
+    for buffer in module._buffers.values():  # noqa: SIM110 (any() builds a generator)
+        if buffer is not None:
+            return True
+    return False
 
 
 def resolve_init_fn(init_fn: str | InitFn | None) -> InitFn | None:
@@ -98,12 +105,24 @@ def initializer(root: nn.Module, init_fn: str | InitFn | None = None
     module's ``reset_parameters()`` (or ``_reset_parameters()``)."""
     user = resolve_init_fn(init_fn)
     hf_init = getattr(root, "_init_weights", None)
+    if user is not None:
+        return lambda module: user
+    if callable(hf_init):
+        return lambda module: hf_init  # type: ignore[no-any-return]
+    # By class: a plain function the class defines is called with the module, which is
+    # what the bound method does, without making a bound method and a closure per module
+    # (this runs for every module, at validation and at materialization).
+    by_class: dict[type, InitFn | None] = {}
 
     def pick(module: nn.Module) -> InitFn | None:
-        if user is not None:
-            return user
-        if callable(hf_init):
-            return hf_init  # type: ignore[no-any-return]
+        own = module.__dict__
+        if "reset_parameters" not in own and "_reset_parameters" not in own:
+            cls = type(module)
+            if cls not in by_class:
+                by_class[cls] = _class_init(cls)
+            found = by_class[cls]
+            if found is not _BOUND:
+                return found
         for method in ("reset_parameters", "_reset_parameters"):
             fn = getattr(module, method, None)
             if callable(fn):
@@ -111,6 +130,27 @@ def initializer(root: nn.Module, init_fn: str | InitFn | None = None
         return None
 
     return pick
+
+
+def _bound(_module: nn.Module) -> None:  # a marker: look the method up on the module
+    raise AssertionError("never called")
+
+
+_BOUND: InitFn = _bound
+
+
+def _class_init(cls: type) -> InitFn | None:
+    """The function a module of ``cls`` is initialized by (``reset_parameters``, else
+    ``_reset_parameters``), None if neither exists, or :data:`_BOUND` when the method is
+    not a plain function (a staticmethod, a descriptor): then it is bound per module."""
+    for method in ("reset_parameters", "_reset_parameters"):
+        static = inspect.getattr_static(cls, method, None)
+        if static is None:
+            continue
+        if isinstance(static, types.FunctionType):
+            return static
+        return _BOUND
+    return None
 
 
 def seed_device(device: torch.device, seed: int) -> None:
@@ -241,7 +281,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
             full = param.full_tensor() if gather and isinstance(param, DTensor) else (
                 torch.empty(param.shape, dtype=param.dtype, device=device))
             m._parameters[n] = nn.Parameter(full, requires_grad=param.requires_grad)
-            scratch_bytes += full.numel() * full.element_size()
+            scratch_bytes += full.nbytes
         else:
             full = param
         if unwritten is not None and not gather and not again and full.numel() and (
@@ -258,8 +298,9 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
             if unwritten is not None:
                 # An initializer that registers a new Parameter instead of writing the
                 # one it was given has initialized it too (its values are kept below).
-                unwritten.extend(n for m, n, given, sentinel in watched
-                                 if m._parameters[n] is given and sentinel.intact())
+                for m, n, given, sentinel in watched:
+                    if m._parameters[n] is given and sentinel.intact():
+                        unwritten.append(n)
             for m, n, original in originals:
                 result = m._parameters[n]
                 if original is None or result is None:
@@ -328,17 +369,19 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     left: list[str] = []
     left_types: dict[str, str] = {}
     for path, module in post_order(model):
+        if not parent_rules and not (module._parameters or module._buffers):
+            continue  # owns no tensors, and no initializer acts through its children
         init = pick(module)
         if init is None:
             continue
-        seed = module_seed(base_seed, clean_name(path))
+        name = clean_name(path)
+        seed = module_seed(base_seed, name)
         if owns_tensors(module):
             unwritten: list[str] = []
             peak = max(peak, init_module(module, init, device, seed, done, unwritten))
             count += 1
-            name = clean_name(path)
-            left += [f"{name}.{n}" if name else n for n in unwritten]
             if unwritten:
+                left += [f"{name}.{n}" if name else n for n in unwritten]
                 left_types.setdefault(type(module).__name__, _init_name(init, module))
         elif parent_rules and any(True for _ in module.children()):
             used = init_children_of(module, init, device, seed, done)
@@ -374,6 +417,9 @@ def _init_name(init: InitFn, module: nn.Module) -> str:
         return f"{type(owner).__name__}.{getattr(init, '__name__', name)}"
     if name.endswith("_call_method.<locals>.init"):
         return f"{type(module).__name__}.reset_parameters"
+    if isinstance(init, types.FunctionType) and init.__name__ in (
+            "reset_parameters", "_reset_parameters"):
+        return f"{type(module).__name__}.{init.__name__}"
     return str(name)
 
 
@@ -438,31 +484,23 @@ def strided_alone(placements: Any) -> bool:
     return False
 
 
-def _modules_in_order(model: nn.Module) -> list[nn.Module]:
-    """``model.modules()`` (parents first, each module once), walked with a list: torch's
-    nested generators pay for every level of depth at each module."""
-    seen: set[int] = set()
-    out: list[nn.Module] = []
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:  # registered twice: kept where the walk first met it
-            continue
-        seen.add(id(module))
-        out.append(module)
-        stack.extend(c for c in reversed(module._modules.values()) if c is not None)
-    return out
-
-
 def tie_groups(model: nn.Module) -> list[TieGroup]:
     """Parameters registered under several names (tied weights, e.g. an embedding shared
     with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
-    by_param: dict[int, TieGroup] = {}
-    for module in _modules_in_order(model):
+    first: dict[int, tuple[nn.Module, str]] = {}
+    groups: dict[int, TieGroup] = {}  # a list only for a parameter seen twice: they are few
+    for _, module in walk_modules(model):
         for name, param in module._parameters.items():
-            if param is not None:
-                by_param.setdefault(id(param), []).append((module, name))
-    return [group for group in by_param.values() if len(group) > 1]
+            if param is None:
+                continue
+            key = id(param)
+            if key not in first:
+                first[key] = (module, name)
+            elif key in groups:
+                groups[key].append((module, name))
+            else:
+                groups[key] = [first[key], (module, name)]
+    return list(groups.values())
 
 
 def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
