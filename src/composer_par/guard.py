@@ -35,9 +35,11 @@ class UnshardedParameterError(RuntimeError):
 class _Guard:
     def __init__(self, model: nn.Module) -> None:
         self.model = weakref.ref(model)
-        from composer_par.blocks import walk_tensors
+        from composer_par.blocks import walk_modules
 
-        self.sharded = {id(p) for _, p in walk_tensors(model)}
+        # Ids alone (no names): this runs on every apply.
+        self.sharded = {id(p) for _, module in walk_modules(model)
+                        for p in module._parameters.values() if p is not None}
         # id -> (the unsharded tensor, weakly, and the parameter's name)
         self.unsharded: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.handle: RemovableHandle | None = model.register_forward_hook(self._after_forward)

@@ -418,21 +418,31 @@ def model_rules(
                 plugin=needing[0],
             )
         )
-    # One walk over the tensors: this runs on every apply.
+    # One walk over the tensors, naming none unless a finding needs it: this runs on
+    # every apply.
     dtensors: list[str] = []
     on_meta = False
     materialized = 0
     from composer_par.blocks import walk_modules, walk_tensors
 
     modules = walk_modules(model)
-    for name, tensor in (*walk_tensors(model, modules=modules),
-                         *walk_tensors(model, "_buffers", modules)):
-        if isinstance(tensor, DTensor):
-            dtensors.append(name)
-        if tensor.is_meta:
-            on_meta = True
-        else:
-            materialized += tensor.numel() * tensor.element_size()
+    seen: set[int] = set()
+    named = False
+    for _, module in modules:
+        for registry in (module._parameters, module._buffers):
+            for tensor in registry.values():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                if isinstance(tensor, DTensor) and not named:
+                    named = True
+                    dtensors = [n for n, t in (*walk_tensors(model, modules=modules),
+                                               *walk_tensors(model, "_buffers", modules))
+                                if isinstance(t, DTensor)]
+                if tensor.is_meta:
+                    on_meta = True
+                else:
+                    materialized += tensor.numel() * tensor.element_size()
     if dtensors:
         found.append(
             Finding(
