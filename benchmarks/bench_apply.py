@@ -9,8 +9,19 @@ each parameter with torch's ``distribute_tensor`` instead, as a hand-written loo
 without that helper.
 
     .venv/bin/python benchmarks/bench_apply.py [--blocks 48] [--repeats 5]
+    .venv/bin/python benchmarks/bench_apply.py --instructions     # needs valgrind
 
 Prints per-rank minima of wall and CPU time and the ratios plan / hand (target <= 1.05).
+
+On a shared machine (4 ranks on 2 cores here) single runs of the same arm vary by a third,
+so CPU-time ratios of a few percent cannot be told from noise. ``--instructions`` counts
+the instructions each arm executes instead, under valgrind's cachegrind (deterministic:
+hash seed fixed, garbage collector off while the arms run): one process as rank 0 of a
+fake process group of ``--ranks`` ranks, which runs the code every rank runs (apply does
+no collective here, and no rank takes another path). Three processes, run two at a time:
+imports and one warm-up of both arms, then ``--repeats`` applies by plan, or by hand, or
+neither (the model builds alone); the counts' differences give each arm's instructions
+per apply, and the ratio plan / hand.
 """
 
 from __future__ import annotations
@@ -131,12 +142,90 @@ def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
     return times
 
 
+COUNTED = ("plan", "hand", "none")
+
+
+def _counted_arm(arm: str, blocks: int, repeats: int, ranks: int) -> None:
+    """What one counted process runs (under cachegrind): see the module's docstring."""
+    import structlog
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
+    _by_plan(blocks)
+    _by_hand(blocks, fast_slicing=True)
+    gc.collect()
+    gc.disable()
+    for _ in range(repeats):
+        if arm == "plan":
+            _by_plan(blocks)
+        elif arm == "hand":
+            _by_hand(blocks, fast_slicing=True)
+        else:
+            _build(blocks)
+
+
+def _count_instructions(args: argparse.Namespace) -> int:
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    if shutil.which("valgrind") is None:
+        print("--instructions needs valgrind (its cachegrind tool) on PATH", file=sys.stderr)
+        return 2
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        def count(arm: str) -> int:
+            out = Path(tmp) / f"{arm}.out"
+            subprocess.run(
+                ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--branch-sim=no",
+                 f"--cachegrind-out-file={out}", sys.executable, __file__, "--counted-arm",
+                 arm, "--blocks", str(args.blocks), "--repeats", str(args.repeats),
+                 "--ranks", str(args.ranks)],
+                env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            summary = next(line for line in out.read_text().splitlines()
+                           if line.startswith("summary:"))
+            return int(summary.split()[1])
+
+        print(f"counting instructions under cachegrind: {args.blocks} blocks, rank 0 of "
+              f"{args.ranks}, {args.repeats} applies per arm (a few minutes) ...",
+              file=sys.stderr)
+        with ThreadPoolExecutor(2) as pool:
+            totals = dict(zip(COUNTED, pool.map(count, COUNTED), strict=True))
+    plan = (totals["plan"] - totals["none"]) / args.repeats
+    hand = (totals["hand"] - totals["none"]) / args.repeats
+    print(f"plan.apply vs hand-written torch calls: instructions per apply, {args.blocks} "
+          f"blocks, rank 0 of {args.ranks}")
+    print(f"  plan {plan / 1e6:8.1f} M   hand {hand / 1e6:8.1f} M   plan adds "
+          f"{(plan - hand) / 1e6:.1f} M")
+    ratio = plan / hand
+    print(f"ratio plan/hand, instructions: {ratio:.3f} -> "
+          f"{'meets' if ratio <= TARGET else 'MISSES'} the target <= {TARGET}")
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="applies per arm (default 7 timed, 4 counted)")
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under valgrind instead of timing 4 ranks")
+    parser.add_argument("--counted-arm", choices=COUNTED, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 4 if args.instructions or args.counted_arm else 7
+    if args.counted_arm:
+        _counted_arm(args.counted_arm, args.blocks, args.repeats, args.ranks)
+        return
+    if args.instructions:
+        raise SystemExit(_count_instructions(args))
 
     from composer_par.testing.distributed import run_ranks
 
