@@ -105,16 +105,12 @@ class MetaInit(Plugin):
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]
         found: list[Finding] = []
-        # A first pass over the (shared) walk; the findings come in initialization order.
-        for _, module in walk_modules(model):
-            if (module._parameters or module._buffers) and owns_tensors(module) and (
-                    pick(module) is None):
-                break
-        else:
+        # Found on the (shared) walk; reported in initialization order.
+        missing = {id(m) for _, m in walk_modules(model) if owns_tensors(m) and pick(m) is None}
+        if not missing:
             return found
         for path, module in post_order(model):
-            if (module._parameters or module._buffers) and owns_tensors(module) and (
-                    pick(module) is None):
+            if id(module) in missing:
                 owned = [n for n, _ in module.named_parameters(recurse=False)]
                 owned += [n for n, _ in module.named_buffers(recurse=False)]
                 found.append(Finding(

@@ -427,22 +427,22 @@ def model_rules(
 
     modules = walk_modules(model)
     seen: set[int] = set()
-    named = False
+    any_dtensor = False
     for _, module in modules:
         for registry in (module._parameters, module._buffers):
             for tensor in registry.values():
                 if tensor is None or id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
-                if isinstance(tensor, DTensor) and not named:
-                    named = True
-                    dtensors = [n for n, t in (*walk_tensors(model, modules=modules),
-                                               *walk_tensors(model, "_buffers", modules))
-                                if isinstance(t, DTensor)]
+                any_dtensor = any_dtensor or isinstance(tensor, DTensor)
                 if tensor.is_meta:
                     on_meta = True
                 else:
                     materialized += tensor.numel() * tensor.element_size()
+    if any_dtensor:
+        dtensors = [n for n, t in (*walk_tensors(model, modules=modules),
+                                   *walk_tensors(model, "_buffers", modules))
+                    if isinstance(t, DTensor)]
     if dtensors:
         found.append(
             Finding(
