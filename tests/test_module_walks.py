@@ -94,7 +94,7 @@ def test_same_tree_keeps_the_walk_of_that_model_only() -> None:
     a, b = nn.Linear(1, 1), nn.Sequential(nn.Linear(1, 1))
     with blocks.same_tree():
         walk_modules(a)
-        assert [m for _, m in walk_modules(b)][0] is b
+        assert walk_modules(b)[0][1] is b
         with blocks.same_tree():  # nested: a fresh cache, the outer one kept after
             assert walk_modules(a)[0][1] is a
         assert walk_modules(a)[0][1] is a

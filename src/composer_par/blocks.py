@@ -168,7 +168,7 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
     if not blocks:
         return []
     declared = getattr(model, "all_tied_weights_keys", None)
-    if not declared and not _registered_twice(model):
+    if not declared and not tie_groups(model):
         return []  # the usual case, found without naming every parameter
     names: dict[int, list[str]] = {}
     for module_name, module in [("", model), *_named_modules(model)]:
@@ -196,17 +196,23 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
     return out
 
 
-def _registered_twice(model: nn.Module) -> bool:
-    """Whether any Parameter is registered in two places of ``model``."""
-    seen: set[int] = set()
+def tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Parameters registered under several names (tied weights, e.g. an embedding shared
+    with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    groups: dict[int, list[tuple[nn.Module, str]]] = {}  # only parameters seen twice
     for _, module in walk_modules(model):
-        for param in module._parameters.values():
-            if param is not None:
-                key = id(param)
-                if key in seen:
-                    return True
-                seen.add(key)
-    return False
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            key = id(param)
+            if key not in first:
+                first[key] = (module, name)
+            elif key in groups:
+                groups[key].append((module, name))
+            else:
+                groups[key] = [first[key], (module, name)]
+    return list(groups.values())
 
 
 def _named_modules(model: nn.Module) -> list[Block]:

@@ -27,14 +27,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from composer_par.blocks import clean_name, walk_modules
+from composer_par.blocks import clean_name, tie_groups
 from composer_par.blocks import tied_outside as tied_outside  # for plugins: ties vs blocks
 from composer_par.logging import get_logger
 
 log = get_logger(__name__)
 
 InitFn = Callable[[nn.Module], None]
-TieGroup = list[tuple[nn.Module, str]]
 
 
 def module_seed(seed: int, path: str) -> int:
@@ -482,25 +481,6 @@ def strided_alone(placements: Any) -> bool:
                 and p.dim == placement.dim for p in placements[i + 1:]):
             return True
     return False
-
-
-def tie_groups(model: nn.Module) -> list[TieGroup]:
-    """Parameters registered under several names (tied weights, e.g. an embedding shared
-    with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    groups: dict[int, TieGroup] = {}  # a list only for a parameter seen twice: they are few
-    for _, module in walk_modules(model):
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            key = id(param)
-            if key not in first:
-                first[key] = (module, name)
-            elif key in groups:
-                groups[key].append((module, name))
-            else:
-                groups[key] = [first[key], (module, name)]
-    return list(groups.values())
 
 
 def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
