@@ -16,7 +16,7 @@ Prints per-rank minima of wall and CPU time and the ratios plan / hand (target <
 On a shared machine (4 ranks on 2 cores here) single runs of the same arm vary by a third,
 so CPU-time ratios of a few percent cannot be told from noise. ``--instructions`` counts
 the instructions each arm executes instead, under valgrind's cachegrind (deterministic:
-hash seed fixed, garbage collector off while the arms run): one process as rank 0 of a
+hash seed fixed, one thread, garbage collector off while the arms run): one process as rank 0 of a
 fake process group of ``--ranks`` ranks, which runs the code every rank runs (apply does
 no collective here, and no rank takes another path). Three processes, run two at a time:
 imports and one warm-up of both arms, then ``--repeats`` applies by plan, or by hand, or
@@ -178,7 +178,12 @@ def _count_instructions(args: argparse.Namespace) -> int:
     if shutil.which("valgrind") is None:
         print("--instructions needs valgrind (its cachegrind tool) on PATH", file=sys.stderr)
         return 2
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    # One thread for torch's and any BLAS library's pools: a worker thread spinning while
+    # it waits for work executes instructions too, a varying number from run to run
+    # (tens of millions of them per apply, measured), which would swamp the difference
+    # counted. The ranks of a job run with one thread each as well (run_ranks, torchrun).
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         def count(arm: str) -> int:
             out = Path(tmp) / f"{arm}.out"

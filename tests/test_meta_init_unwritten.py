@@ -88,3 +88,28 @@ def test_an_initializer_that_registers_new_parameters_has_initialized_them() -> 
         model = nn.Sequential(Replaces())
     ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
     assert torch.equal(model[0].weight, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float64, torch.float32, torch.bfloat16, torch.float16,
+    torch.float8_e4m3fn, torch.float8_e5m2,  # NaN bits written in place
+    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,  # through a view
+])
+def test_the_sentinel_tells_a_written_first_element_from_an_unwritten_one(dtype) -> None:
+    from composer_par.plugin.initialize import plant_sentinel, sentinel_intact
+
+    for written in (torch.ones(3), torch.zeros(3), torch.full((3,), -2.0)):
+        tensor = torch.zeros(3, dtype=dtype)
+        mark = plant_sentinel(tensor)
+        assert mark is not None
+        assert sentinel_intact(mark), f"{dtype}: the planted NaN reads as written"
+        tensor[1:].copy_(written[1:])  # not the first element: still unwritten
+        assert sentinel_intact(mark)
+        tensor.copy_(written)
+        assert not sentinel_intact(mark), f"{dtype}: {written[0].item()} reads as unwritten"
+
+
+def test_a_dtype_without_a_nan_goes_unwatched_instead_of_failing() -> None:
+    from composer_par.plugin.initialize import plant_sentinel
+
+    assert plant_sentinel(torch.zeros(2, dtype=torch.float4_e2m1fn_x2)) is None

@@ -159,11 +159,31 @@ def seed_device(device: torch.device, seed: int) -> None:
     stack (about a millisecond, per module), and the accelerators' states would change
     behind fork_rng, which saves only the devices it is given.
     """
-    if device.type == "cuda":
+    if _on_cuda(device):
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.default_generators[index].manual_seed(seed)
     else:
         torch.random.default_generator.manual_seed(seed)
+
+
+_CUDA: dict[torch.device, bool] = {}
+
+
+def _on_cuda(device: torch.device) -> bool:
+    """``device.type == "cuda"``, remembered per device: ``torch.device.type`` builds a
+    new string on every read (about half a microsecond), and this is asked for every
+    module, twice."""
+    try:
+        return _CUDA[device]
+    except KeyError:
+        answer = _CUDA[device] = device.type == "cuda"
+        return answer
+
+
+def _rng_devices(device: torch.device) -> list[torch.device]:
+    """The devices ``fork_rng`` must save for init ops on ``device`` (the CPU's generator
+    is always saved)."""
+    return [device] if _on_cuda(device) else []
 
 
 Slot = tuple[nn.Module, str]  # a parameter registration: (module, attribute)
@@ -182,7 +202,7 @@ def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int
     Returns the bytes of scratch tensors held at once.
     """
     slots = [(module, n) for n, p in module._parameters.items() if p is not None]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=_rng_devices(device)):
         seed_device(device, seed)
         return _init_with_full_tensors(module, init, device, slots, done, gather=False,
                                        unwritten=unwritten)
@@ -199,7 +219,7 @@ def init_children_of(module: nn.Module, init: InitFn, device: torch.device, seed
     written = _written_by(module, init)
     if not written:
         return 0
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=_rng_devices(device)):
         seed_device(device, seed)
         return _init_with_full_tensors(module, init, device, written, done, gather=True)
 
@@ -269,7 +289,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
     # Slots are distinct registrations (callers list each once): a plain list will do.
     originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
-    watched: list[tuple[nn.Module, str, torch.Tensor, _Sentinel]] = []
+    watched: list[tuple[nn.Module, str, torch.Tensor, Any]] = []
     for m, n, param in originals:
         if param is None:
             continue
@@ -283,14 +303,16 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
             scratch_bytes += full.nbytes
         else:
             full = param
-        if unwritten is not None and not gather and not again and full.numel() and (
-                full.dtype.is_floating_point):
+        if unwritten is not None and not gather and not again and (
+                full.dtype.is_floating_point) and full.numel():
             # A sentinel in the first element: an initializer that writes the tensor
             # writes it too. One that skips the module (transformers' _init_weights for a
             # class it does not know) leaves it, and an uninitialized parameter is
             # reported instead of training from whatever memory to_empty left. One
             # element, so the check costs two scalar accesses, not a pass over the data.
-            watched.append((m, n, m._parameters[n], _Sentinel(full)))  # type: ignore[arg-type]
+            mark = plant_sentinel(full)
+            if mark is not None:
+                watched.append((m, n, m._parameters[n], mark))  # type: ignore[arg-type]
     try:
         with torch.no_grad():
             init(module)
@@ -298,7 +320,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
                 # An initializer that registers a new Parameter instead of writing the
                 # one it was given has initialized it too (its values are kept below).
                 for m, n, given, sentinel in watched:
-                    if m._parameters[n] is given and sentinel.intact():
+                    if m._parameters[n] is given and sentinel_intact(sentinel):
                         unwritten.append(n)
             for m, n, original in originals:
                 result = m._parameters[n]
@@ -323,32 +345,62 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
 # after its initializer ran was not written.
 _SENTINEL_BITS = {8: 0x7FF8_0000_00C0_FFEE, 4: 0x7FC0_FFEE, 2: 0x7FC1, 1: 0x7F}
 _UINT = {8: ctypes.c_uint64, 4: ctypes.c_uint32, 2: ctypes.c_uint16, 1: ctypes.c_uint8}
+_SENTINELS: dict[torch.dtype, tuple[Any, int] | None] = {}
+
+# A planted sentinel: (a ctypes cell over the element's bytes, the bits it was given),
+# or (a one-element view of the tensor, None) where it holds a plain NaN instead.
+Sentinel = tuple[Any, "int | None"]
 
 
-class _Sentinel:
-    """A NaN written into a tensor's first element, and whether it is still there.
+def _sentinel_kind(dtype: torch.dtype) -> tuple[Any, int] | None:
+    """The unsigned ctypes type of ``dtype``'s size and its sentinel bits, where those bits
+    are a NaN of ``dtype`` (checked once per dtype); None where they are not (a float8
+    kind whose 0x7F is a number), for which a NaN is written through a view instead."""
+    try:
+        return _SENTINELS[dtype]
+    except KeyError:
+        pass
+    size = dtype.itemsize
+    kind: tuple[Any, int] | None = None
+    if size in _SENTINEL_BITS:
+        probe = torch.zeros(1, dtype=dtype)
+        _UINT[size].from_address(probe.data_ptr()).value = _SENTINEL_BITS[size]
+        try:
+            if bool(torch.isnan(probe.to(torch.float32))):
+                kind = (_UINT[size], _SENTINEL_BITS[size])
+        except (RuntimeError, TypeError):  # no conversion on this build: the plain NaN
+            pass
+    _SENTINELS[dtype] = kind
+    return kind
+
+
+def plant_sentinel(tensor: torch.Tensor) -> Sentinel | None:
+    """Write a NaN into ``tensor``'s first element (floating point, non-empty), to tell
+    with :func:`sentinel_intact` whether anything wrote it since; None for a dtype that
+    has no NaN and cannot be filled (float4: such a parameter goes unwatched).
 
     On CPU the element's bytes are written and read in place (a few hundred nanoseconds;
     this runs for every parameter of the model); elsewhere through a one-element view
     (a device read per parameter)."""
+    kind = _sentinel_kind(tensor.dtype) if tensor.is_cpu else None
+    if kind is not None:
+        cell = kind[0].from_address(tensor.data_ptr())
+        cell.value = kind[1]
+        return cell, kind[1]
+    flat = tensor.detach().view(-1)[:1]
+    try:
+        flat.fill_(float("nan"))
+    except RuntimeError:  # NotImplementedError too
+        return None
+    return flat, None
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.size = tensor.element_size()
-        self.bits = _SENTINEL_BITS.get(self.size)
-        if tensor.device.type == "cpu" and self.bits is not None:
-            self.cell: Any = _UINT[self.size].from_address(tensor.data_ptr())
-            self.cell.value = self.bits
-            self.flat = None
-        else:
-            self.cell = None
-            self.flat = tensor.detach().view(-1)[:1]
-            self.flat.fill_(float("nan"))
 
-    def intact(self) -> bool:
-        if self.cell is not None:
-            return bool(self.cell.value == self.bits)
-        assert self.flat is not None
-        return math.isnan(self.flat.item())
+def sentinel_intact(sentinel: Sentinel) -> bool:
+    """Whether the element :func:`plant_sentinel` wrote still holds its NaN."""
+    where, bits = sentinel
+    if bits is not None:
+        return bool(where.value == bits)
+    return math.isnan(where.item())
 
 
 def materialize(model: nn.Module, device: torch.device, base_seed: int,
