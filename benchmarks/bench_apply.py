@@ -8,10 +8,12 @@ only what the plan adds: validation, hooks, block finding, logging); a third arm
 each parameter with torch's ``distribute_tensor`` instead, as a hand-written loop would
 without that helper.
 
-    .venv/bin/python benchmarks/bench_apply.py [--blocks 48] [--repeats 5]
+    .venv/bin/python benchmarks/bench_apply.py [--blocks 48] [--repeats 11]
     .venv/bin/python benchmarks/bench_apply.py --instructions     # needs valgrind
 
-Prints per-rank minima of wall and CPU time and the ratios plan / hand (target <= 1.05).
+Prints per-rank minima of wall and CPU time, the ratios plan / hand of the minima, and
+the median of each rank's paired ratios (one repeat's plan against the same repeat's
+hand; target <= 1.05 on the worst rank). Every rank starts each arm together.
 
 On a shared machine (4 ranks on 2 cores here) single runs of the same arm vary by a third,
 so CPU-time ratios of a few percent cannot be told from noise. ``--instructions`` counts
@@ -114,6 +116,7 @@ ARMS = ("plan", "hand", "hand_dt")  # hand_dt: the hand loop slicing with distri
 
 def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
     import structlog
+    import torch.distributed as dist
 
     # Logging is part of what the plan does, but printing 4 ranks' lines to a terminal
     # would time the terminal: keep the events, drop the output.
@@ -134,6 +137,10 @@ def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
         # land on whichever arm happened to cross gc's threshold.
         for arm in ARMS[repeat % len(ARMS):] + ARMS[:repeat % len(ARMS)]:
             gc.collect()
+            # Every rank starts each arm together: apply makes no collective, so without
+            # this the ranks drift apart and one arm would be timed beside another rank's
+            # other arm (4 ranks share 2 cores), a contention the other arm does not meet.
+            dist.barrier()
             gc.disable()
             try:
                 times[arm].append(runs[arm]())
@@ -218,14 +225,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=None,
-                        help="applies per arm (default 7 timed, 4 counted)")
+                        help="applies per arm (default 11 timed, 4 counted)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under valgrind instead of timing 4 ranks")
     parser.add_argument("--counted-arm", choices=COUNTED, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats is None:
-        args.repeats = 4 if args.instructions or args.counted_arm else 7
+        args.repeats = 4 if args.instructions or args.counted_arm else 11
     if args.counted_arm:
         _counted_arm(args.counted_arm, args.blocks, args.repeats, args.ranks)
         return
