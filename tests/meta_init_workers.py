@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def materialize(world_shape: dict[str, int], seed: int) -> dict[str, Any] | None:
+def materialize(world_shape: dict[str, int], seed: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -17,9 +17,8 @@ def materialize(world_shape: dict[str, int], seed: int) -> dict[str, Any] | None
         model = llama.build()
     plan = ParallelPlan(MeshSpec(**world_shape)).use(FSDP2()).use(MetaInit(seed=seed))
     model = plan.apply(model)
+    # Every rank's own view (a replicated tensor is each rank's copy), not rank 0's alone.
     params = full_parameters(model)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    if dist.get_rank() != 0:
-        return None
-    return {"params": params, "buffers": buffers,
+    return {"rank": dist.get_rank(), "params": params, "buffers": buffers,
             "peak": plan.notes["meta_init_peak_full_bytes"]}

@@ -48,9 +48,11 @@ def test_an_init_fn_that_names_nothing_installed_is_found_without_a_model() -> N
 @pytest.mark.parametrize("world", [2, 4])
 def test_same_weights_on_1_2_and_4_ranks(world: int) -> None:
     reference, ref_buffers = single_process(seed=3)
-    result = run_ranks(materialize, world, args=({"dp_shard": world}, 3), timeout=120)[0]
-    assert_bitwise(result["params"], reference)
-    assert_bitwise(result["buffers"], ref_buffers)
+    results = run_ranks(materialize, world, args=({"dp_shard": world}, 3), timeout=120)
+    assert [r["rank"] for r in results] == list(range(world))
+    for result in results:  # every rank's view, each rank's buffers its own
+        assert_bitwise(result["params"], reference)
+        assert_bitwise(result["buffers"], ref_buffers)
 
 
 def test_non_persistent_rope_buffer_is_recomputed() -> None:

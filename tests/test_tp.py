@@ -455,13 +455,16 @@ def test_meta_init_is_layout_invariant_under_tp(
     mesh: dict[str, int], fsdp: bool, sequence_parallel: bool
 ) -> None:
     world = 4 if fsdp else 2
-    result = run_ranks(tp_workers.materialize, world,
-                       args=(mesh, LLAMA, 3, fsdp, sequence_parallel), timeout=150)[0]
+    results = run_ranks(tp_workers.materialize, world,
+                        args=(mesh, LLAMA, 3, fsdp, sequence_parallel), timeout=150)
     reference = single_process_init(3)
-    assert result["params"].keys() == reference.keys()
-    for name, value in reference.items():
-        assert torch.equal(result["params"][name], value), f"{name} differs"
-    placements = set(result["placements"].values())
+    assert [r["rank"] for r in results] == list(range(world))
+    for result in results:  # every rank's view: replicated parameters are each rank's own
+        assert result["params"].keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(result["params"][name], value), (
+                f"rank {result['rank']}: {name} differs")
+    placements = set(results[0]["placements"].values())
     if fsdp:  # FSDP2 over TP's Shard(0) gives _StridedShard; distribute_tensor handles it
         assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in placements
         assert "(Shard(dim=0), Shard(dim=1))" in placements

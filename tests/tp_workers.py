@@ -63,7 +63,7 @@ def check_loss_parallel(case: ParityCase, timeout: float = 240.0) -> ParityResul
 
 
 def materialize(mesh: dict[str, int], task: str, seed: int, fsdp: bool,
-                sequence_parallel: bool) -> dict[str, Any] | None:
+                sequence_parallel: bool) -> dict[str, Any]:
     """MetaInit after TP (and FSDP2): the full parameters and every placement."""
     import torch
     import torch.distributed as dist
@@ -80,10 +80,10 @@ def materialize(mesh: dict[str, int], task: str, seed: int, fsdp: bool,
     model = plan.use(MetaInit(seed=seed)).apply(model)
     placements = {n: str(p.placements) if isinstance(p, DTensor) else "tensor"
                   for n, p in model.named_parameters()}
+    # Every rank's own view: a Replicate parameter is each rank's copy, which could drift
+    # on one rank while rank 0's matches.
     params = full_parameters(model)
-    if dist.get_rank() != 0:
-        return None
-    return {"params": params, "placements": placements}
+    return {"rank": dist.get_rank(), "params": params, "placements": placements}
 
 
 def optimizer_trap(replicate_rest: bool, fsdp: bool) -> dict[str, Any]:
