@@ -420,14 +420,15 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     left: list[str] = []
     left_types: dict[str, str] = {}
     for path, module in post_order(model):
-        if not parent_rules and not (module._parameters or module._buffers):
-            continue  # owns no tensors, and no initializer acts through its children
+        owns = owns_tensors(module)
+        if not owns and not parent_rules:
+            continue  # no initializer acts through its children
         init = pick(module)
         if init is None:
             continue
         name = clean_name(path)
         seed = module_seed(base_seed, name)
-        if owns_tensors(module):
+        if owns:
             unwritten: list[str] = []
             peak = max(peak, init_module(module, init, device, seed, done, unwritten))
             count += 1
