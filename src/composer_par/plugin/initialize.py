@@ -289,7 +289,7 @@ def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.devic
     # Slots are distinct registrations (callers list each once): a plain list will do.
     originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
-    watched: list[tuple[nn.Module, str, torch.Tensor, Any]] = []
+    watched: list[tuple[nn.Module, str, torch.Tensor, Sentinel]] = []
     for m, n, param in originals:
         if param is None:
             continue
