@@ -61,21 +61,22 @@ def train(plan: Any, model: Any, optimizer: Any, steps: range, task: Any = None)
         optimizer.zero_grad()
 
 
-def full_state(model: Any, optimizer: Any | None) -> dict[str, Any] | None:
-    """Every full tensor of the model and optimizer state on rank 0 (a collective)."""
+def full_state(model: Any, optimizer: Any | None) -> dict[str, Any]:
+    """Every full tensor of the model and optimizer state, this rank's view (a collective).
+
+    Every rank returns its own: a tensor Replicate over a mesh dim (TP's norms, HSDP's
+    dp_replicate) is this rank's copy, which rank 0's view does not hold. (``cpu_offload``
+    would keep the full tensors on rank 0 alone.)"""
     import torch
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True)
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         msd, osd = get_model_state_dict(model, options=options), None
     else:
         msd, osd = get_state_dict(model, optimizer, options=options)
-    if dist.get_rank() != 0:
-        return None
     out: dict[str, Any] = {f"model.{k}": v.clone() for k, v in msd.items()}
     if osd is not None:
         for fqn, entry in osd["state"].items():
@@ -97,8 +98,8 @@ def _adamw(model: Any) -> Any:
 
 
 def save_layouts(layouts: list[str], root: str) -> dict[str, Any]:
-    """Train each layout 2 steps from one seed and save it to ``root/<layout>``; rank 0
-    returns the full state each saved."""
+    """Train each layout 2 steps from one seed and save it to ``root/<layout>``; every
+    rank returns its view of the full state each saved."""
     from composer_par import MetaInit
     from composer_par.checkpoint import save
 
@@ -115,7 +116,8 @@ def save_layouts(layouts: list[str], root: str) -> dict[str, Any]:
 
 def load_layouts(pairs: list[tuple[str, str]], root: str) -> dict[str, Any]:
     """For each ``(saved layout, load layout)``: a fresh model of the load layout (another
-    seed, a fresh optimizer) loads ``root/<saved>``; rank 0 returns the full state."""
+    seed, a fresh optimizer) loads ``root/<saved>``; every rank returns its view of the
+    full state."""
     from composer_par import MetaInit
     from composer_par.checkpoint import load
 
@@ -125,9 +127,8 @@ def load_layouts(pairs: list[tuple[str, str]], root: str) -> dict[str, Any]:
         optimizer = _adamw(model)
         info = load(Path(root) / saved, model, optimizer)
         state = full_state(model, optimizer)
-        if state is not None:
-            state["info.extra"] = info.extra
-            state["info.step"] = info.step
+        state["info.extra"] = info.extra
+        state["info.step"] = info.step
         loaded[f"{saved}->{layout}"] = state
     return loaded
 
@@ -202,7 +203,7 @@ def save_then_die(root: str, victim: int) -> None:
     save(root, model, optimizer, step=2, plan=plan)
 
 
-def save_one(root: str, layout: str, step: int) -> dict[str, Any] | None:
+def save_one(root: str, layout: str, step: int) -> dict[str, Any]:
     from composer_par import MetaInit
     from composer_par.checkpoint import save
 
@@ -213,7 +214,7 @@ def save_one(root: str, layout: str, step: int) -> dict[str, Any] | None:
     return full_state(model, optimizer)
 
 
-def load_latest(root: str, layout: str) -> dict[str, Any] | None:
+def load_latest(root: str, layout: str) -> dict[str, Any]:
     from composer_par import MetaInit
     from composer_par.checkpoint import latest, load
 
@@ -221,9 +222,8 @@ def load_latest(root: str, layout: str) -> dict[str, Any] | None:
     optimizer = _adamw(model)
     info = load(root, model, optimizer)
     state = full_state(model, optimizer)
-    if state is not None:
-        state["info.step"] = info.step
-        state["info.latest"] = str(latest(root))
+    state["info.step"] = info.step
+    state["info.latest"] = str(latest(root))
     return state
 
 
@@ -232,9 +232,9 @@ def load_latest(root: str, layout: str) -> dict[str, Any] | None:
 
 def load_hf(path: str, layouts: list[str], export_root: str | None,
             rename: list[list[str]]) -> dict[str, Any]:
-    """Materialize each layout from ``path`` with LoadSafetensors; rank 0 returns the full
-    parameters; with ``export_root``, export each to ``export_root/<layout>`` with the
-    plan's names (split into several files)."""
+    """Materialize each layout from ``path`` with LoadSafetensors; every rank returns its
+    view of the full parameters, and its buffers; with ``export_root``, export each to
+    ``export_root/<layout>`` with the plan's names (split into several files)."""
     from composer_par import LoadSafetensors
     from composer_par.checkpoint import export_safetensors
 
@@ -246,19 +246,18 @@ def load_hf(path: str, layouts: list[str], export_root: str | None,
             export_safetensors(model, Path(export_root) / layout, plan=plan,
                                max_file_bytes=64 * 1024)
         out[layout] = state
-        if state is not None:
-            out[f"{layout}.buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+        out[f"{layout}.buffers"] = {n: b.clone() for n, b in model.named_buffers()}
     return out
 
 
-def load_checkpoint_plugin(path: str, layout: str) -> dict[str, Any] | None:
+def load_checkpoint_plugin(path: str, layout: str) -> dict[str, Any]:
     from composer_par import LoadCheckpoint
 
     _, model = build(layout, LoadCheckpoint(path))
     return full_state(model, None)
 
 
-def export_one(layout: str, directory: str, dtype: str | None) -> dict[str, Any] | None:
+def export_one(layout: str, directory: str, dtype: str | None) -> dict[str, Any]:
     from composer_par import MetaInit
     from composer_par.checkpoint import export_safetensors
 
@@ -336,8 +335,8 @@ def one_rank_fails_saving(root: str, bad_rank: int) -> str:
 
 
 def save_and_load_verified(root: str, layout: str) -> dict[str, Any]:
-    """Save ``layout`` (model and optimizer), load it back on the same ranks; rank 0
-    returns both full states."""
+    """Save ``layout`` (model and optimizer), load it back on the same ranks; every rank
+    returns its view of both full states."""
     from composer_par import MetaInit
     from composer_par.checkpoint import load, save
 

@@ -10,7 +10,7 @@ from composer_par.plugin import Plugin, hookimpl
 from composer_par.testing.parity import ParityCase, ParityResult
 
 
-def train_cases(cases: list[ParityCase]) -> list[tuple[list[float], dict[str, Any] | None]]:
+def train_cases(cases: list[ParityCase]) -> list[tuple[list[float], dict[str, Any]]]:
     """``train_on_rank`` for several cases in one run of the ranks: starting 8 processes
     and their process group costs more than a small case's 10 steps."""
     from composer_par.testing.parity import train_on_rank
@@ -19,19 +19,16 @@ def train_cases(cases: list[ParityCase]) -> list[tuple[list[float], dict[str, An
 
 
 def check_cases(cases: list[ParityCase], *, timeout: float) -> list[ParityResult]:
-    """``check_parity`` for several cases of one world size, in one run of the ranks."""
+    """``check_parity`` for several cases of one world size, in one run of the ranks:
+    every rank's parameters compared, as ``check_parity`` does."""
     from composer_par.testing.distributed import run_ranks
-    from composer_par.testing.parity import train_reference
+    from composer_par.testing.parity import parity_result
 
     sizes = {case.world_size for case in cases}
     assert len(sizes) == 1, f"one world size per run, got {sorted(sizes)}"
-    results = run_ranks(train_cases, sizes.pop(), args=(cases,), timeout=timeout)[0]
-    out = []
-    for case, (losses, params) in zip(cases, results, strict=True):
-        assert params is not None
-        ref_losses, ref_params = train_reference(case)
-        out.append(ParityResult(losses, ref_losses, params, ref_params))
-    return out
+    ranks = run_ranks(train_cases, sizes.pop(), args=(cases,), timeout=timeout)
+    return [parity_result(case, [per_rank[i] for per_rank in ranks])
+            for i, case in enumerate(cases)]
 
 
 # -- torch's own behaviour: compile through AOTAutograd of a block under TP ------------------

@@ -79,3 +79,22 @@ def rank_tensor() -> torch.Tensor:
 
 def unpicklable_result() -> Any:
     return lambda: None
+
+
+def train_then_drift(case: Any, name: str, on_rank: int, delta: float
+                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``train_on_rank``, then the Replicate parameter ``name`` moved by ``delta`` on
+    ``on_rank`` alone after the last step: a replicated copy that drifted on one rank
+    while the losses stayed at parity. Only that rank's view of the parameter shows it."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from composer_par.testing.parity import full_parameters, train_model
+
+    losses, model = train_model(case)
+    param = model.get_parameter(name)
+    assert isinstance(param, DTensor) and all(isinstance(p, Replicate)
+                                              for p in param.placements), param
+    if dist.get_rank() == on_rank:
+        with torch.no_grad():
+            param.to_local().add_(delta)
+    return losses, full_parameters(model)

@@ -14,6 +14,7 @@ from composer_par import checkpoint as ck
 from composer_par.checkpoint import safetensors_io as sio
 from composer_par.checkpoint.sources import WeightsSource
 from composer_par.testing.distributed import RankFailure, run_ranks
+from composer_par.testing.parity import assert_every_rank
 from tests import checkpoint_io_workers as workers
 from tests.test_checkpoint_io import HF_RENAME, reference, state
 
@@ -36,32 +37,50 @@ def assert_bitwise(expected: dict[str, Any], got: dict[str, Any], what: str) -> 
             assert value == got[key], (what, key, value, got[key])
 
 
+def assert_every_rank_bitwise(expected: dict[str, Any], views: list[dict[str, Any]],
+                              what: str) -> None:
+    """Each rank's view (a replicated tensor is that rank's own copy) bitwise ``expected``."""
+    assert_every_rank(views, lambda got: assert_bitwise(expected, got, what))
+
+
+def agreed(views: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    """The state every rank holds: each rank's view bitwise rank 0's."""
+    assert_every_rank_bitwise(views[0], views, f"{what}: the ranks' views")
+    return views[0]
+
+
 @pytest.mark.timeout(900)
 def test_resharding_grid_every_layout_into_every_other(tmp_path: Path) -> None:
     """Save with FSDP2 4, HSDP 2x2, FSDP2xTP 2x2, TP 2 and one process; load each into
-    each of the others: every full tensor of model and optimizer state bitwise equal."""
+    each of the others: every full tensor of model and optimizer state bitwise equal, in
+    every rank's view on both sides (the ranks that saved agree; each rank that loaded
+    holds it, its copies of replicated tensors included)."""
     saved: dict[str, Any] = {}
     for world, layouts in BY_WORLD.items():
-        saved.update(run_ranks(workers.save_layouts, world, args=(layouts, str(tmp_path)),
-                               timeout=400)[0])
+        views = run_ranks(workers.save_layouts, world, args=(layouts, str(tmp_path)),
+                          timeout=400)
+        saved.update({layout: agreed([v[layout] for v in views], f"saved {layout}")
+                      for layout in layouts})
     for world, layouts in BY_WORLD.items():
         pairs = [(s, layout) for s in saved for layout in layouts if s != layout]
         loaded = run_ranks(workers.load_layouts, world, args=(pairs, str(tmp_path)),
-                           timeout=600)[0]
+                           timeout=600)
         for (source, layout) in pairs:
-            got = dict(loaded[f"{source}->{layout}"])
-            assert got.pop("info.extra") == {"layout": source}
-            assert got.pop("info.step") == 2
-            assert_bitwise(saved[source], got, f"{source} -> {layout}")
+            views = [dict(rank[f"{source}->{layout}"]) for rank in loaded]
+            for got in views:
+                assert got.pop("info.extra") == {"layout": source}
+                assert got.pop("info.step") == 2
+            assert_every_rank_bitwise(saved[source], views, f"{source} -> {layout}")
     # The plan it was saved with is in the checkpoint (inspect shows it).
     info = ck.describe(tmp_path / "hsdp_2x2")
     assert info["kind"] == "root" and 'name = "hsdp"' in info["checkpoint"]["plan"]
     assert info["checkpoint"]["world_size"] == 4
     # The model part loads with the LoadCheckpoint plugin too, resharded to TP 2.
-    got = run_ranks(workers.load_checkpoint_plugin, 2,
-                    args=(str(tmp_path / "fsdp2_tp_2x2"), "tp_2"), timeout=300)[0]
-    assert_bitwise({k: v for k, v in saved["fsdp2_tp_2x2"].items() if k.startswith("model.")},
-                   got, "LoadCheckpoint fsdp2_tp_2x2 -> tp_2")
+    views = run_ranks(workers.load_checkpoint_plugin, 2,
+                      args=(str(tmp_path / "fsdp2_tp_2x2"), "tp_2"), timeout=300)
+    assert_every_rank_bitwise(
+        {k: v for k, v in saved["fsdp2_tp_2x2"].items() if k.startswith("model.")},
+        views, "LoadCheckpoint fsdp2_tp_2x2 -> tp_2")
 
 
 @pytest.mark.timeout(400)
@@ -120,15 +139,19 @@ def test_hugging_face_weights_load_into_fsdp2_tp_and_both_then_export(tmp_path: 
     ref = _write_hf(tmp_path / "hf")
     expected = {f"model.{k}": v for k, v in ref.items()}
     reference_buffers = dict(reference().named_buffers())
-    results: dict[str, Any] = {}
+    results: dict[str, list[dict[str, Any]]] = {}  # layout -> every rank's view
     for world, layouts in ((4, ["fsdp2_4", "fsdp2_tp_2x2"]), (2, ["tp_2"])):
-        results.update(run_ranks(workers.load_hf, world, args=(
+        views = run_ranks(workers.load_hf, world, args=(
             str(tmp_path / "hf" / sio.INDEX_NAME), layouts, str(tmp_path / "out"),
-            HF_RENAME), timeout=400)[0])
+            HF_RENAME), timeout=400)
+        for layout in layouts:
+            results[layout] = [v[layout] for v in views]
+            results[f"{layout}.buffers"] = [v[f"{layout}.buffers"] for v in views]
     for layout in ("fsdp2_4", "fsdp2_tp_2x2", "tp_2"):
-        assert_bitwise(expected, results[layout], f"HF -> {layout}")
-        for name, buffer in reference_buffers.items():
-            assert torch.equal(results[f"{layout}.buffers"][name], buffer), (layout, name)
+        assert_every_rank_bitwise(expected, results[layout], f"HF -> {layout}")
+        for rank, buffers in enumerate(results[f"{layout}.buffers"]):
+            for name, buffer in reference_buffers.items():
+                assert torch.equal(buffers[name], buffer), (layout, rank, name)
         # Exported from the sharded model (Hugging Face names, several files plus index):
         # equal to the original files, read back by safetensors itself.
         out = tmp_path / "out" / layout
@@ -146,10 +169,12 @@ def test_hugging_face_weights_load_into_fsdp2_tp_and_both_then_export(tmp_path: 
 
 @pytest.mark.timeout(300)
 def test_bf16_export_from_a_sharded_model(tmp_path: Path) -> None:
-    full = run_ranks(workers.export_one, 4, args=("fsdp2_tp_2x2", str(tmp_path / "out"),
-                                                 "bfloat16"), timeout=200)[0]
+    views = run_ranks(workers.export_one, 4, args=("fsdp2_tp_2x2", str(tmp_path / "out"),
+                                                  "bfloat16"), timeout=200)
     from safetensors.torch import load_file
 
     got = load_file(tmp_path / "out" / "model.safetensors")
-    assert_bitwise({k.removeprefix("model."): v.to(torch.bfloat16) for k, v in full.items()},
-                   got, "bf16 export")
+    # The file holds one copy of each tensor: every rank's view is that copy.
+    assert_every_rank(views, lambda full: assert_bitwise(
+        {k.removeprefix("model."): v.to(torch.bfloat16) for k, v in full.items()}, got,
+        "bf16 export"))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from composer_par.testing import RankFailure, RankTimeout, run_ranks
+from composer_par.testing.parity import ATOL, ParityCase, ParityResult, parity_result
 from composer_par.testing.pytest_plugin import Ranks
 from tests import harness_workers as w
 
@@ -253,3 +254,41 @@ def test_ranks_fixture(request: pytest.FixtureRequest) -> None:
         pytest.skip("composer_par is not installed, so its pytest11 entry point is not registered")
     ranks = request.getfixturevalue("ranks")
     assert [r["rank"] for r in ranks.run(w.describe_rank, 2, args=("f",))] == [0, 1]
+
+
+# -- parity compares every rank's parameters ------------------------------------------------
+
+TP2 = """
+[mesh]
+tp = 2
+
+[[plugins]]
+name = "tp"
+
+[[plugins]]
+name = "meta_init"
+seed = 7
+"""
+DRIFTED = "layers.0.attention_norm.weight"  # Replicate under TP: each rank holds a copy
+
+
+@pytest.mark.timeout(240)
+def test_parity_compares_every_ranks_parameters_not_rank_0s_alone() -> None:
+    """A norm weight moved by 1e-3 on rank 1 alone after training: the losses and rank 0's
+    view are at parity (what was compared before), every rank's view is not."""
+    case = ParityCase(task="composer_par.testing.tasks:llama", plan=TP2, world_size=2,
+                      lr=1.0)
+    result = parity_result(case, run_ranks(w.train_then_drift, 2,
+                                           args=(case, DRIFTED, 1, 1e-3), timeout=200))
+    assert len(result.rank_params) == 2 and result.params is result.rank_params[0]
+    rank_0_alone = ParityResult(result.losses, result.reference_losses, result.params,
+                                result.reference_params)
+    rank_0_alone.assert_close()
+    assert result.max_param_diff(0)[1] <= ATOL
+    with pytest.raises(AssertionError,
+                       match=rf"^rank 1: parameter {re.escape(DRIFTED)} differs from the "
+                             "reference") as failure:
+        result.assert_close()
+    assert "rank 0" not in str(failure.value)
+    name, diff = result.max_param_diff()
+    assert name == DRIFTED and diff == pytest.approx(1e-3, abs=ATOL)

@@ -26,7 +26,7 @@ from composer_par import (
 from composer_par.findings import Severity
 from composer_par.plugin import Claim, Plugin, Role
 from composer_par.testing.distributed import run_ranks
-from composer_par.testing.parity import ParityCase, check_parity
+from composer_par.testing.parity import ParityCase, assert_every_rank, check_parity
 
 LLAMA = "composer_par.testing.tasks:llama"
 ENCODER = "composer_par.testing.tasks:encoder"
@@ -151,16 +151,20 @@ def test_trap_premul_sum_on_gloo_and_how_each_path_avoids_it() -> None:
     """Measured: FSDP2 turns a divide factor into PREMUL_SUM, which gloo refuses; our
     helper switches reduce-scattering modules to SUM (+ division) and leaves replicate-only
     ones alone, where forcing SUM would divide twice."""
-    paths = run_ranks("tests.hsdp_workers:divide_factor_paths", 2, timeout=90)[0]
-    status, detail = paths["fully_shard, torch setter only"]
-    assert status == "error" and "PREMUL_SUM" in detail and "Gloo" in detail
-    for case in ("fully_shard, set_gradient_divide_factor(sum_only)",
-                 "replicate, torch setter only",
-                 "replicate, set_gradient_divide_factor(sum_only)"):
-        assert paths[case][0] == "ok" and paths[case][1] < 1e-6, (case, paths[case])
-    # The reason the helper does not force SUM on replicate-only modules:
-    assert paths["replicate, forced SUM"][0] == "ok"
-    assert paths["replicate, forced SUM"][1] > 1e-2
+    def each_path(paths: dict[str, Any]) -> None:
+        status, detail = paths["fully_shard, torch setter only"]
+        assert status == "error" and "PREMUL_SUM" in detail and "Gloo" in detail
+        for case in ("fully_shard, set_gradient_divide_factor(sum_only)",
+                     "replicate, torch setter only",
+                     "replicate, set_gradient_divide_factor(sum_only)"):
+            assert paths[case][0] == "ok" and paths[case][1] < 1e-6, (case, paths[case])
+        # The reason the helper does not force SUM on replicate-only modules:
+        assert paths["replicate, forced SUM"][0] == "ok"
+        assert paths["replicate, forced SUM"][1] > 1e-2
+
+    # Every rank's gradients: under replicate each rank's is its own copy.
+    assert_every_rank(run_ranks("tests.hsdp_workers:divide_factor_paths", 2, timeout=90),
+                      each_path)
 
 
 @pytest.mark.distributed

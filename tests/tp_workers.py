@@ -11,9 +11,10 @@ from composer_par.testing.tasks import LlamaTask
 llama_kv4 = LlamaTask(n_kv_heads=4)
 
 
-def train_loss_parallel(case: ParityCase) -> tuple[list[float], dict[str, Any] | None]:
+def train_loss_parallel(case: ParityCase) -> tuple[list[float], dict[str, Any]]:
     """``train_on_rank`` with the loss and its backward under ``loss_parallel()``, as a
-    user of ``TP(loss_parallel=True)`` writes them (the logits stay vocabulary-sharded)."""
+    user of ``TP(loss_parallel=True)`` writes them (the logits stay vocabulary-sharded).
+    Every rank returns its own view of the parameters (a replicated one is its copy)."""
     import torch.distributed as dist
     from composer_par.plugins.tp import local_loss, loss_parallel
     from torch.distributed.tensor import DTensor
@@ -35,8 +36,7 @@ def train_loss_parallel(case: ParityCase) -> tuple[list[float], dict[str, Any] |
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
     assert sharded_logits, "the output head did not keep its logits sharded on the vocabulary"
-    params = full_parameters(model)
-    return losses, params if dist.get_rank() == 0 else None
+    return losses, full_parameters(model)
 
 
 class LossParallelLlama(LlamaTask):
@@ -53,13 +53,10 @@ llama_loss_parallel = LossParallelLlama()
 
 def check_loss_parallel(case: ParityCase, timeout: float = 240.0) -> ParityResult:
     from composer_par.testing.distributed import run_ranks
-    from composer_par.testing.parity import train_reference
+    from composer_par.testing.parity import parity_result
 
-    losses, params = run_ranks(train_loss_parallel, case.world_size, args=(case,),
-                               timeout=timeout)[0]
-    ref_losses, ref_params = train_reference(case)
-    assert params is not None
-    return ParityResult(losses, ref_losses, params, ref_params)
+    return parity_result(case, run_ranks(train_loss_parallel, case.world_size, args=(case,),
+                                         timeout=timeout))
 
 
 def materialize(mesh: dict[str, int], task: str, seed: int, fsdp: bool,

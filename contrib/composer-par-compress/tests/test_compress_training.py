@@ -95,8 +95,10 @@ def test_final_loss_within_tolerance_of_uncompressed(method: str, layout: str, t
     assert abs(final / reference - 1) <= tolerance, (final, reference)
     assert abs(last10 - 1) <= tolerance, last10
     assert final < 0.2 * result.losses[0], result.losses[::20]  # it did learn
-    # Compression did act: the weights are not those of uncompressed training.
-    assert result.max_param_diff()[1] > 1e-5
+    # Compression did act: the weights are not those of uncompressed training, on every
+    # rank (each rank's view holds its own copy of what is replicated over dp_replicate).
+    for rank in range(world):
+        assert result.max_param_diff(rank)[1] > 1e-5, rank
 
 
 # -- configured off: the plan without the plugin, bit for bit --------------------------------
@@ -114,6 +116,10 @@ def test_configured_off_is_bitwise_the_plan_without_it(layout: str, parity: Any)
 
     off, without = train(compress("none")), train()
     assert off.losses == without.losses
-    assert off.params.keys() == without.params.keys()
-    assert all(torch.equal(off.params[n], without.params[n]) for n in without.params)
+    # Every rank's view: the parameters are replicated over dp_replicate, each rank's view
+    # holds its own copy.
+    assert len(off.rank_params) == len(without.rank_params) == world
+    for rank, (a, b) in enumerate(zip(off.rank_params, without.rank_params, strict=True)):
+        assert a.keys() == b.keys(), rank
+        assert all(torch.equal(a[n], b[n]) for n in b), f"rank {rank}"
     without.assert_close()  # and that plan is at parity with one process

@@ -15,6 +15,12 @@ The plan is given as plan-file TOML, or as ``"module:function"`` returning a
 :class:`~composer_par.ParallelPlan` (for options a plan file cannot state). It must
 materialize with ``MetaInit``, which is layout invariant, so the reference starts from
 the same weights as the ranks.
+
+Every rank's parameters are compared with the reference, not rank 0's alone: a rank's
+``full_tensor()`` of a parameter gathers the mesh dims it is sharded over, but a mesh dim
+it is Replicate over (TP's norm weights and biases, every parameter over HSDP's
+dp_replicate) contributes that rank's own copy only. A copy that drifted on one rank
+shows in that rank's view and in no other, while the losses can stay at parity.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -65,20 +71,37 @@ class ParityCase:
 
 @attrs.frozen
 class ParityResult:
+    """The losses and full parameters of a plan's training and of the reference.
+
+    ``rank_params[r]`` is rank ``r``'s view of every full parameter (see the module's
+    docstring: a replicated parameter is that rank's own copy); ``params`` is rank 0's,
+    kept for callers that read one view. Built from one view only, ``rank_params`` is
+    ``[params]``. :meth:`assert_close` and :meth:`max_param_diff` look at every view.
+    """
+
     losses: list[float]
     reference_losses: list[float]
     params: dict[str, Any]
     reference_params: dict[str, Any]
+    rank_params: list[dict[str, Any]] = attrs.field(
+        default=attrs.Factory(lambda self: [self.params], takes_self=True))
 
-    def max_param_diff(self) -> tuple[str, float]:
+    def max_param_diff(self, rank: int | None = None) -> tuple[str, float]:
+        """The parameter farthest from the reference and by how much: over every rank's
+        view, or over ``rank``'s alone."""
+        views = self.rank_params if rank is None else [self.rank_params[rank]]
         worst = ("", 0.0)
-        for name, ref in self.reference_params.items():
-            diff = float((self.params[name] - ref).abs().max())
-            if diff > worst[1]:
-                worst = (name, diff)
+        for params in views:
+            for name, ref in self.reference_params.items():
+                diff = float((params[name] - ref).abs().max())
+                if diff > worst[1]:
+                    worst = (name, diff)
         return worst
 
     def assert_close(self, rtol: float = RTOL, atol: float = ATOL) -> None:
+        """The losses, and every rank's view of every parameter, within ``rtol``/``atol``
+        of the reference; a parameter's failure names the rank (``rank 1: parameter ...
+        differs from the reference``)."""
         import torch
 
         assert len(self.losses) == len(self.reference_losses), (self.losses, self.reference_losses)
@@ -89,20 +112,52 @@ class ParityResult:
             atol=atol,
             msg=lambda m: f"losses differ from the reference: {m}",
         )
-        plan_only = sorted(set(self.params) - set(self.reference_params))
-        reference_only = sorted(set(self.reference_params) - set(self.params))
-        assert not plan_only and not reference_only, (
-            f"parameter names differ: only in the plan {plan_only}, "
-            f"only in the reference {reference_only}"
+        assert_every_rank(self.rank_params, lambda params: assert_params_close(
+            params, self.reference_params, rtol=rtol, atol=atol))
+
+
+def assert_params_close(params: dict[str, Any], reference: dict[str, Any], *,
+                        rtol: float = RTOL, atol: float = ATOL) -> None:
+    """One view of the full parameters has the reference's names and values, within
+    ``rtol``/``atol``."""
+    import torch
+
+    plan_only = sorted(set(params) - set(reference))
+    reference_only = sorted(set(reference) - set(params))
+    assert not plan_only and not reference_only, (
+        f"parameter names differ: only in the plan {plan_only}, "
+        f"only in the reference {reference_only}"
+    )
+    for name, ref in reference.items():
+        torch.testing.assert_close(
+            params[name],
+            ref,
+            rtol=rtol,
+            atol=atol,
+            msg=_prefixed(f"parameter {name} differs from the reference"),
         )
-        for name, ref in self.reference_params.items():
-            torch.testing.assert_close(
-                self.params[name],
-                ref,
-                rtol=rtol,
-                atol=atol,
-                msg=_prefixed(f"parameter {name} differs from the reference"),
-            )
+
+
+View = TypeVar("View")
+
+
+def assert_every_rank(views: Sequence[View], check: Callable[[View], object]) -> None:
+    """``check`` each rank's view (``views[r]`` is rank ``r``'s, as ``run_ranks`` returns
+    them); an AssertionError is raised again with the rank first: ``rank 1: ...``.
+
+    For anything a rank reads back from DTensors: a tensor Replicate over a mesh dim is
+    that rank's own copy, which no other rank's view holds.
+    """
+    assert views, "no rank's view to check"
+    for rank, view in enumerate(views):
+        try:
+            check(view)
+        except AssertionError as exc:
+            raise AssertionError(f"rank {rank}: {exc}") from None
+
+
+def _same_losses(losses: list[float], first: list[float]) -> None:
+    assert losses == first, f"losses differ from rank 0's: {losses} != {first}"
 
 
 def _prefixed(prefix: str) -> Callable[[str], str]:
@@ -166,18 +221,24 @@ def apply_to_built(task: Any, plan: ParallelPlan) -> tuple[nn.Module, int, int]:
     return model, index, count
 
 
-def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor] | None]:
-    """One rank's side: build on meta, apply the plan, train; rank 0 returns the results."""
-    import torch.distributed as dist
-
-    losses, params = train_case(case)
-    return losses, params if dist.get_rank() == 0 else None
+def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One rank's side of :func:`check_parity`: build on meta, apply the plan, train.
+    Every rank returns the losses and its own view of every full parameter."""
+    return train_case(case)
 
 
 def train_case(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Build on meta, apply the plan, train ``case.steps`` steps on this rank's data
     shard; the mean loss of each step and this rank's view of every full parameter
     (gathered on every rank: a collective, so every rank calls it)."""
+    losses, model = train_model(case)
+    return losses, full_parameters(model)
+
+
+def train_model(case: ParityCase) -> tuple[list[float], nn.Module]:
+    """:func:`train_case` up to the trained model: the mean loss of each step (over all
+    ranks) and the model, for rank-side tests that look at it before its parameters are
+    gathered."""
     import torch.distributed as dist
 
     task, _plan, model, index, count, optimizer = start_rank(case)
@@ -191,7 +252,7 @@ def train_case(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
-    return losses, full_parameters(model)
+    return losses, model
 
 
 def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -277,10 +338,22 @@ def check_parity(
     """Run the plan on ``case.world_size`` gloo ranks and the reference; compare."""
     results = run_ranks(train_on_rank, case.world_size, args=(case,), timeout=timeout,
                         workdir=workdir)
-    losses, params = results[0]
+    return parity_result(case, results)
+
+
+def parity_result(
+    case: ParityCase, rank_results: Sequence[tuple[list[float], dict[str, torch.Tensor]]]
+) -> ParityResult:
+    """Every rank's ``(losses, full parameters)``, in rank order as a rank function like
+    :func:`train_on_rank` returns them, with the reference trained here. The losses are
+    rank 0's, once every rank's are found equal to them (all-reduced means: one value on
+    every rank)."""
+    rank_params = [params for _, params in rank_results]
+    assert len(rank_params) == case.world_size, (len(rank_params), case.world_size)
+    assert_every_rank([losses for losses, _ in rank_results], lambda losses: _same_losses(
+        losses, rank_results[0][0]))
     ref_losses, ref_params = train_reference(case)
-    assert params is not None
-    return ParityResult(losses, ref_losses, params, ref_params)
+    return ParityResult(rank_results[0][0], ref_losses, rank_params[0], ref_params, rank_params)
 
 
 @attrs.frozen

@@ -39,10 +39,11 @@ class Ranks:
 class Parity:
     """Trains a plan on gloo ranks side by side with a single-process reference.
 
-    ``check`` returns a :class:`~composer_par.testing.parity.ParityResult` (losses and
-    full parameters of both; ``assert_close()`` asserts fp32 parity, the differences are
-    there to assert anything looser); ``comm`` counts the collectives of the plan's
-    training steps per mesh dim. Both take a :class:`ParityCase` or its fields.
+    ``check`` returns a :class:`~composer_par.testing.parity.ParityResult` (losses, and
+    full parameters of the reference and of every rank; ``assert_close()`` asserts fp32
+    parity of every rank's, the differences are there to assert anything looser); ``comm``
+    counts the collectives of the plan's training steps per mesh dim. Both take a
+    :class:`ParityCase` or its fields.
     """
 
     Case = ParityCase
