@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -196,12 +196,15 @@ def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, s
     return out
 
 
-def tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def tie_groups(model: nn.Module, modules: Iterable[tuple[str, nn.Module]] | None = None
+               ) -> list[list[tuple[nn.Module, str]]]:
     """Parameters registered under several names (tied weights, e.g. an embedding shared
-    with the output head), as ``[(module, attribute), ...]`` groups of two or more."""
+    with the output head), as ``[(module, attribute), ...]`` groups of two or more.
+    ``modules``: every module of ``model`` once, as ``(path, module)``, when the caller
+    walked them already (the groups then follow that order)."""
     first: dict[int, tuple[nn.Module, str]] = {}
     groups: dict[int, list[tuple[nn.Module, str]]] = {}  # only parameters seen twice
-    for _, module in walk_modules(model):
+    for _, module in walk_modules(model) if modules is None else modules:
         for name, param in module._parameters.items():
             if param is None:
                 continue

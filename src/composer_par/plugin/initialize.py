@@ -20,7 +20,7 @@ import importlib
 import inspect
 import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -198,14 +198,63 @@ def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int
     are written in place. ``done`` holds the ids of parameters initialized already (a
     tied parameter is initialized by its first owner only, as transformers does); the ids
     of those initialized here are added. ``unwritten``, when given, gets the name of each
-    floating-point parameter the call left unwritten (see :func:`_init_with_full_tensors`).
-    Returns the bytes of scratch tensors held at once.
+    floating-point parameter the call left unwritten: a sentinel (a NaN) is planted in
+    each one's first element, which an initializer that writes the tensor overwrites.
+    One that skips the module (transformers' _init_weights for a class it does not know)
+    leaves it, and the parameter is reported instead of training from whatever memory
+    to_empty left. Returns the bytes of scratch tensors held at once.
     """
-    slots = [(module, n) for n, p in module._parameters.items() if p is not None]
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        seed_device(device, seed)
-        return _init_with_full_tensors(module, init, device, slots, done, gather=False,
-                                       unwritten=unwritten)
+    # One pass over the registry sets everything up (this runs for every module of the
+    # model): the originals to put back, the scratch tensors, the sentinels.
+    registry = module._parameters
+    originals: list[tuple[str, nn.Parameter]] = []
+    watched: list[tuple[str, torch.Tensor, Sentinel]] = []
+    scratch_bytes = 0
+    given: torch.Tensor  # what is registered during the call: the scratch or the original
+    try:
+        for name, param in registry.items():
+            if param is None:
+                continue
+            originals.append((name, param))
+            # A tied parameter its first owner initialized gets scratch even when plain, so
+            # that this call's writes to it are dropped; it is not watched.
+            again = done is not None and id(param) in done
+            if again or isinstance(param, DTensor):
+                full = torch.empty(param.shape, dtype=param.dtype, device=device)
+                registry[name] = given = nn.Parameter(full, requires_grad=param.requires_grad)
+                scratch_bytes += full.nbytes
+                if again:
+                    continue
+            else:
+                full = given = param
+            if unwritten is not None and full.dtype.is_floating_point and full.numel():
+                mark = plant_sentinel(full)
+                if mark is not None:
+                    watched.append((name, given, mark))
+        with torch.random.fork_rng(devices=_rng_devices(device)), torch.no_grad():
+            seed_device(device, seed)
+            init(module)
+            after = module._parameters
+            # An initializer that registers a new Parameter instead of writing the one
+            # it was given has initialized it too (its values are kept below).
+            for name, given, mark in watched:  # filled only when unwritten is given
+                if after[name] is given and sentinel_intact(mark):
+                    unwritten.append(name)  # type: ignore[union-attr]
+            for name, original in originals:
+                result = after[name]
+                if result is None or (done is not None and id(original) in done):
+                    continue  # a tied parameter its first owner initialized
+                if result is not original:
+                    # Under no_grad the scratch parameter is copied from as it is: a
+                    # detach per parameter would cost a tensor each.
+                    keep_local_part(original, result)
+                if done is not None:
+                    done.add(id(original))
+    finally:
+        after = module._parameters
+        for name, original in originals:
+            after[name] = original
+    return scratch_bytes
 
 
 def init_children_of(module: nn.Module, init: InitFn, device: torch.device, seed: int,
@@ -221,7 +270,7 @@ def init_children_of(module: nn.Module, init: InitFn, device: torch.device, seed
         return 0
     with torch.random.fork_rng(devices=_rng_devices(device)):
         seed_device(device, seed)
-        return _init_with_full_tensors(module, init, device, written, done, gather=True)
+        return _init_gathered(module, init, written, done)
 
 
 def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
@@ -283,54 +332,27 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
     return written
 
 
-def _init_with_full_tensors(module: nn.Module, init: InitFn, device: torch.device,
-                            slots: list[Slot], done: set[int] | None, *, gather: bool,
-                            unwritten: list[str] | None = None) -> int:
-    # Slots are distinct registrations (callers list each once): a plain list will do.
+def _init_gathered(module: nn.Module, init: InitFn, slots: list[Slot],
+                   done: set[int] | None) -> int:
+    """``init(module)`` writing the parameters at ``slots`` (distinct registrations below
+    ``module``) as whole tensors that start from their current values: a sharded one gets
+    its full tensor gathered as scratch, a plain one is written in place; each rank keeps
+    its part of the result. Returns the bytes of scratch tensors."""
     originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
-    watched: list[tuple[nn.Module, str, torch.Tensor, Sentinel]] = []
     for m, n, param in originals:
-        if param is None:
-            continue
-        # A tied parameter its first owner initialized gets scratch even when plain, so
-        # that this call's writes to it are dropped.
-        again = done is not None and id(param) in done and not gather
-        if isinstance(param, DTensor) or again:
-            full = param.full_tensor() if gather and isinstance(param, DTensor) else (
-                torch.empty(param.shape, dtype=param.dtype, device=device))
+        if isinstance(param, DTensor):
+            full = param.full_tensor()
             m._parameters[n] = nn.Parameter(full, requires_grad=param.requires_grad)
             scratch_bytes += full.nbytes
-        else:
-            full = param
-        if unwritten is not None and not gather and not again and (
-                full.dtype.is_floating_point) and full.numel():
-            # A sentinel in the first element: an initializer that writes the tensor
-            # writes it too. One that skips the module (transformers' _init_weights for a
-            # class it does not know) leaves it, and an uninitialized parameter is
-            # reported instead of training from whatever memory to_empty left. One
-            # element, so the check costs two scalar accesses, not a pass over the data.
-            mark = plant_sentinel(full)
-            if mark is not None:
-                watched.append((m, n, m._parameters[n], mark))  # type: ignore[arg-type]
     try:
         with torch.no_grad():
             init(module)
-            if unwritten is not None:
-                # An initializer that registers a new Parameter instead of writing the
-                # one it was given has initialized it too (its values are kept below).
-                for m, n, given, sentinel in watched:
-                    if m._parameters[n] is given and sentinel_intact(sentinel):
-                        unwritten.append(n)
             for m, n, original in originals:
                 result = m._parameters[n]
                 if original is None or result is None:
                     continue
-                if done is not None and id(original) in done and not gather:
-                    continue  # a tied parameter its first owner initialized
                 if result is not original:
-                    # Under no_grad the scratch parameter is copied from as it is: a
-                    # detach per parameter would cost a tensor each.
                     keep_local_part(original, result)
                 if done is not None:
                     done.add(id(original))
@@ -412,14 +434,17 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     children (GPT-2 rescales the projections of each attention and MLP). ``init_fn`` is
     called on the modules that own tensors only. Returns (modules initialized, peak scratch
     bytes)."""
-    to_empty_keeping_ties(model, device)
+    # One walk, before to_empty (which changes no module tree): it orders initialization
+    # and finds the ties to_empty would undo.
+    order = list(post_order(model))
+    to_empty_keeping_ties(model, device, order)
     pick = initializer(model, init_fn)
     parent_rules = init_fn is None and callable(getattr(model, "_init_weights", None))
     count = peak = 0
     done: set[int] = set()
     left: list[str] = []
     left_types: dict[str, str] = {}
-    for path, module in post_order(model):
+    for path, module in order:
         owns = owns_tensors(module)
         if not owns and not parent_rules:
             continue  # no initializer acts through its children
@@ -536,10 +561,12 @@ def strided_alone(placements: Any) -> bool:
     return False
 
 
-def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+def to_empty_keeping_ties(model: nn.Module, device: torch.device,
+                          modules: Iterable[tuple[str, nn.Module]] | None = None) -> None:
     """``to_empty``, then each tied group made one parameter again: ``to_empty`` gives every
-    registration its own new tensor, which silently unties them."""
-    groups = tie_groups(model)
+    registration its own new tensor, which silently unties them. ``modules``: every module
+    of ``model`` once, when the caller walked them already."""
+    groups = tie_groups(model, modules)
     model.to_empty(device=device)
     for (first_module, first_name), *rest in groups:
         shared = first_module._parameters[first_name]
