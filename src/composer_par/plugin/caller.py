@@ -315,12 +315,27 @@ class _Manager(pluggy.PluginManager):
     """pluggy's manager, told where a :class:`_Proxy` keeps its hooks: in its instance
     dict, alone (its class defines none). ``register`` asks about every name ``dir`` lists,
     and for the ~30 others (``object``'s) pluggy's own lookup runs
-    ``inspect.getattr_static``: most of the cost of building a plan's caller."""
+    ``inspect.getattr_static``: most of the cost of building a plan's caller. The same
+    lookup of the spec module's names is made once per process."""
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         if type(plugin) is _Proxy and name not in plugin.__dict__:
             return None
         return super().parse_hookimpl_opts(plugin, name)
+
+    def parse_hookspec_opts(self, module_or_class: Any, name: str) -> Any:
+        # The spec module never changes: its names are read once per process, not once
+        # per plan (pluggy looks each of them up with inspect.getattr_static).
+        if module_or_class is not hookspecs:
+            return super().parse_hookspec_opts(module_or_class, name)
+        try:
+            opts = _SPEC_OPTS[name]
+        except KeyError:
+            opts = _SPEC_OPTS[name] = super().parse_hookspec_opts(module_or_class, name)
+        return None if opts is None else dict(opts)  # each manager its own, as pluggy's
+
+
+_SPEC_OPTS: dict[str, Any] = {}
 
 
 class _Proxy:
