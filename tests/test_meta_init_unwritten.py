@@ -113,3 +113,26 @@ def test_a_dtype_without_a_nan_goes_unwatched_instead_of_failing() -> None:
     from composer_par.plugin.initialize import plant_sentinel
 
     assert plant_sentinel(torch.zeros(2, dtype=torch.float4_e2m1fn_x2)) is None
+
+
+def test_a_parameter_added_to_one_torch_layer_is_reported() -> None:
+    # torch.nn's own reset_parameters writes what its class registers, not a parameter
+    # set on one instance later.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+        model[2].scale = nn.Parameter(torch.empty(4))
+    with pytest.raises(UninitializedError, match=r"2\.scale.*Linear by Linear\.reset_parameters"):
+        ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+
+
+def test_a_subclass_of_a_torch_layer_with_a_parameter_of_its_own_is_reported() -> None:
+    class GatedLinear(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.gate = nn.Parameter(torch.empty(4))  # nn.Linear.reset_parameters skips it
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), GatedLinear(), GatedLinear())
+    with pytest.raises(UninitializedError) as caught:
+        ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+    assert caught.value.names == ["1.gate", "2.gate"]
