@@ -152,45 +152,31 @@ def _class_init(cls: type) -> InitFn | None:
     return None
 
 
-def seed_device(device: torch.device, seed: int) -> None:
-    """Seed the generator that init ops on ``device`` draw from, and no other.
+# What initialization on a device draws from: the devices ``fork_rng`` must save (the
+# CPU's generator is always saved), and the generator to seed.
+Rng = tuple[list[torch.device], torch.Generator]
+
+
+def rng_of(device: torch.device) -> Rng:
+    """The random state that init ops on ``device`` draw from, and no other (asked once
+    per materialization: ``torch.device.type`` builds a new string on every read).
 
     ``torch.manual_seed`` would also seed every accelerator, lazily: each call records a
     stack (about a millisecond, per module), and the accelerators' states would change
     behind fork_rng, which saves only the devices it is given.
     """
-    if _on_cuda(device):
+    if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.default_generators[index].manual_seed(seed)
-    else:
-        torch.random.default_generator.manual_seed(seed)
-
-
-_CUDA: dict[torch.device, bool] = {}
-
-
-def _on_cuda(device: torch.device) -> bool:
-    """``device.type == "cuda"``, remembered per device: ``torch.device.type`` builds a
-    new string on every read (about half a microsecond), and this is asked for every
-    module, twice."""
-    try:
-        return _CUDA[device]
-    except KeyError:
-        answer = _CUDA[device] = device.type == "cuda"
-        return answer
-
-
-def _rng_devices(device: torch.device) -> list[torch.device]:
-    """The devices ``fork_rng`` must save for init ops on ``device`` (the CPU's generator
-    is always saved)."""
-    return [device] if _on_cuda(device) else []
+        return [device], torch.cuda.default_generators[index]
+    return [], torch.random.default_generator
 
 
 Slot = tuple[nn.Module, str]  # a parameter registration: (module, attribute)
 
 
 def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int,
-                done: set[int] | None = None, unwritten: list[str] | None = None) -> int:
+                done: set[int] | None = None, unwritten: list[str] | None = None,
+                rng: Rng | None = None) -> int:
     """Initialize ``module``'s own parameters as if they were whole, seeded with ``seed``,
     and keep this rank's part of each; the caller's random state is left as it was.
 
@@ -202,8 +188,10 @@ def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int
     each one's first element, which an initializer that writes the tensor overwrites.
     One that skips the module (transformers' _init_weights for a class it does not know)
     leaves it, and the parameter is reported instead of training from whatever memory
-    to_empty left. Returns the bytes of scratch tensors held at once.
+    to_empty left. ``rng``: :func:`rng_of` ``device``, when the caller has it. Returns
+    the bytes of scratch tensors held at once.
     """
+    devices, generator = rng_of(device) if rng is None else rng
     # One pass over the registry sets everything up (this runs for every module of the
     # model): the originals to put back, the scratch tensors, the sentinels.
     registry = module._parameters
@@ -231,8 +219,8 @@ def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int
                 mark = plant_sentinel(full)
                 if mark is not None:
                     watched.append((name, given, mark))
-        with torch.random.fork_rng(devices=_rng_devices(device)), torch.no_grad():
-            seed_device(device, seed)
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            generator.manual_seed(seed)
             init(module)
             after = module._parameters
             # An initializer that registers a new Parameter instead of writing the one
@@ -268,8 +256,9 @@ def init_children_of(module: nn.Module, init: InitFn, device: torch.device, seed
     written = _written_by(module, init)
     if not written:
         return 0
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        seed_device(device, seed)
+    devices, generator = rng_of(device)
+    with torch.random.fork_rng(devices=devices):
+        generator.manual_seed(seed)
         return _init_gathered(module, init, written, done)
 
 
@@ -404,7 +393,10 @@ def plant_sentinel(tensor: torch.Tensor) -> Sentinel | None:
     On CPU the element's bytes are written and read in place (a few hundred nanoseconds;
     this runs for every parameter of the model); elsewhere through a one-element view
     (a device read per parameter)."""
-    kind = _sentinel_kind(tensor.dtype) if tensor.is_cpu else None
+    kind = None
+    if tensor.is_cpu:
+        dtype = tensor.dtype
+        kind = _SENTINELS[dtype] if dtype in _SENTINELS else _sentinel_kind(dtype)
     if kind is not None:
         cell = kind[0].from_address(tensor.data_ptr())
         cell.value = kind[1]
@@ -444,6 +436,7 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     done: set[int] = set()
     left: list[str] = []
     left_types: dict[str, str] = {}
+    rng = rng_of(device)
     for path, module in order:
         owns = owns_tensors(module)
         if not owns and not parent_rules:
@@ -455,7 +448,8 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
         seed = module_seed(base_seed, name)
         if owns:
             unwritten: list[str] = []
-            peak = max(peak, init_module(module, init, device, seed, done, unwritten))
+            used = init_module(module, init, device, seed, done, unwritten, rng)
+            peak = used if used > peak else peak
             count += 1
             if unwritten:
                 left += [f"{name}.{n}" if name else n for n in unwritten]
