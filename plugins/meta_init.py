@@ -97,16 +97,16 @@ class MetaInit(Plugin):
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module) -> list[Finding]:
-        from composer_par.plugin.initialize import owns_tensors, post_order
+        from composer_par.plugin.initialize import post_order, without_initializer
 
         try:
-            pick = self.initializer(model)
+            lacking = without_initializer(model, walk_modules(model), self.init_fn)
         except (ImportError, AttributeError, ValueError) as exc:  # ValueError: ':f'
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]
         found: list[Finding] = []
         # Found on the (shared) walk; reported in initialization order.
-        missing = {id(m) for _, m in walk_modules(model) if owns_tensors(m) and pick(m) is None}
+        missing = {id(m) for m in lacking}
         if not missing:
             return found
         for path, module in post_order(model):

@@ -192,3 +192,38 @@ def test_initializer_lookup_by_class_follows_what_the_module_would_call() -> Non
         init(module)
     assert calls == [f"plain {id(a)}", f"plain {id(b)}", "instance", "static", "private"]
     assert pick(root[5]) is None
+
+
+def test_modules_without_initializer_are_found_as_a_module_by_module_lookup_would() -> None:
+    """without_initializer answers by class where it can; an instance's own attribute,
+    a class without an initializer and a module owning nothing still get their own answer."""
+    import torch.nn as nn
+
+    from composer_par.plugin.initialize import initializer, without_initializer
+
+    class Bare(nn.Module):  # no initializer
+        def __init__(self, owns: bool) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(2)) if owns else None
+
+    class Static(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(2))
+
+        @staticmethod
+        def reset_parameters() -> None:
+            pass
+
+    given, unset = Bare(owns=True), nn.Linear(2, 2)
+    given.reset_parameters = lambda: None  # type: ignore[attr-defined]
+    unset.reset_parameters = None  # type: ignore[assignment, method-assign]
+    lacking = Bare(owns=True)
+    root = nn.Sequential(nn.Linear(2, 2), lacking, Bare(owns=False), given, unset, Static())
+    modules = list(root.named_modules())
+    pick = initializer(root)
+    expected = [m for _, m in modules if pick(m) is None and (
+        any(p is not None for p in m._parameters.values()) or m._buffers)]
+    assert expected == [lacking, unset]
+    assert without_initializer(root, modules) == expected
+    assert without_initializer(root, modules, init_fn=lambda module: None) == []

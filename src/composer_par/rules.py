@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from composer_par.findings import CORE_RULES, Finding, Rule, did_you_mean
 from composer_par.mesh import INFER, MeshSpec
@@ -419,26 +419,27 @@ def model_rules(
             )
         )
     # One walk over the tensors, naming none unless a finding needs it: this runs on
-    # every apply.
+    # every apply. A tensor registered twice is counted once, by id, and only the
+    # materialized ones are (a model built on meta has none).
     dtensors: list[str] = []
     on_meta = False
-    materialized = 0
     from composer_par.blocks import walk_modules, walk_tensors
 
     modules = walk_modules(model)
-    seen: set[int] = set()
+    real: dict[int, Any] = {}
     any_dtensor = False
     for _, module in modules:
         for registry in (module._parameters, module._buffers):
             for tensor in registry.values():
-                if tensor is None or id(tensor) in seen:
+                if tensor is None:
                     continue
-                seen.add(id(tensor))
-                any_dtensor = any_dtensor or isinstance(tensor, DTensor)
+                if isinstance(tensor, DTensor):
+                    any_dtensor = True
                 if tensor.is_meta:
                     on_meta = True
                 else:
-                    materialized += tensor.numel() * tensor.element_size()
+                    real[id(tensor)] = tensor
+    materialized = sum(t.numel() * t.element_size() for t in real.values())
     if any_dtensor:
         dtensors = [n for n, t in (*walk_tensors(model, modules=modules),
                                    *walk_tensors(model, "_buffers", modules))
