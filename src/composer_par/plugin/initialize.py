@@ -457,11 +457,13 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     # One walk, before to_empty (which changes no module tree): it orders initialization
     # and finds the ties to_empty would undo.
     order = list(post_order(model))
-    to_empty_keeping_ties(model, device, order)
+    tied = to_empty_keeping_ties(model, device, order)
     pick = initializer(model, init_fn)
     parent_rules = init_fn is None and callable(getattr(model, "_init_weights", None))
     count = peak = 0
-    done: set[int] = set()
+    # What was initialized already matters only for a parameter registered twice: kept
+    # only where the model has one.
+    done: set[int] | None = set() if tied else None
     left: list[str] = []
     left_types: dict[str, str] = {}
     rng = rng_of(device)
@@ -584,13 +586,16 @@ def strided_alone(placements: Any) -> bool:
 
 
 def to_empty_keeping_ties(model: nn.Module, device: torch.device,
-                          modules: Iterable[tuple[str, nn.Module]] | None = None) -> None:
+                          modules: Iterable[tuple[str, nn.Module]] | None = None
+                          ) -> list[list[tuple[nn.Module, str]]]:
     """``to_empty``, then each tied group made one parameter again: ``to_empty`` gives every
     registration its own new tensor, which silently unties them. ``modules``: every module
-    of ``model`` once, when the caller walked them already."""
+    of ``model`` once, when the caller walked them already. Returns the tied groups
+    (:func:`~composer_par.blocks.tie_groups`)."""
     groups = tie_groups(model, modules)
     model.to_empty(device=device)
     for (first_module, first_name), *rest in groups:
         shared = first_module._parameters[first_name]
         for module, name in rest:
             module._parameters[name] = shared
+    return groups
