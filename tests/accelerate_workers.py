@@ -293,6 +293,69 @@ def checkpoint_case(kind: str, plan_name: str, directory: str) -> dict[str, Any]
     return out
 
 
+# -- evaluation ---------------------------------------------------------------------------
+
+EVAL_SAMPLES = 9  # with 2 per shard and batch: the last global batch is short, then padded
+
+
+class Indexed:
+    """``(index, row)`` of the first ``EVAL_SAMPLES`` rows of :class:`Rows`."""
+
+    def __init__(self, kind: str) -> None:
+        self.rows = Rows(kind, 2).rows[:EVAL_SAMPLES]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Any:
+        return i, self.rows[i]
+
+
+def _per_sample_loss(logits: Any, ids: Any) -> Any:
+    import torch.nn.functional as F
+
+    flat = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                           ids[:, 1:].reshape(-1), reduction="none")
+    return flat.view(ids.shape[0], -1).mean(dim=1)
+
+
+def metrics_case(plan_name: str) -> dict[str, Any]:
+    """Evaluation through the adapter: each batch's sample indices and per-sample losses
+    gathered with ``gather_for_metrics`` (tensors, and the indices as objects too)."""
+    import torch
+
+    from composer_par.integrations.accelerate import prepare_accelerator
+
+    _fresh_accelerate_state()
+    plan = make_plan(plan_name)
+    accelerator, model = prepare_accelerator(plan, build("llama"))
+    model.eval()
+    loader = accelerator.prepare(torch.utils.data.DataLoader(Indexed("llama"), batch_size=2))
+    indices: list[int] = []
+    objects: list[int] = []
+    losses: list[Any] = []
+    with torch.no_grad():
+        for index, ids in loader:
+            indices += accelerator.gather_for_metrics(index).tolist()
+            objects += accelerator.gather_for_metrics(index.tolist(), use_gather_object=True)
+            losses.append(accelerator.gather_for_metrics(_per_sample_loss(model(ids), ids)))
+    return {"case": "metrics", "indices": indices, "objects": objects,
+            "losses": torch.cat(losses)}
+
+
+def metrics_reference() -> Any:
+    """Every sample's loss of :func:`metrics_case`, from the plan's initial weights in
+    one process (MetaInit is layout invariant)."""
+    import torch
+
+    from composer_par import MeshSpec, MetaInit, ParallelPlan
+
+    model = ParallelPlan(MeshSpec()).use(MetaInit(seed=SEED)).apply(build("llama"))
+    rows = Indexed("llama").rows
+    with torch.no_grad():
+        return _per_sample_loss(model(rows), rows)
+
+
 def run_cases(cases: list[tuple[str, ...]], directory: str | None = None
               ) -> list[dict[str, Any]]:
     """Each (case, kind, plan) on this rank, in order; an error is returned, not raised,
@@ -309,6 +372,8 @@ def run_cases(cases: list[tuple[str, ...]], directory: str | None = None
                 results.append(cpu_false_case(plan_name))
             elif case == "trainer":
                 results.append(trainer_case(kind, plan_name, directory or "."))
+            elif case == "metrics":
+                results.append(metrics_case(plan_name))
             else:
                 raise ValueError(case)
         except Exception:

@@ -28,13 +28,14 @@ PARITY = [("parity", kind, plan) for kind in ("hf", "llama") for plan in ("fsdp2
 CHECKPOINTS = [("checkpoint", "hf", "fsdp2_tp"), ("checkpoint", "llama", "hsdp")]
 TRAINERS = [("trainer", "hf", "fsdp2_tp"), ("trainer", "hf", "hsdp")]
 OTHERS = [("cpu_false", "-", "fsdp2_tp")]
+METRICS = [("metrics", "llama", plan) for plan in ("fsdp2_tp", "hsdp")]
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], list[dict[str, Any]]]:
     """Every case on one 4-rank launch: (case, kind, plan) -> each rank's result."""
     directory = str(tmp_path_factory.mktemp("accelerate"))
-    cases = PARITY + CHECKPOINTS + TRAINERS + OTHERS
+    cases = PARITY + CHECKPOINTS + TRAINERS + OTHERS + METRICS
     results = run_ranks(accelerate_workers.run_cases, 4, args=(cases, directory), timeout=600)
     by_case: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for rank_results in results:
@@ -166,6 +167,27 @@ def test_trainer_with_a_plan_trains_as_the_plain_loop(
         name, diff = result["exported"]
         assert diff == 0.0, f"rank {rank}: exported {name} differs by {diff}"
         assert result["exported_config"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", METRICS, ids=lambda c: c[2])
+def test_gather_for_metrics_returns_each_sample_once(
+        launch: dict[tuple[str, ...], list[dict[str, Any]]], case: tuple[str, ...]) -> None:
+    """Under TP two ranks read each data shard: every sample is gathered once all the
+    same, in order, the last batch's padding dropped, with the loss one process computes."""
+    import torch
+
+    results = launch[case]
+    _no_error(results)
+    samples = list(range(accelerate_workers.EVAL_SAMPLES))
+    reference = accelerate_workers.metrics_reference()
+    for rank, result in enumerate(results):
+        assert sorted(result["indices"]) == samples, f"rank {rank}: {result['indices']}"
+        assert result["objects"] == result["indices"], f"rank {rank}"
+        order = torch.tensor(result["indices"]).argsort()
+        torch.testing.assert_close(result["losses"][order], reference,
+                                   rtol=1e-5, atol=1e-5, msg=lambda m, r=rank: f"rank {r}: {m}")
 
 
 def test_plan_file_on_the_command_line(tmp_path: Any) -> None:

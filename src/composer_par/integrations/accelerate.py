@@ -25,6 +25,8 @@ parallelism; what accelerate would do a second time is turned off:
 * data loaders are sharded by ``plan.data_shard()``: ranks that differ only in a
   model-parallel mesh dim read the same samples (accelerate's split over all processes
   would give every TP rank other data);
+* ``gather_for_metrics`` returns each data shard's samples once (accelerate's would
+  repeat them once per rank reading the shard);
 * ``clip_grad_norm_`` is :func:`composer_par.training.clip_grad_norm_`, one norm over
   parameters on any meshes;
 * ``save_state`` / ``load_state`` write and read :mod:`composer_par.checkpoint`'s
@@ -405,6 +407,58 @@ def plan_accelerator_class() -> type:
                 use_stateful_dataloader=self.use_stateful_dataloader, torch_device_mesh=None)
             self._dataloaders.append(prepared)
             return prepared
+
+        def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+            """accelerate's ``gather_for_metrics`` over the plan's data shards: each shard's
+            samples once, in shard order, the padding of the last batch dropped.
+
+            Ranks that differ only in a model-parallel mesh dim read the same samples (the
+            loaders are sharded by ``plan.data_shard()``), so a gather over every process
+            would return each sample once per such rank; the first rank of each shard
+            stands for it. The last batch's padding is cut as accelerate cuts it, by the
+            remainder the shard-wise loader counted."""
+            import torch
+            from accelerate.utils import recursively_apply
+
+            world = self.num_processes
+            shards = [self.plan.data_shard(rank, world) for rank in range(world)]
+            count = shards[0][1]
+            if count == world:  # every rank a shard of its own: accelerate's split
+                return super().gather_for_metrics(input_data, use_gather_object)
+            first: dict[int, int] = {}
+            for rank, (index, _) in enumerate(shards):
+                first.setdefault(index, rank)
+            ranks = [first[index] for index in range(count)]
+            try:
+                recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+                all_tensors = True
+            except TypeError:
+                all_tensors = False
+            if use_gather_object or not all_tensors:
+                # As accelerate's gather_object: each rank gives a list, the lists joined.
+                gathered: list[Any] = [None] * world
+                torch.distributed.all_gather_object(gathered, input_data)
+                data: Any = [item for rank in ranks for item in gathered[rank]]
+                return self._drop_padding(data, objects=True)
+            # accelerate's gather: every rank's tensor (one element for a scalar), of one
+            # size on every rank, joined along the first tensor dim in rank order.
+            whole = self.gather(input_data)
+            data = recursively_apply(
+                lambda t: torch.cat([t.chunk(world)[rank] for rank in ranks]), whole)
+            return self._drop_padding(data, objects=False)
+
+        def _drop_padding(self, data: Any, *, objects: bool) -> Any:
+            """At the end of a loader, the samples past the dataset's end (padding
+            accelerate added to even the last batch out over the shards) are cut."""
+            from accelerate.utils import recursively_apply
+
+            state = self.gradient_state
+            if not state.end_of_dataloader or state.remainder <= 0:
+                return data  # mid-loader, no padding, or a loader without a length
+            remainder = state.remainder
+            if objects:
+                return data[:remainder]
+            return recursively_apply(lambda t: t[:remainder], data)
 
         # -- gradients ---------------------------------------------------------------------------
 
