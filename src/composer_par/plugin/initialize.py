@@ -357,12 +357,12 @@ def _init_gathered(module: nn.Module, init: InitFn, slots: list[Slot],
     its part of the result. Returns the bytes of scratch tensors."""
     originals = [(m, n, m._parameters[n]) for m, n in slots]
     scratch_bytes = 0
-    for m, n, param in originals:
-        if isinstance(param, DTensor):
-            full = param.full_tensor()
-            m._parameters[n] = nn.Parameter(full, requires_grad=param.requires_grad)
-            scratch_bytes += full.nbytes
     try:
+        for m, n, param in originals:
+            if isinstance(param, DTensor):
+                full = param.full_tensor()
+                m._parameters[n] = nn.Parameter(full, requires_grad=param.requires_grad)
+                scratch_bytes += full.nbytes
         with torch.no_grad():
             init(module)
             for m, n, original in originals:
