@@ -443,8 +443,12 @@ def plan_accelerator_class() -> type:
             # accelerate's gather: every rank's tensor (one element for a scalar), of one
             # size on every rank, joined along the first tensor dim in rank order.
             whole = self.gather(input_data)
-            data = recursively_apply(
-                lambda t: torch.cat([t.chunk(world)[rank] for rank in ranks]), whole)
+
+            def shard_copies(tensor: torch.Tensor) -> torch.Tensor:
+                size = tensor.shape[0] // world
+                return torch.cat([tensor[rank * size:(rank + 1) * size] for rank in ranks])
+
+            data = recursively_apply(shard_copies, whole)
             return self._drop_padding(data, objects=False)
 
         def _drop_padding(self, data: Any, *, objects: bool) -> Any:
