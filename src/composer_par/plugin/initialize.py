@@ -137,26 +137,9 @@ def without_initializer(root: nn.Module, modules: Iterable[tuple[str, nn.Module]
     or buffers and that :func:`initializer` finds no initializer for. Raises as
     :func:`resolve_init_fn` does for an ``init_fn`` that cannot be imported."""
     pick = initializer(root, init_fn)
-    if init_fn is not None or callable(getattr(root, "_init_weights", None)):
-        return []  # one initializer for every module
-    # By class first: a class whose reset_parameters is a plain function covers each of
-    # its modules that does not set one of its own, so only the others are asked about
-    # one by one (validation runs this over every module, at every apply).
-    covers: dict[type, bool] = {}
-    out = []
-    for _, module in modules:
-        cls = type(module)
-        covered = covers.get(cls)
-        if covered is None:
-            found = _class_init(cls)
-            covered = covers[cls] = found is not None and found is not _BOUND
-        if covered:
-            own = module.__dict__
-            if "reset_parameters" not in own and "_reset_parameters" not in own:
-                continue
-        if owns_tensors(module) and pick(module) is None:
-            out.append(module)
-    return out
+    # The initializer first: it is looked up by class, and most modules have one, so
+    # their registries are not read (validation runs this over every module).
+    return [module for _, module in modules if pick(module) is None and owns_tensors(module)]
 
 
 def _bound(_module: nn.Module) -> None:  # a marker: look the method up on the module
