@@ -421,14 +421,9 @@ def plan_accelerator_class() -> type:
             from accelerate.utils import recursively_apply
 
             world = self.num_processes
-            shards = [self.plan.data_shard(rank, world) for rank in range(world)]
-            count = shards[0][1]
-            if count == world:  # every rank a shard of its own: accelerate's split
+            ranks = self._shard_ranks
+            if len(ranks) == world:  # every rank a shard of its own: accelerate's split
                 return super().gather_for_metrics(input_data, use_gather_object)
-            first: dict[int, int] = {}
-            for rank, (index, _) in enumerate(shards):
-                first.setdefault(index, rank)
-            ranks = [first[index] for index in range(count)]
             try:
                 recursively_apply(lambda x: x, input_data, error_on_other_type=True)
                 all_tensors = True
@@ -450,6 +445,17 @@ def plan_accelerator_class() -> type:
 
             data = recursively_apply(shard_copies, whole)
             return self._drop_padding(data, objects=False)
+
+        @functools.cached_property
+        def _shard_ranks(self) -> list[int]:
+            """The first rank of each data shard, in shard order: worked out once (the
+            plan and the process count do not change once the accelerator is made), not
+            at every batch an evaluation gathers."""
+            world = self.num_processes
+            first: dict[int, int] = {}
+            for rank in range(world):
+                first.setdefault(self.plan.data_shard(rank, world)[0], rank)
+            return [first[index] for index in range(len(first))]
 
         def _drop_padding(self, data: Any, *, objects: bool) -> Any:
             """At the end of a loader, the samples past the dataset's end (padding
