@@ -37,6 +37,7 @@ import argparse
 import gc
 import time
 from collections.abc import Callable
+from statistics import median
 
 TARGET = 1.05
 
@@ -186,12 +187,6 @@ def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
     return times
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def _paired(results: list[dict[str, Times]], arm: str, base: str) -> list[list[float]]:
     """Per rank, each repeat's CPU-time ratio arm / base (the two ran back to back, so a
     repeat's ratio sees one machine state on both sides)."""
@@ -210,9 +205,9 @@ def _pooled(paired: list[list[float]], draws: int = 2000) -> tuple[float, float,
     rng = random.Random(0)
     repeats = len(paired[0])
     by_repeat = [[rank[r] for rank in paired] for r in range(repeats)]
-    estimate = _median([x for row in by_repeat for x in row])
+    estimate = median([x for row in by_repeat for x in row])
     medians = sorted(
-        _median([x for _ in range(repeats) for x in by_repeat[rng.randrange(repeats)]])
+        median([x for _ in range(repeats) for x in by_repeat[rng.randrange(repeats)]])
         for _ in range(draws))
     return estimate, medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
@@ -319,15 +314,16 @@ def main() -> None:
           "slicing each parameter with torch's distribute_tensor")
     plan_pairs = _paired(results, "plan", "hand")
     again_pairs = _paired(results, "hand_again", "hand")
+    dt_pairs = _paired(results, "plan", "hand_dt")
     for rank, times in enumerate(results):
         best = {arm: min(t[1] for t in times[arm]) for arm in ARMS}
         print(f"  rank {rank}:  minima: plan {best['plan'] * 1000:6.1f} ms  hand "
               f"{best['hand'] * 1000:6.1f} ms  hand_dt {best['hand_dt'] * 1000:6.1f} ms   "
-              f"paired medians: plan/hand {_median(plan_pairs[rank]):.3f}  "
-              f"hand_again/hand {_median(again_pairs[rank]):.3f}  "
-              f"plan/hand_dt {_median(_paired(results, 'plan', 'hand_dt')[rank]):.3f}")
-    worst = max(_median(r) for r in plan_pairs)
-    worst_again = max(_median(r) for r in again_pairs)
+              f"paired medians: plan/hand {median(plan_pairs[rank]):.3f}  "
+              f"hand_again/hand {median(again_pairs[rank]):.3f}  "
+              f"plan/hand_dt {median(dt_pairs[rank]):.3f}")
+    worst = max(median(r) for r in plan_pairs)
+    worst_again = max(median(r) for r in again_pairs)
     pooled, low, high = _pooled(plan_pairs)
     floor, floor_low, floor_high = _pooled(again_pairs)
     print(f"all ranks' paired ratios together (median, 95 % interval over repeats): "
