@@ -11,11 +11,11 @@ from composer_par.testing.parity import ParityCase, ParityResult
 
 
 def train_cases(cases: list[ParityCase]) -> list[tuple[list[float], dict[str, Any]]]:
-    """``train_on_rank`` for several cases in one run of the ranks: starting 8 processes
+    """``train_case`` for several cases in one run of the ranks: starting 8 processes
     and their process group costs more than a small case's 10 steps."""
-    from composer_par.testing.parity import train_on_rank
+    from composer_par.testing.parity import train_case
 
-    return [train_on_rank(case) for case in cases]
+    return [train_case(case) for case in cases]
 
 
 def check_cases(cases: list[ParityCase], *, timeout: float) -> list[ParityResult]:

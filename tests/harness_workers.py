@@ -83,7 +83,7 @@ def unpicklable_result() -> Any:
 
 def train_then_drift(case: Any, name: str, on_rank: int, delta: float
                      ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``train_on_rank``, then the Replicate parameter ``name`` moved by ``delta`` on
+    """``train_case``, then the Replicate parameter ``name`` moved by ``delta`` on
     ``on_rank`` alone after the last step: a replicated copy that drifted on one rank
     while the losses stayed at parity. Only that rank's view of the parameter shows it."""
     from torch.distributed.tensor import DTensor, Replicate

@@ -12,7 +12,7 @@ llama_kv4 = LlamaTask(n_kv_heads=4)
 
 
 def train_loss_parallel(case: ParityCase) -> tuple[list[float], dict[str, Any]]:
-    """``train_on_rank`` with the loss and its backward under ``loss_parallel()``, as a
+    """``train_case`` with the loss and its backward under ``loss_parallel()``, as a
     user of ``TP(loss_parallel=True)`` writes them (the logits stay vocabulary-sharded).
     Every rank returns its own view of the parameters (a replicated one is its copy)."""
     import torch.distributed as dist

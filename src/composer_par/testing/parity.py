@@ -221,16 +221,11 @@ def apply_to_built(task: Any, plan: ParallelPlan) -> tuple[nn.Module, int, int]:
     return model, index, count
 
 
-def train_on_rank(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One rank's side of :func:`check_parity`: build on meta, apply the plan, train.
-    Every rank returns the losses and its own view of every full parameter."""
-    return train_case(case)
-
-
 def train_case(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Build on meta, apply the plan, train ``case.steps`` steps on this rank's data
-    shard; the mean loss of each step and this rank's view of every full parameter
-    (gathered on every rank: a collective, so every rank calls it)."""
+    """One rank's side of :func:`check_parity`: build on meta, apply the plan, train
+    ``case.steps`` steps on this rank's data shard; the mean loss of each step and this
+    rank's view of every full parameter (gathered on every rank: a collective, so every
+    rank calls it)."""
     losses, model = train_model(case)
     return losses, full_parameters(model)
 
@@ -336,7 +331,7 @@ def check_parity(
     case: ParityCase, *, timeout: float = 240.0, workdir: str | os.PathLike[str] | None = None
 ) -> ParityResult:
     """Run the plan on ``case.world_size`` gloo ranks and the reference; compare."""
-    results = run_ranks(train_on_rank, case.world_size, args=(case,), timeout=timeout,
+    results = run_ranks(train_case, case.world_size, args=(case,), timeout=timeout,
                         workdir=workdir)
     return parity_result(case, results)
 
@@ -345,7 +340,7 @@ def parity_result(
     case: ParityCase, rank_results: Sequence[tuple[list[float], dict[str, torch.Tensor]]]
 ) -> ParityResult:
     """Every rank's ``(losses, full parameters)``, in rank order as a rank function like
-    :func:`train_on_rank` returns them, with the reference trained here. The losses are
+    :func:`train_case` returns them, with the reference trained here. The losses are
     rank 0's, once every rank's are found equal to them (all-reduced means: one value on
     every rank)."""
     rank_params = [params for _, params in rank_results]
