@@ -442,8 +442,8 @@ class FSDP2(Plugin):
         ``part``: ``model`` is one pipeline stage's part, which holds some units only."""
         from composer_par.plugin import clean_name
 
-        units = [Unit(clean_name(path), (clean_name(path),), "block", modules=(block,))
-                 for path, block in blocks]
+        units = [Unit(name, (name,), "block", modules=(block,))
+                 for name, block in ((clean_name(path), block) for path, block in blocks)]
         if self.blocks is None and not self.units:
             units += [Unit(u.key, u.paths, "model plan", FSDP_STYLES[u.style],
                            modules=tuple(model.get_submodule(r) for r in u.raw))
@@ -525,6 +525,10 @@ class FSDP2(Plugin):
         values: dict[str, bool | int | None] = {}
         found: list[Finding] = []
         used: set[str] = set()
+        if not self.reshard_units:  # the usual case, asked at validation and at apply
+            given = self.reshard_after_forward
+            return {u.name: u.style if u.style is not None and given is None else given
+                    for u in units}, found
         for unit in units:
             exact = [k for k in self.reshard_units if not _GLOB & set(k) and unit.matches(k)]
             patterns = [k for k in self.reshard_units if _GLOB & set(k) and unit.matches(k)]

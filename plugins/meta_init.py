@@ -22,11 +22,11 @@ from composer_par.plugin import (
     Plugin,
     Rule,
     Severity,
+    all_modules,
     clean_name,
     hookimpl,
     import_string_findings,
     int_option,
-    walk_modules,
 )
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class MetaInit(Plugin):
         from composer_par.plugin.initialize import post_order, without_initializer
 
         try:
-            lacking = without_initializer(model, walk_modules(model), self.init_fn)
+            lacking = without_initializer(model, all_modules(model), self.init_fn)
         except (ImportError, AttributeError, ValueError) as exc:  # ValueError: ':f'
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]

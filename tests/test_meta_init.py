@@ -225,5 +225,9 @@ def test_modules_without_initializer_are_found_as_a_module_by_module_lookup_woul
     expected = [m for _, m in modules if pick(m) is None and (
         any(p is not None for p in m._parameters.values()) or m._buffers)]
     assert expected == [lacking, unset]
-    assert without_initializer(root, modules) == expected
-    assert without_initializer(root, modules, init_fn=lambda module: None) == []
+    assert without_initializer(root, [m for _, m in modules]) == expected
+    assert without_initializer(root, [m for _, m in modules],
+                               init_fn=lambda module: None) == []
+    # Without an instance's own initializer, the answer is by class.
+    by_class = [nn.Linear(2, 2), Bare(owns=True), Bare(owns=False), Static(), nn.Linear(1, 1)]
+    assert without_initializer(nn.Sequential(*by_class), by_class) == [by_class[1]]

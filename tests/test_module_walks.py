@@ -1,10 +1,12 @@
 """walk_modules / walk_tensors give exactly what named_modules / named_parameters /
-named_buffers give (names, objects, order, each shared module or tensor once), on real
+named_buffers give (names, objects, order, each shared module or tensor once), and
+all_modules / registered the same modules and registrations without names, on real
 models and on random module trees with shared children, tied parameters and empty
 slots."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -12,7 +14,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from composer_par.blocks import walk_modules, walk_tensors
+from composer_par.blocks import all_modules, registered, walk_modules, walk_tensors
 from composer_par.testing.tasks import llama
 
 
@@ -23,6 +25,19 @@ def same_walks(model: nn.Module) -> None:
         (n, id(p)) for n, p in model.named_parameters()]
     assert [(n, id(b)) for n, b in walk_tensors(model, "_buffers")] == [
         (n, id(b)) for n, b in model.named_buffers()]
+    # all_modules: the same modules, each once, every one after a parent of it.
+    named = [m for _, m in model.named_modules()]
+    unnamed = all_modules(model)
+    assert len(unnamed) == len(named)
+    assert {id(m) for m in unnamed} == {id(m) for m in named}
+    position = {id(m): i for i, m in enumerate(unnamed)}
+    for i, module in enumerate(unnamed[1:], start=1):
+        assert any(position[id(parent)] < i for parent in named
+                   if any(child is module for child in parent._modules.values()))
+    # registered: every registration of those modules, a tied tensor once per module.
+    for kind in ("_parameters", "_buffers"):
+        assert Counter(map(id, registered(model, kind))) == Counter(
+            id(t) for m in named for t in getattr(m, kind).values() if t is not None)
 
 
 def test_the_projects_llama() -> None:
@@ -86,6 +101,19 @@ def test_same_tree_walks_each_model_once_and_hands_out_copies() -> None:
     assert second == expected
     # Outside, a walk sees the tree as it is now.
     assert len(walk_modules(model)) == len(expected) + 1
+
+
+def test_same_tree_answers_all_modules_from_one_walk_too() -> None:
+    from composer_par import blocks
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+    with blocks.same_tree():
+        first = all_modules(model)
+        first.clear()
+        model.append(nn.Tanh())
+        assert len(all_modules(model)) == 5  # the first walk's answer, a copy of it
+        assert len(walk_modules(model)) == 6  # another kind of walk: walked now
+    assert len(all_modules(model)) == 6
 
 
 def test_same_tree_keeps_the_walk_of_that_model_only() -> None:

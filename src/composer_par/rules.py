@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from composer_par.findings import CORE_RULES, Finding, Rule, did_you_mean
 from composer_par.mesh import INFER, MeshSpec
@@ -393,6 +394,7 @@ def _suggest_hsdp(
 # -- model-aware ---------------------------------------------------------------------------
 
 LARGE_MATERIALIZED_BYTES = 1 << 30
+_IS_META = attrgetter("is_meta")
 
 
 def model_rules(
@@ -418,31 +420,20 @@ def model_rules(
                 plugin=needing[0],
             )
         )
-    # One walk over the tensors, naming none unless a finding needs it: this runs on
-    # every apply. A tensor registered twice is counted once, by id, and only the
-    # materialized ones are (a model built on meta has none).
-    dtensors: list[str] = []
-    on_meta = False
-    from composer_par.blocks import walk_modules, walk_tensors
+    # The tensors, gathered in C and named only if a finding needs it: this runs on every
+    # apply. A tensor registered twice is counted once, by id, and only the materialized
+    # ones are (a model built on meta has none).
+    from composer_par.blocks import registered, walk_tensors
 
-    modules = walk_modules(model)
-    real: dict[int, Any] = {}
-    any_dtensor = False
-    for _, module in modules:
-        for registry in (module._parameters, module._buffers):
-            for tensor in registry.values():
-                if tensor is None:
-                    continue
-                if isinstance(tensor, DTensor):
-                    any_dtensor = True
-                if tensor.is_meta:
-                    on_meta = True
-                else:
-                    real[id(tensor)] = tensor
+    tensors = registered(model) + registered(model, "_buffers")
+    on_meta_tensors = list(filter(_IS_META, tensors))
+    on_meta = bool(on_meta_tensors)
+    real = ({} if len(on_meta_tensors) == len(tensors) else
+            {id(t): t for t in tensors if not t.is_meta})
     materialized = sum(t.numel() * t.element_size() for t in real.values())
-    if any_dtensor:
-        dtensors = [n for n, t in (*walk_tensors(model, modules=modules),
-                                   *walk_tensors(model, "_buffers", modules))
+    dtensors: list[str] = []
+    if any(issubclass(kind, DTensor) for kind in set(map(type, tensors))):
+        dtensors = [n for n, t in (*walk_tensors(model), *walk_tensors(model, "_buffers"))
                     if isinstance(t, DTensor)]
     if dtensors:
         found.append(

@@ -60,7 +60,9 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   one hook caller (``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
   :class:`BlockSpec`, :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*``
   one path component); :func:`walk_modules` and :func:`walk_tensors`
-  (``named_modules()`` and ``named_parameters()`` as lists, a few times faster).
+  (``named_modules()`` and ``named_parameters()`` as lists, a few times faster);
+  :func:`all_modules` and :func:`registered` (every module, every registered tensor,
+  without names, gathered in C: for checks that run on every apply).
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
@@ -79,9 +81,11 @@ form, starting from the plugin above.
 from composer_par.blocks import (
     Block,
     BlockSpec,
+    all_modules,
     clean_name,
     names_near,
     path_matches,
+    registered,
     walk_modules,
     walk_tensors,
 )
@@ -176,6 +180,7 @@ __all__ = [
     "Severity",
     "Stage",
     "Topology",
+    "all_modules",
     "all_reduce_mean",
     "already_wrapped",
     "blocks_option",
@@ -193,6 +198,7 @@ __all__ = [
     "names_near",
     "ordering_option",
     "path_matches",
+    "registered",
     "walk_modules",
     "walk_tensors",
     "wrapped_block_findings",

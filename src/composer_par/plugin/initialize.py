@@ -19,8 +19,10 @@ import hashlib
 import importlib
 import inspect
 import math
+import operator
 import types
 from collections.abc import Callable, Iterable, Iterator
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -131,15 +133,30 @@ def initializer(root: nn.Module, init_fn: str | InitFn | None = None
     return pick
 
 
-def without_initializer(root: nn.Module, modules: Iterable[tuple[str, nn.Module]],
+def without_initializer(root: nn.Module, modules: Iterable[nn.Module],
                         init_fn: str | InitFn | None = None) -> list[nn.Module]:
-    """The modules among ``modules`` (``(path, module)`` of ``root``) that own parameters
-    or buffers and that :func:`initializer` finds no initializer for. Raises as
-    :func:`resolve_init_fn` does for an ``init_fn`` that cannot be imported."""
+    """The modules among ``modules`` (of ``root``) that own parameters or buffers and
+    that :func:`initializer` finds no initializer for. Raises as :func:`resolve_init_fn`
+    does for an ``init_fn`` that cannot be imported."""
     pick = initializer(root, init_fn)
-    # The initializer first: it is looked up by class, and most modules have one, so
-    # their registries are not read (validation runs this over every module).
-    return [module for _, module in modules if pick(module) is None and owns_tensors(module)]
+    modules = list(modules)
+    # Validation asks this of every module on every apply. Where no module sets its own
+    # initializer (an instance attribute, which pick looks at first), pick answers by
+    # class: the modules of a class with an initializer are passed over without a call
+    # each (the tests run in C: no Python runs per module). The others, and every
+    # module when one sets its own, ask pick.
+    instance_dicts = list(map(vars, modules))
+    overridden = any(map(operator.contains, instance_dicts, repeat("reset_parameters"))) or any(
+        map(operator.contains, instance_dicts, repeat("_reset_parameters")))
+    if not overridden:
+        # A class attribute that is callable is what pick calls (bound per module when
+        # it is not a plain function); a class with none is left to pick.
+        covered = {cls for cls in set(map(type, modules))
+                   if callable(getattr(cls, "reset_parameters", None))
+                   or callable(getattr(cls, "_reset_parameters", None))}
+        modules = list(compress(modules, map(operator.not_, map(
+            covered.__contains__, map(type, modules)))))
+    return [module for module in modules if owns_tensors(module) and pick(module) is None]
 
 
 def _bound(_module: nn.Module) -> None:  # a marker: look the method up on the module
