@@ -9,19 +9,21 @@ hand arm again as an arm of its own (hand_again: identical work, so hand_again /
 shows the measurement's noise floor), and a hand loop slicing each parameter with
 torch's ``distribute_tensor``, as one would write it without that helper (hand_dt).
 
-    .venv/bin/python benchmarks/bench_apply.py [--blocks 48] [--repeats 24]
+    .venv/bin/python benchmarks/bench_apply.py [--blocks 48] [--repeats 48]
     .venv/bin/python benchmarks/bench_apply.py --instructions     # needs valgrind
 
 Prints per rank the minima of each arm's CPU time and the median of the paired ratios
 (one repeat's plan against the same repeat's hand; target <= 1.05 on the worst rank),
 the same for hand_again / hand, and all ranks' paired ratios pooled with a 95 % bootstrap
-interval. Every rank starts each arm together; before each, the garbage collector runs
-and the C heap gives its free memory back (an arm runs slower after some arms than
-after others otherwise: 10 % after hand_dt, measured), and the arms' order follows a
-Williams square, so each arm follows each other arm equally often.
+interval. The ranks take turns: one rank runs an arm while the others wait in a barrier
+(apply makes no collective), so no rank is timed beside another's work. Before each
+arm the garbage collector runs and the C heap gives its free memory back (an arm runs
+slower after some arms than after others otherwise: 10 % after hand_dt, measured), and
+the arms' order follows a Williams square, so each arm follows each other arm equally
+often.
 
-On a shared machine (4 ranks on 2 cores here) single runs of the same arm vary by a
-third, and hand_again / hand shows how far two arms doing the same work stray apart.
+On a shared machine single runs of the same arm vary by a third, and hand_again / hand
+shows how far two arms doing the same work stray apart.
 ``--instructions`` counts the instructions each arm executes instead, under valgrind's
 cachegrind (deterministic: hash seed fixed, one thread, garbage collector off while the
 arms run): one process as rank 0 of a fake process group of ``--ranks`` ranks, which
@@ -165,6 +167,7 @@ def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
     for run in runs.values():  # warm-up: first-call imports and caches
         run()
     reset = _heap_reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
     times: dict[str, Times] = {arm: [] for arm in ARMS}
     for repeat in range(repeats):
         # Interleaved, so machine noise hits every arm alike, in balanced orders (ORDERS).
@@ -173,17 +176,23 @@ def _rank_main(blocks: int, repeats: int) -> dict[str, Times]:
         # states), and freeing them would otherwise land on whichever arm happened to
         # cross gc's threshold.
         for arm in (ARMS[i] for i in ORDERS[repeat % len(ORDERS)]):
-            gc.collect()
-            reset()
-            # Every rank starts each arm together: apply makes no collective, so without
-            # this the ranks drift apart and one arm would be timed beside another rank's
-            # other arm (4 ranks share 2 cores), a contention the other arm does not meet.
-            dist.barrier()
-            gc.disable()
-            try:
-                times[arm].append(runs[arm]())
-            finally:
-                gc.enable()
+            # The ranks take turns: one rank runs the arm while the others wait in the
+            # barrier (gloo's wait sleeps: a waiting rank uses under 1 % of a core,
+            # measured). apply makes no collective, so a rank can apply alone, and it is
+            # then timed on a machine its peers leave quiet. Run together, 4 ranks on 2
+            # cores time each other's cache and core sharing, which differs from arm to
+            # arm as the ranks drift apart, and identical arms read up to 14 % apart on
+            # the worst rank (measured).
+            for turn in range(world):
+                if turn == rank:
+                    gc.collect()
+                    reset()
+                    gc.disable()
+                    try:
+                        times[arm].append(runs[arm]())
+                    finally:
+                        gc.enable()
+                dist.barrier()
     return times
 
 
@@ -288,14 +297,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=None,
-                        help="applies per arm (default 24 timed, 4 counted)")
+                        help="applies per arm (default 48 timed, 4 counted)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under valgrind instead of timing 4 ranks")
     parser.add_argument("--counted-arm", choices=COUNTED, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats is None:
-        args.repeats = 4 if args.instructions or args.counted_arm else 24
+        args.repeats = 4 if args.instructions or args.counted_arm else 48
     if args.counted_arm:
         _counted_arm(args.counted_arm, args.blocks, args.repeats, args.ranks)
         return
