@@ -442,8 +442,8 @@ class FSDP2(Plugin):
         ``part``: ``model`` is one pipeline stage's part, which holds some units only."""
         from composer_par.plugin import clean_name
 
-        units = [Unit(name, (name,), "block", modules=(block,))
-                 for name, block in ((clean_name(path), block) for path, block in blocks)]
+        units = [Unit(clean_name(path), (clean_name(path),), "block", modules=(block,))
+                 for path, block in blocks]
         if self.blocks is None and not self.units:
             units += [Unit(u.key, u.paths, "model plan", FSDP_STYLES[u.style],
                            modules=tuple(model.get_submodule(r) for r in u.raw))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from functools import partial
 from itertools import chain
@@ -73,11 +73,23 @@ def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     a module registered twice comes once, at its first path), walked with a stack. torch's
     nested generators pay for every level of depth at each module, and a plan walks the
     model several times per validation and apply."""
+    return _once_per_tree(model, "named", _walk_named)
+
+
+def _once_per_tree(model: nn.Module, kind: str, walk: Callable[[Any], list[Any]]
+                   ) -> list[Any]:
+    """``walk(model)``; within :func:`same_tree`, walked once per model and kind, and a
+    copy of that walk handed out each time (a caller's list is its own)."""
     cache = _SAME_TREE.get()
-    if cache is not None:
-        hit = cache.get((id(model), "named"))
-        if hit is not None and hit[0] is model:
-            return list(hit[1])
+    if cache is None:
+        return walk(model)
+    hit = cache.get((id(model), kind))
+    if hit is None or hit[0] is not model:
+        hit = cache[(id(model), kind)] = (model, walk(model))
+    return list(hit[1])
+
+
+def _walk_named(model: nn.Module) -> list[tuple[str, nn.Module]]:
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
@@ -95,9 +107,6 @@ def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             for child_name, child in reversed(children.items()):
                 if child is not None:
                     push((prefix + child_name, child))
-    if cache is not None:
-        cache[(id(model), "named")] = (model, out)
-        return list(out)
     return out
 
 
@@ -117,11 +126,10 @@ def all_modules(model: nn.Module) -> list[nn.Module]:
     children are gathered in C; a level with an empty slot or a module seen before (a
     module registered twice) is sorted out in Python. Within :func:`same_tree`, answered
     from one walk per model (a copy each time)."""
-    cache = _SAME_TREE.get()
-    if cache is not None:
-        hit = cache.get((id(model), "all"))
-        if hit is not None and hit[0] is model:
-            return list(hit[1])
+    return _once_per_tree(model, "all", _walk_all)
+
+
+def _walk_all(model: nn.Module) -> list[nn.Module]:
     out = [model]
     seen = {id(model)}
     level = out
@@ -139,9 +147,6 @@ def all_modules(model: nn.Module) -> list[nn.Module]:
             seen |= ids
         out += children
         level = children
-    if cache is not None:
-        cache[(id(model), "all")] = (model, out)
-        return list(out)
     return out
 
 
@@ -152,18 +157,15 @@ def registered(model: nn.Module, kind: str = "_parameters",
     that registers it. ``modules``: the modules to look at, when the caller has them
     (else :func:`all_modules`). Gathered in C (see :data:`_CHILDREN`); within
     :func:`same_tree`, answered from one gathering per model and kind."""
-    cache = _SAME_TREE.get() if modules is None else None
-    if cache is not None:
-        hit = cache.get((id(model), kind))
-        if hit is not None and hit[0] is model:
-            return list(hit[1])
     getter = _PARAMETERS if kind == "_parameters" else _BUFFERS
-    walked = all_modules(model) if modules is None else modules
-    out = list(filter(_NOT_NONE, chain.from_iterable(map(dict.values, map(getter, walked)))))
-    if cache is not None:
-        cache[(id(model), kind)] = (model, out)
-        return list(out)
-    return out
+
+    def gather(walked: Iterable[nn.Module]) -> list[Any]:
+        return list(filter(_NOT_NONE, chain.from_iterable(map(dict.values, map(getter,
+                                                                               walked)))))
+
+    if modules is not None:
+        return gather(modules)
+    return _once_per_tree(model, kind, lambda m: gather(all_modules(m)))
 
 
 def walk_tensors(model: nn.Module, kind: str = "_parameters",
@@ -270,15 +272,15 @@ def tie_groups(model: nn.Module, modules: Iterable[tuple[str, nn.Module]] | None
     with the output head), as ``[(module, attribute), ...]`` groups of two or more.
     ``modules``: every module of ``model`` once, as ``(path, module)``, when the caller
     walked them already (the groups then follow that order; else :func:`all_modules`'s)."""
-    walked = all_modules(model) if modules is None else list(map(itemgetter(1), modules))
+    given = None if modules is None else list(map(itemgetter(1), modules))
     # Ties are rare: the ids of every registration tell whether there are any, gathered in
     # C, before any grouping (this runs at validation and at materialization).
-    params = registered(model) if modules is None else registered(model, modules=walked)
+    params = registered(model, modules=given)
     if len(set(map(id, params))) == len(params):
         return []
     first: dict[int, tuple[nn.Module, str]] = {}
     groups: dict[int, list[tuple[nn.Module, str]]] = {}  # only parameters seen twice
-    for module in walked:
+    for module in all_modules(model) if given is None else given:
         for name, param in module._parameters.items():
             if param is None:
                 continue

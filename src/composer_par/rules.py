@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import filterfalse
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -426,10 +427,9 @@ def model_rules(
     from composer_par.blocks import registered, walk_tensors
 
     tensors = registered(model) + registered(model, "_buffers")
-    on_meta_tensors = list(filter(_IS_META, tensors))
-    on_meta = bool(on_meta_tensors)
-    real = ({} if len(on_meta_tensors) == len(tensors) else
-            {id(t): t for t in tensors if not t.is_meta})
+    materialized_tensors = list(filterfalse(_IS_META, tensors))
+    on_meta = len(materialized_tensors) < len(tensors)
+    real = {id(t): t for t in materialized_tensors}
     materialized = sum(t.numel() * t.element_size() for t in real.values())
     dtensors: list[str] = []
     if any(issubclass(kind, DTensor) for kind in set(map(type, tensors))):
