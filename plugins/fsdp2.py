@@ -526,8 +526,8 @@ class FSDP2(Plugin):
         found: list[Finding] = []
         used: set[str] = set()
         if not self.reshard_units:  # the usual case, asked at validation and at apply
-            given = self.reshard_after_forward
-            return {u.name: u.style if u.style is not None and given is None else given
+            default = self.reshard_after_forward
+            return {u.name: u.style if u.style is not None and default is None else default
                     for u in units}, found
         for unit in units:
             exact = [k for k in self.reshard_units if not _GLOB & set(k) and unit.matches(k)]
