@@ -55,6 +55,29 @@ def test_same_weights_on_1_2_and_4_ranks(world: int) -> None:
         assert_bitwise(result["buffers"], ref_buffers)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_sharded_scratch_takes_each_parameters_dtype_not_the_default() -> None:
+    """A sharded parameter is initialized in a full-size scratch tensor, made without
+    dtype and device arguments where those are torch's defaults: under a default dtype
+    the model does not use, the scratch must still be the parameter's own (float64
+    scratch would draw other random numbers)."""
+    reference, _ = single_process(seed=4)
+    results = run_ranks(materialize, 2, args=({"dp_shard": 2}, 4, "float64"), timeout=120)
+    for result in results:
+        assert {p.dtype for p in result["params"].values()} == {torch.float32}
+        assert_bitwise(result["params"], reference)
+
+
+def test_init_target_makes_plain_scratch_only_where_torch_empty_lands_on_the_device() -> None:
+    from composer_par.plugin.initialize import init_target
+
+    assert init_target(torch.device("cpu")).plain_dtype is torch.get_default_dtype()
+    assert init_target(torch.device("meta")).plain_dtype is None
+    with torch.device("meta"):  # torch.empty(shape) would make a meta tensor here
+        assert init_target(torch.device("cpu")).plain_dtype is None
+
+
 def test_non_persistent_rope_buffer_is_recomputed() -> None:
     _, buffers = single_process(seed=0)
     eager = llama.build()  # built on CPU: the table computed in __init__

@@ -136,3 +136,41 @@ def test_a_subclass_of_a_torch_layer_with_a_parameter_of_its_own_is_reported() -
     with pytest.raises(UninitializedError) as caught:
         ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
     assert caught.value.names == ["1.gate", "2.gate"]
+
+
+@pytest.mark.parametrize("layer", [
+    lambda: nn.Linear(5, 3), lambda: nn.Linear(5, 3, bias=False),
+    lambda: nn.Embedding(6, 4), lambda: nn.Embedding(6, 4, padding_idx=2),
+    lambda: nn.LayerNorm(4), lambda: nn.LayerNorm(4, bias=False),
+    lambda: nn.LayerNorm(4, elementwise_affine=False), lambda: nn.RMSNorm(4),
+], ids=["linear", "linear-nobias", "embedding", "embedding-padding", "layernorm",
+        "layernorm-nobias", "layernorm-noaffine", "rmsnorm"])
+def test_the_torch_initializers_left_unwatched_write_every_parameter(layer) -> None:
+    # MetaInit plants no sentinel in these layers' parameters when their own torch
+    # reset_parameters initializes them: that is sound only if it writes every one.
+    from composer_par.plugin.initialize import init_target
+
+    module = layer()
+    complete = init_target(torch.device("cpu")).complete
+    assert type(module) in complete
+    assert set(n for n, _ in module.named_parameters()) <= complete[type(module)][1]
+    with torch.no_grad():
+        for param in module.parameters():
+            param.fill_(float("nan"))
+    module.reset_parameters()
+    for name, param in module.named_parameters():
+        assert not torch.isnan(param).any(), f"{name} left unwritten"
+
+
+def test_a_torch_layer_is_watched_again_when_torch_nn_init_is_replaced(monkeypatch) -> None:
+    # transformers' no_init_weights swaps torch.nn.init's functions for no-ops: then a
+    # torch layer's reset_parameters writes nothing, and the sentinel must tell.
+    def skip(*args, **kwargs):
+        return args[0] if args else None
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    monkeypatch.setattr(nn.init, "kaiming_uniform_", skip)
+    with pytest.raises(UninitializedError) as caught:
+        ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+    assert caught.value.names == ["0.weight"]  # the bias is drawn by uniform_, intact
