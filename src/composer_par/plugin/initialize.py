@@ -235,7 +235,7 @@ def _complete_initializers() -> dict[type, tuple[Callable[..., None], frozenset[
     if any(getattr(getattr(nn.init, name, None), "__module__", None) != "torch.nn.init"
            for name in _TORCH_INIT_CALLS):
         return {}
-    found = {}
+    found: dict[type, tuple[Callable[..., None], frozenset[str]]] = {}
     for cls, names in _COMPLETE_INITIALIZERS.items():
         method = cls.__dict__.get("reset_parameters")
         if (isinstance(method, types.FunctionType)
