@@ -32,4 +32,3 @@ def materialize(world_shape: dict[str, int], seed: int, default_dtype: str | Non
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     return {"rank": dist.get_rank(), "params": params, "buffers": buffers,
             "peak": plan.notes["meta_init_peak_full_bytes"]}
-
