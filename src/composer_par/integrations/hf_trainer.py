@@ -24,36 +24,29 @@ On top of what that adapter turns off, the Trainer is kept from:
   ``resume_from_checkpoint`` reads it back. ``save_model`` exports Hugging Face
   safetensors without gathering the model on one rank.
 
-transformers (and accelerate) are imported when a trainer is made, not with this module
-(``PlanTrainer`` is defined on first use). Training arguments that overlap the plan are
-refused before anything is built (CP711-CP719, :func:`trainer_findings`). A plan file on
-the command line: :class:`PlanArguments` with ``HfArgumentParser`` (``--plan plan.toml``),
-see examples/hf_trainer_plan.py.
+transformers (and accelerate) are imported when a trainer is made, not with this module:
+``PlanTrainer`` lives in a module of its own that imports them, loaded when the class is
+first asked for. Training arguments that overlap the plan are refused before anything is
+built (CP711-CP719, :func:`trainer_findings`). A plan file on the command line:
+:class:`PlanArguments` with ``HfArgumentParser`` (``--plan plan.toml``), see
+examples/hf_trainer_plan.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from composer_par.findings import Finding
-from composer_par.integrations.accelerate import (
-    _device_mesh,
-    _world_size,
-    accelerate_findings,
-    plan_accelerator_class,
-    plan_findings,
-)
-from composer_par.integrations.errors import refuse_errors
+from composer_par.integrations.accelerate import accelerate_findings
 
 if TYPE_CHECKING:
     import torch.nn as nn
     import transformers
 
+    from composer_par.integrations._plan_trainer import PlanTrainer
     from composer_par.plan import ParallelPlan
 
 TRAINER = "Trainer"
@@ -130,150 +123,26 @@ class PlanArguments:
         return ParallelPlan.from_toml(Path(self.plan))
 
 
-@functools.cache
-def plan_trainer_class() -> type:
-    """:class:`PlanTrainer`, defined on first use: transformers is imported then, not
-    when this module is."""
-    import transformers
-
-    class PlanTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
-        """``transformers.Trainer`` running ``plan`` (see the module). ``model`` is built as
-        for ``plan.apply`` (ideally on meta); the other arguments are the Trainer's own
-        (``args`` is required). ``optimizers`` must be built on the applied model's
-        parameters; ``optimizer_cls_and_kwargs`` or ``args.optim`` need no model."""
-
-        def __init__(self, plan: ParallelPlan, model: nn.Module | None = None,
-                     args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
-            if model is None or args is None:
-                raise TypeError("PlanTrainer needs model= (the plan applies it; model_init is not "
-                                "supported) and args= (TrainingArguments)")
-            world = _world_size()
-            refuse_errors(TRAINER, plan_findings(plan, world, TRAINER)
-                          + trainer_findings(plan, args))
-            self.plan = plan
-            if not plan.applied:
-                _device_mesh(plan, world)
-                model = plan.apply(model)
-            self._plan_model = model
-            super().__init__(model=model, args=args, **kwargs)
-
-        # -- the accelerator -----------------------------------------------------------------
-
-        def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-            args: dict[str, Any] = super()._build_accelerator_args(**kwargs)
-            # The plan has no DDP to configure; everything else is checked by the adapter.
-            args.pop("kwargs_handlers", None)
-            self._plan_accelerator_args = args
-            return args
-
-        def create_accelerator_and_postprocess(self) -> None:
-            # The Trainer builds accelerate's own Accelerator from its arguments (it is never
-            # given the model); the plan's replaces it with the same arguments.
-            super().create_accelerator_and_postprocess()
-            self.accelerator = plan_accelerator_class()(self.plan, **self._plan_accelerator_args)
-            self.accelerator._plan_models.append(self._plan_model)
-            self.gather_function = self.accelerator.gather_for_metrics
-            if "use_gather_object" in inspect.signature(self.gather_function).parameters:
-                self.gather_function = functools.partial(
-                    self.gather_function, use_gather_object=self.args.eval_use_gather_object)
-            self.is_deepspeed_enabled = False
-            self.is_fsdp_enabled = False
-
-        def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
-            """The plan materialized every parameter on its device: nothing to move."""
-
-        def get_tp_size(self) -> int:
-            """Ranks that read the same samples (those differing only in model-parallel mesh
-            dims): the Trainer divides its token count over all processes by it."""
-            _, count = self.plan.data_shard(self.accelerator.process_index,
-                                            self.accelerator.num_processes)
-            return self.accelerator.num_processes // count
-
-        def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
-            """The tokens the loss is normalized by: the Trainer divides its count by
-            get_tp_size() whether or not it gathered it over the processes; a count it did
-            not gather is this rank's own data shard's, so the division is undone."""
-            count = super()._get_num_items_in_batch(batch_samples, device)
-            if (count is not None and not self.args.average_tokens_across_devices
-                    and hasattr(count, "dim")):
-                count = count * self.get_tp_size()
-            return count
-
-        # -- gradients ---------------------------------------------------------------------------
-
-        def _clip_grad_norm(self, model: nn.Module) -> Any:
-            return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
-
-        def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-            if grad_norm is None:
-                from composer_par.training import total_grad_norm
-
-                grad_norm = total_grad_norm(model.parameters())
-            return grad_norm.item() if hasattr(grad_norm, "item") else grad_norm
-
-        # -- checkpoints -------------------------------------------------------------------------
-
-        def _optimizer_to_save(self) -> Any:
-            if self.args.save_only_model or self.optimizer is None:
-                return None
-            return getattr(self.optimizer, "optimizer", self.optimizer)
-
-        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-            """Inside ``checkpoint-N`` (the Trainer's checkpoints): the model, optimizer and
-            scheduler as a composer_par checkpoint. Otherwise (``trainer.save_model()``):
-            Hugging Face safetensors, each rank writing its own parts, and the config."""
-            from composer_par import checkpoint
-
-            directory = Path(output_dir or self.args.output_dir or ".")
-            model = cast("nn.Module", self.model)
-            if _internal_call:
-                scheduler = (self.lr_scheduler.state_dict()
-                             if self.lr_scheduler is not None else None)
-                checkpoint.save(directory, model, self._optimizer_to_save(),
-                                extra={CHECKPOINT_EXTRA: {"scheduler": scheduler}},
-                                step=self.state.global_step, plan=self.plan)
-                return
-            checkpoint.export_safetensors(model, directory, plan=self.plan)
-            config = getattr(model, "config", None)
-            if config is not None and self.args.should_save:
-                config.save_pretrained(directory)
-
-        def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-            """Saved with the model by save_model, in one composer_par checkpoint."""
-
-        def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-            """Loaded with the optimizer once it exists (_load_optimizer_and_scheduler)."""
-            if not os.path.isdir(resume_from_checkpoint):
-                raise ValueError(f"no checkpoint directory at {resume_from_checkpoint}")
-
-        def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
-            """The composer_par checkpoint of ``checkpoint-N``: model, optimizer, scheduler."""
-            if checkpoint_dir is None:
-                return
-            from composer_par import checkpoint
-
-            info = checkpoint.load(checkpoint_dir, cast("nn.Module", self.model),
-                                   self._optimizer_to_save())
-            saved = info.extra.get(CHECKPOINT_EXTRA) if isinstance(info.extra, dict) else None
-            state = (saved or {}).get("scheduler")
-            if state is not None and self.lr_scheduler is not None:
-                self.lr_scheduler.load_state_dict(state)
+def plan_trainer_class() -> type[PlanTrainer]:
+    """:class:`PlanTrainer`, importing transformers (this module does not)."""
+    from composer_par.integrations._plan_trainer import PlanTrainer
 
     return PlanTrainer
 
 
 def __getattr__(name: str) -> Any:
-    # PlanTrainer subclasses transformers.Trainer: made when first asked for.
+    # PlanTrainer subclasses transformers.Trainer, so its module imports transformers:
+    # that module is loaded when the class is first asked for.
     if name == "PlanTrainer":
         return plan_trainer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def plan_trainer(plan: ParallelPlan | str | os.PathLike[str], model: nn.Module,
-                 args: transformers.TrainingArguments, **kwargs: Any) -> Any:
+                 args: transformers.TrainingArguments, **kwargs: Any) -> PlanTrainer:
     """A :class:`PlanTrainer` from a plan or a plan file's path."""
-    if not hasattr(plan, "apply"):
-        plan = PlanArguments(str(plan)).load()
+    if isinstance(plan, (str, os.PathLike)):
+        plan = PlanArguments(os.fspath(plan)).load()
     return plan_trainer_class()(plan, model=model, args=args, **kwargs)
 
 
