@@ -18,15 +18,15 @@ byte of every file.
 
 Why CRC-32 (zlib's function): it is the digest torch.save already writes for each
 tensor's bytes, so a save need not compute it again; computed by zlib-ng (a dependency)
-with the CPU's carry-less multiply it runs at about 9 GiB/s on one core of the
-development machine, against 2.3 for the standard library's zlib, 1.1 for SHA-1, 0.7 for
-SHA-256 and 0.4 for BLAKE2b (xxHash's xxh3: 11.8, too little more to be worth a digest
-torch.save does not write), and it releases the GIL. Both compute the same values, so
-digests recorded by either are read by the other (without zlib-ng, zlib is used). It is
-made to catch accidents (bit rot, torn or truncated writes, a file of another step or
-copy): every burst of up to 32 flipped bits is caught, any other damage with probability
-1 - 2**-32 per chunk. It is no defence against someone who edits files on purpose (they
-can recompute it; DCP's ``.metadata`` is a pickle anyway: trusted sources only).
+with the CPU's carry-less multiply it is several times faster than the standard
+library's zlib and than the cryptographic digests, close to xxHash's xxh3 (not worth a
+digest torch.save does not write), and it releases the GIL; docs/checkpoints.md has the
+measurements. Both compute the same values, so digests recorded by either are read by
+the other (without zlib-ng, zlib is used). It is made to catch accidents (bit rot, torn
+or truncated writes, a file of another step or copy): every burst of up to 32 flipped
+bits is caught, any other damage with probability 1 - 2**-32 per chunk. It is no defence
+against someone who edits files on purpose (they can recompute it; DCP's ``.metadata``
+is a pickle anyway: trusted sources only).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 try:
     # zlib's CRC-32 (the same values), computed with the CPU's carry-less multiply.
     from zlib_ng.zlib_ng import crc32
-except ImportError:  # zlib's own: the same digests, about a quarter of the speed
+except ImportError:  # zlib's own: the same digests, computed more slowly
     from zlib import crc32
 
 DIGEST = "crc32"
