@@ -12,10 +12,11 @@ offline conversion and inspection.
 Modules, one job each: ``steps`` (step directories, commit markers, latest, retention),
 ``claims`` (exclusive step directories, stale cleaning), ``integrity`` (digests of every
 file, their checks), ``paths`` (names read from files stay inside their directory; bounded
-reads), ``dcp`` (save/load), ``rng`` (per-rank random state), ``safetensors_io`` (headers, region
-reads and writes), ``sources`` (file / directory / index json), ``hf_reader`` (the DCP
-storage reader), ``weights`` (loading weights into a model), ``matching`` (missing and
-unexpected keys), ``adapter`` (name mapping), ``export``, ``convert``, ``inspect``.
+reads), ``dcp`` (save/load), ``dcp_reader`` (DCP's reader checking what it reads), ``rng``
+(per-rank random state), ``safetensors_io`` (headers, region reads and writes),
+``sources`` (file / directory / index json), ``hf_reader`` (DCP's reader of safetensors),
+``weights`` (loading weights into a model), ``matching`` (missing and unexpected keys),
+``adapter`` (name mapping), ``export``, ``convert``, ``inspect``.
 Importing this package does not import torch.
 """
 
