@@ -36,6 +36,7 @@ from composer_par.plugin import (
     dtype_option,
     hookimpl,
     ordering_option,
+    tied_outside,
     walk_modules,
 )
 from composer_par.plugin.fsdp_state import (
@@ -129,7 +130,6 @@ def own_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[tuple[
     ``layers.*`` under every base model, whatever its modules are called), and so are
     those that are the blocks."""
     from composer_par.plugin import clean_name
-    from composer_par.plugin.initialize import tied_outside
 
     plan = getattr(model, "_fsdp_plan", None)
     if not isinstance(plan, dict) or not plan:
@@ -419,8 +419,6 @@ class FSDP2(Plugin):
 
     @hookimpl
     def composer_par_validate_model(self, model: Any, blocks: list[Any]) -> list[Finding]:
-        from composer_par.plugin.initialize import tied_outside
-
         found = self._own_plan_findings(model, blocks)
         units, unit_found = self.unit_list(model, blocks)
         found += unit_found
@@ -486,7 +484,6 @@ class FSDP2(Plugin):
         """Why the module at ``path`` cannot be (part of) a unit of its own, or None;
         ``together``: the paths of its unit (a tie among them stays inside it)."""
         from composer_par.plugin import names_near
-        from composer_par.plugin.initialize import tied_outside
 
         if module is None:
             near = names_near(model, path, 3)

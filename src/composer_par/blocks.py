@@ -13,7 +13,7 @@ A detected block (2 and 3) that shares a parameter with a module outside it (BER
 word embedding, tied to the output head, inside ``BertEmbeddings``) is not a block: a
 block is an FSDP unit, and one parameter cannot be sharded in two units. It stays in its
 parent's unit, with its twin. An explicit spec is taken as given; FSDP2 reports such a
-split (:func:`tied_outside`).
+split (:func:`composer_par.ties.tied_outside`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from functools import partial
 from itertools import chain
-from operator import attrgetter, is_not, itemgetter
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -226,72 +226,11 @@ def find_blocks(model: nn.Module, spec: BlockSpec | None = None) -> list[Block]:
         classes = tuple(getattr(model, "_no_split_modules", None) or ())
     found = _by_class(model, set(classes)) if classes else _largest_repeated_children(model)
     if spec is None or not spec.classes:
+        from composer_par.ties import tied_outside  # (ties imports this module)
+
         split = {path for path, _, _ in tied_outside(model, found)}
         found = [(path, block) for path, block in found if path not in split]
     return found
-
-
-def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, str, str]]:
-    """``(block path, parameter, its twin)`` for each parameter a block shares with a
-    module outside it: the same Parameter registered twice (a tied embedding), or a tie
-    a Hugging Face model declares (``all_tied_weights_keys``, the ties its config makes)."""
-    if not blocks:
-        return []
-    declared = getattr(model, "all_tied_weights_keys", None)
-    if not declared and not tie_groups(model):
-        return []  # the usual case, found without naming every parameter
-    names: dict[int, list[str]] = {}
-    for module_name, module in [("", model), *_named_modules(model)]:
-        for attr, param in module._parameters.items():
-            if param is not None:
-                names.setdefault(id(param), []).append(
-                    f"{module_name}.{attr}" if module_name else attr)
-    # Only a Parameter registered under two names can be split across units: look at
-    # those alone (a model has a handful), not at every parameter once per block.
-    shared = [group for group in names.values() if len(group) > 1]
-    pairs = [(str(a), str(b)) for a, b in declared.items()] if isinstance(declared, dict) else []
-    out = []
-    for path, _ in blocks:
-        inside = path + "."
-        for group in shared:
-            mine = [n for n in group if n.startswith(inside)]
-            others = [n for n in group if not n.startswith(inside)]
-            if mine and others:
-                out.append((path, mine[0], others[0]))
-        for a, b in pairs:
-            if a.startswith(inside) != b.startswith(inside):
-                mine_name, other = (a, b) if a.startswith(inside) else (b, a)
-                if not any(row[1] == mine_name for row in out):
-                    out.append((path, mine_name, other))
-    return out
-
-
-def tie_groups(model: nn.Module, modules: Iterable[tuple[str, nn.Module]] | None = None
-               ) -> list[list[tuple[nn.Module, str]]]:
-    """Parameters registered under several names (tied weights, e.g. an embedding shared
-    with the output head), as ``[(module, attribute), ...]`` groups of two or more.
-    ``modules``: every module of ``model`` once, as ``(path, module)``, when the caller
-    walked them already (the groups then follow that order; else :func:`all_modules`'s)."""
-    given = None if modules is None else list(map(itemgetter(1), modules))
-    # Ties are rare: the ids of every registration tell whether there are any, gathered in
-    # C, before any grouping (this runs at validation and at materialization).
-    params = registered(model, modules=given)
-    if len(set(map(id, params))) == len(params):
-        return []
-    first: dict[int, tuple[nn.Module, str]] = {}
-    groups: dict[int, list[tuple[nn.Module, str]]] = {}  # only parameters seen twice
-    for module in all_modules(model) if given is None else given:
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            key = id(param)
-            if key not in first:
-                first[key] = (module, name)
-            elif key in groups:
-                groups[key].append((module, name))
-            else:
-                groups[key] = [first[key], (module, name)]
-    return list(groups.values())
 
 
 def _named_modules(model: nn.Module) -> list[Block]:

@@ -62,7 +62,9 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   one path component); :func:`walk_modules` and :func:`walk_tensors`
   (``named_modules()`` and ``named_parameters()`` as lists, a few times faster);
   :func:`all_modules` and :func:`registered` (every module, every registered tensor,
-  without names, gathered in C: for checks that run on every apply).
+  without names, gathered in C: for checks that run on every apply); :func:`tied_outside`
+  (the parameters a block shares with a module outside it: one parameter cannot be in two
+  FSDP units).
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
@@ -142,6 +144,7 @@ from composer_par.plugin.wrapping import (
     already_wrapped,
     wrapped_block_findings,
 )
+from composer_par.ties import tied_outside
 from composer_par.topology import Topology
 
 __all__ = [
@@ -199,6 +202,7 @@ __all__ = [
     "ordering_option",
     "path_matches",
     "registered",
+    "tied_outside",
     "walk_modules",
     "walk_tensors",
     "wrapped_block_findings",
