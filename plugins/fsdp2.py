@@ -35,9 +35,9 @@ from composer_par.plugin import (
     dim_option,
     dtype_option,
     hookimpl,
+    modules_by_clean_name,
     ordering_option,
     tied_outside,
-    walk_modules,
 )
 from composer_par.plugin.fsdp_state import (
     install_all_reduce,
@@ -134,7 +134,7 @@ def own_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[tuple[
     plan = getattr(model, "_fsdp_plan", None)
     if not isinstance(plan, dict) or not plan:
         return [], []
-    named = {clean_name(n): n for n, _ in walk_modules(model) if n}
+    named = {clean_name(n): n for n, _ in model.named_modules() if n}
     block_paths = {p for p, _ in blocks}
     units: list[OwnUnit] = []
     left: list[tuple[str, str]] = []
@@ -446,10 +446,9 @@ class FSDP2(Plugin):
             units += [Unit(u.key, u.paths, "model plan", FSDP_STYLES[u.style],
                            modules=tuple(model.get_submodule(r) for r in u.raw))
                       for u in own_units(model, blocks)[0]]
-        named: dict[str, Any] = {}
-        for raw, module in walk_modules(model) if self.units else ():
-            if raw:
-                named.setdefault(clean_name(raw), module)  # the outer of a wrapper pair
+        # the outer of a wrapper pair; the root is no unit of its own
+        named = ({n: m for n, m in modules_by_clean_name(model).items() if n}
+                 if self.units else {})
         block_paths = [u.name for u in units if u.kind == "block"]
         found: list[Finding] = []
         taken: list[str] = []
