@@ -35,8 +35,9 @@ from composer_par.plugin import (
     dim_option,
     dtype_option,
     hookimpl,
+    modules_by_clean_name,
     ordering_option,
-    walk_modules,
+    tied_outside,
 )
 from composer_par.plugin.fsdp_state import (
     install_all_reduce,
@@ -129,12 +130,11 @@ def own_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[tuple[
     ``layers.*`` under every base model, whatever its modules are called), and so are
     those that are the blocks."""
     from composer_par.plugin import clean_name
-    from composer_par.plugin.initialize import tied_outside
 
     plan = getattr(model, "_fsdp_plan", None)
     if not isinstance(plan, dict) or not plan:
         return [], []
-    named = {clean_name(n): n for n, _ in walk_modules(model) if n}
+    named = {clean_name(n): n for n, _ in model.named_modules() if n}
     block_paths = {p for p, _ in blocks}
     units: list[OwnUnit] = []
     left: list[tuple[str, str]] = []
@@ -419,8 +419,6 @@ class FSDP2(Plugin):
 
     @hookimpl
     def composer_par_validate_model(self, model: Any, blocks: list[Any]) -> list[Finding]:
-        from composer_par.plugin.initialize import tied_outside
-
         found = self._own_plan_findings(model, blocks)
         units, unit_found = self.unit_list(model, blocks)
         found += unit_found
@@ -448,10 +446,9 @@ class FSDP2(Plugin):
             units += [Unit(u.key, u.paths, "model plan", FSDP_STYLES[u.style],
                            modules=tuple(model.get_submodule(r) for r in u.raw))
                       for u in own_units(model, blocks)[0]]
-        named: dict[str, Any] = {}
-        for raw, module in walk_modules(model) if self.units else ():
-            if raw:
-                named.setdefault(clean_name(raw), module)  # the outer of a wrapper pair
+        # the outer of a wrapper pair; the root is no unit of its own
+        named = ({n: m for n, m in modules_by_clean_name(model).items() if n}
+                 if self.units else {})
         block_paths = [u.name for u in units if u.kind == "block"]
         found: list[Finding] = []
         taken: list[str] = []
@@ -486,7 +483,6 @@ class FSDP2(Plugin):
         """Why the module at ``path`` cannot be (part of) a unit of its own, or None;
         ``together``: the paths of its unit (a tie among them stays inside it)."""
         from composer_par.plugin import names_near
-        from composer_par.plugin.initialize import tied_outside
 
         if module is None:
             near = names_near(model, path, 3)

@@ -22,7 +22,6 @@ from composer_par.plugin import (
     Plugin,
     Rule,
     Severity,
-    all_modules,
     clean_name,
     hookimpl,
     import_string_findings,
@@ -100,12 +99,12 @@ class MetaInit(Plugin):
         from composer_par.plugin.initialize import post_order, without_initializer
 
         try:
-            lacking = without_initializer(model, all_modules(model), self.init_fn)
+            lacking = without_initializer(model, model.modules(), self.init_fn)
         except (ImportError, AttributeError, ValueError) as exc:  # ValueError: ':f'
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]
         found: list[Finding] = []
-        # Found on the (shared) walk; reported in initialization order.
+        # Reported in initialization order.
         missing = {id(m) for m in lacking}
         if not missing:
             return found

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from composer_par.plugin import clean_name, walk_modules
+from composer_par.plugin import modules_by_clean_name as modules_by_name
 from composer_par.plugin import names_near as module_names_near
 from composer_par.plugin import path_matches as matches
 
@@ -14,14 +14,6 @@ __all__ = ["generalize", "matches", "modules_by_name", "names_near", "parameters
 
 if TYPE_CHECKING:
     import torch.nn as nn
-
-
-def modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
-    """Module by clean name (the outer wrapper where wrappers share a name), root as ''."""
-    out: dict[str, nn.Module] = {}
-    for name, module in walk_modules(model):
-        out.setdefault(clean_name(name), module)
-    return out
 
 
 def names_near(model: nn.Module, modules: Mapping[str, Any], pattern: str, n: int = 5) -> list[

@@ -13,19 +13,14 @@ A detected block (2 and 3) that shares a parameter with a module outside it (BER
 word embedding, tied to the output head, inside ``BertEmbeddings``) is not a block: a
 block is an FSDP unit, and one parameter cannot be sharded in two units. It stays in its
 parent's unit, with its twin. An explicit spec is taken as given; FSDP2 reports such a
-split (:func:`tied_outside`).
+split (:func:`composer_par.ties.tied_outside`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextvars import ContextVar
-from functools import partial
-from itertools import chain
-from operator import attrgetter, is_not, itemgetter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -42,145 +37,18 @@ WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsd
 
 def clean_name(name: str) -> str:
     """The model's own name of a parameter or module, without wrapper components."""
-    # One substring test first (every wrapper component holds "_mod"): this runs for
-    # every module and parameter name, and most names hold no wrapper component.
-    if "_mod" not in name or not any(component in name for component in WRAPPER_COMPONENTS):
+    if not any(component in name for component in WRAPPER_COMPONENTS):
         return name
     return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 
-# Set while nothing may change any model's module tree (a plan's validation): walks are
-# then answered from one walk per model and kind of walk. Keyed by (id, kind), holding
-# the model (so the id stays its own while the entry lives).
-_SAME_TREE: ContextVar[dict[tuple[int, str], tuple[Any, list[Any]]] | None] = ContextVar(
-    "composer_par_same_tree", default=None)
-
-
-@contextlib.contextmanager
-def same_tree() -> Iterator[None]:
-    """Within: :func:`walk_modules` walks each model once and answers again from that
-    walk (a copy each time). For code that changes no module tree: a plan's validation,
-    where the core and several plugins each walk the model."""
-    token = _SAME_TREE.set({})
-    try:
-        yield
-    finally:
-        _SAME_TREE.reset(token)
-
-
-def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``list(model.named_modules())``: the same names, modules and order (parents first;
-    a module registered twice comes once, at its first path), walked with a stack. torch's
-    nested generators pay for every level of depth at each module, and a plan walks the
-    model several times per validation and apply."""
-    return _once_per_tree(model, "named", _walk_named)
-
-
-def _once_per_tree(model: nn.Module, kind: str, walk: Callable[[Any], list[Any]]
-                   ) -> list[Any]:
-    """``walk(model)``; within :func:`same_tree`, walked once per model and kind, and a
-    copy of that walk handed out each time (a caller's list is its own)."""
-    cache = _SAME_TREE.get()
-    if cache is None:
-        return walk(model)
-    hit = cache.get((id(model), kind))
-    if hit is None or hit[0] is not model:
-        hit = cache[(id(model), kind)] = (model, walk(model))
-    return list(hit[1])
-
-
-def _walk_named(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    pop, push, keep, mark = stack.pop, stack.append, out.append, seen.add
-    while stack:
-        name, module = pop()
-        key = id(module)
-        if key in seen:
-            continue
-        mark(key)
-        keep((name, module))
-        children = module._modules
-        if children:
-            prefix = f"{name}." if name else ""
-            for child_name, child in reversed(children.items()):
-                if child is not None:
-                    push((prefix + child_name, child))
-    return out
-
-
-# Getters that run in C: the walks below hand whole lists to map / chain / filter, so
-# that no Python code runs per module or per tensor in the usual case. A plan asks these
-# questions of every module on every validation and apply (a walk of the 629 modules of
-# a 48-block Llama: 94 us this way, 157 us for walk_modules' Python loop, measured).
-_CHILDREN = attrgetter("_modules")
-_PARAMETERS = attrgetter("_parameters")
-_BUFFERS = attrgetter("_buffers")
-_NOT_NONE = partial(is_not, None)
-
-
-def all_modules(model: nn.Module) -> list[nn.Module]:
-    """Every module of ``model`` once, parents before children (level by level), without
-    names: for the checks that ask about modules, not about their paths. Each level's
-    children are gathered in C; a level with an empty slot or a module seen before (a
-    module registered twice) is sorted out in Python. Within :func:`same_tree`, answered
-    from one walk per model (a copy each time)."""
-    return _once_per_tree(model, "all", _walk_all)
-
-
-def _walk_all(model: nn.Module) -> list[nn.Module]:
-    out = [model]
-    seen = {id(model)}
-    level = out
-    while level:
-        children = list(chain.from_iterable(map(dict.values, map(_CHILDREN, level))))
-        ids = set(map(id, children))
-        if len(ids) < len(children) or id(None) in ids or not seen.isdisjoint(ids):
-            fresh = []
-            for child in children:
-                if child is not None and id(child) not in seen:
-                    seen.add(id(child))
-                    fresh.append(child)
-            children = fresh
-        else:
-            seen |= ids
-        out += children
-        level = children
-    return out
-
-
-def registered(model: nn.Module, kind: str = "_parameters",
-               modules: Iterable[nn.Module] | None = None) -> list[Any]:
-    """Every tensor registered on the modules of ``model`` (``kind``: ``"_parameters"``
-    or ``"_buffers"``), once per registration: a tied parameter comes once per module
-    that registers it. ``modules``: the modules to look at, when the caller has them
-    (else :func:`all_modules`). Gathered in C (see :data:`_CHILDREN`); within
-    :func:`same_tree`, answered from one gathering per model and kind."""
-    getter = _PARAMETERS if kind == "_parameters" else _BUFFERS
-
-    def gather(walked: Iterable[nn.Module]) -> list[Any]:
-        return list(filter(_NOT_NONE, chain.from_iterable(map(dict.values, map(getter,
-                                                                               walked)))))
-
-    if modules is not None:
-        return gather(modules)
-    return _once_per_tree(model, kind, lambda m: gather(all_modules(m)))
-
-
-def walk_tensors(model: nn.Module, kind: str = "_parameters",
-                 modules: list[tuple[str, nn.Module]] | None = None) -> list[tuple[str, Any]]:
-    """``list(model.named_parameters())`` (``kind="_buffers"``: ``named_buffers()``), the
-    same names, tensors and order (a tensor registered twice comes once), from
-    :func:`walk_modules` (or ``modules``, its result, when the caller has it)."""
-    out: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-    for name, module in walk_modules(model) if modules is None else modules:
-        for attr, tensor in getattr(module, kind).items():
-            if tensor is None or id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            out.append((f"{name}.{attr}" if name else attr, tensor))
+def modules_by_clean_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module of ``model`` by its clean name, in ``named_modules`` order (parents
+    first), the root as ``""``. A wrapper and the module it wraps share a clean name; the
+    outer one (the wrapper, which is what stands in the model) is kept."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        out.setdefault(clean_name(name), module)
     return out
 
 
@@ -226,83 +94,11 @@ def find_blocks(model: nn.Module, spec: BlockSpec | None = None) -> list[Block]:
         classes = tuple(getattr(model, "_no_split_modules", None) or ())
     found = _by_class(model, set(classes)) if classes else _largest_repeated_children(model)
     if spec is None or not spec.classes:
+        from composer_par.ties import tied_outside  # (ties imports this module)
+
         split = {path for path, _, _ in tied_outside(model, found)}
         found = [(path, block) for path, block in found if path not in split]
     return found
-
-
-def tied_outside(model: nn.Module, blocks: Sequence[Block]) -> list[tuple[str, str, str]]:
-    """``(block path, parameter, its twin)`` for each parameter a block shares with a
-    module outside it: the same Parameter registered twice (a tied embedding), or a tie
-    a Hugging Face model declares (``all_tied_weights_keys``, the ties its config makes)."""
-    if not blocks:
-        return []
-    declared = getattr(model, "all_tied_weights_keys", None)
-    if not declared and not tie_groups(model):
-        return []  # the usual case, found without naming every parameter
-    names: dict[int, list[str]] = {}
-    for module_name, module in [("", model), *_named_modules(model)]:
-        for attr, param in module._parameters.items():
-            if param is not None:
-                names.setdefault(id(param), []).append(
-                    f"{module_name}.{attr}" if module_name else attr)
-    # Only a Parameter registered under two names can be split across units: look at
-    # those alone (a model has a handful), not at every parameter once per block.
-    shared = [group for group in names.values() if len(group) > 1]
-    pairs = [(str(a), str(b)) for a, b in declared.items()] if isinstance(declared, dict) else []
-    out = []
-    for path, _ in blocks:
-        inside = path + "."
-        for group in shared:
-            mine = [n for n in group if n.startswith(inside)]
-            others = [n for n in group if not n.startswith(inside)]
-            if mine and others:
-                out.append((path, mine[0], others[0]))
-        for a, b in pairs:
-            if a.startswith(inside) != b.startswith(inside):
-                mine_name, other = (a, b) if a.startswith(inside) else (b, a)
-                if not any(row[1] == mine_name for row in out):
-                    out.append((path, mine_name, other))
-    return out
-
-
-def tie_groups(model: nn.Module, modules: Iterable[tuple[str, nn.Module]] | None = None
-               ) -> list[list[tuple[nn.Module, str]]]:
-    """Parameters registered under several names (tied weights, e.g. an embedding shared
-    with the output head), as ``[(module, attribute), ...]`` groups of two or more.
-    ``modules``: every module of ``model`` once, as ``(path, module)``, when the caller
-    walked them already (the groups then follow that order; else :func:`all_modules`'s)."""
-    given = None if modules is None else list(map(itemgetter(1), modules))
-    # Ties are rare: the ids of every registration tell whether there are any, gathered in
-    # C, before any grouping (this runs at validation and at materialization).
-    params = registered(model, modules=given)
-    if len(set(map(id, params))) == len(params):
-        return []
-    first: dict[int, tuple[nn.Module, str]] = {}
-    groups: dict[int, list[tuple[nn.Module, str]]] = {}  # only parameters seen twice
-    for module in all_modules(model) if given is None else given:
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            key = id(param)
-            if key not in first:
-                first[key] = (module, name)
-            elif key in groups:
-                groups[key].append((module, name))
-            else:
-                groups[key] = [first[key], (module, name)]
-    return list(groups.values())
-
-
-def _named_modules(model: nn.Module) -> list[Block]:
-    """Non-root modules by clean name; a wrapper and its inner module share a name, and
-    the outer one (the wrapper, which is what stands in the model) is kept."""
-    seen: dict[str, nn.Module] = {}
-    for name, module in walk_modules(model):
-        clean = clean_name(name)
-        if clean and clean not in seen:
-            seen[clean] = module
-    return list(seen.items())
 
 
 def path_matches(pattern: str, name: str) -> bool:
@@ -317,12 +113,13 @@ def path_matches(pattern: str, name: str) -> bool:
 
 def _by_path(model: nn.Module, path: str) -> list[Block]:
     if any(ch in path for ch in "*?["):
-        return [(n, m) for n, m in _named_modules(model) if path_matches(path, n)]
+        return [(n, m) for n, m in modules_by_clean_name(model).items()
+                if n and path_matches(path, n)]
     target: nn.Module | None
     try:  # the common case, without walking every module
         target = model.get_submodule(path)
     except AttributeError:  # a path through a wrapper: match clean names
-        target = dict(_named_modules(model)).get(path)
+        target = modules_by_clean_name(model).get(path)
     if target is None:
         return []
     return [(f"{path}.{n}", m) for n, m in target.named_children()]
@@ -330,8 +127,8 @@ def _by_path(model: nn.Module, path: str) -> list[Block]:
 
 def _by_class(model: nn.Module, classes: set[str]) -> list[Block]:
     found: list[Block] = []
-    for name, module in _named_modules(model):
-        if type(module).__name__ in classes and not any(
+    for name, module in modules_by_clean_name(model).items():
+        if name and type(module).__name__ in classes and not any(
             name.startswith(prefix + ".") for prefix, _ in found
         ):
             found.append((name, module))
@@ -346,7 +143,7 @@ def _largest_repeated_children(model: nn.Module) -> list[Block]:
 
     best: list[Block] = []
     best_key = (0, 0)
-    for parent_name, parent in [("", model), *_named_modules(model)]:
+    for parent_name, parent in modules_by_clean_name(model).items():
         if not isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         children = list(parent.named_children())
@@ -368,5 +165,5 @@ def names_near(model: nn.Module, pattern: str, n: int = 5) -> list[str]:
     """Module paths close to ``pattern``, for error messages."""
     import difflib
 
-    names = [name for name, _ in _named_modules(model)]
+    names = [name for name in modules_by_clean_name(model) if name]
     return difflib.get_close_matches(pattern, names, n=n, cutoff=0.3)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.blocks import Block, BlockSpec, find_blocks, same_tree
+from composer_par.blocks import Block, BlockSpec, find_blocks
 from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
 from composer_par.mesh import DEFAULT_TIMEOUT_S, MeshError, MeshSpec, as_timeout
@@ -233,10 +233,9 @@ class ParallelPlan:
         blocks: list[Block] = []
         if model is not None:
             spec = block_specs[0][1] if block_specs else None
-            with same_tree():  # validation changes no model: one walk serves every check
-                blocks = find_blocks(model, spec)
-                findings += model_rules(model, blocks, decls, materializers, spec)
-                findings += hooks.validate_model(model, blocks, mesh)
+            blocks = find_blocks(model, spec)
+            findings += model_rules(model, blocks, decls, materializers, spec)
+            findings += hooks.validate_model(model, blocks, mesh)
         return Report.of(findings), hooks, blocks
 
     # -- apply ------------------------------------------------------------------------

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from itertools import filterfalse
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from composer_par.findings import CORE_RULES, Finding, Rule, did_you_mean
@@ -395,7 +393,6 @@ def _suggest_hsdp(
 # -- model-aware ---------------------------------------------------------------------------
 
 LARGE_MATERIALIZED_BYTES = 1 << 30
-_IS_META = attrgetter("is_meta")
 
 
 def model_rules(
@@ -421,20 +418,12 @@ def model_rules(
                 plugin=needing[0],
             )
         )
-    # The tensors, gathered in C and named only if a finding needs it: this runs on every
-    # apply. A tensor registered twice is counted once, by id, and only the materialized
-    # ones are (a model built on meta has none).
-    from composer_par.blocks import registered, walk_tensors
-
-    tensors = registered(model) + registered(model, "_buffers")
-    materialized_tensors = list(filterfalse(_IS_META, tensors))
-    on_meta = len(materialized_tensors) < len(tensors)
-    real = {id(t): t for t in materialized_tensors}
-    materialized = sum(t.numel() * t.element_size() for t in real.values())
-    dtensors: list[str] = []
-    if any(issubclass(kind, DTensor) for kind in set(map(type, tensors))):
-        dtensors = [n for n, t in (*walk_tensors(model), *walk_tensors(model, "_buffers"))
-                    if isinstance(t, DTensor)]
+    # A tensor registered twice is counted once; only the materialized ones count (a
+    # model built on meta has none).
+    named = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = any(t.is_meta for _, t in named)
+    materialized = sum(t.numel() * t.element_size() for _, t in named if not t.is_meta)
+    dtensors = [n for n, t in named if isinstance(t, DTensor)]
     if dtensors:
         found.append(
             Finding(

@@ -102,12 +102,12 @@ def export_safetensors(
     under their first name. Returns the directory."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from composer_par.checkpoint.weights import aliases
+    from composer_par.ties import tied_names
 
     started = time.perf_counter()
     target = Path(directory)
     state_dict = get_model_state_dict(model)
-    tied = {n for names in aliases(model).values() for n in names}
+    tied = {n for names in tied_names(model).values() for n in names}
     tensors: dict[str, Any] = {k: v for k, v in state_dict.items()
                                if k not in tied and hasattr(v, "shape")}
     tensors = {k: _whole_if_strided(v) for k, v in tensors.items()}

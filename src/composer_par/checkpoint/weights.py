@@ -24,6 +24,7 @@ from composer_par.checkpoint.safetensors_io import dtype_name
 from composer_par.checkpoint.sources import WeightsSource
 from composer_par.checkpoint.strided import for_dcp
 from composer_par.logging import get_logger
+from composer_par.ties import tied_names
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -42,48 +43,6 @@ class LoadReport:
     converted: tuple[tuple[str, str, str], ...]  # (name, model dtype, file dtype), lossy
     bytes_read: int
     seconds: float
-
-
-def aliases(model: nn.Module) -> dict[str, list[str]]:
-    """For tied tensors: the first clean name of each -> its other names (same object)."""
-    first: dict[int, str] = {}
-    out: dict[str, list[str]] = {}
-    named = [*model.named_parameters(remove_duplicate=False),
-             *model.named_buffers(remove_duplicate=False)]
-    for raw, tensor in named:
-        name = clean_name(raw)
-        if id(tensor) in first:
-            if name != first[id(tensor)]:
-                out.setdefault(first[id(tensor)], []).append(name)
-        else:
-            first[id(tensor)] = name
-    return out
-
-
-def retie(model: nn.Module, tied: dict[str, list[str]]) -> int:
-    """Tie again what ``to_empty`` untied: ``nn.Module._apply`` replaces each module's
-    Parameter separately, so a meta-built model with tied weights comes out with two
-    tensors. Plain parameters are re-tied (the alias modules get the first name's
-    Parameter); sharded ones (DTensors) are left to :func:`_fill_aliases`. Returns the
-    number of names re-tied."""
-    from torch.distributed.tensor import DTensor
-
-    where = {clean_name(n): n for n, _ in model.named_parameters(remove_duplicate=False)}
-    count = 0
-    for first, names in tied.items():
-        if first not in where:
-            continue
-        param = model.get_parameter(where[first])
-        if isinstance(param, DTensor):
-            continue
-        for name in names:
-            if name in where:
-                owner, _, attr = where[name].rpartition(".")
-                module = model.get_submodule(owner) if owner else model
-                if module._parameters.get(attr) is not param:
-                    module._parameters[attr] = param
-                    count += 1
-    return count
 
 
 def _own_tensors(model: nn.Module) -> dict[str, Any]:
@@ -179,7 +138,8 @@ def load_safetensors(
     """Load safetensors weights into ``model`` (sharded or not, already materialized);
     every rank calls it and reads only the bytes of its own shards. ``tied`` gives the
     tied-weight groups (first name -> other names) when ``to_empty`` untied them (see
-    :func:`aliases`, taken before materializing); default: the model's current ties."""
+    :func:`~composer_par.ties.tied_names`, taken before materializing); default: the
+    model's current ties."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -188,7 +148,7 @@ def load_safetensors(
     started = time.perf_counter()
     source = path if isinstance(path, WeightsSource) else WeightsSource.open(path)
     state_dict = get_model_state_dict(model)
-    tied = aliases(model) if tied is None else tied
+    tied = tied_names(model) if tied is None else tied
     m = match(source.path, expected_specs(state_dict, tied), source_specs(source),
               adapter or Identity(), tied)
     error = m.error(strict=strict)
@@ -244,7 +204,7 @@ def load_checkpoint_weights(
     metadata = read_metadata(directory, manifest)
     specs, prefix = checkpoint_model_specs(directory, metadata)
     state_dict = get_model_state_dict(model)
-    tied = aliases(model) if tied is None else tied
+    tied = tied_names(model) if tied is None else tied
     m = match(str(directory), expected_specs(state_dict, tied), specs, adapter or Identity(),
               tied)
     error = m.error(strict=strict)

@@ -59,10 +59,9 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   ``data_parallel_modules`` and ``installed_comm_hooks``); :class:`HookCaller`, the plan's
   one hook caller (``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
   :class:`BlockSpec`, :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*``
-  one path component); :func:`walk_modules` and :func:`walk_tensors`
-  (``named_modules()`` and ``named_parameters()`` as lists, a few times faster);
-  :func:`all_modules` and :func:`registered` (every module, every registered tensor,
-  without names, gathered in C: for checks that run on every apply).
+  one path component), :func:`modules_by_clean_name` (every module by its clean name, the
+  outer of a wrapper pair kept); :func:`tied_outside` (the parameters a block shares with
+  a module outside it: one parameter cannot be in two FSDP units).
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
@@ -81,13 +80,10 @@ form, starting from the plugin above.
 from composer_par.blocks import (
     Block,
     BlockSpec,
-    all_modules,
     clean_name,
+    modules_by_clean_name,
     names_near,
     path_matches,
-    registered,
-    walk_modules,
-    walk_tensors,
 )
 from composer_par.dtypes import DtypeError, dtype_name
 
@@ -142,6 +138,7 @@ from composer_par.plugin.wrapping import (
     already_wrapped,
     wrapped_block_findings,
 )
+from composer_par.ties import tied_outside
 from composer_par.topology import Topology
 
 __all__ = [
@@ -180,7 +177,6 @@ __all__ = [
     "Severity",
     "Stage",
     "Topology",
-    "all_modules",
     "all_reduce_mean",
     "already_wrapped",
     "blocks_option",
@@ -195,11 +191,10 @@ __all__ = [
     "import_string_findings",
     "import_string_problem",
     "int_option",
+    "modules_by_clean_name",
     "names_near",
     "ordering_option",
     "path_matches",
-    "registered",
-    "walk_modules",
-    "walk_tensors",
+    "tied_outside",
     "wrapped_block_findings",
 ]

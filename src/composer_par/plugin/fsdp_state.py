@@ -71,9 +71,9 @@ def fsdp_state(module: Any) -> Any:
 
 def module_names(model: nn.Module) -> dict[int, str]:
     """id(module) -> the model's own path of it ("<root>" for the model)."""
-    from composer_par.blocks import clean_name, walk_modules
+    from composer_par.blocks import clean_name
 
-    return {id(m): clean_name(n) or "<root>" for n, m in walk_modules(model)}
+    return {id(m): clean_name(n) or "<root>" for n, m in model.named_modules()}
 
 
 def _record(ctx: ApplyContext, hook: CommHook, collective: str, count: int, owner: str) -> None:

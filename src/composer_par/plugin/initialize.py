@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from composer_par.blocks import clean_name, tie_groups
-from composer_par.blocks import tied_outside as tied_outside  # for plugins: ties vs blocks
+from composer_par import ties
+from composer_par.blocks import clean_name
 from composer_par.logging import get_logger
 
 log = get_logger(__name__)
@@ -515,10 +515,8 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     children (GPT-2 rescales the projections of each attention and MLP). ``init_fn`` is
     called on the modules that own tensors only. Returns (modules initialized, peak scratch
     bytes)."""
-    # One walk, before to_empty (which changes no module tree): it orders initialization
-    # and finds the ties to_empty would undo.
     order = list(post_order(model))
-    tied = to_empty_keeping_ties(model, device, order)
+    tied = ties.to_empty_keeping_ties(model, device)
     pick = initializer(model, init_fn)
     parent_rules = init_fn is None and callable(getattr(model, "_init_weights", None))
     count = peak = 0
@@ -645,18 +643,3 @@ def strided_alone(placements: Any) -> bool:
             return True
     return False
 
-
-def to_empty_keeping_ties(model: nn.Module, device: torch.device,
-                          modules: Iterable[tuple[str, nn.Module]] | None = None
-                          ) -> list[list[tuple[nn.Module, str]]]:
-    """``to_empty``, then each tied group made one parameter again: ``to_empty`` gives every
-    registration its own new tensor, which silently unties them. ``modules``: every module
-    of ``model`` once, when the caller walked them already. Returns the tied groups
-    (:func:`~composer_par.blocks.tie_groups`)."""
-    groups = tie_groups(model, modules)
-    model.to_empty(device=device)
-    for (first_module, first_name), *rest in groups:
-        shared = first_module._parameters[first_name]
-        for module, name in rest:
-            module._parameters[name] = shared
-    return groups

@@ -222,8 +222,8 @@ class WeightsLoader(Plugin):
 
         from composer_par.checkpoint.adapter import combine
         from composer_par.checkpoint.matching import rest_of_model
-        from composer_par.checkpoint.weights import aliases, retie
         from composer_par.plugin.initialize import init_module, initializer, module_seed, post_order
+        from composer_par.ties import retie, tied_names
 
         adapter = combine(ctx.hooks.state_dict_adapters(ctx.model))
         device = torch.device(self.device) if self.device else ctx.device
@@ -232,7 +232,7 @@ class WeightsLoader(Plugin):
         if not self.strict:
             missing = set(self.match(ctx.plan, model).missing)
         needing = [(p, m) for p, m, _ in _needing_init(post_order(model), missing)]
-        tied = aliases(model)  # to_empty unties them; retie() and the load restore them
+        tied = tied_names(model)  # to_empty unties them; retie() and the load restore them
         model.to_empty(device=device)
         retie(model, tied)
         pick = initializer(model, self.init_fn)

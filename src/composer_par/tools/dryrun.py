@@ -461,7 +461,7 @@ def forward_check(model: nn.Module, sizes: Sequence[int]) -> tuple[str, str]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from composer_par.plugin.initialize import to_empty_keeping_ties
+    from composer_par.ties import to_empty_keeping_ties
 
     # torch logs every exception a fake kernel raises, with its stack: the dry run reports
     # the failure itself, in one line.
