@@ -1,6 +1,7 @@
 """Logging: events go through Python's logging, so nothing reaches stdout unless the
 application asks; configure_logging renders them (one event per applied step, the rank
-groups, rank binding, rank 0 only); a user's own configuration decides otherwise."""
+groups, rank binding, rank 0 only); a user's own configuration decides otherwise; the
+default group's longer timeout is warned about once, on rank 0."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import structlog
 import torch
 
 from composer_par import MeshSpec, MetaInit, ParallelPlan, configure_logging
+from composer_par import mesh as mesh_module
 
 
 @pytest.fixture(autouse=True)
@@ -163,3 +166,47 @@ def test_a_users_processor_formatter_renders_the_librarys_fields() -> None:
         library.setLevel(logging.NOTSET)
     [applied, _] = events(stream)
     assert (applied["event"], applied["stage"]) == ("applied", "materialize")
+
+
+# -- the default group's timeout ---------------------------------------------------------
+
+
+def timeout_warnings(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if r.name == "composer_par.mesh"
+            and "whose timeout is longer" in r.getMessage()]
+
+
+@pytest.fixture
+def nothing_warned_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mesh_module, "_TIMEOUTS_WARNED", set())
+
+
+def test_a_longer_default_group_timeout_is_warned_about_once_with_the_fix(
+        caplog: pytest.LogCaptureFixture, nothing_warned_yet: None) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=1800))
+    try:
+        for _ in range(3):
+            MeshSpec(dp_shard=1).build("cpu", timeout=5.0)
+        MeshSpec(dp_shard=1).build("cpu", timeout=1800.0)  # as long: nothing to say
+    finally:
+        dist.destroy_process_group()
+    [warning] = timeout_warnings(caplog.records)
+    fields = warning.msg
+    assert (fields["default_group_timeout_s"], fields["plan_timeout_s"]) == (1800.0, 5.0)  # type: ignore[index]
+    assert "init_process_group" in fields["fix"] and "timeout=plan.timeout" in fields["fix"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_warns_about_the_default_groups_timeout(
+        rank: int, caplog: pytest.LogCaptureFixture, fake_world: object,
+        monkeypatch: pytest.MonkeyPatch, nothing_warned_yet: None) -> None:
+    fake_world(2, rank=rank)  # type: ignore[operator]
+    monkeypatch.setattr(mesh_module, "_group_timeout",
+                        lambda group, device_type: timedelta(seconds=1800))
+    MeshSpec(dp_shard=2).build("cpu", timeout=5.0)
+    assert len(timeout_warnings(caplog.records)) == (1 if rank == 0 else 0)
