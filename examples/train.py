@@ -107,7 +107,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=plan.timeout)
-    configure_logging()  # rank 0 only; JSON lines when not on a terminal
+    configure_logging()  # rank 0's events and any rank's errors; JSON lines off a terminal
     if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"):
         # torch 2.13's torchrun keeps the store it shares with the workers across

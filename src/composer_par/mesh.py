@@ -333,15 +333,31 @@ def _group_timeout(group: Any, device_type: str) -> timedelta | None:
         return None
 
 
-def _warn_if_longer(group: Any, device_type: str, wait: timedelta, name: str) -> None:
-    current = _group_timeout(group, device_type)
-    if current is not None and current > wait:
-        from composer_par.logging import get_logger
+# The (default group, plan) timeouts this process has warned about: every apply builds a
+# mesh, and the same warning on every build would bury the rest of the output.
+_TIMEOUTS_WARNED: set[tuple[float, float]] = set()
 
-        get_logger(__name__).warning(
-            "mesh dim runs on the default process group, whose timeout is longer than the "
-            "plan's",
-            dim=name, default_group_timeout_s=current.total_seconds(),
-            plan_timeout_s=wait.total_seconds(),
-            fix="pass timeout=plan.timeout to torch.distributed.init_process_group",
-        )
+
+def _warn_if_longer(group: Any, device_type: str, wait: timedelta, name: str) -> None:
+    """Warn, once per process and on rank 0 only (every rank has the same two
+    timeouts), that the default group waits longer than the plan says."""
+    import torch.distributed as dist
+
+    current = _group_timeout(group, device_type)
+    if current is None or current <= wait or dist.get_rank() != 0:
+        return
+    said = (current.total_seconds(), wait.total_seconds())
+    if said in _TIMEOUTS_WARNED:
+        return
+    _TIMEOUTS_WARNED.add(said)
+    from composer_par.logging import get_logger
+
+    default_s, plan_s = said
+    get_logger(__name__).warning(
+        "mesh dim runs on the default process group, whose timeout is longer than the "
+        "plan's",
+        dim=name, default_group_timeout_s=default_s, plan_timeout_s=plan_s,
+        fix=(f"give init_process_group the plan's timeout (timeout=plan.timeout, a "
+             f"timedelta of {plan_s:g} s), or raise the plan's to {default_s:g} s "
+             "(ParallelPlan(..., timeout=...), timeout in a plan file's [plan] table)"),
+    )

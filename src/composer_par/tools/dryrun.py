@@ -536,11 +536,14 @@ def _fake_store() -> Any:
 
 
 def _quietly(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` with the library's structlog events captured, not printed: the dry run
-    reports the applied steps itself, and stdout must stay the command's answer."""
+    """Run ``fn`` with the library's log events held back, and any structlog events
+    captured, not printed: the dry run reports the applied steps and the findings itself,
+    and stdout must stay the command's answer."""
     import structlog
 
-    with structlog.testing.capture_logs():
+    from composer_par.logging import library_events_held
+
+    with library_events_held(), structlog.testing.capture_logs():
         return fn()
 
 
