@@ -738,7 +738,7 @@ def packed_checkpoints(directory: str) -> list[dict[str, Any]]:
     from torch.distributed.tensor import DTensor
 
     from composer_par import checkpoint
-    from composer_par.plugin.initialize import strided_alone
+    from composer_par.checkpoint.strided import strided_alone
 
     def adam(model: Any) -> Any:
         return torch.optim.Adam(model.parameters(), lr=1e-2)

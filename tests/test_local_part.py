@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-from composer_par.plugin.initialize import _local_slice, keep_local_part  # noqa: E402
+from composer_par.plugin.initialize.local_part import _local_slice, keep_local_part  # noqa: E402
 
 SHAPES = [(7, 5), (3,), (1, 9), (8, 4), (2, 3, 5)]
 MESHES = [(4,), (2, 2), (3, 2), (2, 2, 2)]

@@ -58,24 +58,14 @@ def test_same_weights_on_1_2_and_4_ranks(world: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_sharded_scratch_takes_each_parameters_dtype_not_the_default() -> None:
-    """A sharded parameter is initialized in a full-size scratch tensor, made without
-    dtype and device arguments where those are torch's defaults: under a default dtype
-    the model does not use, the scratch must still be the parameter's own (float64
+    """A sharded parameter is initialized in a full-size scratch tensor: under a default
+    dtype the model does not use, the scratch must still be the parameter's own (float64
     scratch would draw other random numbers)."""
     reference, _ = single_process(seed=4)
     results = run_ranks(materialize, 2, args=({"dp_shard": 2}, 4, "float64"), timeout=120)
     for result in results:
         assert {p.dtype for p in result["params"].values()} == {torch.float32}
         assert_bitwise(result["params"], reference)
-
-
-def test_init_target_makes_plain_scratch_only_where_torch_empty_lands_on_the_device() -> None:
-    from composer_par.plugin.initialize import init_target
-
-    assert init_target(torch.device("cpu")).plain_dtype is torch.get_default_dtype()
-    assert init_target(torch.device("meta")).plain_dtype is None
-    with torch.device("meta"):  # torch.empty(shape) would make a meta tensor here
-        assert init_target(torch.device("cpu")).plain_dtype is None
 
 
 def test_non_persistent_rope_buffer_is_recomputed() -> None:
@@ -183,9 +173,10 @@ def test_tied_weights_stay_tied() -> None:
     assert len(list(model.parameters())) == 1
 
 
-def test_initializer_lookup_by_class_follows_what_the_module_would_call() -> None:
-    """The initializer is looked up once per class; an instance's own reset_parameters,
-    a staticmethod and a class without one still get what calling the method would do."""
+def test_initializer_lookup_follows_what_the_module_would_call() -> None:
+    """A module's own reset_parameters, one set on an instance, a staticmethod and a
+    _reset_parameters are each what calling the method would do; a class without one
+    has no initializer."""
     import torch.nn as nn
 
     from composer_par.plugin.initialize import initializer
@@ -218,8 +209,9 @@ def test_initializer_lookup_by_class_follows_what_the_module_would_call() -> Non
 
 
 def test_modules_without_initializer_are_found_as_a_module_by_module_lookup_would() -> None:
-    """without_initializer answers by class where it can; an instance's own attribute,
-    a class without an initializer and a module owning nothing still get their own answer."""
+    """without_initializer gives the modules owning tensors that initializer finds
+    nothing for: an instance's own attribute, a class without an initializer and a
+    module owning nothing each get their own answer."""
     import torch.nn as nn
 
     from composer_par.plugin.initialize import initializer, without_initializer
@@ -251,6 +243,5 @@ def test_modules_without_initializer_are_found_as_a_module_by_module_lookup_woul
     assert without_initializer(root, [m for _, m in modules]) == expected
     assert without_initializer(root, [m for _, m in modules],
                                init_fn=lambda module: None) == []
-    # Without an instance's own initializer, the answer is by class.
-    by_class = [nn.Linear(2, 2), Bare(owns=True), Bare(owns=False), Static(), nn.Linear(1, 1)]
-    assert without_initializer(nn.Sequential(*by_class), by_class) == [by_class[1]]
+    others = [nn.Linear(2, 2), Bare(owns=True), Bare(owns=False), Static(), nn.Linear(1, 1)]
+    assert without_initializer(nn.Sequential(*others), others) == [others[1]]

@@ -77,7 +77,7 @@ def _whole_if_strided(tensor: Any) -> Any:
     collective, in the same order on every rank) and one of them writes it."""
     from torch.distributed.tensor import DTensor
 
-    from composer_par.plugin.initialize import strided_alone
+    from composer_par.checkpoint.strided import strided_alone
 
     if isinstance(tensor, DTensor) and strided_alone(tensor.placements):
         return tensor.full_tensor()

@@ -130,13 +130,28 @@ def boxed(tensor: Any) -> Any:
     return out
 
 
+def strided_alone(placements: Any) -> bool:
+    """A strided split that is not FSDP2's own (``_StridedShard(d)`` on the shard dim over
+    ``Shard(d)`` on an inner dim): TP's packed projections, each rank holding a slice of
+    each packed part. A rank's part is then several boxes of the tensor, while DTensor
+    describes it to DCP as one: checkpoints describe it box by box (:func:`for_dcp`), and
+    the safetensors export gathers it whole."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for i, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard) and not any(
+                isinstance(p, Shard) and not isinstance(p, _StridedShard)
+                and p.dim == placement.dim for p in placements[i + 1:]):
+            return True
+    return False
+
+
 def for_dcp(state: Any) -> Any:
     """``state`` (a nested state dict) with each tensor a strided placement alone splits
     replaced by its :func:`boxed` form; everything else as it is. The boxed tensors share
     the originals' storage, so what DCP loads into them lands in the originals."""
     from torch.distributed.tensor import DTensor
-
-    from composer_par.plugin.initialize import strided_alone
 
     if isinstance(state, dict):
         return {k: for_dcp(v) for k, v in state.items()}
