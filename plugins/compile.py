@@ -7,10 +7,10 @@ blocks before ``fully_shard`` keeps FSDP's hooks out of the graphs (FSDP2 marks 
 dynamo-disabled), and after activation checkpointing so the checkpoint is traced as one
 region of the block's graph.
 
-Measured on this project's CPU machine (torch 2.13, gcc): inductor compiles a small
-Llama block's forward and backward, but the first step took 35-76 s per process with a
-cold cache (C++ builds), too slow for the CI's distributed tests, which use
-``backend="aot_eager"`` (about 1-2 s); see docs/activation-checkpointing.md.
+On CPU (torch 2.13, gcc) inductor compiles a small Llama block's forward and backward,
+but a first step with a cold cache builds C++ kernels in every process, too slow for the
+CI's distributed tests, which use ``backend="aot_eager"`` (the same capture, no code
+generation); docs/activation-checkpointing.md has the times.
 """
 
 from __future__ import annotations

@@ -121,6 +121,8 @@ def _raw_file(path: Path, header: Any, data: bytes = b"") -> Path:
     ("short", "shorter than the 8-byte header"),
     ("huge header", "does not fit the file"),
     ("not json", "not valid JSON"),
+    ("nested too deep", "not valid JSON"),
+    ("not an object", "not a JSON object"),
     ("dtype", "key w: unknown dtype 'F33'"),
     ("offsets", "key w: data_offsets span 8 bytes, but shape [3] of F32 needs 12"),
     ("truncated", "truncated: key w ends at byte"),
@@ -135,6 +137,10 @@ def test_corrupt_headers_name_the_file_and_key(tmp_path: Path, case: str, expect
         path.write_bytes(struct.pack("<Q", 10**6) + b"{}")
     elif case == "not json":
         _raw_file(path, b"{not json")
+    elif case == "nested too deep":
+        _raw_file(path, b"[" * 100_000)
+    elif case == "not an object":
+        _raw_file(path, [1, 2])
     elif case == "dtype":
         _raw_file(path, {"w": {**entry, "dtype": "F33"}}, bytes(12))
     elif case == "offsets":
@@ -196,6 +202,9 @@ def test_index_problems_name_the_file_and_key(tmp_path: Path) -> None:
         WeightsSource.open(tmp_path)
     index.write_text("{oops")
     with pytest.raises(CorruptFileError, match="not valid JSON"):
+        WeightsSource.open(index)
+    index.write_text("[]")
+    with pytest.raises(CorruptFileError, match="safetensors index is not a JSON object"):
         WeightsSource.open(index)
 
 

@@ -640,7 +640,7 @@ def test_estimated_bytes_per_mesh_dim_match_measured_collectives_within_5_percen
             for kind, totals in kinds.items():
                 calls.setdefault(dim, {}).setdefault(kind, 0)
                 calls[dim][kind] += totals["calls"]
-        expected = est.payload_by_dim()
+        expected = {t.dim.name: t.payload for t in est.traffic}
         report.append((name, expected, got))
         assert set(got) == set(expected), (name, expected, result["summary"])
         for dim, value in expected.items():
@@ -656,9 +656,9 @@ def test_estimated_bytes_per_mesh_dim_match_measured_collectives_within_5_percen
 def test_group_labels_name_mesh_dims() -> None:
     mesh = MeshSpec(dp_replicate=2, dp_shard=2, tp=2)
     rank = 5  # coordinate (1, 0, 1)
-    assert group_label(mesh, rank, mesh.group_of("tp", rank)) == "tp"
-    assert group_label(mesh, rank, mesh.group_of("dp_shard", rank)) == "dp_shard"
-    assert group_label(mesh, rank, mesh.group_of("dp_replicate", rank)) == "dp_replicate"
+    assert group_label(mesh, rank, [4, 5]) == "tp"
+    assert group_label(mesh, rank, [5, 7]) == "dp_shard"
+    assert group_label(mesh, rank, [1, 5]) == "dp_replicate"
     assert group_label(mesh, rank, [4, 5, 6, 7]) == "dp_shard+tp"
     assert group_label(mesh, rank, range(8)) == "dp_replicate+dp_shard+tp"
     assert group_label(mesh, rank, [5]) == "self"

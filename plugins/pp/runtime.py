@@ -68,8 +68,8 @@ def keep_unsharded_until_backward(part: nn.Module, modules: Sequence[nn.Module])
 
     Measured on torch 2.13 (4 gloo ranks, pp 2 x dp_shard 2): with the split-backward
     schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), FSDP2 modules that
-    reshard after forward train on wrong weight gradients (10% off the reference's norm in
-    the first step), silently; kept unsharded until their backward, they are at parity.
+    reshard after forward train on wrong weight gradients from the first step, silently;
+    kept unsharded until their backward, they are at parity.
     """
     from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
     from torch.distributed.fsdp import FSDPModule

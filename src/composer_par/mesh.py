@@ -241,13 +241,6 @@ class MeshSpec:
             )
         return groups
 
-    def group_of(self, name: str, rank: int) -> tuple[int, ...]:
-        """The group of ``rank`` on mesh dim ``name``."""
-        for group in self.rank_groups(name):
-            if rank in group:
-                return group
-        raise MeshError(f"rank {rank} is outside the mesh: {self.equation()}")
-
     # -- building the real thing ------------------------------------------------------
 
     def build(

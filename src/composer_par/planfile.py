@@ -48,7 +48,7 @@ TOP_LEVEL = ("mesh", "topology", "plugins", "plan")
 PLAN_KEYS = ("timeout",)
 TOPOLOGY_KEYS = tuple(f.name for f in attrs.fields(Topology))
 # Static validation and explain do rank arithmetic in Python, linear in the number of
-# ranks (~0.5 s at this size). A file asking for more is a typo, not a cluster.
+# ranks, so a bound keeps them quick. A file asking for more is a typo, not a cluster.
 MAX_RANKS = 2**17
 # A plan file is a few KiB. Reading stops past this many bytes, so a wrong file, a huge
 # one or an endless device (/dev/zero) is refused at once instead of filling memory.

@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 
 from composer_par.checkpoint.errors import CheckpointError
+from composer_par.checkpoint.jsonfile import read_json_object
 from composer_par.logging import get_logger
 
 log = get_logger(__name__)
@@ -199,13 +200,13 @@ def liveness(claim: Job, me: Job | None = None) -> tuple[str, str]:
 
 
 def read_claim(directory: str | os.PathLike[str]) -> Job | None:
-    path = Path(directory) / CLAIM
+    """The job that claims ``directory``; None when no claim can be read (none was
+    written, or a crash left it partial)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_CLAIM_LIMIT)
-        return Job.from_dict(json.loads(raw.decode("utf-8")))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = read_json_object(Path(directory) / CLAIM, _CLAIM_LIMIT, what="claim")
+    except CheckpointError:
         return None
+    return Job.from_dict(data)
 
 
 # -- the root lock ----------------------------------------------------------------------------

@@ -11,8 +11,8 @@ part, a dtype to convert, a zip this module does not recognise) returns ``False`
 left to DCP, so this is never less general than DCP, only faster where it applies.
 
 The zip is parsed here rather than with ``torch.load`` on the meta device (which gives the
-same layout) because that costs about half a millisecond per chunk, against tens of
-microseconds for the few small reads below. Its pickle is read by an unpickler that knows
+same layout) because that runs torch's whole load path for every chunk, where finding
+the bytes takes only the few small reads below. Its pickle is read by an unpickler that knows
 the names torch.save writes for a plain tensor (its two tensor rebuilds,
 ``OrderedDict``, the storage types, the dtypes); anything else means
 "not recognised", never an error.

@@ -9,8 +9,9 @@ each for a measured reason (torch 2.13):
   and ignores the index) and checks every header (truncation, bad offsets), naming the
   file and the key;
 * bytes are read with ``pread`` into the destination shard instead of through
-  ``safe_open``'s memory map, whose touched pages count in the rank's resident set (the
-  torch reader peaks near twice a rank's share);
+  ``safe_open``'s memory map, whose touched pages count in the rank's resident set (so
+  the torch reader's peak is well above a rank's share; docs/checkpoints.md has the
+  figures);
 * only the keys being loaded are described to DCP.
 
 DCP plans the reads: for every DTensor (FSDP2, TP, HSDP, 2-D), each rank asks for the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -160,8 +160,3 @@ def model_specs(model: nn.Module) -> tuple[dict[str, Spec], dict[str, list[str]]
         first[ident] = name
         specs[name] = Spec(tuple(tensor.shape), _dtype_name(tensor.dtype))  # DTensor: global
     return specs, aliases
-
-
-def state_dict_specs(state_dict: Mapping[str, Any]) -> dict[str, Spec]:
-    return {k: Spec(tuple(v.shape), _dtype_name(v.dtype)) for k, v in state_dict.items()
-            if hasattr(v, "shape")}

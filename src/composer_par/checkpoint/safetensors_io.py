@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.checkpoint.errors import CorruptFileError
+from composer_par.checkpoint.jsonfile import parse_json_object
 
 if TYPE_CHECKING:
     import torch
@@ -138,12 +139,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raw = f.read(length)
     except OSError as exc:
         raise CorruptFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        parsed = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptFileError(f"{path}: the header is not valid JSON ({exc})") from exc
-    if not isinstance(parsed, dict):
-        raise CorruptFileError(f"{path}: the header is not a JSON object")
+    parsed = parse_json_object(path, raw, what="header")
     metadata = parsed.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CorruptFileError(f"{path}: __metadata__ is not a string map")

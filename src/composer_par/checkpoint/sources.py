@@ -14,7 +14,6 @@ the index's directory (see :mod:`~composer_par.checkpoint.paths`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 import attrs
 
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
-from composer_par.checkpoint.paths import allowed_roots, contained, read_bounded
+from composer_par.checkpoint.jsonfile import read_json_object
+from composer_par.checkpoint.paths import allowed_roots, contained
 from composer_par.checkpoint.safetensors_io import (
     INDEX_SUFFIX,
     SUFFIX,
@@ -79,12 +79,8 @@ class WeightsSource:
 
     @classmethod
     def _from_index(cls, index: Path, given: str) -> WeightsSource:
-        raw = read_bounded(index, INDEX_LIMIT, what="safetensors index")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptFileError(f"{index}: not valid JSON ({exc})") from exc
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        data = read_json_object(index, INDEX_LIMIT, what="safetensors index")
+        weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):

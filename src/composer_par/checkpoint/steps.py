@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError, UncommittedError
+from composer_par.checkpoint.jsonfile import parse_json_object, read_json_object
 from composer_par.checkpoint.paths import read_bounded
 
 if TYPE_CHECKING:
@@ -143,14 +144,7 @@ def commit(directory: Path, step: int, manifest: Manifest | None = None,
 def read_commit(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The content of the commit marker (CorruptFileError naming it when unreadable)."""
     path = Path(directory) / MARKER
-    raw = read_bounded(path, MARKER_LIMIT, what="commit marker")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptFileError(f"{path}: the commit marker is not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CorruptFileError(f"{path}: the commit marker is not a JSON object")
-    return data
+    return read_json_object(path, MARKER_LIMIT, what="commit marker")
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
@@ -190,12 +184,7 @@ _INFO_FIELDS: dict[str, tuple[str, Any]] = {
 def parse_info(path: Path, raw: bytes) -> dict[str, Any]:
     """The checkpoint info in ``raw`` (the bytes of ``path``), every field it uses checked:
     CorruptFileError names the file and the field."""
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptFileError(f"{path}: unreadable checkpoint info ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CorruptFileError(f"{path}: the checkpoint info is not a JSON object")
+    data = parse_json_object(path, raw, what="checkpoint info")
     for field, (expected, ok) in _INFO_FIELDS.items():
         if field in data and not ok(data[field]):
             raise CorruptFileError(f"{path}: field {field} must be {expected}; found "

@@ -63,9 +63,6 @@ class Estimate:
     def inter_bytes(self) -> float:
         return sum(t.inter_bytes for t in self.traffic)
 
-    def payload_by_dim(self) -> dict[str, int]:
-        return {t.dim.name: t.payload for t in self.traffic}
-
     @property
     def fits(self) -> bool | None:
         return None if self.device_memory is None else self.memory.total <= self.device_memory

@@ -291,10 +291,6 @@ class ModelShape:
         groups[root:root + 1] = [*units, *tail]
         return attrs.evolve(self, groups=tuple(groups)), missing
 
-    @property
-    def block_groups(self) -> list[ParamGroup]:
-        return [g for g in self.groups if g.block]
-
     def describe(self) -> str:
         parts = [f"{format_count(self.params)} parameters", f"{self.layers} block(s)",
                  f"hidden {self.hidden}"]

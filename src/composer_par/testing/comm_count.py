@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -264,10 +264,6 @@ class CommCounter(TorchDispatchMode):
             out[group_label(mesh, rank, call.group)] += wire_bytes(call)
         return dict(out)
 
-    def bytes_by_dim(self, mesh: MeshSpec, rank: int) -> dict[str, int]:
-        """Payload bytes per mesh dim label, all kinds together."""
-        return {label: sum(k["bytes"] for k in kinds.values())
-                for label, kinds in self.summary(mesh, rank).items()}
 
 
 def group_label(mesh: MeshSpec, rank: int, group: Iterable[int]) -> str:
@@ -307,17 +303,3 @@ def _span(mesh: MeshSpec, rank: int, dims: tuple[str, ...]) -> frozenset[int]:
     for values in itertools.product(*ranges):
         out.add(mesh.rank_of({**coord, **dict(zip(dims, values, strict=True))}))
     return frozenset(out)
-
-
-def merge_summaries(
-    summaries: Iterable[Mapping[str, Mapping[str, Mapping[str, int]]]],
-) -> dict[str, dict[str, dict[str, int]]]:
-    """Add up summaries (e.g. of several steps)."""
-    out: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
-    for summary in summaries:
-        for label, kinds in summary.items():
-            for kind, totals in kinds.items():
-                slot = out[label].setdefault(kind, {"calls": 0, "bytes": 0})
-                slot["calls"] += totals["calls"]
-                slot["bytes"] += totals["bytes"]
-    return dict(out)

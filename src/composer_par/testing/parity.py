@@ -256,8 +256,8 @@ def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tens
     import torch
 
     # One thread, as each rank has (run_ranks' threads_per_rank): on a small shared machine
-    # a multi-threaded reference spins against the ranks and the other tests (measured:
-    # 200 Llama steps took 114 s with 2 threads under load, 2.4 s with 1).
+    # a multi-threaded reference spins against the ranks and the other tests, and under
+    # load it runs many times slower than with one thread.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -273,11 +273,6 @@ def _attr(value: Any) -> str:
     return str(value)
 
 
-def cells_shown(grid: Grid) -> int:
-    """How many ranks the terminal picture shows (for callers that say what was cut)."""
-    return min(grid.rows, MAX_ROWS) * min(grid.columns, MAX_COLUMNS)
-
-
 # -- a pipeline schedule's timeline -----------------------------------------------------------
 
 TIMELINE_MAX_TICKS = 120  # terminal columns of ticks; longer steps are cut and say so
@@ -368,5 +363,5 @@ def render_timeline_svg(timeline: Timeline) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["DimGrid", "Grid", "cells_shown", "render_svg", "render_text",
+__all__ = ["DimGrid", "Grid", "render_svg", "render_text",
            "render_timeline_svg", "render_timeline_text", "stack_svgs"]
