@@ -36,6 +36,7 @@ import attrs
 
 from composer_par.plugin import (
     ALREADY_WRAPPED,
+    CHECKPOINT_MARK,
     IMPORT_STRING_RULE,
     Declaration,
     EstimateSettings,
@@ -51,13 +52,11 @@ from composer_par.plugin import (
     ordering_option,
     wrapped_block_findings,
 )
-from composer_par.plugin.wrapping import CHECKPOINT_MARK
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.plugin import Block
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext, Block
 
 # The instance attribute that marks a block this plugin checkpointed (and in which mode);
 # the shared already-wrapped check knows it.

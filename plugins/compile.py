@@ -36,8 +36,7 @@ from composer_par.plugin import (
 )
 
 if TYPE_CHECKING:
-    from composer_par.plugin import Block, MeshSpec, PlanView
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext, Block, MeshSpec, PlanView
 
 # torch.compile's modes; each configures inductor, and torch hands ``mode`` to whatever
 # backend is named, so with another backend the first forward fails with a TypeError.

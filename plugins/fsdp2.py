@@ -47,8 +47,7 @@ from composer_par.plugin.fsdp_state import (
 )
 
 if TYPE_CHECKING:
-    from composer_par.plugin import MeshSpec, PlanView, Topology
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext, MeshSpec, PlanView, Topology
 
 RULES = (
     Rule("CP216", Severity.WARNING, "reshard_after_forward=false under HSDP",

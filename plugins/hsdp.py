@@ -53,8 +53,7 @@ from composer_par.plugin.fsdp_state import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.plugin import Declaration, MeshSpec, PlanView
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext, Declaration, MeshSpec, PlanView
 
 
 def _divide_factor(value: Any) -> float | None:

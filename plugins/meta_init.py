@@ -31,7 +31,7 @@ from composer_par.plugin import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext
 
 InitFn = Callable[["nn.Module"], None]
 

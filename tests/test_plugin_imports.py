@@ -1,11 +1,13 @@
 """No privileges: the built-in plugins and the contrib plugin import composer_par only
-through the author package, ``composer_par.plugin`` (its namespace or its submodules),
-and never another built-in plugin. Read from the source with ``ast``, every import
-counts: at the top, inside functions, under ``TYPE_CHECKING``."""
+through the author package, ``composer_par.plugin`` (its namespace, or an advanced
+module its docstring names as such), and never another built-in plugin. Read from the
+source with ``ast``, every import counts: at the top, inside functions, under
+``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "plugins"  # installed as composer_par.plugins
 CONTRIB = ROOT / "contrib" / "composer-par-compress" / "src"
+# The modules composer_par.plugin's docstring names as advanced: imported on their own.
+ADVANCED = ("composer_par.plugin.initialize", "composer_par.plugin.loader",
+            "composer_par.plugin.fsdp_state", "composer_par.plugin.pipeline")
 
 
 
@@ -63,7 +68,12 @@ def _problems(path: Path, source: str | None = None) -> list[str]:
         if parts[0] != "composer_par" or module in ("composer_par", "composer_par.plugins"):
             continue  # the packages themselves: what is taken from them is checked
         where = f"{path.relative_to(ROOT)}:{line}: {module}"
+        if module == "composer_par.plugin" or module.startswith(
+                tuple(f"{name}." for name in ADVANCED)) or module in ADVANCED:
+            continue
         if parts[:2] == ["composer_par", "plugin"]:
+            out.append(f"{where}: imports a submodule of composer_par.plugin that is not "
+                       "one of its advanced modules (take the name from composer_par.plugin)")
             continue
         if parts[:2] == ["composer_par", "plugins"] and len(parts) > 2:
             if parts[2] != own:
@@ -95,7 +105,9 @@ def test_the_check_catches_each_kind_of_import() -> None:
              "from ..hsdp import HSDP"]
     in_fsdp2 = ["from composer_par.plugins.activation_checkpoint import MARK",
                 "from composer_par.checkpoint import steps",
-                "from composer_par.plugins import hsdp"]
+                "from composer_par.plugins import hsdp",
+                "from composer_par.plugin.context import ApplyContext",
+                "from composer_par.plugin.wrapping import CHECKPOINT_MARK"]
     fine = ["from composer_par.plugin import Finding",
             "from composer_par.plugin.initialize import post_order",
             "from .styles import STYLES", "from composer_par.plugins.tp import TP",
@@ -110,3 +122,22 @@ def test_the_check_catches_each_kind_of_import() -> None:
     assert len(_problems(PLUGINS / "load_checkpoint.py",
                          "from composer_par.checkpoint import steps\n"
                          "from composer_par.plugins.load_safetensors import WeightsLoader\n")) == 2
+
+
+def test_the_advanced_modules_are_the_ones_the_author_package_names() -> None:
+    import composer_par.plugin as author
+
+    doc = author.__doc__ or ""
+    named = doc[doc.index("advanced modules"):]
+    for module in ADVANCED:
+        assert f":mod:`{module}`" in named, module
+
+
+def test_every_export_of_the_author_package_is_used_by_a_plugin_or_the_docs() -> None:
+    """An export nobody imports is surface a third party may come to rely on for nothing."""
+    import composer_par.plugin as author
+
+    sources = [*_sources(), *(ROOT / "docs").rglob("*.md")]
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sources)
+    unused = [name for name in author.__all__ if not re.search(rf"\b{name}\b", text)]
+    assert unused == []

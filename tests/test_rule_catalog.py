@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from composer_par.findings import CORE_RULES, RULES, Rule
-from composer_par.plugin import PROJECT, hookspecs
+from composer_par.plugin import hookspecs
+from composer_par.plugin.base import PROJECT
 from composer_par.plugin.registry import Registry
 from composer_par.rules import catalogs, listing, rule_conflicts, sources_text
 

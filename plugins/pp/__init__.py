@@ -53,9 +53,7 @@ from .split import SplitError, StageSplit, compute_split, tied_across
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.plugin import MeshSpec, Topology
-    from composer_par.plugin.context import ApplyContext
-    from composer_par.plugin.view import PlanView
+    from composer_par.plugin import ApplyContext, MeshSpec, PlanView, Topology
 
 _E, _W = Severity.ERROR, Severity.WARNING
 _PLAN = "[mesh]\npp = 2\n\n[[plugins]]\nname = \"pp\"\n"

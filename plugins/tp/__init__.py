@@ -91,8 +91,7 @@ from .styles import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from composer_par.plugin import MeshSpec, PlanView
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext, MeshSpec, PlanView
 
 
 @attrs.frozen

@@ -48,7 +48,7 @@ def compress(method: str, **options: object) -> str:
 
 def _bucket(buffer, params=None, divisor=None):  # type: ignore[no-untyped-def]
     import torch.distributed as dist
-    from composer_par.plugin.comm import GradBucket
+    from composer_par.plugin import GradBucket
 
     group = dist.group.WORLD
     size = float(dist.get_world_size()) if divisor is None else divisor

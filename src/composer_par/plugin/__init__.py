@@ -44,7 +44,7 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   parallel, materialize, finalize).
 * **Options** that check what a plan file hands in and name the option when it is wrong:
   :func:`dim_option`, :func:`blocks_option`, :func:`ordering_option`, :func:`int_option`,
-  :func:`bool_option`, :func:`import_string_findings` and :func:`import_string_problem`
+  :func:`bool_option`, :func:`import_string_findings`
   (a ``"module:function"`` option checked without importing it; rule
   :data:`IMPORT_STRING_RULE`, CP224), :func:`dtype_option` (one table of dtype names for
   the project,
@@ -56,21 +56,27 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   ``plan`` (mesh, topology, world size, declarations, replicate dims, comm hooks; no plugin
   objects, so no plugin reads another's options); :class:`ApplyContext`, what stage hooks
   receive (the model, the shared blocks, the mesh, ``submesh()``, the device, the typed
-  ``data_parallel_modules`` and ``installed_comm_hooks``); :class:`HookCaller`, the plan's
-  one hook caller (``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
-  :class:`BlockSpec`, :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*``
-  one path component), :func:`modules_by_clean_name` (every module by its clean name, the
-  outer of a wrapper pair kept); :func:`tied_outside` (the parameters a block shares with
-  a module outside it: one parameter cannot be in two FSDP units).
+  ``data_parallel_modules`` and ``installed_comm_hooks``, the plan's one hook caller as
+  ``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
+  :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*`` one path component),
+  :func:`modules_by_clean_name` (every module by its clean name, the outer of a wrapper
+  pair kept); :func:`tied_outside` (the parameters a block shares with a module outside
+  it: one parameter cannot be in two FSDP units).
 * **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
   :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
   stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`).
-* **Helpers more than one plugin needs**: :mod:`composer_par.plugin.wrapping` (blocks
-  already wrapped), :mod:`composer_par.plugin.initialize` (layout-invariant
-  initialization), :mod:`composer_par.plugin.loader` (the weights-loader base),
-  :mod:`composer_par.plugin.fsdp_state` (every read or write of torch-private FSDP state,
-  behind one torch-version gate).
+* **Blocks already wrapped**: :data:`ALREADY_WRAPPED`, :data:`CHECKPOINT_MARK`,
+  :func:`already_wrapped`, :func:`wrapped_block_findings`.
+
+Four advanced modules are imported on their own, each for what a few plugins need and
+most never touch (they import torch, so a plugin imports them inside its hooks or for
+type checking): :mod:`composer_par.plugin.initialize` (layout-invariant initialization),
+:mod:`composer_par.plugin.loader` (the weights-loader base),
+:mod:`composer_par.plugin.fsdp_state` (every read or write of torch-private FSDP state,
+behind one torch-version gate) and :mod:`composer_par.plugin.pipeline` (pipeline stages
+and schedule timelines). Nothing else of composer_par is for plugins: the built-in
+plugins and contrib import only this package and these four.
 
 Facts pass between plugins only through hook answers and the typed fields of the context:
 never import another plugin or read its options. docs/writing-plugins.md is the long
@@ -79,7 +85,6 @@ form, starting from the plugin above.
 
 from composer_par.blocks import (
     Block,
-    BlockSpec,
     clean_name,
     modules_by_clean_name,
     names_near,
@@ -95,10 +100,9 @@ from composer_par.estimate.parts import (
     EstimateRank,
     EstimateStage,
 )
-from composer_par.findings import Finding, Report, Rule, Severity, did_you_mean
+from composer_par.findings import Finding, Rule, Severity, did_you_mean
 from composer_par.mesh import MeshSpec
 from composer_par.plugin.base import (
-    PROJECT,
     STAGES,
     Claim,
     Declaration,
@@ -107,19 +111,15 @@ from composer_par.plugin.base import (
     Role,
     Stage,
     hookimpl,
-    hookspec,
 )
-from composer_par.plugin.caller import HookCaller
 from composer_par.plugin.comm import (
-    COLLECTIVES,
     CommHook,
     CommSetup,
     GradBucket,
     GradReducer,
-    InstalledCommHook,
     all_reduce_mean,
 )
-from composer_par.plugin.context import AppliedStep, ApplyContext
+from composer_par.plugin.context import ApplyContext
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
     OptionError,
@@ -128,13 +128,13 @@ from composer_par.plugin.options import (
     dim_option,
     dtype_option,
     import_string_findings,
-    import_string_problem,
     int_option,
     ordering_option,
 )
 from composer_par.plugin.view import PlanView
 from composer_par.plugin.wrapping import (
     ALREADY_WRAPPED,
+    CHECKPOINT_MARK,
     already_wrapped,
     wrapped_block_findings,
 )
@@ -143,14 +143,11 @@ from composer_par.topology import Topology
 
 __all__ = [
     "ALREADY_WRAPPED",
-    "COLLECTIVES",
+    "CHECKPOINT_MARK",
     "IMPORT_STRING_RULE",
-    "PROJECT",
     "STAGES",
-    "AppliedStep",
     "ApplyContext",
     "Block",
-    "BlockSpec",
     "Claim",
     "Collective",
     "CommHook",
@@ -165,13 +162,10 @@ __all__ = [
     "Finding",
     "GradBucket",
     "GradReducer",
-    "HookCaller",
-    "InstalledCommHook",
     "MeshSpec",
     "OptionError",
     "PlanView",
     "Plugin",
-    "Report",
     "Role",
     "Rule",
     "Severity",
@@ -187,9 +181,7 @@ __all__ = [
     "dtype_name",
     "dtype_option",
     "hookimpl",
-    "hookspec",
     "import_string_findings",
-    "import_string_problem",
     "int_option",
     "modules_by_clean_name",
     "names_near",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from composer_par.plugin.comm import GradBucket
+from composer_par.plugin import GradBucket
 
 
 class LowPrecisionAllReduce:

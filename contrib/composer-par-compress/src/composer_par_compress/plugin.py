@@ -32,8 +32,7 @@ from composer_par.plugin import (
 
 if TYPE_CHECKING:
     import torch.nn as nn
-    from composer_par.plugin import MeshSpec, PlanView
-    from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin import ApplyContext, MeshSpec, PlanView
 
 METHODS = ("none", "bf16", "fp16", "powersgd")
 # A dtype spelled any way composer_par accepts ("bfloat16", "BF16", "half") names the

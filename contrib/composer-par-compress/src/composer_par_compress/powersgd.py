@@ -27,7 +27,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from composer_par.plugin.comm import GradBucket, all_reduce_mean
+from composer_par.plugin import GradBucket, all_reduce_mean
 
 EPS = 1e-8
 DEPENDENT = 1e-4  # a column keeping less than this of its norm is in the others' span
