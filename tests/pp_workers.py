@@ -125,24 +125,39 @@ def split_batch(task: Any, batch: Any) -> tuple[Any, Any]:
 
 
 def loss_fn_for(task: Any) -> Any:
-    """The task's loss as ``loss_fn(outputs, targets)``."""
-    if isinstance(task, LlamaTask):
-        from collections.abc import Mapping
-
+    """The task's loss as ``loss_fn(outputs, targets)``, written for what the task's model
+    returns (with or without a pipeline, the training step hands it that): Hugging Face's
+    ``LlamaForCausalLM`` its ``CausalLMOutputWithPast``, the Hugging Face-style model a
+    dict, the project's Llama its logits tensor."""
+    if isinstance(task, HFLlamaTask):
+        return logits_attribute_loss
+    if isinstance(task, HFStyleTask):
         from composer_par.models.llama import next_token_loss
 
-        def next_token(outputs: Any, tokens: Any) -> Any:
-            # A model returning a mapping gives its logits (on the last stage of a
-            # pipeline the stage already sends them alone).
-            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs
-            return next_token_loss(logits, tokens)
+        return lambda outputs, tokens: next_token_loss(outputs["logits"], tokens)
+    if isinstance(task, LlamaTask):
+        from composer_par.models.llama import next_token_loss
 
-        return next_token
+        return next_token_loss
 
     def mse(outputs: Any, targets: Any) -> Any:
         return ((outputs - targets) ** 2).mean()
 
     return mse
+
+
+def logits_attribute_loss(outputs: Any, tokens: Any) -> Any:
+    """Next-token cross-entropy read from a Hugging Face causal LM's own output object, as
+    a user writes it for the model: ``outputs.logits``; refuses anything else."""
+    import torch.nn.functional as F
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if not isinstance(outputs, CausalLMOutputWithPast):
+        raise TypeError(f"the loss was given {type(outputs).__name__}, not the model's "
+                        "CausalLMOutputWithPast")
+    logits = outputs.logits
+    assert logits is not None
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 @attrs.frozen

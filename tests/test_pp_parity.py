@@ -102,6 +102,28 @@ def test_two_stages_every_schedule_and_model_kind() -> None:
     check(cases, timeout=600)
 
 
+def test_one_loss_for_the_model_output_with_and_without_a_pipeline() -> None:
+    """``loss_fn`` is given what the model's own forward returns under every plan: a loss
+    reading ``outputs.logits`` off Hugging Face's ``CausalLMOutputWithPast`` (and refusing
+    anything else) trains at parity under PP and without; the project's Llama returns
+    its logits tensor, and its loss takes that tensor under both."""
+    fsdp = 'name = "fsdp2"'
+    # Clipped as the other LlamaForCausalLM cases are: unclipped at lr 1, the microbatches'
+    # summation order grows past atol in 6 steps.
+    cases = {
+        "LlamaForCausalLM, outputs.logits, GPipe": case("hf_llama", "pp = 2", pp("GPipe"),
+                                                        world=2, clip=0.5),
+        "LlamaForCausalLM, outputs.logits, 1F1B, its pp plan": case(
+            "hf_llama", "pp = 2", pp("1F1B", split="pp_plan"), world=2, clip=0.5),
+        "LlamaForCausalLM, outputs.logits, FSDP2 without a pipeline": case(
+            "hf_llama", "dp_shard = 2", fsdp, world=2, clip=0.5),
+        "Llama, logits tensor, GPipe": case(LLAMA4, "pp = 2", pp("GPipe"), world=2),
+        "Llama, logits tensor, FSDP2 without a pipeline": case(LLAMA4, "dp_shard = 2", fsdp,
+                                                               world=2),
+    }
+    check(cases, timeout=600)
+
+
 def test_four_stages_and_two_by_two_compositions() -> None:
     fsdp, tp, hsdp = 'name = "fsdp2"', 'name = "tp"', 'name = "hsdp"'
     cases = {

@@ -1,4 +1,9 @@
-"""The torch side of a step: ``PipelineStage`` per local part, the schedule over them."""
+"""The torch side of a step: ``PipelineStage`` per local part, the schedule over them.
+
+Between stages torch sends tensors (:func:`stage_output`); the loss, on the last stage,
+is given the model's own output instead (:func:`model_output_loss`), so that one loss
+serves a plan with a pipeline and one without.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
 def stage_output(out: Any) -> Any:
     """What a stage sends on: tensors. A model output object (a Hugging Face
     ``ModelOutput`` is a mapping) gives its first tensor: ``logits``, or on a stage
-    without the output head, the hidden state standing in its place."""
+    without the output head, the hidden state standing in its place. (The loss is given
+    the object itself.)"""
     if isinstance(out, torch.Tensor):
         return _owned(out)
     if isinstance(out, Mapping):
@@ -41,13 +47,58 @@ class _Stage(PipelineStage):
     """torch's stage with the model's output turned into what a stage sends.
 
     torch 2.13 calls the module in two places: each microbatch's forward, and the
-    metadata inference of the first step (``_compute_outputs``, its override point)."""
+    metadata inference of the first step (``_compute_outputs``, its override point).
+
+    On the last stage each forward's own output (a Hugging Face ``ModelOutput``, a
+    tensor, whatever the model returns) is kept, keyed by what the stage sent, until the
+    loss asks for it: torch hands the loss the sent tensors, and the loss is written for
+    the model's output (:func:`model_output_loss`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._model_outputs: dict[int, Any] = {}
+        super().__init__(*args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        return stage_output(super().forward_maybe_with_nosync(*args, **kwargs))
+        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        sent = stage_output(out)
+        self._keep(sent, out)
+        return sent
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
-        return stage_output(super()._compute_outputs(*args, module=module, **kwargs))
+        out = super()._compute_outputs(*args, module=module, **kwargs)
+        sent = stage_output(out)
+        # The metadata inference calls the loss too, on a lone output taken out of its
+        # tuple.
+        self._keep(sent[0] if isinstance(sent, tuple) and len(sent) == 1 else sent, out)
+        return sent
+
+    def _keep(self, given: Any, out: Any) -> None:
+        if self.is_last:
+            # torch holds what it gives the loss until the step ends (its forward cache,
+            # the metadata inference's outputs), so the id names this output until then.
+            self._model_outputs[id(given)] = out
+
+    def model_output(self, sent: Any) -> Any:
+        """What the model's forward returned for the microbatch whose stage output is
+        ``sent`` (once: the entry is dropped)."""
+        return self._model_outputs.pop(id(sent), sent)
+
+    def clear_runtime_states(self) -> None:
+        # torch calls this at the start of every step: nothing kept outlives a step.
+        super().clear_runtime_states()
+        self._model_outputs.clear()
+
+
+def model_output_loss(stage: _Stage, loss_fn: Callable[..., torch.Tensor]
+                      ) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` as torch's schedule calls it on the last stage, given the model's own
+    output for the microbatch instead of the tensors the stage sent."""
+
+    def loss(output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        return loss_fn(stage.model_output(output), target, **kwargs)
+
+    return loss
 
 
 def compiled_modules(parts: Sequence[nn.Module]) -> list[str]:
@@ -89,12 +140,19 @@ def build_schedule(
     *, schedule: str, microbatches: int, num_stages: int, parts: Sequence[tuple[int, nn.Module]],
     device: torch.device, group: Any, loss_fn: Callable[..., torch.Tensor],
 ) -> Any:
-    """The torch schedule over this rank's parts (``(stage index, module)``, in order)."""
+    """The torch schedule over this rank's parts (``(stage index, module)``, in order).
+
+    ``loss_fn(outputs, targets)`` is given, for each microbatch, what the model's forward
+    returned on the last stage: the same kind of object as the unsplit model returns."""
     stages = [_Stage(module, index, num_stages, device, group=group) for index, module in parts]
+    last = next((stage for stage in stages if stage.is_last), None)
+    if last is not None:
+        loss_fn = model_output_loss(last, loss_fn)
     cls = get_schedule_class(schedule)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], microbatches, loss_fn=loss_fn)
     return cls(stages, microbatches, loss_fn=loss_fn)
 
 
-__all__ = ["build_schedule", "compiled_modules", "keep_unsharded_until_backward", "stage_output"]
+__all__ = ["build_schedule", "compiled_modules", "keep_unsharded_until_backward",
+           "model_output_loss", "stage_output"]

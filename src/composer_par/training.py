@@ -1,6 +1,6 @@
 """One training loop for every plan: :class:`TrainingStep` (``plan.training_step``).
 
-    step = plan.training_step(model, loss_fn)      # loss_fn(outputs, targets) -> mean loss
+    step = plan.training_step(model, loss_fn)      # loss_fn(model's output, targets) -> loss
     optimizer = torch.optim.AdamW(model.parameters())
     for inputs, targets in batches:                # this rank's shard (plan.data_shard())
         loss = step.step(inputs, targets)           # forward, loss, backward
@@ -15,6 +15,16 @@ and backward in the schedule's order, and scales gradients by the microbatch cou
 that they equal those of one backward over the whole per-rank batch. Either way ``step``
 returns the mean loss over the global batch (every data-parallel rank's batch), the same
 on every rank.
+
+One loss contract for every plan: ``loss_fn(outputs, targets)`` is given what the
+model's own ``forward`` returns, never what a pipeline stage sends. Without a pipeline
+that is ``model(*inputs, **kwargs)`` over the per-rank batch; with one, for each
+microbatch, what the forward returned on the last stage: the same kind of object (a
+Hugging Face model's ``ModelOutput`` class, e.g. ``CausalLMOutputWithPast`` with its
+``logits``; a plain module's tensor or tuple), over the microbatch. So a loss written
+for the model (``outputs.logits`` of a Hugging Face causal LM, the logits tensor of
+:class:`composer_par.models.llama.Llama`) runs unchanged under every plan. Fields a model
+fills per layer (``hidden_states``, ``attentions``) hold only the last stage's layers.
 
 ``clip_grad_norm_`` computes the norm over every parameter of the whole model, whatever
 mesh each lives on: plain tensors, DTensors sharded over some mesh dims and replicated
@@ -75,9 +85,11 @@ class TrainingStep:
 
         ``inputs`` is the model's input (a tensor, or a tuple of positional inputs),
         ``targets`` what ``loss_fn`` compares the outputs with; ``kwargs`` go to the model
-        (with a pipeline they are cut into microbatches like the inputs). Gradients
-        accumulate into ``.grad`` as after ``loss.backward()``. Returns a detached scalar
-        tensor, the same on every rank.
+        (with a pipeline they are cut into microbatches like the inputs, and every stage
+        is given them). ``loss_fn(outputs, targets)`` is given what the model's forward
+        returns, with or without a pipeline (with one: on the last stage, per
+        microbatch; see the module). Gradients accumulate into ``.grad`` as after
+        ``loss.backward()``. Returns a detached scalar tensor, the same on every rank.
         """
         if self.pipeline is not None:
             local, count = self._pipeline_step(inputs, targets, kwargs)

@@ -44,7 +44,9 @@ class Pipeline:
     ``split[s]`` lists the module paths stage ``s`` owns; ``placement[r]`` the stages pp
     rank ``r`` holds, in execution order. ``build_schedule(loss_fn)`` returns the torch
     schedule over the local parts (``loss_fn(outputs, targets)`` gives a microbatch's mean
-    loss); ``check_batch(size)`` raises, naming both numbers, when a per-rank batch of
+    loss, ``outputs`` being what the model's forward returned on the last stage for the
+    microbatch: the same kind of object as without a pipeline, not the tensors the stage
+    sends); ``check_batch(size)`` raises, naming both numbers, when a per-rank batch of
     ``size`` samples cannot be cut into ``microbatches``.
     """
 
