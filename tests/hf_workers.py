@@ -35,6 +35,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             {"image_size": 32, "patch_size": 8, "num_labels": 10}),
     "bert": ("BertConfig", "BertForMaskedLM", {}),
 }
+# Families outside the matrix, for the cases only they have: StableLm's attention
+# reshapes by its own global head count (TP's name fallback), Apertus's XIELU activation
+# holds parameters only its constructor sets (MetaInit).
+MORE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+}
 COMMON: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
@@ -52,7 +59,7 @@ SEED = 7
 def config(family: str, **overrides: Any) -> Any:
     import transformers
 
-    config_class, _, extra = FAMILIES[family]
+    config_class, _, extra = {**FAMILIES, **MORE_FAMILIES}[family]
     cls = getattr(transformers, config_class)
     fields = {**COMMON, **extra, **overrides}
     cfg = cls(**fields)
@@ -67,7 +74,7 @@ def build(family: str, meta: bool = True, **overrides: Any) -> Any:
     import torch
     import transformers
 
-    cls = getattr(transformers, FAMILIES[family][1])
+    cls = getattr(transformers, {**FAMILIES, **MORE_FAMILIES}[family][1])
     cfg = config(family, **overrides)
     if not meta:
         torch.manual_seed(SEED)

@@ -71,6 +71,7 @@ from .findings import (
     rest_findings,
     tie_findings,
 )
+from .heads import set_local_head_counts
 from .loss import local_loss, loss_parallel
 from .patterns import matches, names_near
 from .plan_map import PlanMap, plan_option
@@ -214,6 +215,7 @@ class TP(Plugin):
                                "\n".join(f.format() for f in errors))
         mesh = ctx.submesh(self.dim)
         apply_resolution(resolution, mesh)
+        localized = set_local_head_counts(resolution.local_heads)
         replicated = replicate_rest(resolution, mesh) if self.replicate_rest else 0
         retie(resolution)
         ctx.notes["tp_plan"] = [(path, spec.describe()) for path, _, spec in
@@ -229,6 +231,8 @@ class TP(Plugin):
         if resolution.fallbacks:
             text += "; left whole: " + ", ".join(
                 m for f in resolution.fallbacks for m in f.modules)
+        if localized:
+            text += f"; head counts made local in {localized} attention module(s)"
         if self.sequence_parallel:
             text += "; sequence parallel"
         if self.loss_parallel:

@@ -135,6 +135,8 @@ class AutoPlan:
 
 
 HF_SOURCE = "Hugging Face tp plan"
+#: The sources of a plan built from recognized module names.
+NAME_SOURCES = ("Llama names", "Hugging Face Llama names", "GPT names")
 
 
 def auto_plan(
@@ -186,8 +188,8 @@ def auto_plan(
             problem = ("loss_parallel = true, but the auto plan found no output head "
                        f"({'/'.join(OUTPUT_NAMES)}) in {type(model).__name__} to keep "
                        "sharded on the vocabulary")
-        return AutoPlan(entries, "Llama names" if family == "llama" else
-                        "Hugging Face Llama names", problem, tuple(fallbacks))
+        return AutoPlan(entries, NAME_SOURCES[0] if family == "llama" else
+                        NAME_SOURCES[1], problem, tuple(fallbacks))
     if family == "gpt":
         entries = _gpt_plan(modules)
         problem = None
@@ -198,7 +200,7 @@ def auto_plan(
         elif loss_parallel:
             problem = ("loss_parallel = true: the auto plan leaves a GPT model's output head "
                        "replicated (it is usually tied to the token embedding)")
-        return AutoPlan(entries, "GPT names", problem)
+        return AutoPlan(entries, NAME_SOURCES[2], problem)
     return AutoPlan([], "auto", (
         f"plan = \"auto\" found no Hugging Face tp plan on {type(model).__name__} and "
         "recognized none of its module names (Llama: wq/wk/wv/wo/w1/w2/w3 or "

@@ -72,6 +72,12 @@ RULES = (
          "to say otherwise",
          "ParallelPlan(MeshSpec(tp=2)).use(TP(plan=qwen3_plan_without_q_norm))"
          ".use(MetaInit()).validate(qwen3)"),
+    Rule("CP431", Severity.ERROR,
+         "the name fallback cannot give a split attention its local head counts",
+         "give TP(plan={...}) explicitly with that attention left out, or use a model whose "
+         "attention reshapes by -1 or by its own head-count attributes",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP()).use(MetaInit())"
+         ".validate(stablelm_with_qk_layernorm)"),
 )
 
 

@@ -12,7 +12,7 @@ import attrs
 
 from composer_par.plugin import Finding
 
-from .auto import HF_SOURCE, OUTPUT_NAMES, Fallback, auto_plan
+from .auto import HF_SOURCE, NAME_SOURCES, OUTPUT_NAMES, Fallback, auto_plan
 from .findings import (
     fallback_findings,
     fit_finding,
@@ -23,6 +23,7 @@ from .findings import (
     sharded_neighbour_findings,
     tie_findings,
 )
+from .heads import LocalHeads, local_head_counts
 from .patterns import generalize, matches, modules_by_name, names_near, parameters_by_name
 from .plan_map import PlanMap
 from .sequence import hf_sequence_parallel
@@ -56,6 +57,8 @@ class Resolution:
     # Tied parameters every owner splits the same way: one parameter again after apply.
     ties: list[list[tuple[Any, str]]] = attrs.Factory(list)
     fallbacks: tuple[Fallback, ...] = ()
+    # Head-count attributes set to their rank's count after apply (the name fallback).
+    local_heads: list[LocalHeads] = attrs.Factory(list)
 
 
 def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
@@ -134,11 +137,17 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
     findings += fit_findings(entries, tp_size)
     findings += parameter_findings(params, entries, tp_size)
     findings += head_findings(model, modules, entries, tp_size, params)
+    local_heads: list[LocalHeads] = []
+    if source in NAME_SOURCES:
+        # A model's own tp plan comes with a forward written for it; recognized names
+        # say nothing about how the attention reshapes its heads.
+        local_heads, refused = local_head_counts(modules, entries, tp_size)
+        findings += refused
     if tp.replicate_rest:
         findings += rest_findings(modules, rest, entries)
     tied, ties = tie_findings(modules, entries, params, rest, tp.replicate_rest)
     findings += tied
-    return Resolution(entries, findings, source, rest, params, ties, fallbacks)
+    return Resolution(entries, findings, source, rest, params, ties, fallbacks, local_heads)
 
 
 def _defaults(spec: StyleSpec, sequence_parallel: bool, loss_parallel: bool) -> StyleSpec:
