@@ -66,8 +66,12 @@ class MetaInit(Plugin):
     the weights such a rule writes are found by a dry run over fake tensors), a tied
     parameter initialized by its first owner only, buffers such as rotary inverse
     frequencies recomputed. Else each module's ``reset_parameters()`` (or
-    ``_reset_parameters()``). A module that owns parameters or buffers and has none of
-    these is validation error CP404.
+    ``_reset_parameters()``). A module whose tensors none of these writes (and only its
+    constructor sets: Apertus's XIELU activation) is built once on CPU with the
+    arguments it was built with, read back from same-named attributes of it or of the
+    nearest module above it (``composer_par.plugin.initialize.constructed``), and its
+    tensors copied. A module that owns parameters or buffers and has none of these is
+    validation error CP404.
     """
 
     name: ClassVar[str] = "meta_init"
@@ -96,7 +100,11 @@ class MetaInit(Plugin):
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module) -> list[Finding]:
-        from composer_par.plugin.initialize import post_order, without_initializer
+        from composer_par.plugin.initialize import (
+            Constructions,
+            post_order,
+            without_initializer,
+        )
 
         try:
             lacking = without_initializer(model, model.modules(), self.init_fn)
@@ -104,6 +112,11 @@ class MetaInit(Plugin):
             return [Finding("CP404", f"init_fn {self.init_fn!r} cannot be imported: {exc}",
                             fix="give init_fn as 'importable.module:function'")]
         found: list[Finding] = []
+        # A module whose constructor, called again with the same arguments, sets all its
+        # tensors is initialized by building it once on CPU (a copy: nothing changes).
+        paths = {id(m): p for p, m in model.named_modules()}
+        built = Constructions(self.seed)
+        lacking = [m for m in lacking if built.built_like(model, paths[id(m)]) is None]
         # Reported in initialization order.
         missing = {id(m) for m in lacking}
         if not missing:

@@ -5,6 +5,9 @@ parameter parts against the single-process reference, as in test_hf_models):
 - StableLm under FSDP2 x TP(auto): it has no tp plan of its own, the Llama-name fallback
   splits q, k and v, and its attention reshapes by its own head counts, which TP sets to
   the local ones; with per-head q/k norms it is refused (CP431).
+- Apertus under FSDP2 + MetaInit: its XIELU activation's alpha_p / alpha_n (and beta /
+  eps buffers) are set by its constructor only (``_init_weights`` leaves them alone);
+  MetaInit builds the activation's MLP once on CPU from its config and copies them.
 """
 
 from __future__ import annotations
@@ -77,3 +80,57 @@ def test_a_forward_reading_the_config_head_count_is_refused_cp431() -> None:
     report = ParallelPlan(MeshSpec(tp=2)).use(TP()).use(MetaInit()).validate(Model())
     assert "CP431" in report.codes(), report.format()
     assert "config.num_attention_heads" in report.format()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_apertus_trains_at_parity_under_fsdp2_with_meta_init() -> None:
+    cases = [("apertus", "fsdp2")]
+    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=540)
+    assert not hf_workers.problems(results, cases), "\n".join(
+        hf_workers.problems(results, cases))
+    assert all(rows[0]["applied"] for rows in results)
+
+
+def test_apertus_xielu_gets_the_values_of_a_model_built_on_cpu() -> None:
+    import torch
+
+    cpu = hf_workers.build("apertus", meta=False)
+    model = hf_workers.build("apertus")
+    ParallelPlan(MeshSpec()).use(MetaInit(seed=3)).apply(model)
+    for layer, built in zip(model.model.layers, cpu.model.layers, strict=True):
+        ours, theirs = layer.mlp.act_fn, built.mlp.act_fn
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+
+
+def test_a_constructor_set_module_is_built_again_from_arguments_it_keeps() -> None:
+    """A module whose constructor sets its parameter and keeps its arguments as
+    attributes is initialized from a CPU copy; one whose constructor leaves a tensor
+    empty (torch.empty) is not, and MetaInit still refuses it (CP404)."""
+    import torch
+    import torch.nn as nn
+
+    from composer_par import PlanError
+
+    class Offset(nn.Module):
+        def __init__(self, width: int, start: float = 0.25) -> None:
+            super().__init__()
+            self.width, self.start = width, start
+            self.offset = nn.Parameter(torch.full((width,), start))
+
+    class Empty(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.width = width
+            self.offset = nn.Parameter(torch.empty(width))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), Offset(3, start=0.5))
+    ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+    assert torch.equal(model[1].offset.detach(), torch.full((3,), 0.5))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), Empty(3))
+    with pytest.raises(PlanError) as err:
+        ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
+    assert err.value.report.codes() == ["CP404"]

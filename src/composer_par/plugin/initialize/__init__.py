@@ -11,10 +11,12 @@ unwritten stops the materialization (:class:`UninitializedError`).
 One module per job: :mod:`.lookup` (which call initializes a module), :mod:`.seeding`
 (the random state), :mod:`.unwritten` (the unwritten-parameter check),
 :mod:`.materialization` (``to_empty`` and the initialization walk), :mod:`.local_part`
-(a rank's part of a whole tensor). Plugins import this package inside their hooks,
+(a rank's part of a whole tensor), :mod:`.constructed` (tensors only a constructor sets,
+from the module built once on CPU). Plugins import this package inside their hooks,
 never at their top (it imports torch).
 """
 
+from composer_par.plugin.initialize.constructed import Constructions
 from composer_par.plugin.initialize.local_part import keep_local_part
 from composer_par.plugin.initialize.lookup import (
     InitFn,
@@ -34,6 +36,7 @@ from composer_par.plugin.initialize.seeding import module_seed, rng_of
 from composer_par.plugin.initialize.unwritten import UninitializedError
 
 __all__ = [
+    "Constructions",
     "InitFn",
     "InitResult",
     "UninitializedError",

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from composer_par.blocks import clean_name
 from composer_par.logging import get_logger
+from composer_par.plugin.initialize.constructed import Constructions
 from composer_par.plugin.initialize.local_part import keep_local_part
 from composer_par.plugin.initialize.lookup import (
     InitFn,
@@ -71,12 +72,21 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
     count = peak = 0
     left: list[str] = []
     left_types: dict[str, str] = {}
+    constructions = Constructions(base_seed)
     for path, module in order:
         owns = owns_tensors(module)
         if not owns and not parent_rules:
             continue  # no initializer acts through its children
         init = pick(module)
         if init is None:
+            fresh = [n for n, p in module._parameters.items()
+                     if p is not None and id(p) not in initialized]
+            if owns and from_constructor(model, path, module, constructions, device,
+                                         fresh, initialized):
+                count += 1
+            elif owns:  # validation (CP404) found it buildable; its copy did not match
+                left += [f"{clean_name(path)}.{n}" for n in fresh]
+                left_types.setdefault(type(module).__name__, "its constructor")
             continue
         name = clean_name(path)
         seed = module_seed(base_seed, name)
@@ -89,12 +99,41 @@ def materialize(model: nn.Module, device: torch.device, base_seed: int,
         count += 1
         peak = max(peak, result.scratch_bytes)
         initialized |= result.initialized
+        if result.unwritten and from_constructor(model, path, module, constructions,
+                                                 device, result.unwritten, initialized):
+            continue  # what its initializer left, its constructor sets
         if result.unwritten:
             left += [f"{name}.{n}" if name else n for n in result.unwritten]
             left_types.setdefault(type(module).__name__, initializer_name(init))
     if left:
         raise UninitializedError(left, left_types)
     return count, peak
+
+
+def from_constructor(root: nn.Module, path: str, module: nn.Module,
+                     constructions: Constructions, device: torch.device,
+                     names: Collection[str], initialized: set[int]) -> bool:
+    """Set the parameters ``names`` of ``module`` (at ``path`` of ``root``), and all its
+    buffers, to those of the module its constructor builds on CPU
+    (:mod:`.constructed`); each rank keeps its part, and the parameters are added to
+    ``initialized``. False where it cannot be built again: nothing is set."""
+    copy = constructions.built_like(root, path)
+    if copy is None:
+        return False
+    with torch.no_grad():
+        for name in names:
+            param, value = module._parameters[name], copy._parameters[name]
+            if param is None or value is None:
+                continue
+            keep_local_part(param, value.to(device=device, dtype=param.dtype))
+            initialized.add(id(param))
+        for name, buffer in module._buffers.items():
+            built = copy._buffers[name]
+            if buffer is not None and built is not None:
+                keep_local_part(buffer, built.to(device=device, dtype=buffer.dtype))
+    log.debug("initialized from its constructor", module=clean_name(path),
+              kind=type(module).__name__)
+    return True
 
 
 def init_module(module: nn.Module, init: InitFn, device: torch.device, seed: int,
