@@ -126,9 +126,10 @@ def test_a_constructor_set_module_is_built_again_from_arguments_it_keeps() -> No
             self.offset = nn.Parameter(torch.empty(width))
 
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(2, 3), Offset(3, start=0.5))
+        offset = Offset(3, start=0.5)
+        model = nn.Sequential(nn.Linear(2, 3), offset)
     ParallelPlan(MeshSpec()).use(MetaInit()).apply(model)
-    assert torch.equal(model[1].offset.detach(), torch.full((3,), 0.5))
+    assert torch.equal(offset.offset.detach(), torch.full((3,), 0.5))
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 3), Empty(3))
     with pytest.raises(PlanError) as err:
