@@ -39,8 +39,8 @@ RULES = (
     Rule("CP404", Severity.ERROR, "a module that MetaInit cannot initialize",
          "give the module a reset_parameters() that initializes its own tensors (buffers "
          "too), or pass MetaInit(init_fn=...)",
-         "class Scale(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-         "        self.gain = nn.Parameter(torch.ones(8))  # no reset_parameters()\n\n"
+         "class Scale(nn.Module):\n    def __init__(self, width):\n        super().__init__()\n"
+         "        self.gain = nn.Parameter(torch.ones(width))  # no reset_parameters()\n\n"
          "ParallelPlan(MeshSpec()).use(MetaInit()).validate(model_holding_a_scale)"),
     IMPORT_STRING_RULE,
 )
