@@ -304,6 +304,13 @@ def _cp409(tmp: Path, world: World) -> Any:
                                                                               meta=False)
 
 
+@case("CP431")
+def _cp431(tmp: Path, world: World) -> Any:
+    world(2)
+    return ParallelPlan(MeshSpec(tp=2)).use(TP()), hf_workers.build(
+        "stablelm", meta=False, qk_layernorm=True)
+
+
 @case("CP212")
 def _cp212(tmp: Path, world: World) -> Any:
     world(2)
