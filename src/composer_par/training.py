@@ -104,7 +104,13 @@ class TrainingStep:
         returns, with or without a pipeline (with one: on the last stage, per
         microbatch; see the module). Gradients accumulate into ``.grad`` as after
         ``loss.backward()``. Returns a detached scalar tensor, the same on every rank.
+        With ``check_replicas_every=N``, every N-th step (the first included) first
+        checks the replicas (:meth:`check_replicas`).
         """
+        every = self.check_replicas_every
+        if every is not None and self.steps % every == 0:
+            self.check_replicas()
+        self.steps += 1
         if self.pipeline is not None:
             local, count = self._pipeline_step(inputs, targets, kwargs)
         else:
