@@ -23,6 +23,7 @@ from composer_par.plugins.load_safetensors import LoadSafetensors
 from composer_par.plugins.meta_init import MetaInit
 from composer_par.plugins.pp import PP
 from composer_par.plugins.tp import TP
+from composer_par.replicas import ReplicaDriftError, check_replicas
 from composer_par.topology import Topology
 
 __version__ = "0.1.0"
@@ -52,11 +53,13 @@ __all__ = [
     "Plugin",
     "Registry",
     "RegistryError",
+    "ReplicaDriftError",
     "Report",
     "Role",
     "Severity",
     "Stage",
     "Topology",
+    "check_replicas",
     "configure_logging",
     "find_blocks",
     "get_logger",

@@ -40,6 +40,12 @@ hold the same stage), divided by the sizes of the mesh dims the parameter is sha
 over. This rests on one property of every composer_par plan: apart from the pipeline
 stage, ranks hold the same parameters, each either whole or sharded (DTensor ``Shard``)
 over some mesh dims.
+
+``check_replicas_every=N`` checks, before every N-th step (the first included), that each
+replicated parameter is still equal across the ranks holding it
+(:func:`composer_par.replicas.check_replicas`): the parameters as the optimizer left
+them after the step before. It raises :class:`composer_par.replicas.ReplicaDriftError`
+on every rank, naming the parameter, the mesh dim and the ranks.
 """
 
 from __future__ import annotations
@@ -68,10 +74,18 @@ class TrainingStep:
     """Forward, loss and backward of one step of ``model`` as ``plan`` applied it."""
 
     def __init__(self, plan: ParallelPlan, model: nn.Module,
-                 loss_fn: Callable[..., torch.Tensor]) -> None:
+                 loss_fn: Callable[..., torch.Tensor], *,
+                 check_replicas_every: int | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (outputs, targets) -> loss; got "
                             f"{loss_fn!r}")
+        if check_replicas_every is not None and (
+                isinstance(check_replicas_every, bool) or not isinstance(
+                    check_replicas_every, int) or check_replicas_every < 1):
+            raise ValueError(f"check_replicas_every must be a positive int or None; got "
+                             f"{check_replicas_every!r}")
+        self.check_replicas_every = check_replicas_every
+        self.steps = 0  # steps run so far
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
@@ -90,7 +104,13 @@ class TrainingStep:
         returns, with or without a pipeline (with one: on the last stage, per
         microbatch; see the module). Gradients accumulate into ``.grad`` as after
         ``loss.backward()``. Returns a detached scalar tensor, the same on every rank.
+        With ``check_replicas_every=N``, every N-th step (the first included) first
+        checks the replicas (:meth:`check_replicas`).
         """
+        every = self.check_replicas_every
+        if every is not None and self.steps % every == 0:
+            self.check_replicas()
+        self.steps += 1
         if self.pipeline is not None:
             local, count = self._pipeline_step(inputs, targets, kwargs)
         else:
@@ -138,6 +158,14 @@ class TrainingStep:
         both = torch.stack([local * count, torch.tensor(count, device=local.device)])
         dist.all_reduce(both)
         return both[0] / both[1]
+
+    def check_replicas(self) -> None:
+        """Raise :class:`composer_par.replicas.ReplicaDriftError` on every rank if a
+        replicated parameter differs across its ranks; a collective on every rank. A
+        pipeline stage's plain parameters are left out (no other stage holds them)."""
+        from composer_par.replicas import check_replicas
+
+        check_replicas(self.model, plain_group=None if self.pipeline is not None else "world")
 
     # -- gradient clipping --------------------------------------------------------------
 
