@@ -92,13 +92,10 @@ COUNTED = {**ARMS, "none": build}
 
 
 def start_fake_world(ranks: int) -> None:
-    import structlog
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
-    # Logging is part of what the plan does; printing it would time the terminal.
-    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
 
 
 def cpu_times(args: argparse.Namespace) -> None:

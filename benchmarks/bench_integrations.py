@@ -115,14 +115,12 @@ def lightning_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
                    warmup: int) -> dict[str, Any]:
     """Rank side: the Trainer's fit drives; plain and Fabric steps run between its steps."""
     import lightning as L
-    import structlog
     import torch
     from lightning.fabric import Fabric
     from torch.utils.data import DataLoader, TensorDataset
 
     from composer_par.integrations.lightning import FabricStrategy, TrainerStrategy
 
-    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
     steps = warmup + repeats
     loop = _PlainLoop(layers, dim, seq, batch, steps)
     tokens, count = loop.tokens, loop.count
@@ -209,12 +207,10 @@ def accelerate_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
                     warmup: int) -> dict[str, Any]:
     """Rank side: plain steps and steps through the accelerate adapter, interleaved
     (alternating which goes first); each side has its own model from the same weights."""
-    import structlog
     import torch
 
     from composer_par.integrations.accelerate import prepare_accelerator
 
-    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
     steps = warmup + repeats
     loop = _PlainLoop(layers, dim, seq, batch, steps)
 
@@ -268,13 +264,11 @@ def hf_trainer_rank(layers: int, dim: int, seq: int, batch: int, repeats: int,
     Trainer writes to a model's config, which the project's Llama keeps frozen)."""
     import tempfile
 
-    import structlog
     import torch
     import transformers
 
     from composer_par.integrations.hf_trainer import PlanTrainer
 
-    structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
     transformers.logging.set_verbosity_error()
     gen = torch.Generator().manual_seed(0)
     steps = warmup + repeats

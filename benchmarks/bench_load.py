@@ -30,8 +30,8 @@ Memory: each rank resets its peak resident set (``echo 5 > /proc/self/clear_refs
 sets VmHWM to the current VmRSS) after building the model on the meta device, and reports
 VmHWM minus that VmRSS at the end: the peak growth of everything the load allocated,
 including the rank's own shards (bytes/4 here) and file pages it mapped. Time: wall time
-between two barriers on rank 0. Everything any way imports (structlog too, which the
-first log line imports) is imported before the clock starts. Targets: growth <= 1.25 x
+between two barriers on rank 0. Everything any way imports is imported before the
+clock starts. Targets: growth <= 1.25 x
 bytes/4 on every rank for (a) and (d); (a) wall <= (b) wall; (a) wall <= (a0) wall; (d)
 wall <= (d0) wall. The exit status is 1 when the ways loaded different weights.
 """
@@ -159,7 +159,6 @@ def rank_run(variant: str, path: str) -> dict[str, Any]:
     # Everything any variant imports, imported before the clock starts.
     import composer_par.plugins.meta_init
     import safetensors.torch  # noqa: F401
-    import structlog.dev  # noqa: F401  # the first log line of apply imports it
     import torch.distributed.checkpoint
 
     import composer_par.checkpoint.hf_reader

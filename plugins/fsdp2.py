@@ -520,10 +520,6 @@ class FSDP2(Plugin):
         values: dict[str, bool | int | None] = {}
         found: list[Finding] = []
         used: set[str] = set()
-        if not self.reshard_units:  # the usual case, asked at validation and at apply
-            default = self.reshard_after_forward
-            return {u.name: u.style if u.style is not None and default is None else default
-                    for u in units}, found
         for unit in units:
             exact = [k for k in self.reshard_units if not _GLOB & set(k) and unit.matches(k)]
             patterns = [k for k in self.reshard_units if _GLOB & set(k) and unit.matches(k)]

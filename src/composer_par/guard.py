@@ -9,14 +9,12 @@ unsharded tensors. Gradients are reduced into the sharded parameters, so the opt
 sees no gradient there and those parameters never train, without any error.
 
 :func:`guard_optimizers` (called by ``ParallelPlan.apply`` on every model it shards)
-makes that an error. It notes, at the model's first forward, which registered tensors
-are not the sharded parameters (those registered as that forward starts, before FSDP2's
-own pre-forward hook swaps any: the ones ``apply`` returned, unless the caller registered
-others since, which the optimizer then should hold). FSDP2 makes each unsharded parameter
-once and reuses it, so the first forward shows all there will be. The first ``step()``
-of every optimizer then checks that it holds none of them and raises
-:class:`UnshardedParameterError` before anything is updated. Each optimizer is checked
-once: later steps cost one weak-set lookup.
+makes that an error. It notes the sharded parameters ``apply`` returned, and at the
+model's first forward which registered tensors are not among them (FSDP2 makes each
+unsharded parameter once and reuses it, so the first forward shows all there will be).
+The first ``step()`` of every optimizer then checks that it holds none of them and
+raises :class:`UnshardedParameterError` before anything is updated. Each optimizer is
+checked once: later steps cost one weak-set lookup.
 """
 
 from __future__ import annotations
@@ -37,26 +35,10 @@ class UnshardedParameterError(RuntimeError):
 class _Guard:
     def __init__(self, model: nn.Module) -> None:
         self.model = weakref.ref(model)
-        # Noted at the first forward, not here: apply pays nothing for a walk of the model
-        # that only a forward makes useful.
-        self.sharded: set[int] = set()
+        self.sharded = {id(p) for p in model.parameters()}
         # id -> (the unsharded tensor, weakly, and the parameter's name)
         self.unsharded: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
-        # prepend: before FSDP2's pre-forward hook (registered by fully_shard, earlier,
-        # also in front), which registers the unsharded parameters.
-        self.before: RemovableHandle | None = model.register_forward_pre_hook(
-            self._before_forward, prepend=True)
         self.handle: RemovableHandle | None = model.register_forward_hook(self._after_forward)
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        from composer_par.blocks import walk_modules
-
-        if self.before is not None:
-            self.before.remove()
-            self.before = None
-        # Ids alone (no names): names are built only for the tensors found unsharded.
-        self.sharded = {id(p) for _, each in walk_modules(module)
-                        for p in each._parameters.values() if p is not None}
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         from composer_par.blocks import clean_name

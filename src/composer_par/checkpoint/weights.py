@@ -111,9 +111,9 @@ def _finish(model: nn.Module, state_dict: dict[str, Any], m: Match, *, strict: b
 
     names = [*m.keys, *_fill_aliases(state_dict, tied, set(m.keys))]
     # DCP read into the tensors get_model_state_dict returned, which for FSDP2 and TP are
-    # the model's own (local) memory: setting those again would copy each onto itself
-    # (0.07-0.10 s of about 1 s per rank on the 1.1 GB benchmark). Only what is not the
-    # model's memory is set (a state dict torch had to build anew).
+    # the model's own (local) memory: setting those again would copy each onto itself,
+    # a second pass over every byte loaded. Only what is not the model's memory is set
+    # (a state dict torch had to build anew).
     own = _own_tensors(model)
     loaded = {name: state_dict[name] for name in names
               if not _same_memory(state_dict[name], own.get(name))}

@@ -27,8 +27,7 @@ import inspect
 import os
 import sys
 import time
-import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -88,7 +87,7 @@ class HookCaller:
     def __init__(self, plugins: Sequence[Plugin], plan: PlanView | None = None) -> None:
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self.plan = plan
-        self._proxies = [_Proxy(p, f"{p.name or type(p).__name__}#{i}", self)
+        self._proxies = [_Proxy(p, f"{p.name or type(p).__name__}#{i}")
                          for i, p in enumerate(self.plugins)]
         self._pm = self._manager(reversed(self._proxies))
         self._declarations: list[tuple[Plugin, Declaration]] | None = None
@@ -98,8 +97,8 @@ class HookCaller:
             by_plugin = {id(p.plugin): p for p in self._proxies}
             self._pm = self._manager(by_plugin[id(p)] for p in reversed(order))
 
-    def _manager(self, proxies: Iterator[_Proxy] | Any) -> pluggy.PluginManager:
-        pm = _Manager(PROJECT)
+    def _manager(self, proxies: Iterable[_Proxy]) -> pluggy.PluginManager:
+        pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(hookspecs)
         for proxy in proxies:
             try:
@@ -311,33 +310,6 @@ def _findings(answers: list[tuple[Plugin, Any]], caller: HookCaller) -> list[Fin
 # -- the proxies pluggy holds --------------------------------------------------------------
 
 
-class _Manager(pluggy.PluginManager):
-    """pluggy's manager, told where a :class:`_Proxy` keeps its hooks: in its instance
-    dict, alone (its class defines none). ``register`` asks about every name ``dir`` lists,
-    and for the ~30 others (``object``'s) pluggy's own lookup runs
-    ``inspect.getattr_static``: most of the cost of building a plan's caller. The same
-    lookup of the spec module's names is made once per process."""
-
-    def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
-        if type(plugin) is _Proxy and name not in plugin.__dict__:
-            return None
-        return super().parse_hookimpl_opts(plugin, name)
-
-    def parse_hookspec_opts(self, module_or_class: Any, name: str) -> Any:
-        # The spec module never changes: its names are read once per process, not once
-        # per plan (pluggy looks each of them up with inspect.getattr_static).
-        if module_or_class is not hookspecs:
-            return super().parse_hookspec_opts(module_or_class, name)
-        try:
-            opts = _SPEC_OPTS[name]
-        except KeyError:
-            opts = _SPEC_OPTS[name] = super().parse_hookspec_opts(module_or_class, name)
-        return None if opts is None else dict(opts)  # each manager its own, as pluggy's
-
-
-_SPEC_OPTS: dict[str, Any] = {}
-
-
 class _Proxy:
     """What pluggy registers for one plugin: its hook implementations, wrapped.
 
@@ -346,36 +318,19 @@ class _Proxy:
     exactly the implementation the plugin wrote.
     """
 
-    def __init__(self, plugin: Plugin, registered_name: str, caller: HookCaller) -> None:
+    def __init__(self, plugin: Plugin, registered_name: str) -> None:
         self.plugin = plugin
         self.registered_name = registered_name
-        for attr, opts in _implementations(type(plugin)):
-            hook = opts.get("specname") or attr
-            setattr(self, attr, _scoped(plugin, hook, getattr(plugin, attr), opts))
-
-    def __repr__(self) -> str:
-        return f"<{self.registered_name}: {self.plugin!r}>"
-
-
-# Weakly keyed: a plugin class defined and dropped (a test, a notebook) is not kept alive.
-_IMPLEMENTATIONS: weakref.WeakKeyDictionary[type, tuple[tuple[str, dict[str, Any]], ...]] = (
-    weakref.WeakKeyDictionary())
-
-
-def _implementations(cls: type) -> tuple[tuple[str, dict[str, Any]], ...]:
-    """``(attribute, hookimpl options)`` of every hook implementation a plugin class has
-    (looked up once per class: a plan is built per apply, and ``dir`` is slow)."""
-    found = _IMPLEMENTATIONS.get(cls)
-    if found is None:
-        rows = []
-        for attr in dir(cls):
-            static = inspect.getattr_static(cls, attr, None)
+        for attr in dir(type(plugin)):
+            static = inspect.getattr_static(plugin, attr, None)
             function = getattr(static, "__func__", static)
             opts = getattr(function, _MARK, None)
             if isinstance(opts, dict) and callable(function):
-                rows.append((attr, opts))
-        found = _IMPLEMENTATIONS[cls] = tuple(rows)
-    return found
+                hook = opts.get("specname") or attr
+                setattr(self, attr, _scoped(plugin, hook, getattr(plugin, attr), opts))
+
+    def __repr__(self) -> str:
+        return f"<{self.registered_name}: {self.plugin!r}>"
 
 
 def _scoped(plugin: Plugin, hook: str, method: Callable[..., Any], opts: dict[str, Any]
