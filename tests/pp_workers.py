@@ -124,6 +124,8 @@ hf_llama = HFLlamaTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_l
 # than the sliding window (4), so a sliding layer run as a full one changes the losses.
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
+# Taken by every config's base class, though not in the typed signatures.
+_EAGER: dict[str, Any] = {"attn_implementation": "eager"}
 
 
 @attrs.frozen
@@ -139,7 +141,7 @@ class HFQwen2SlidingTask(LlamaTask):
             num_key_value_heads=self.n_kv_heads, vocab_size=self.vocab_size,
             max_position_embeddings=64, use_cache=False, tie_word_embeddings=False,
             use_sliding_window=True, sliding_window=4, max_window_layers=4,
-            attn_implementation="eager")
+            **_EAGER)
         return transformers.Qwen2ForCausalLM(cfg)
 
 
@@ -156,7 +158,7 @@ class HFGemma3Task(LlamaTask):
             num_key_value_heads=self.n_kv_heads, head_dim=self.dim // self.n_heads,
             vocab_size=self.vocab_size, max_position_embeddings=64, use_cache=False,
             tie_word_embeddings=False, sliding_window=4,
-            layer_types=[_SLIDING, _FULL, _FULL, _SLIDING], attn_implementation="eager")
+            layer_types=[_SLIDING, _FULL, _FULL, _SLIDING], **_EAGER)
         return transformers.Gemma3ForCausalLM(cfg)
 
 
@@ -174,7 +176,7 @@ class HFGptOssTask(LlamaTask):
             vocab_size=self.vocab_size, max_position_embeddings=64, use_cache=False,
             tie_word_embeddings=False, sliding_window=4, num_local_experts=4,
             num_experts_per_tok=2, layer_types=[_SLIDING, _SLIDING, _FULL, _FULL],
-            attn_implementation="eager")
+            **_EAGER)
         return transformers.GptOssForCausalLM(cfg)
 
 

@@ -14,9 +14,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import torch.nn as nn  # noqa: E402
-
-from composer_par import MeshSpec, ParallelPlan  # noqa: E402
-from composer_par.blocks import find_blocks  # noqa: E402
 from composer_par.plugins.pp import PP  # noqa: E402
 from composer_par.plugins.pp.layer_config import (  # noqa: E402
     give_stage_configs,
@@ -25,6 +22,9 @@ from composer_par.plugins.pp.layer_config import (  # noqa: E402
 )
 from composer_par.plugins.pp.parts import build_parts  # noqa: E402
 from composer_par.plugins.pp.split import compute_split  # noqa: E402
+
+from composer_par import MeshSpec, ParallelPlan  # noqa: E402
+from composer_par.blocks import find_blocks  # noqa: E402
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -35,7 +35,7 @@ def qwen2_sliding(layers: int = 6) -> Any:
         hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False,
         use_sliding_window=True, sliding_window=4, max_window_layers=4,
-        attn_implementation="eager")
+        **{"attn_implementation": "eager"})
     torch.manual_seed(0)
     return transformers.Qwen2ForCausalLM(cfg)
 
