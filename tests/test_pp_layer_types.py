@@ -23,8 +23,13 @@ TASKS = {"Qwen2, sliding layers": "hf_qwen2_sliding", "Gemma 3 text": "hf_gemma3
 def test_layer_types_two_stages() -> None:
     # Clipped as the other Hugging Face cases are: unclipped at lr 1, the microbatches'
     # summation order grows past atol in the steps.
-    check({f"{name}, PP 2": case(task, "pp = 2", pp("1F1B"), world=2, clip=0.5)
-           for name, task in TASKS.items()}, timeout=900)
+    cases = {f"{name}, PP 2": case(task, "pp = 2", pp("1F1B"), world=2, clip=0.5)
+             for name, task in TASKS.items()}
+    # Two stages per rank: each stage's part reads its own cut config, not its rank's.
+    cases["Qwen2, sliding layers, PP 2, Interleaved1F1B"] = case(
+        "hf_qwen2_sliding", "pp = 2", pp("Interleaved1F1B", stages_per_rank=2), world=2,
+        clip=0.5)
+    check(cases, timeout=900)
 
 
 def test_layer_types_two_stages_by_fsdp2() -> None:
