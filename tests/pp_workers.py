@@ -117,6 +117,75 @@ class HFLlamaTask(LlamaTask):
 hf_llama = HFLlamaTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
 
 
+# -- Hugging Face decoders whose layers differ by type (config.layer_types) --------------
+# Each forward picks a layer's mask (and in Gemma 3 its rotary embedding) by
+# config.layer_types[i], i counting the layers it iterates; the types are chosen so that
+# the last stage's layers differ from the first stage's, and the sequence (8) is longer
+# than the sliding window (4), so a sliding layer run as a full one changes the losses.
+
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+# Taken by every config's base class, though not in the typed signatures.
+_EAGER: dict[str, Any] = {"attn_implementation": "eager"}
+
+
+@attrs.frozen
+class HFQwen2SlidingTask(LlamaTask):
+    """Qwen2 with sliding layers: layers 0-3 full, 4-5 sliding (``max_window_layers``)."""
+
+    def build(self) -> Any:
+        import transformers
+
+        cfg = transformers.Qwen2Config(
+            hidden_size=self.dim, intermediate_size=2 * self.dim,
+            num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, vocab_size=self.vocab_size,
+            max_position_embeddings=64, use_cache=False, tie_word_embeddings=False,
+            use_sliding_window=True, sliding_window=4, max_window_layers=4,
+            **_EAGER)
+        return transformers.Qwen2ForCausalLM(cfg)
+
+
+@attrs.frozen
+class HFGemma3Task(LlamaTask):
+    """Gemma 3 text: sliding and full layers, each type with its own rotary embedding."""
+
+    def build(self) -> Any:
+        import transformers
+
+        cfg = transformers.Gemma3TextConfig(
+            hidden_size=self.dim, intermediate_size=2 * self.dim,
+            num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, head_dim=self.dim // self.n_heads,
+            vocab_size=self.vocab_size, max_position_embeddings=64, use_cache=False,
+            tie_word_embeddings=False, sliding_window=4,
+            layer_types=[_SLIDING, _FULL, _FULL, _SLIDING], **_EAGER)
+        return transformers.Gemma3ForCausalLM(cfg)
+
+
+@attrs.frozen
+class HFGptOssTask(LlamaTask):
+    """gpt-oss (mixture of experts, attention sinks): two sliding layers, then two full."""
+
+    def build(self) -> Any:
+        import transformers
+
+        cfg = transformers.GptOssConfig(
+            hidden_size=self.dim, intermediate_size=2 * self.dim,
+            num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, head_dim=self.dim // self.n_heads,
+            vocab_size=self.vocab_size, max_position_embeddings=64, use_cache=False,
+            tie_word_embeddings=False, sliding_window=4, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=[_SLIDING, _SLIDING, _FULL, _FULL],
+            **_EAGER)
+        return transformers.GptOssForCausalLM(cfg)
+
+
+hf_qwen2_sliding = HFQwen2SlidingTask(n_layers=6, dim=32, vocab_size=128, global_batch=8,
+                                      seq_len=8)
+hf_gemma3 = HFGemma3Task(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+hf_gpt_oss = HFGptOssTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+
+
 def split_batch(task: Any, batch: Any) -> tuple[Any, Any]:
     """``(inputs, targets)`` of a task's batch, as the training step takes them."""
     if isinstance(task, LlamaTask):
@@ -131,6 +200,8 @@ def loss_fn_for(task: Any) -> Any:
     dict, the project's Llama its logits tensor."""
     if isinstance(task, HFLlamaTask):
         return logits_attribute_loss
+    if isinstance(task, (HFQwen2SlidingTask, HFGemma3Task, HFGptOssTask)):
+        return output_logits_loss
     if isinstance(task, HFStyleTask):
         from composer_par.models.llama import next_token_loss
 
@@ -157,6 +228,14 @@ def logits_attribute_loss(outputs: Any, tokens: Any) -> Any:
                         "CausalLMOutputWithPast")
     logits = outputs.logits
     assert logits is not None
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def output_logits_loss(outputs: Any, tokens: Any) -> Any:
+    """Next-token cross-entropy read from any Hugging Face model output's ``logits``."""
+    import torch.nn.functional as F
+
+    logits = outputs.logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 

@@ -536,6 +536,15 @@ def _cp610(tmp: Path, world: World) -> Any:
     return _pp(world, 2), model
 
 
+@case("CP611")
+def _cp611(tmp: Path, world: World) -> Any:
+    from tests.test_pp_layer_config import NamedLayers, qwen2_sliding
+
+    model = qwen2_sliding(4)
+    model.model = NamedLayers(model.model)  # its layers keyed by name, not number
+    return _pp(world, 2), model
+
+
 # -- what "untouched" compares ------------------------------------------------------------
 
 _SIMPLE = (bool, int, float, str, type(None))

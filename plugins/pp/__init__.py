@@ -15,7 +15,7 @@ gradients once, after the last microbatch; the FSDP2 plugin's ``reshard_after_fo
 is left as the user set it (docs/pp.md says why and what each choice costs).
 
 This package imports torch only inside functions: the plugin class is importable on a
-laptop, and its rules (CP601-CP610) run there.
+laptop, and its rules (CP601-CP611) run there.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from composer_par.plugin import (
     ordering_option,
 )
 
+from .layer_config import LayerConfigError, stage_layers
 from .schedules import (
     SCHEDULES,
     ScheduleInfo,
@@ -98,6 +99,11 @@ RULES = (
          "move root-level parameters into a submodule",
          "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
          "        self.scale = nn.Parameter(torch.ones(1))  # on the root"),
+    Rule("CP611", _E, "a per-layer config list cannot be cut to a pipeline stage",
+         "keep the layers in a ModuleList (or a container keyed by layer number) under the "
+         "module holding the config, or drop the per-layer setting",
+         "a Hugging Face model with config.layer_types whose layers were moved into an "
+         "nn.ModuleDict keyed by name, under pp = 2"),
 )
 
 
@@ -286,6 +292,10 @@ class PP(Plugin):
             split = self.compute_split(model, blocks, mesh.size(self.dim))
         except SplitError as exc:
             return [*found, Finding(exc.code, str(exc), fix=exc.fix)]
+        try:
+            stage_layers(model, split.blocks)
+        except LayerConfigError as exc:
+            found.append(Finding("CP611", str(exc), fix=exc.fix))
         return found + [Finding(
             "CP609", f"{a} (stage {sa}) and {b} (stage {sb}) are one tied parameter: "
             "each stage would train its own copy",
@@ -342,6 +352,7 @@ class PP(Plugin):
     def composer_par_pipeline_split(self, ctx: ApplyContext) -> str:
         from composer_par.plugin.pipeline import Pipeline, StagePart
 
+        from .layer_config import give_stage_configs
         from .parts import build_parts
         from .runtime import build_schedule
 
@@ -353,8 +364,18 @@ class PP(Plugin):
         layout = self.stage_placement(size)
         group = ctx.submesh(self.dim).get_group()
         model_keys = tuple(clean_name(k) for k in ctx.model.state_dict(keep_vars=True))
+        model_name = type(ctx.model).__name__
+        try:
+            per_layer = stage_layers(ctx.model, split.blocks)
+        except LayerConfigError as exc:  # validation refuses it first
+            raise PipelineError(Finding("CP611", str(exc), fix=exc.fix,
+                                        plugin=self.name)) from None
         _, built = build_parts(ctx.model, split.stages, split.shared, layout[rank], ctx.blocks)
         parts = [StagePart(stage, module, blocks, owned) for stage, module, blocks, owned in built]
+        for part in parts:
+            # Each stage's base model reads per-layer lists by the index of the layers it
+            # iterates: its own config holds its layers' entries.
+            give_stage_configs(part.module, per_layer[part.stage], model_name)
         microbatches = self.microbatch_count(size)
         device = ctx.device
 
