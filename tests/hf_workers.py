@@ -41,6 +41,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 MORE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    # Decoders whose token embedding is their output head (tests/test_tied_parity.py).
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"tie_word_embeddings": True}),
 }
 COMMON: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -248,10 +251,11 @@ def _loss(model: Any, inputs: dict[str, Any], loss_parallel: bool) -> Any:
 
 
 def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
-               refs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One case on this rank: apply the plan, train ``steps`` steps on this rank's data
-    shard with ``labels=``, compare losses and this rank's parameter parts (before and
-    after training) with the single-process reference."""
+               refs: dict[str, Any] | None = None, plan: Any = None) -> dict[str, Any]:
+    """One case on this rank: apply the plan (``plan``, or the matrix's of that name),
+    train ``steps`` steps on this rank's data shard with ``labels=``, compare losses and
+    this rank's parameter parts (before and after training) with the single-process
+    reference."""
     import torch
     import torch.distributed as dist
     from composer_par.plugins.tp import local_loss
@@ -259,7 +263,8 @@ def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
     from composer_par import PlanError
 
     world = dist.get_world_size()
-    plan = make_plan(plan_name, world)
+    if plan is None:
+        plan = make_plan(plan_name, world)
     model = build(family)
     report = plan.validate(model)
     try:
