@@ -62,9 +62,9 @@ Call the optimizer once per ``step``. ``sync`` says when FSDP2 / HSDP reduce gra
   full unsharded gradients (the size of the whole model's parameters on every rank, in
   the gradient dtype), instead of its ``1/shard`` part.
 * ``"reduce_scatter"``: reduce-scatter after every microbatch, the HSDP all-reduce over
-  the replicate dim only after the last. Memory: sharded gradients (``1/shard`` of the
-  model) plus one sharded partial sum per unit; ``k`` reduce-scatters, one all-reduce
-  per unit per step. Without a replicate dim it is ``"every"``.
+  the replicate dim only after the last. Memory: one sharded partial sum per unit
+  (``1/shard`` of the model's gradients, as without accumulation); ``k`` reduce-scatters,
+  one all-reduce per unit per step. Without a replicate dim it is ``"every"``.
 * ``"every"``: both collectives after every microbatch, as ``k`` separate backwards.
 
 Parameters are resharded after each microbatch's backward as without accumulation, so
@@ -72,7 +72,8 @@ each microbatch all-gathers them again. The policy holds only inside ``step``: a
 (and if it raises) every unit is back to syncing on each backward. With a pipeline the
 schedule already splits the batch into its microbatches and accumulates over them with
 one reduction per step: raise the schedule's microbatch count instead; ``accumulate``
-above 1 is refused there (``ValueError``).
+above 1 is refused there (``ValueError``). docs/accumulation.md has the collective
+counts and the memory of each policy.
 """
 
 from __future__ import annotations
