@@ -147,3 +147,20 @@ def test_a_pipeline_refuses_accumulation_and_names_the_schedule() -> None:
     with pytest.raises(ValueError, match="microbatch count"):
         TrainingStep(plan, _mlp(), _mse, accumulate=2)
     TrainingStep(plan, _mlp(), _mse, accumulate=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_fabric_step_accumulates_with_the_same_counts_at_parity() -> None:
+    pytest.importorskip("lightning")
+    one_shot = _train("fsdp2", 1, "every")
+    fabric = run_ranks("tests.accumulation_workers:fabric_train", 2, args=(4, "last"),
+                       timeout=240)
+    for rank, (ours, theirs) in enumerate(zip(fabric, one_shot, strict=True)):
+        assert ours["counts"] == [{"all_gather": 20, "reduce_scatter": 3,
+                                   "all_reduce": 1}] * 3, rank
+        torch.testing.assert_close(torch.tensor(ours["losses"]),
+                                   torch.tensor(theirs["losses"]), rtol=RTOL, atol=ATOL)
+        for name, param in ours["params"].items():
+            torch.testing.assert_close(param, theirs["params"][name], rtol=RTOL, atol=ATOL,
+                                       msg=f"rank {rank} {name}")
