@@ -72,14 +72,14 @@ def fabric_train(accumulate: int, sync: str, steps: int = 3) -> dict[str, Any]:
 
     task = attrs.evolve(llama, global_batch=GLOBAL_BATCH)
     plan = _plan("fsdp2")
-    fabric = Fabric(strategy=FabricStrategy(plan), devices=2, accelerator="cpu")
+    strategy = FabricStrategy(plan)
+    fabric = Fabric(strategy=strategy, devices=2, accelerator="cpu")
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = task.build()
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
-    step = fabric.strategy.training_step(model, next_token_loss, accumulate=accumulate,
-                                         sync=sync)
+    optimizer: Any = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    step = strategy.training_step(model, next_token_loss, accumulate=accumulate, sync=sync)
     index, count = plan.data_shard()
     losses: list[float] = []
     counts: list[dict[str, int]] = []
