@@ -53,7 +53,7 @@ whose dim 0 is the batch), one forward and backward each, every microbatch's los
 by ``1/k``: the gradients equal those of one backward over the whole batch (``loss_fn``
 gives the mean over its batch), and ``step`` returns the same global-batch mean loss.
 Call the optimizer once per ``step``. ``sync`` says when FSDP2 / HSDP reduce gradients
-(the plan's ``FSDPModule`` units; plans without one have nothing to reduce):
+(the plan's ``FSDPModule`` units; a plan without one has nothing to defer):
 
 * ``"last"`` (the default): no reduce-scatter and no all-reduce until the last
   microbatch's backward, which reduces the gradients summed over all ``k``: one
