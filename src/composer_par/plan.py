@@ -274,17 +274,23 @@ class ParallelPlan:
         return ctx.model
 
     def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *,
-                      check_replicas_every: int | None = None) -> TrainingStep:
+                      check_replicas_every: int | None = None, accumulate: int = 1,
+                      sync: str = "last") -> TrainingStep:
         """The one training loop for every plan: ``step(inputs, targets)`` runs forward,
         loss and backward (through the pipeline schedule when the plan has one) and
         returns the global-batch mean loss; ``clip_grad_norm_`` clips across meshes and
         pipeline stages. ``model`` is what :meth:`apply` returned; ``loss_fn(outputs,
         targets)`` gives the mean loss of a batch; ``check_replicas_every=N`` checks every
-        N-th step that replicated parameters are equal on every rank holding them. See
+        N-th step that replicated parameters are equal on every rank holding them;
+        ``accumulate=k`` runs each step as ``k`` microbatches, gradients reduced as
+        ``sync`` says (``"last"``: once per step, unsharded gradients held between
+        microbatches; ``"reduce_scatter"``: reduce-scatter per microbatch, replicate
+        all-reduce once per step; ``"every"``: per microbatch). See
         :mod:`composer_par.training`."""
         from composer_par.training import TrainingStep
 
-        return TrainingStep(self, model, loss_fn, check_replicas_every=check_replicas_every)
+        return TrainingStep(self, model, loss_fn, check_replicas_every=check_replicas_every,
+                            accumulate=accumulate, sync=sync)
 
     def _context(self, model: nn.Module, hooks: HookCaller, blocks: list[Block]
                  ) -> ApplyContext:

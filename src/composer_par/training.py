@@ -46,6 +46,34 @@ replicated parameter is still equal across the ranks holding it
 (:func:`composer_par.replicas.check_replicas`): the parameters as the optimizer left
 them after the step before. It raises :class:`composer_par.replicas.ReplicaDriftError`
 on every rank, naming the parameter, the mesh dim and the ranks.
+
+Gradient accumulation: ``accumulate=k`` runs each step's per-rank batch as ``k`` equal
+microbatches (cut along dim 0 of the inputs, of the targets and of every keyword tensor
+whose dim 0 is the batch), one forward and backward each, every microbatch's loss scaled
+by ``1/k``: the gradients equal those of one backward over the whole batch (``loss_fn``
+gives the mean over its batch), and ``step`` returns the same global-batch mean loss.
+Call the optimizer once per ``step``. ``sync`` says when FSDP2 / HSDP reduce gradients
+(the plan's ``FSDPModule`` units; a plan without one has nothing to defer):
+
+* ``"last"`` (the default): no reduce-scatter and no all-reduce until the last
+  microbatch's backward, which reduces the gradients summed over all ``k``: one
+  reduce-scatter per unit per step (and one replicate all-reduce per unit under HSDP),
+  ``k`` times fewer than ``"every"``. Memory: between microbatches every unit keeps its
+  full unsharded gradients (the size of the whole model's parameters on every rank, in
+  the gradient dtype), instead of its ``1/shard`` part.
+* ``"reduce_scatter"``: reduce-scatter after every microbatch, the HSDP all-reduce over
+  the replicate dim only after the last. Memory: one sharded partial sum per unit
+  (``1/shard`` of the model's gradients, as without accumulation); ``k`` reduce-scatters,
+  one all-reduce per unit per step. Without a replicate dim it is ``"every"``.
+* ``"every"``: both collectives after every microbatch, as ``k`` separate backwards.
+
+Parameters are resharded after each microbatch's backward as without accumulation, so
+each microbatch all-gathers them again. The policy holds only inside ``step``: after it
+(and if it raises) every unit is back to syncing on each backward. With a pipeline the
+schedule already splits the batch into its microbatches and accumulates over them with
+one reduction per step: raise the schedule's microbatch count instead; ``accumulate``
+above 1 is refused there (``ValueError``). docs/accumulation.md has the collective
+counts and the memory of each policy.
 """
 
 from __future__ import annotations
@@ -54,6 +82,8 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+
+SYNC_POLICIES = ("last", "reduce_scatter", "every")
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +105,8 @@ class TrainingStep:
 
     def __init__(self, plan: ParallelPlan, model: nn.Module,
                  loss_fn: Callable[..., torch.Tensor], *,
-                 check_replicas_every: int | None = None) -> None:
+                 check_replicas_every: int | None = None, accumulate: int = 1,
+                 sync: str = "last") -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (outputs, targets) -> loss; got "
                             f"{loss_fn!r}")
@@ -84,7 +115,19 @@ class TrainingStep:
                     check_replicas_every, int) or check_replicas_every < 1):
             raise ValueError(f"check_replicas_every must be a positive int or None; got "
                              f"{check_replicas_every!r}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be a positive int; got {accumulate!r}")
+        if sync not in SYNC_POLICIES:
+            raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_POLICIES))}; "
+                             f"got {sync!r}")
+        if accumulate > 1 and plan.pipeline is not None:
+            raise ValueError(
+                f"accumulate={accumulate} with a pipeline: the schedule already runs the "
+                "batch as microbatches with one gradient reduction per step; raise the "
+                "pipeline's microbatch count instead")
         self.check_replicas_every = check_replicas_every
+        self.accumulate = accumulate
+        self.sync = sync
         self.steps = 0  # steps run so far
         self.plan = plan
         self.model = model
@@ -105,7 +148,8 @@ class TrainingStep:
         microbatch; see the module). Gradients accumulate into ``.grad`` as after
         ``loss.backward()``. Returns a detached scalar tensor, the same on every rank.
         With ``check_replicas_every=N``, every N-th step (the first included) first
-        checks the replicas (:meth:`check_replicas`).
+        checks the replicas (:meth:`check_replicas`). With ``accumulate=k`` the batch runs
+        as ``k`` microbatches under the ``sync`` policy (see the module).
         """
         every = self.check_replicas_every
         if every is not None and self.steps % every == 0:
@@ -113,12 +157,42 @@ class TrainingStep:
         self.steps += 1
         if self.pipeline is not None:
             local, count = self._pipeline_step(inputs, targets, kwargs)
+        elif self.accumulate > 1:
+            local, count = self._accumulated_step(inputs, targets, kwargs)
         else:
             args = inputs if isinstance(inputs, tuple) else (inputs,)
             loss = self.loss_fn(self.model(*args, **kwargs), targets)
             loss.backward()
             local, count = loss.detach().float().clone(), 1.0
         return self._global_mean(local, count)
+
+    def _accumulated_step(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
+                          ) -> tuple[torch.Tensor, float]:
+        import torch
+
+        k = self.accumulate
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor)), None)
+        if batch is None or batch % k:
+            raise ValueError(f"accumulate={k} needs a per-rank batch (dim 0 of the inputs) "
+                             f"that {k} divides; got {batch}")
+        pieces = [_microbatches(a, batch, k) for a in args]
+        target_pieces = _microbatches(targets, batch, k)
+        kwarg_pieces = {key: _microbatches(value, batch, k) for key, value in kwargs.items()}
+        units = _fsdp_units(self.model)
+        losses: list[torch.Tensor] = []
+        try:
+            for i in range(k):
+                _set_sync(units, self.sync, last=i == k - 1)
+                outputs = self.model(*(p[i] for p in pieces),
+                                     **{key: v[i] for key, v in kwarg_pieces.items()})
+                loss = self.loss_fn(outputs, target_pieces[i])
+                (loss / k).backward()
+                losses.append(loss.detach().float())
+        finally:
+            _set_sync(units, "every", last=True)
+        # Microbatches are equal in size: the mean of their means is the batch's.
+        return torch.stack(losses).mean(), 1.0
 
     def _pipeline_step(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
                        ) -> tuple[torch.Tensor, float]:
@@ -182,6 +256,42 @@ class TrainingStep:
 
     def _pipeline_size(self) -> int:
         return self.pipeline.size if self.pipeline is not None else 1
+
+
+def _microbatches(value: Any, batch: int, k: int) -> list[Any]:
+    """``value`` cut into ``k`` pieces along dim 0 if it is a batch tensor (or a tuple or
+    list of them), else ``k`` times itself."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return list(value.chunk(k))
+    if isinstance(value, (tuple, list)):
+        parts = [_microbatches(v, batch, k) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(k)]
+    return [value] * k
+
+
+def _fsdp_units(model: nn.Module) -> list[Any]:
+    """The FSDP2 (and FSDP2-based replicate) units of ``model``."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _set_sync(units: Sequence[Any], sync: str, *, last: bool) -> None:
+    """Set each unit's gradient reduction for the next backward under policy ``sync``."""
+    reduce = last or sync != "last"
+    all_reduce = last or sync == "every"
+    for unit in units:
+        unit.set_requires_gradient_sync(reduce, recurse=False)
+        if reduce:
+            unit.set_requires_all_reduce(all_reduce, recurse=False)
+        # Not the last backward of a deferred sync: FSDP2 keeps its partial sums for the
+        # next one instead of finalizing.
+        unit.set_is_last_backward(last or sync == "every")
 
 
 def _local_and_copies(grad: torch.Tensor, world: int, pipeline_size: int

@@ -54,8 +54,8 @@ class _ScheduledStep(TrainingStep):
     """The plan's training step, with the strategy told that forwards run in it."""
 
     def __init__(self, strategy: Any, model: nn.Module,
-                 loss_fn: Callable[..., torch.Tensor]) -> None:
-        super().__init__(strategy.plan, model, loss_fn)
+                 loss_fn: Callable[..., torch.Tensor], **options: Any) -> None:
+        super().__init__(strategy.plan, model, loss_fn, **options)
         self._strategy = strategy
 
     def step(self, inputs: Any, targets: Any, **kwargs: Any) -> torch.Tensor:
@@ -134,14 +134,15 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
                 "call step = fabric.strategy.training_step(model, loss_fn) once and "
                 "loss = step.step(inputs, targets) every step")
 
-    def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]
-                      ) -> TrainingStep:
+    def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+                      **options: Any) -> TrainingStep:
         """``plan.training_step`` on the model ``fabric.setup_module`` returned: forward,
         loss and backward of a step (through the pipeline schedule when the plan has
         one), returning the global-batch mean loss. The loop of a pipeline plan; any
-        other plan may use it too."""
+        other plan may use it too. ``options`` are ``plan.training_step``'s
+        (``check_replicas_every``, ``accumulate``, ``sync``)."""
         module = getattr(model, "_forward_module", model)
-        return _ScheduledStep(self, module, loss_fn)
+        return _ScheduledStep(self, module, loss_fn, **options)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self._apply_plan(module, self.device_mesh)
