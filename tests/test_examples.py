@@ -58,6 +58,28 @@ def test_train_py_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+def test_train_py_finished_job_exits_0_on_every_rank_with_no_thread_left(
+        tmp_path: Path) -> None:
+    # torchrun exits 0 only if every worker did; each rank says which Python threads were
+    # still running as it ended, after its last save.
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", "2", str(EXAMPLES / "train.py"),
+         str(EXAMPLES / "plans" / "fsdp.toml"), "--seq-len", "32", "--steps", "3",
+         "--save-every", "3"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=240,
+        env={**os.environ, "COMPOSER_PAR_TRAIN_SHOW_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "step-000000003" in result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: python threads at exit: ['MainThread']" in result.stderr, \
+            result.stderr[-4000:]
+    assert "terminate called" not in result.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
 def test_train_py_ends_a_job_with_a_frozen_rank_at_the_plans_timeout_naming_it(
         tmp_path: Path) -> None:
     # The plan's timeout is the job's: init_process_group gets it too (a 1-D mesh runs on
