@@ -134,6 +134,8 @@ class TrainingStep:
         self.loss_fn = loss_fn
         self.pipeline: Pipeline | None = plan.pipeline
         self._schedule: Any = None
+        # The model's units do not change after apply: found once, not on every step.
+        self._units = _fsdp_units(model) if accumulate > 1 else []
 
     # -- the step ---------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class TrainingStep:
         pieces = [_microbatches(a, batch, k) for a in args]
         target_pieces = _microbatches(targets, batch, k)
         kwarg_pieces = {key: _microbatches(value, batch, k) for key, value in kwargs.items()}
-        units = _fsdp_units(self.model)
+        units = self._units
         losses: list[torch.Tensor] = []
         try:
             for i in range(k):
