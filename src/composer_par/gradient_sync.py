@@ -11,15 +11,17 @@ told otherwise. A sync policy says what the backwards before the last do:
 * ``"every"``: both, as ``k`` separate steps.
 
 :class:`composer_par.training.TrainingStep` (``accumulate=k, sync=...``) and the
-trainer adapters of :mod:`composer_par.integrations` set the units through
-:func:`set_gradient_sync`; docs/accumulation.md has the collectives and memory of each
-policy. This module imports no torch until a model is asked about.
+trainer adapters of :mod:`composer_par.integrations` (through :class:`DeferredSync`)
+set the units with :func:`set_gradient_sync`; docs/accumulation.md has the collectives
+and memory of each policy. This module imports no torch until a model is asked about.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -61,4 +63,41 @@ def set_gradient_sync(units: Sequence[Any], sync: str, *, last: bool) -> None:
         unit.set_is_last_backward(last or sync == "every")
 
 
-__all__ = ["SYNC_POLICIES", "check_sync_policy", "fsdp_units", "set_gradient_sync"]
+class DeferredSync:
+    """The policy ``sync`` for an accumulation loop a trainer runs itself: its backwards
+    before the last run inside :meth:`defer`, the last one outside it.
+
+    The Lightning strategies and the accelerate adapter hold one: Lightning's
+    ``block_backward_sync`` / ``fabric.no_backward_sync`` and accelerate's ``no_sync``
+    (what ``accumulate()`` and the Hugging Face Trainer enter for every microbatch but the
+    last) are :meth:`defer`. Each model's units are found once: they do not change after
+    the plan applied it.
+    """
+
+    def __init__(self, sync: str = "last") -> None:
+        self.sync = check_sync_policy(sync)
+        self._units: weakref.WeakKeyDictionary[nn.Module, list[Any]] = (
+            weakref.WeakKeyDictionary())
+
+    def units(self, model: nn.Module) -> list[Any]:
+        """The FSDP2 units of ``model`` (:func:`fsdp_units`)."""
+        found = self._units.get(model)
+        if found is None:
+            found = self._units[model] = fsdp_units(model)
+        return found
+
+    @contextmanager
+    def defer(self, model: nn.Module) -> Iterator[None]:
+        """Backwards inside reduce as a backward before the last under the policy; after
+        (and if the block raises), every unit reduces on each backward again, so the
+        next backward outside, the last of the accumulation, reduces everything."""
+        units = self.units(model)
+        set_gradient_sync(units, self.sync, last=False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(units, "every", last=True)
+
+
+__all__ = ["SYNC_POLICIES", "DeferredSync", "check_sync_policy", "fsdp_units",
+           "set_gradient_sync"]
