@@ -4,7 +4,8 @@ Trainer (``accumulate_grad_batches``), Lightning Fabric (``no_backward_sync``), 
 the default ``gradient_sync="last"`` the plan's FSDP2 units reduce-scatter once per
 optimizer step instead of once per microbatch (golden counts, every rank), and every
 rank's parameters end where the plan's own loop ends over the same global batches in one
-step each. One launch of 2 gloo ranks runs every case."""
+step each. One launch of 2 gloo ranks runs every FSDP2 case; one of 4, HSDP x FSDP2 through
+the Lightning Trainer and accelerate."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(workers.run_all, 2, args=(str(root), CASES), timeout=900)
 
 
+HSDP_CASES = [("lightning_trainer", "reduce_scatter"), ("accelerate", "last")]
+
+
+@pytest.fixture(scope="module")
+def hsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("trainer-accumulation-hsdp")
+    return run_ranks(workers.run_all, 4, args=(str(root), HSDP_CASES), timeout=900)
+
+
 def _each(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     out = [r[key] for r in ranks]
     for result in out:
@@ -41,6 +51,20 @@ def _each(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 
 def _reduce_scatters(result: dict[str, Any]) -> list[int]:
     return [c.get("reduce_scatter", 0) for c in result["counts"]]
+
+
+def _all_reduces(result: dict[str, Any]) -> list[int]:
+    return [c.get("all_reduce", 0) for c in result["counts"]]
+
+
+def _assert_parity(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    for rank, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+        assert mine["params"].keys() == reference["params"].keys()
+        for name, param in mine["params"].items():
+            torch.testing.assert_close(param, reference["params"][name], rtol=RTOL,
+                                       atol=ATOL, msg=f"rank {rank} {name}")
+        if "steps" in mine:
+            assert mine["steps"] == workers.STEPS
 
 
 # FSDP units: the project's Llama has three (2 blocks and the root), the Hugging Face
@@ -78,14 +102,24 @@ def test_hf_trainer_reduce_scatters_once_per_step(ranks: list[dict[str, Any]]) -
 def test_accumulation_trains_at_parity_with_one_step(ranks: list[dict[str, Any]],
                                                      case: str) -> None:
     reference = "reference/hf" if case.startswith("hf_trainer") else "reference/llama"
-    for rank, (ours, theirs) in enumerate(zip(_each(ranks, case), _each(ranks, reference),
-                                              strict=True)):
-        assert ours["params"].keys() == theirs["params"].keys()
-        for name, param in ours["params"].items():
-            torch.testing.assert_close(param, theirs["params"][name], rtol=RTOL, atol=ATOL,
-                                       msg=f"rank {rank} {name}")
-        if "steps" in ours:
-            assert ours["steps"] == workers.STEPS
+    _assert_parity(_each(ranks, case), _each(ranks, reference))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_hsdp_defers_the_replicate_all_reduce_at_parity(
+        hsdp_ranks: list[dict[str, Any]]) -> None:
+    # "reduce_scatter": a reduce-scatter every microbatch, the all-reduce over
+    # dp_replicate only in the last; "last": both only in the last.
+    for result in _each(hsdp_ranks, "lightning_trainer/reduce_scatter"):
+        assert _reduce_scatters(result) == [UNITS] * (K * workers.STEPS)
+        assert _all_reduces(result) == ([0] * (K - 1) + [UNITS]) * workers.STEPS
+    for result in _each(hsdp_ranks, "accelerate/last"):
+        assert _reduce_scatters(result) == ([0] * (K - 1) + [UNITS]) * workers.STEPS
+        assert _all_reduces(result) == ([0] * (K - 1) + [UNITS]) * workers.STEPS
+    reference = _each(hsdp_ranks, "reference/llama")
+    for adapter, sync in HSDP_CASES:
+        _assert_parity(_each(hsdp_ranks, f"{adapter}/{sync}"), reference)
 
 
 def test_the_policy_is_checked_before_anything_is_built() -> None:

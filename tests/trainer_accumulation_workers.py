@@ -1,7 +1,8 @@
-"""Rank-side functions of tests/test_trainer_accumulation.py: the FSDP2 plan (2 ranks)
-trained with gradient accumulation through the Lightning Trainer, Lightning Fabric's
-``no_backward_sync``, accelerate's ``accumulate`` and the Hugging Face Trainer, next to
-the plan's own loop over the same global batches in one step each.
+"""Rank-side functions of tests/test_trainer_accumulation.py: the FSDP2 plan (on 2 ranks)
+or HSDP x FSDP2 (2 x 2, on 4 ranks) trained with gradient accumulation through the
+Lightning Trainer, Lightning Fabric's ``no_backward_sync``, accelerate's ``accumulate``
+and the Hugging Face Trainer, next to the plan's own loop over the same global batches in
+one step each.
 
 Every case runs on one process group, in sequence, and builds its plan afresh. Each
 records the collectives of every microbatch (forward and backward) by kind.
@@ -15,15 +16,25 @@ from collections import Counter
 from typing import Any
 
 STEPS = 3
-ACCUMULATE = 4
-GLOBAL_BATCH = 8  # per optimizer step: 4 microbatches of one sequence on each of 2 ranks
+ACCUMULATE = 4  # microbatches of one sequence per optimizer step, on every rank
 LR = 0.05
 
 
-def _plan() -> Any:
-    from composer_par import FSDP2, MeshSpec, MetaInit, ParallelPlan
+def _world() -> int:
+    """The ranks, every one a data shard of its own under both plans."""
+    import torch.distributed as dist
 
-    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit(seed=0))
+    return int(dist.get_world_size())
+
+
+def _plan() -> Any:
+    from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan
+
+    if _world() == 4:
+        plan = ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())
+    else:
+        plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2())
+    return plan.use(MetaInit(seed=0))
 
 
 def _task() -> Any:
@@ -31,7 +42,7 @@ def _task() -> Any:
 
     from composer_par.testing.tasks import llama
 
-    return attrs.evolve(llama, global_batch=GLOBAL_BATCH)
+    return attrs.evolve(llama, global_batch=ACCUMULATE * _world())
 
 
 def _build(kind: str) -> Any:
@@ -49,20 +60,22 @@ def _global_batch(kind: str, step: int) -> Any:
     if kind == "hf":
         from tests import hf_workers
 
-        return hf_workers.batch("llama", step, size=GLOBAL_BATCH)["input_ids"]
+        return hf_workers.batch("llama", step, size=ACCUMULATE * _world())["input_ids"]
     return _task().batch(step)
 
 
 def _rows(kind: str) -> Any:
     """Every global batch's sequences, ordered for a loader of one sequence per batch
-    sharded over 2 ranks (rank ``r`` reads rows ``r, r + 2, ...``, both the Lightning
-    sampler's and accelerate's sharding): step ``s``'s 4 microbatches on rank ``r`` are
-    the ``r``-th half of global batch ``s``, in order, as :func:`one_step_each` cuts it."""
+    sharded over ``n`` data shards (shard ``r`` reads rows ``r, r + n, ...``, both the
+    Lightning sampler's and accelerate's sharding): step ``s``'s microbatches on shard
+    ``r`` are the ``r``-th part of global batch ``s``, in order, as
+    :func:`one_step_each` cuts it."""
     import torch
 
-    halves = [_global_batch(kind, s).chunk(2) for s in range(STEPS)]
-    return torch.stack([halves[s][r][j] for s in range(STEPS)
-                        for j in range(ACCUMULATE) for r in range(2)])
+    n = _world()
+    parts = [_global_batch(kind, s).chunk(n) for s in range(STEPS)]
+    return torch.stack([parts[s][r][j] for s in range(STEPS)
+                        for j in range(ACCUMULATE) for r in range(n)])
 
 
 def _loss(kind: str, model: Any, ids: Any) -> Any:
@@ -164,7 +177,7 @@ def lightning_trainer(sync: str) -> dict[str, Any]:
             counts.append(_kinds(self.counter))
 
     lit = Lit()
-    trainer = L.Trainer(strategy=TrainerStrategy(_plan(), gradient_sync=sync), devices=2,
+    trainer = L.Trainer(strategy=TrainerStrategy(_plan(), gradient_sync=sync), devices=_world(),
                         accelerator="cpu", max_epochs=1, accumulate_grad_batches=ACCUMULATE,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
@@ -183,7 +196,7 @@ def fabric_no_backward_sync(sync: str) -> dict[str, Any]:
     from composer_par.testing.comm_count import CommCounter
 
     plan = _plan()
-    fabric = Fabric(strategy=FabricStrategy(plan, gradient_sync=sync), devices=2,
+    fabric = Fabric(strategy=FabricStrategy(plan, gradient_sync=sync), devices=_world(),
                     accelerator="cpu")
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -290,7 +303,9 @@ def run_all(directory: str, cases: list[tuple[str, str]]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     environ = dict(os.environ)
-    for adapter, sync in [("reference/llama", ""), ("reference/hf", ""), *cases]:
+    references = sorted({"reference/hf" if adapter == "hf_trainer" else "reference/llama"
+                         for adapter, _ in cases})
+    for adapter, sync in [(reference, "") for reference in references] + cases:
         key = f"{adapter}/{sync}" if sync else adapter
         # Lightning's launchers rewrite the launch variables (WORLD_SIZE and others): each
         # case starts from the environment the ranks were started with.
