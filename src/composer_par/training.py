@@ -83,7 +83,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-SYNC_POLICIES = ("last", "reduce_scatter", "every")
+from composer_par.gradient_sync import check_sync_policy, fsdp_units, set_gradient_sync
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +117,7 @@ class TrainingStep:
                              f"{check_replicas_every!r}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int; got {accumulate!r}")
-        if sync not in SYNC_POLICIES:
-            raise ValueError(f"sync must be one of {', '.join(map(repr, SYNC_POLICIES))}; "
-                             f"got {sync!r}")
+        check_sync_policy(sync)
         if accumulate > 1 and plan.pipeline is not None:
             raise ValueError(
                 f"accumulate={accumulate} with a pipeline: the schedule already runs the "
@@ -135,7 +133,7 @@ class TrainingStep:
         self.pipeline: Pipeline | None = plan.pipeline
         self._schedule: Any = None
         # The model's units do not change after apply: found once, not on every step.
-        self._units = _fsdp_units(model) if accumulate > 1 else []
+        self._units = fsdp_units(model) if accumulate > 1 else []
 
     # -- the step ---------------------------------------------------------------------
 
@@ -185,14 +183,14 @@ class TrainingStep:
         losses: list[torch.Tensor] = []
         try:
             for i in range(k):
-                _set_sync(units, self.sync, last=i == k - 1)
+                set_gradient_sync(units, self.sync, last=i == k - 1)
                 outputs = self.model(*(p[i] for p in pieces),
                                      **{key: v[i] for key, v in kwarg_pieces.items()})
                 loss = self.loss_fn(outputs, target_pieces[i])
                 (loss / k).backward()
                 losses.append(loss.detach().float())
         finally:
-            _set_sync(units, "every", last=True)
+            set_gradient_sync(units, "every", last=True)
         # Microbatches are equal in size: the mean of their means is the batch's.
         return torch.stack(losses).mean(), 1.0
 
@@ -271,29 +269,6 @@ def _microbatches(value: Any, batch: int, k: int) -> list[Any]:
         parts = [_microbatches(v, batch, k) for v in value]
         return [type(value)(p[i] for p in parts) for i in range(k)]
     return [value] * k
-
-
-def _fsdp_units(model: nn.Module) -> list[Any]:
-    """The FSDP2 (and FSDP2-based replicate) units of ``model``."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available():
-        return []
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _set_sync(units: Sequence[Any], sync: str, *, last: bool) -> None:
-    """Set each unit's gradient reduction for the next backward under policy ``sync``."""
-    reduce = last or sync != "last"
-    all_reduce = last or sync == "every"
-    for unit in units:
-        unit.set_requires_gradient_sync(reduce, recurse=False)
-        if reduce:
-            unit.set_requires_all_reduce(all_reduce, recurse=False)
-        # Not the last backward of a deferred sync: FSDP2 keeps its partial sums for the
-        # next one instead of finalizing.
-        unit.set_is_last_backward(last or sync == "every")
 
 
 def _local_and_copies(grad: torch.Tensor, world: int, pipeline_size: int

@@ -6,7 +6,7 @@ composer_par``) needs no lightning installed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from composer_par import checkpoint, training
+from composer_par.gradient_sync import DeferredSync
 from composer_par.integrations.lightning import (
     FABRIC,
     _given,
@@ -66,6 +68,19 @@ class _ScheduledStep(TrainingStep):
             self._strategy._in_schedule = False
 
 
+class _DeferredBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)`` under the strategy's ``gradient_sync`` policy.
+    ModelParallelStrategy's own turns FSDP2's sync off and, with ``enabled=False``, off
+    again after the block."""
+
+    def __init__(self, deferred: DeferredSync) -> None:
+        self.deferred = deferred
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool
+                         ) -> AbstractContextManager[None]:
+        return self.deferred.defer(module) if enabled else nullcontext()
+
+
 class FabricStrategy(_PlanMixin, ModelParallelStrategy):
     """Lightning Fabric's strategy for ``plan``: ``Fabric(strategy=FabricStrategy(plan))``.
 
@@ -79,6 +94,12 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
     a pipeline trains through :meth:`training_step` (the schedule runs forward and
     backward); its model's forward called alone is refused.
 
+    Gradient accumulation: backwards inside ``fabric.no_backward_sync(model)`` defer the
+    plan's FSDP2 reduce-scatters (and HSDP all-reduces) under ``gradient_sync``, a policy
+    of :mod:`composer_par.gradient_sync` (``"last"``: reduced once, by the first backward
+    outside the block; ``"reduce_scatter"``; ``"every"``: not deferred); it is also the
+    ``sync`` of :meth:`training_step` unless given there.
+
     The other arguments are ``ModelParallelStrategy``'s; given, they are checked against
     the plan (CP702, CP703, CP706): the plan decides them.
     """
@@ -89,10 +110,13 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
                  tensor_parallel_size: int | str | None = None,
                  save_distributed_checkpoint: bool | None = None,
                  process_group_backend: str | None = None,
-                 timeout: timedelta | float | None = None) -> None:
+                 timeout: timedelta | float | None = None,
+                 gradient_sync: str = "last") -> None:
         super().__init__(parallelize_fn=self._apply_plan,
                          process_group_backend=process_group_backend, timeout=plan.timeout)
         self.plan = plan
+        self._deferred_sync = DeferredSync(gradient_sync)
+        self._backward_sync_control = _DeferredBackwardSync(self._deferred_sync)
         self._trainer_name = FABRIC
         self._given = _given(parallelize_fn=parallelize_fn,
                              data_parallel_size=data_parallel_size,
@@ -140,7 +164,9 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
         loss and backward of a step (through the pipeline schedule when the plan has
         one), returning the global-batch mean loss. The loop of a pipeline plan; any
         other plan may use it too. ``options`` are ``plan.training_step``'s
-        (``check_replicas_every``, ``accumulate``, ``sync``)."""
+        (``check_replicas_every``, ``accumulate``, ``sync``: by default the strategy's
+        ``gradient_sync``)."""
+        options.setdefault("sync", self._deferred_sync.sync)
         module = getattr(model, "_forward_module", model)
         return _ScheduledStep(self, module, loss_fn, **options)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from composer_par import checkpoint, training
 from composer_par.findings import Finding
+from composer_par.gradient_sync import DeferredSync
 from composer_par.integrations.accelerate import (
     TRAINER,
     accelerate_findings,
@@ -55,9 +57,13 @@ class PlanAccelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` running ``plan`` (see the module). ``kwargs`` are the
     Accelerator's own; those that overlap the plan raise
     :class:`~composer_par.integrations.errors.IntegrationError` before anything is
-    built. ``cpu`` defaults to True when the plan runs on CPU (gloo)."""
+    built. ``cpu`` defaults to True when the plan runs on CPU (gloo). ``gradient_sync``
+    is the policy of :mod:`composer_par.gradient_sync` under which the backwards of
+    ``no_sync`` defer the plan's reductions."""
 
-    def __init__(self, plan: ParallelPlan, **kwargs: Any) -> None:
+    def __init__(self, plan: ParallelPlan, *, gradient_sync: str = "last",
+                 **kwargs: Any) -> None:
+        deferred_sync = DeferredSync(gradient_sync)
         world = world_size()
         refuse_errors(TRAINER, plan_findings(plan, world, TRAINER)
                       + accelerate_findings(plan, kwargs))
@@ -65,6 +71,7 @@ class PlanAccelerator(accelerate.Accelerator):
             kwargs["cpu"] = True
         super().__init__(**kwargs)
         self.plan = plan
+        self._deferred_sync = deferred_sync
         self._plan_checks(world)
         mesh = plan_mesh(plan, world)
         config = parallelism_config(plan, world, mesh)
@@ -234,6 +241,15 @@ class PlanAccelerator(accelerate.Accelerator):
         return recursively_apply(lambda t: t[:remainder], data)
 
     # -- gradients ---------------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """The backwards of a microbatch before the last of an accumulation (what
+        ``accumulate()`` and the Hugging Face Trainer enter): the plan's FSDP2 units
+        defer their reduce-scatters (and HSDP all-reduces) under ``gradient_sync``.
+        accelerate's own would look for DDP's ``no_sync`` and, finding none, reduce."""
+        with self._deferred_sync.defer(model):
+            yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:

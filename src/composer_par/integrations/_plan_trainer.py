@@ -15,6 +15,7 @@ import transformers
 from torch import nn
 
 from composer_par import checkpoint, training
+from composer_par.gradient_sync import check_sync_policy
 from composer_par.integrations._plan_accelerator import PlanAccelerator, plan_mesh, world_size
 from composer_par.integrations.accelerate import plan_findings
 from composer_par.integrations.errors import refuse_errors
@@ -28,13 +29,18 @@ class PlanTrainer(transformers.Trainer):
     """``transformers.Trainer`` running ``plan`` (see the module). ``model`` is built as
     for ``plan.apply`` (ideally on meta); the other arguments are the Trainer's own
     (``args`` is required). ``optimizers`` must be built on the applied model's
-    parameters; ``optimizer_cls_and_kwargs`` or ``args.optim`` need no model."""
+    parameters; ``optimizer_cls_and_kwargs`` or ``args.optim`` need no model. With
+    ``gradient_accumulation_steps=k`` the first ``k - 1`` microbatches of each step defer
+    the plan's FSDP2 / HSDP reductions under ``gradient_sync`` (a policy of
+    :mod:`composer_par.gradient_sync`: ``"last"``, ``"reduce_scatter"``, ``"every"``)."""
 
     def __init__(self, plan: ParallelPlan, model: nn.Module | None = None,
-                 args: transformers.TrainingArguments | None = None, **kwargs: Any) -> None:
+                 args: transformers.TrainingArguments | None = None, *,
+                 gradient_sync: str = "last", **kwargs: Any) -> None:
         if model is None or args is None:
             raise TypeError("PlanTrainer needs model= (the plan applies it; model_init is not "
                             "supported) and args= (TrainingArguments)")
+        self._gradient_sync = check_sync_policy(gradient_sync)
         world = world_size()
         refuse_errors(TRAINER, plan_findings(plan, world, TRAINER)
                       + trainer_findings(plan, args))
@@ -58,7 +64,8 @@ class PlanTrainer(transformers.Trainer):
         # The Trainer builds accelerate's own Accelerator from its arguments (it is never
         # given the model); the plan's replaces it with the same arguments.
         super().create_accelerator_and_postprocess()
-        self.accelerator = PlanAccelerator(self.plan, **self._plan_accelerator_args)
+        self.accelerator = PlanAccelerator(self.plan, gradient_sync=self._gradient_sync,
+                                           **self._plan_accelerator_args)
         self.accelerator._plan_models.append(self._plan_model)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:

@@ -23,6 +23,7 @@ from torch import nn
 from composer_par import checkpoint as ckpt
 from composer_par import training
 from composer_par.findings import Finding
+from composer_par.gradient_sync import DeferredSync
 from composer_par.integrations.errors import refuse_errors
 from composer_par.integrations.lightning import (
     TRAINER,
@@ -57,6 +58,11 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
     the model it builds costs no memory. Checkpoints (``trainer.save_checkpoint``,
     ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are composer_par checkpoints of that
     submodule and the one optimizer, with Lightning's loop and callback state as JSON.
+
+    With ``accumulate_grad_batches=k``, the backwards of the first ``k - 1`` batches defer
+    the plan's FSDP2 reduce-scatters (and HSDP all-reduces) under ``gradient_sync``, a
+    policy of :mod:`composer_par.gradient_sync` (``"last"``: one reduction per optimizer
+    step; ``"reduce_scatter"``; ``"every"``: as Lightning without deferral).
     """
 
     def __init__(self, plan: ParallelPlan, *, module: str = "model",
@@ -64,10 +70,12 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
                  tensor_parallel_size: int | str | None = None,
                  save_distributed_checkpoint: bool | None = None,
                  process_group_backend: str | None = None,
-                 timeout: timedelta | float | None = None) -> None:
+                 timeout: timedelta | float | None = None,
+                 gradient_sync: str = "last") -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=plan.timeout)
         self.plan = plan
         self.module_name = module
+        self._deferred_sync = DeferredSync(gradient_sync)
         self._applied: nn.Module | None = None
         self._trainer_name = TRAINER
         self._given = _given(data_parallel_size=data_parallel_size,
@@ -147,6 +155,17 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's context of a batch whose optimizer step comes later (gradient
+        accumulation): the plan's units defer their reduction under ``gradient_sync``.
+        ParallelStrategy's own blocks only DDP's."""
+        if self._applied is None:
+            yield
+            return
+        with self._deferred_sync.defer(self._applied):
+            yield
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None
