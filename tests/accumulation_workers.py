@@ -96,3 +96,78 @@ def fabric_train(accumulate: int, sync: str, steps: int = 3) -> dict[str, Any]:
         full = param.full_tensor() if isinstance(param, DTensor) else param
         params[name] = full.detach().cpu().clone()
     return {"losses": losses, "params": params, "counts": counts}
+
+
+# Pipeline layouts: 1F1B with 2 microbatches over pp 2; accumulate=k runs 2k of them.
+PP_PLANS = {
+    "pp": '[mesh]\npp = 2\n\n[[plugins]]\nname = "pp"\nschedule = "1F1B"\nmicrobatches = 2\n',
+    "pp_fsdp2": ('[mesh]\npp = 2\ndp_shard = 2\n\n[[plugins]]\nname = "pp"\n'
+                 'schedule = "1F1B"\nmicrobatches = 2\n\n[[plugins]]\nname = "fsdp2"\n'),
+}
+PP_SEED = 3
+
+
+def pp_plan_text(layout: str) -> str:
+    return PP_PLANS[layout] + f'\n[[plugins]]\nname = "meta_init"\nseed = {PP_SEED}\n'
+
+
+def pp_train(layout: str, accumulate: int, passes: int = 1, steps: int = 3
+             ) -> dict[str, Any]:
+    """``steps`` SGD steps of a pipeline plan: each step runs this rank's batch through
+    ``passes`` calls of a step with ``accumulate`` (``passes`` > 1: the batch cut into
+    as many pieces, one schedule pass each, as a loop over ``step`` would). The losses,
+    this rank's own full parameters (its stage's) and the collectives of each step."""
+    import torch
+
+    from composer_par.models.llama import next_token_loss
+    from composer_par.testing.comm_count import CommCounter
+    from composer_par.testing.parity import build_plan, full_parameters
+    from tests.pp_workers import llama4
+
+    plan = build_plan(pp_plan_text(layout))
+    with torch.device("meta"):
+        model = llama4.build()
+    model = plan.apply(model)
+    step = plan.training_step(model, next_token_loss, accumulate=accumulate)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    index, count = plan.data_shard()
+    losses: list[float] = []
+    counts: list[dict[str, int]] = []
+    for i in range(steps):
+        local = llama4.batch(i).chunk(count)[index]
+        with CommCounter() as counter:
+            pass_losses = [step.step(piece, piece) for piece in local.chunk(passes)]
+        counts.append(dict(Counter(call.kind for call in counter.calls)))
+        losses.append(float(torch.stack(pass_losses).mean()))
+        if passes > 1:
+            # Each pass's gradients are its own mean: the step's mean is their mean.
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(passes)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "params": full_parameters(model), "counts": counts}
+
+
+def pp_reference(steps: int = 3) -> dict[str, Any]:
+    """:func:`pp_train`'s training on one process: the whole global batch each step."""
+    import torch
+
+    from composer_par import MeshSpec, MetaInit, ParallelPlan
+    from composer_par.models.llama import next_token_loss
+    from composer_par.testing.parity import full_parameters
+    from tests.pp_workers import llama4
+
+    with torch.device("meta"):
+        model = llama4.build()
+    model = ParallelPlan(MeshSpec()).use(MetaInit(seed=PP_SEED, device="cpu")).apply(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for i in range(steps):
+        batch = llama4.batch(i)
+        loss = next_token_loss(model(batch), batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": full_parameters(model)}

@@ -142,11 +142,12 @@ def test_the_options_are_checked() -> None:
         step.step(torch.randn(8, 4), torch.randn(8, 1))
 
 
-def test_a_pipeline_refuses_accumulation_and_names_the_schedule() -> None:
+def test_a_pipeline_takes_only_the_schedules_own_sync() -> None:
     plan: Any = types.SimpleNamespace(pipeline=object())
-    with pytest.raises(ValueError, match="microbatch count"):
-        TrainingStep(plan, _mlp(), _mse, accumulate=2)
-    TrainingStep(plan, _mlp(), _mse, accumulate=1)
+    for sync in ("reduce_scatter", "every"):
+        with pytest.raises(ValueError, match="last microbatch's backward"):
+            TrainingStep(plan, _mlp(), _mse, accumulate=2, sync=sync)
+    TrainingStep(plan, _mlp(), _mse, accumulate=2)
 
 
 @pytest.mark.distributed
@@ -164,3 +165,84 @@ def test_fabric_step_accumulates_with_the_same_counts_at_parity() -> None:
         for name, param in ours["params"].items():
             torch.testing.assert_close(param, theirs["params"][name], rtol=RTOL, atol=ATOL,
                                        msg=f"rank {rank} {name}")
+
+
+# -- with a pipeline -------------------------------------------------------------------
+
+PP_WORLD = {"pp": 2, "pp_fsdp2": 4}
+
+
+@functools.cache
+def _pp_train(layout: str, accumulate: int, passes: int = 1) -> list[dict[str, Any]]:
+    return run_ranks("tests.accumulation_workers:pp_train", PP_WORLD[layout],
+                     args=(layout, accumulate, passes), timeout=300)
+
+
+@functools.cache
+def _pp_reference() -> dict[str, Any]:
+    from tests.accumulation_workers import pp_reference
+
+    return pp_reference()
+
+
+def _assert_pp_parity(layout: str, accumulate: int, passes: int = 1) -> None:
+    """Every rank's own parameters (its stage's) and the losses against one process;
+    together the ranks hold every parameter."""
+    reference = _pp_reference()
+    seen: set[str] = set()
+    for rank, result in enumerate(_pp_train(layout, accumulate, passes)):
+        torch.testing.assert_close(torch.tensor(result["losses"]),
+                                   torch.tensor(reference["losses"]), rtol=RTOL, atol=ATOL)
+        assert result["params"], rank
+        for name, param in result["params"].items():
+            torch.testing.assert_close(param, reference["params"][name], rtol=RTOL,
+                                       atol=ATOL, msg=f"rank {rank} {name}")
+        seen |= result["params"].keys()
+    assert seen == reference["params"].keys()
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def _pp_counts(layout: str, accumulate: int, passes: int = 1) -> list[dict[str, int]]:
+    """Each rank's collectives per step, the same on every step after the first (whose
+    first schedule pass also exchanges the stages' shapes)."""
+    out = []
+    for rank, result in enumerate(_pp_train(layout, accumulate, passes)):
+        counts = result["counts"][1:]
+        assert all(c == counts[0] for c in counts), (rank, counts)
+        out.append({kind: counts[0].get(kind, 0)
+                    for kind in ("all_gather", "reduce_scatter", "all_reduce")})
+    return out
+
+
+# 1F1B over pp 2 with 2 microbatches; accumulate=2 runs 4 in one schedule pass. The
+# reference is one process, the whole global batch in one backward.
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_pipeline_accumulation_trains_at_parity() -> None:
+    _assert_pp_parity("pp", 2)
+    # Two steps before one optimizer step add into .grad as two backwards do (torch's
+    # schedule alone would divide the first step's gradients by its count again).
+    _assert_pp_parity("pp", 1, passes=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_pipeline_fsdp2_accumulation_trains_at_parity() -> None:
+    _assert_pp_parity("pp_fsdp2", 2)
+    _assert_pp_parity("pp_fsdp2", 1, passes=2)
+
+
+# Each stage has three FSDP units (its two blocks and its root). torch's schedule defers
+# their reduce-scatters to the end of its pass: one per unit per step however many
+# microbatches it runs; a loop of two steps reduce-scatters twice. The all-gathers grow
+# by two a microbatch.
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_pipeline_fsdp2_accumulation_reduce_scatters_once_per_step() -> None:
+    per_rank = 4
+    assert _pp_counts("pp_fsdp2", 1) == [{"all_gather": 7, "reduce_scatter": 3,
+                                          "all_reduce": 1}] * per_rank
+    assert _pp_counts("pp_fsdp2", 2) == [{"all_gather": 11, "reduce_scatter": 3,
+                                          "all_reduce": 1}] * per_rank
+    assert _pp_counts("pp_fsdp2", 1, passes=2) == [{"all_gather": 14, "reduce_scatter": 6,
+                                                    "all_reduce": 2}] * per_rank

@@ -34,6 +34,7 @@ from composer_par.estimate import (
     parse_count,
     split_bytes,
 )
+from composer_par.estimate.accumulation import SyncCost
 from composer_par.plugin import Claim, EstimateSettings, Plugin, hookimpl
 from composer_par.testing.comm_count import group_label
 
@@ -152,6 +153,93 @@ def test_replicate_alone_all_reduces_whole_gradients() -> None:
     (collective,) = est.traffic[0].collectives
     assert collective.payload == HAND.params * 4 and collective.calls == 5
     assert est.memory.local_params == HAND.params
+
+
+# -- gradient accumulation: each sync policy of the training step ----------------------------
+
+
+def _hsdp_layout() -> Layout:
+    return Layout.build(MeshSpec(dp_replicate=2, dp_shard=4), Topology(2, 4),
+                        {"dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD})
+
+
+def test_accumulation_policies_by_hand() -> None:
+    k = 4
+    full = 4 * 1024 * 1024 + 1000 * 1024  # elements of every group, unsharded
+    local = 4 * 256 * 1024 + 250 * 1024  # one rank's shard over dp_shard(4)
+    units = 5  # 4 blocks and the root
+    est = estimate(_hsdp_layout(), HAND, attrs.evolve(WORK, grad_accum=k))
+    costs = {c.sync: c for c in est.accumulation}
+    assert list(costs) == ["last", "reduce_scatter", "every"]
+    # "last": whole fp32 gradients held, one reduce-scatter (fp32 input: full * 4 B) and
+    # one all-reduce (the fp32 shard: local * 4 B) per unit per step.
+    assert costs["last"] == SyncCost("last", full * 4, True, units, full * 4, units, local * 4)
+    # the others hold the sharded 16-bit gradients, as without accumulation
+    assert costs["reduce_scatter"] == SyncCost("reduce_scatter", local * 2, False, k * units,
+                                               k * full * 4, units, local * 4)
+    assert costs["every"] == SyncCost("every", local * 2, False, k * units, k * full * 4,
+                                      k * units, k * local * 4)
+    # The estimate itself is the workload's policy ("last" by default).
+    assert est.memory.grads == full * 4
+    replicate, shard = est.traffic
+    assert replicate.calls() == {"all_reduce": units}
+    assert shard.calls() == {"all_gather": k * (units + 4), "reduce_scatter": units}
+    every = estimate(_hsdp_layout(), HAND, attrs.evolve(WORK, grad_accum=k, sync="every"))
+    assert every.memory.grads == local * 2
+    assert every.traffic[1].calls()["reduce_scatter"] == k * units
+    assert every.accumulation == est.accumulation
+    # One micro-batch: nothing to compare, and the policies are all the same step.
+    one = estimate(_hsdp_layout(), HAND, WORK)
+    assert one.accumulation == () and one.to_dict()["accumulation"] is None
+    for sync in ("reduce_scatter", "every"):
+        other = estimate(_hsdp_layout(), HAND, attrs.evolve(WORK, sync=sync))
+        assert (other.memory, other.traffic) == (one.memory, one.traffic)
+
+
+def test_replicate_alone_defers_its_all_reduce_under_last_and_reduce_scatter() -> None:
+    layout = Layout.build(MeshSpec(dp_replicate=4), Topology(1, 4),
+                          {"dp_replicate": Role.REPLICATE})
+    est = estimate(layout, HAND, attrs.evolve(WORK, grad_accum=2))
+    calls = {c.sync: (c.reduce_scatter_calls, c.all_reduce_calls) for c in est.accumulation}
+    assert calls == {"last": (0, 5), "reduce_scatter": (0, 5), "every": (0, 10)}
+    # no shard dim: the gradients are whole under every policy
+    assert {c.grads for c in est.accumulation} == {HAND.params * 2}
+
+
+# Measured by tests/test_accumulation.py on gloo (the project's Llama: 2 blocks and the
+# root, accumulate=4), per optimizer step: FSDP2 over 2 ranks and HSDP 2 x FSDP2 2.
+MEASURED_ACCUMULATION = {
+    ("fsdp2", "every"): {"dp_shard": {"all_gather": 20, "reduce_scatter": 12}},
+    ("fsdp2", "last"): {"dp_shard": {"all_gather": 20, "reduce_scatter": 3}},
+    ("hsdp", "every"): {"dp_replicate": {"all_reduce": 12},
+                        "dp_shard": {"all_gather": 20, "reduce_scatter": 12}},
+    ("hsdp", "last"): {"dp_replicate": {"all_reduce": 3},
+                       "dp_shard": {"all_gather": 20, "reduce_scatter": 3}},
+    ("hsdp", "reduce_scatter"): {"dp_replicate": {"all_reduce": 3},
+                                 "dp_shard": {"all_gather": 20, "reduce_scatter": 12}},
+}
+
+
+def test_accumulation_counts_equal_the_measured_ones() -> None:
+    import torch
+
+    from composer_par.testing.tasks import llama
+
+    plans = {"fsdp2": ('[mesh]\ndp_shard = 2\n[[plugins]]\nname = "fsdp2"\n', 2),
+             "hsdp": ('[mesh]\ndp_replicate = 2\ndp_shard = 2\n[[plugins]]\nname = "hsdp"\n'
+                      '[[plugins]]\nname = "fsdp2"\n', 4)}
+    with torch.device("meta"):
+        shape = ModelShape.from_module(llama.build())
+    for (layout, sync), measured in MEASURED_ACCUMULATION.items():
+        if layout == "hsdp" and "hsdp" not in Registry().names():
+            continue
+        text, world = plans[layout]
+        workload = Workload(seq=llama.seq_len, grad_accum=4, sync=sync)
+        est = estimate_plan(ParallelPlan.from_toml(text), shape, workload, world_size=world)
+        assert {t.dim.name: t.calls() for t in est.traffic} == measured, (layout, sync)
+        (cost,) = [c for c in est.accumulation if c.sync == sync]
+        assert cost.reduce_scatter_calls == measured["dp_shard"]["reduce_scatter"]
+        assert cost.all_reduce_calls == measured.get("dp_replicate", {}).get("all_reduce", 0)
 
 
 def test_split_bytes_ring_model() -> None:
@@ -507,6 +595,33 @@ def test_estimate_command_text_and_json(fsdp_plan: str) -> None:
     assert data["accounting"] == list(ACCOUNTING)
     assert data["memory"]["total"] == sum(data["memory"][k] for k in (
         "params", "grads", "optimizer", "activations", "comm_buffers"))
+
+
+def test_estimate_command_shows_every_sync_policy(fsdp_plan: str) -> None:
+    argv = ["estimate", fsdp_plan, "--params", "1.3B", "--layers", "24", "--hidden", "2048",
+            "--seq", "2048", "--dtype", "bf16", "--accumulate", "4"]
+    code, out, _ = run(argv)
+    assert code == 0, out
+    assert "micro-batch 1 x 4 accumulated (sync 'last')" in out
+    assert "gradient accumulation: 4 micro-batches per optimizer step" in out
+    assert "kept unsharded between the 4 micro-batches" in out
+    code, out, _ = run([*argv, "--sync", "every", "--json"])
+    data = json.loads(out)
+    accumulation = data["accumulation"]
+    assert (accumulation["accumulate"], accumulation["sync"]) == (4, "every")
+    policies = {p["sync"]: p for p in accumulation["policies"]}
+    assert list(policies) == ["last", "reduce_scatter", "every"]
+    # 24 blocks and the root reduce-scatter once per step, or once per micro-batch
+    assert policies["last"]["reduce_scatter_calls"] == 25
+    assert policies["every"]["reduce_scatter_calls"] == 100
+    assert policies["last"]["unsharded"] and not policies["every"]["unsharded"]
+    assert data["memory"]["grads"] == policies["every"]["grads"] < policies["last"]["grads"]
+    (shard,) = data["communication"]
+    assert shard["calls"]["reduce_scatter"] == 100
+    # --grad-accum is the same option
+    code, out, _ = run([*argv[:-2], "--grad-accum", "4", "--sync", "every", "--json"])
+    assert json.loads(out)["accumulation"] == accumulation
+    assert run([*argv, "--sync", "never"])[0] == 2
 
 
 def test_estimate_exit_codes(fsdp_plan: str, tmp_path: Path) -> None:

@@ -210,6 +210,34 @@ def test_fsdp_gathers_follow_the_rank_s_order() -> None:
     assert gathers([("UNSHARD", 0), *order], 0, resharded=True) == 1 + 4
 
 
+def test_accumulation_is_more_microbatches_in_one_pass_as_measured() -> None:
+    """``grad_accum=k`` is the training step's ``accumulate=k``: one schedule pass over k
+    times the microbatches, one reduce-scatter per unit. The counts are those
+    tests/test_accumulation.py measures on gloo (pp 2 x dp_shard 2, 1F1B, 2
+    microbatches, the 4-block Llama: 3 units a stage), on every pp rank."""
+    import torch
+
+    from tests.accumulation_workers import PP_PLANS
+    from tests.pp_workers import llama4
+
+    with torch.device("meta"):
+        shape = ModelShape.from_module(llama4.build())
+    plan = ParallelPlan.from_toml(PP_PLANS["pp_fsdp2"])
+    measured = {1: {"all_gather": 7, "reduce_scatter": 3},
+                2: {"all_gather": 11, "reduce_scatter": 3}}
+    for k, calls in measured.items():
+        est = estimate_plan(plan, shape, Workload(seq=8, grad_accum=k), world_size=4)
+        assert est.pipeline is not None and est.pipeline.microbatches == 2 * k
+        for rank in est.ranks:
+            dims = {t.dim.name: t.calls() for t in rank.traffic}
+            assert dims["dp_shard"] == calls, (k, rank.coordinate)
+            assert dims["pp"] == {"send": 2 * k}  # one activation or gradient a microbatch
+        # a pipeline has no policies to compare: its schedule reduces once per step
+        assert est.accumulation == ()
+    with pytest.raises(EstimateError, match="once per step"):
+        estimate_plan(plan, shape, Workload(seq=8, grad_accum=2, sync="every"), world_size=4)
+
+
 # -- point-to-point -------------------------------------------------------------------------
 
 

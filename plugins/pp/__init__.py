@@ -379,8 +379,15 @@ class PP(Plugin):
         microbatches = self.microbatch_count(size)
         device = ctx.device
 
-        def schedule(loss_fn: Any) -> Any:
-            return build_schedule(schedule=info.name, microbatches=microbatches,
+        def schedule(loss_fn: Any, count: int = microbatches) -> Any:
+            # The training step asks for more under accumulation: microbatches x k.
+            problem = microbatch_problem(info, count, size, self.virtual_stages())
+            if problem:
+                raise PipelineError(Finding(
+                    "CP603", problem, fix=f"use an accumulate whose product with "
+                    f"microbatches = {microbatches} {info.name} accepts, or another "
+                    "microbatch count", plugin=self.name))
+            return build_schedule(schedule=info.name, microbatches=count,
                                   num_stages=split_count, device=device, group=group,
                                   parts=[(p.stage, p.module) for p in parts], loss_fn=loss_fn)
 

@@ -337,12 +337,16 @@ def estimate_part(pp: PP, layout: Any, model: Any, workload: Any) -> EstimatePar
         return None
     size = mesh.size(pp.dim)
     per_rank = pp.virtual_stages()
-    microbatches = pp.microbatch_count(size)
+    # The training step's accumulation runs grad_accum times the schedule's microbatches
+    # in one schedule pass.
+    microbatches = pp.microbatch_count(size) * workload.grad_accum
     problem = microbatch_problem(info, microbatches, size, per_rank)
     if problem or (info.stages_per_rank is not None and per_rank != info.stages_per_rank):
+        who = (f"the training step refuses accumulate={workload.grad_accum} with it"
+               if problem and workload.grad_accum > 1 else "validation reports it")
         return EstimatePart(collectives=(), notes=(
             f"no pipeline terms: {problem or 'stages_per_rank does not fit the schedule'} "
-            "(validation reports it)",))
+            f"({who})",))
     num_stages = size * per_rank
     try:
         units, notes = _stage_units(model, pp.split, num_stages)
@@ -360,7 +364,7 @@ def estimate_part(pp: PP, layout: Any, model: Any, workload: Any) -> EstimatePar
     blocks_reshard = not info.split_backward and reshard is not False
     root_reshard = not info.split_backward and reshard is not None and reshard is not False
     x = _activation_bytes(layout, model, workload)
-    runs = microbatches * workload.grad_accum
+    runs = microbatches
     crossing = _crossing(layout.topology, mesh.rank_groups(pp.dim))
     ranks = []
     for r, local in enumerate(layout_of):

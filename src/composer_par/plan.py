@@ -285,7 +285,8 @@ class ParallelPlan:
         ``accumulate=k`` runs each step as ``k`` microbatches, gradients reduced as
         ``sync`` says (``"last"``: once per step, unsharded gradients held between
         microbatches; ``"reduce_scatter"``: reduce-scatter per microbatch, replicate
-        all-reduce once per step; ``"every"``: per microbatch). See
+        all-reduce once per step; ``"every"``: per microbatch; with a pipeline, ``k``
+        times the schedule's microbatches in one pass, ``"last"`` only). See
         :mod:`composer_par.training`."""
         from composer_par.training import TrainingStep
 

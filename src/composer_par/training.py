@@ -69,11 +69,25 @@ Call the optimizer once per ``step``. ``sync`` says when FSDP2 / HSDP reduce gra
 
 Parameters are resharded after each microbatch's backward as without accumulation, so
 each microbatch all-gathers them again. The policy holds only inside ``step``: after it
-(and if it raises) every unit is back to syncing on each backward. With a pipeline the
-schedule already splits the batch into its microbatches and accumulates over them with
-one reduction per step: raise the schedule's microbatch count instead; ``accumulate``
-above 1 is refused there (``ValueError``). docs/accumulation.md has the collective
-counts and the memory of each policy.
+(and if it raises) every unit is back to syncing on each backward.
+
+With a pipeline the schedule's microbatches are the accumulation: ``accumulate=k`` runs
+one schedule pass over ``k`` times the pipeline's ``microbatches`` (``k * microbatches``
+must divide the per-rank batch, and the schedule must accept the count). torch's
+schedule already defers every FSDP2 / HSDP reduction to the end of its pass and divides
+the gradients by the count it ran, so the step reduce-scatters once per unit however
+many microbatches it runs, and the gradients are those of the whole batch. That is
+``"last"``, the only ``sync`` a pipeline takes (``ValueError`` otherwise), with its
+memory: every unit keeps its unsharded gradients (and parameters) through the pass. The
+alternative, ``k`` schedule passes with the reduction deferred across them, would
+reach into torch's stage (it reduces and rescales at the end of every pass) and pay a
+pipeline fill and drain per pass. Activations: the 1F1B family holds a bounded number
+of microbatches in flight, now ``k`` times smaller; GPipe runs every forward before any
+backward, so it holds the whole batch's activations whatever ``k``. Gradients already
+in ``.grad`` (a loop of several steps before one optimizer step) are set aside during
+the pass and added back, so that the schedule's division leaves them alone: a step adds
+into ``.grad`` as ``loss.backward()`` does, with or without a pipeline.
+docs/accumulation.md has the collective counts and the memory of each policy.
 """
 
 from __future__ import annotations
@@ -118,11 +132,10 @@ class TrainingStep:
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int; got {accumulate!r}")
         check_sync_policy(sync)
-        if accumulate > 1 and plan.pipeline is not None:
+        if sync != "last" and plan.pipeline is not None:
             raise ValueError(
-                f"accumulate={accumulate} with a pipeline: the schedule already runs the "
-                "batch as microbatches with one gradient reduction per step; raise the "
-                "pipeline's microbatch count instead")
+                f"sync={sync!r} with a pipeline: torch's schedule defers every FSDP2 / HSDP "
+                "reduction to the end of its last microbatch's backward (sync='last')")
         self.check_replicas_every = check_replicas_every
         self.accumulate = accumulate
         self.sync = sync
@@ -200,12 +213,27 @@ class TrainingStep:
 
         pipeline = self.pipeline
         assert pipeline is not None
+        k = self.accumulate
+        # Accumulation is more microbatches in the same schedule pass: torch's schedule
+        # reduces once after the last backward and scales by the count it ran.
+        count = pipeline.microbatches * k
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor)), None)
         if batch is not None:
             pipeline.check_batch(int(batch))
+            if batch % count:
+                raise ValueError(
+                    f"accumulate={k} runs the schedule's {pipeline.microbatches} microbatches "
+                    f"{k} times over: {count} microbatches need a per-rank batch (dim 0 of "
+                    f"the inputs) that {count} divides; got {batch}")
         if self._schedule is None:
-            self._schedule = pipeline.build_schedule(self.loss_fn)
+            self._schedule = pipeline.build_schedule(self.loss_fn, count)
+        # torch's schedule divides every gradient it finds after its pass by the count,
+        # those of earlier steps too: set them aside and add them back, so that the step
+        # adds into .grad as loss.backward() does.
+        held = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        for param, _ in held:
+            param.grad = None
         losses: list[torch.Tensor] = []
         self._schedule.step(
             *(args if pipeline.has_first else ()),
@@ -214,6 +242,8 @@ class TrainingStep:
             return_outputs=False,
             **kwargs,
         )
+        for param, grad in held:
+            param.grad = grad if param.grad is None else grad.add_(param.grad)
         if pipeline.has_last:
             # Microbatches are equal in size: the mean of their means is the batch's.
             local = torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -271,8 +271,13 @@ def estimate_arguments(parser: argparse.ArgumentParser) -> None:
                       help="dtype of gradient reductions (default: the plan's, else --dtype)")
     work.add_argument("--activation-checkpoint", choices=("none", "selective", "full"),
                       help="default: the plan's activation_checkpoint plugin, else none")
-    work.add_argument("--grad-accum", type=_positive_int, default=1, metavar="N",
-                      help="micro-batches per optimizer step (default 1)")
+    work.add_argument("--accumulate", "--grad-accum", dest="grad_accum", type=_positive_int,
+                      default=1, metavar="K",
+                      help="micro-batches per optimizer step, as the training step's "
+                      "accumulate=K (default 1); with K > 1 every sync policy is shown")
+    work.add_argument("--sync", choices=("last", "reduce_scatter", "every"), default="last",
+                      help="when the accumulated gradients are reduced, as the training "
+                      "step's sync= (default last: once per step)")
     work.add_argument("--device-memory", type=_size, metavar="SIZE",
                       help="device memory, e.g. 80GiB: say whether it fits (exit 1 if not)")
 
@@ -289,7 +294,8 @@ def run_estimate(args: argparse.Namespace, out: Output) -> int:
         workload = Workload(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
                             reduce_dtype=args.reduce_dtype, optimizer=args.optimizer,
                             activation_checkpoint=args.activation_checkpoint,
-                            grad_accum=args.grad_accum, attention=args.attention)
+                            grad_accum=args.grad_accum, sync=args.sync,
+                            attention=args.attention)
         est = estimate_plan(plan, shape, workload, world_size=world,
                             intra_node_gbps=args.intra_node_gbps,
                             inter_node_gbps=args.inter_node_gbps,

@@ -48,11 +48,14 @@ runs and sends (:class:`EstimatePipeline`); each is then estimated on its own
 
 Its modules, one job each: ``units`` (parse and format counts, sizes, dtypes), ``errors``,
 ``model_shape``, ``workload``, ``layout`` (mesh dims, roles, node crossing), ``memory``,
-``collectives`` (the built-in estimator of each role), ``parts`` (what plugins state),
+``collectives`` (the built-in estimator of each role), ``accumulation`` (the gradient
+memory and reductions of each sync policy under gradient accumulation), ``parts`` (what
+plugins state),
 ``pipeline`` (each pipeline rank), ``timing`` (the ring time model), ``estimator``
 (:func:`estimate`) and ``report`` (text).
 """
 
+from composer_par.estimate.accumulation import SyncCost, sync_costs
 from composer_par.estimate.collectives import Collective
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.estimator import Estimate, estimate, estimate_plan
@@ -106,6 +109,7 @@ __all__ = [
     "ModelShape",
     "ParamGroup",
     "RankEstimate",
+    "SyncCost",
     "TensorShape",
     "Workload",
     "activation_bytes",
@@ -119,4 +123,5 @@ __all__ = [
     "parse_bytes",
     "parse_count",
     "split_bytes",
+    "sync_costs",
 ]

@@ -54,12 +54,14 @@ def communication(
     collectives are the caller's to add once per rank."""
     notes: list[str] = []
     micro = workload.grad_accum
-    reductions = micro
+    # The training step's sync policy decides how many backwards reduce.
+    scatters, all_reduces = workload.reductions()
     gathers: tuple[int | None, int | None] = (None, None)
     if stage is not None:
+        # The stage's runs are every microbatch of the step (accumulation included).
         model = stage.model
-        micro = workload.grad_accum * stage.runs
-        reductions = workload.grad_accum if stage.accumulates else micro
+        micro = stage.runs
+        scatters = all_reduces = 1 if stage.accumulates else micro
         gathers = (stage.block_gathers, stage.root_gathers)
     abytes = bytes_of(dtype)
     ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
@@ -75,13 +77,12 @@ def communication(
         if dim.role is Role.SHARD:
             if gathers != (None, None):
                 collectives += _stage_fsdp_collectives(
-                    model, dim, tp, ag_bytes, rs_bytes, gathers, workload.grad_accum,
-                    reductions)
+                    model, dim, tp, ag_bytes, rs_bytes, gathers, scatters)
             else:
                 collectives += _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes,
-                                                 micro, reductions)
+                                                 micro, scatters)
         elif dim.role is Role.REPLICATE:
-            collectives += _replicate_collectives(model, dim, tp, shard, rs_bytes, reductions,
+            collectives += _replicate_collectives(model, dim, tp, shard, rs_bytes, all_reduces,
                                                   with_shard=shard > 1)
         elif dim.role is Role.MODEL_PARALLEL:
             collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
@@ -146,7 +147,7 @@ def _fsdp_collectives(
 
 def _stage_fsdp_collectives(
     model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
-    gathers: tuple[int | None, int | None], accum: int, reductions: int,
+    gathers: tuple[int | None, int | None], reductions: int,
 ) -> list[Collective]:
     """FSDP2 over ``dim`` inside a pipeline stage whose runtime says how often it gathers
     each block group and its root group per step."""
@@ -160,7 +161,7 @@ def _stage_fsdp_collectives(
         payload += g.padded_numel(tp, f) * g.count * ag_bytes * times
         calls += g.count * times
     if calls:
-        out.append(Collective(dim.name, "all_gather", payload * accum, calls * accum,
+        out.append(Collective(dim.name, "all_gather", payload, calls,
                               "parameters, as the pipeline schedule runs the stage (a "
                               "forward after a backward finds them gathered)"))
     rs = sum(g.padded_numel(tp, f) * g.count for g in groups) * rs_bytes
@@ -172,7 +173,7 @@ def _stage_fsdp_collectives(
 
 
 def _replicate_collectives(
-    model: ModelShape, dim: DimInfo, tp: int, shard: int, rs_bytes: int, micro: int,
+    model: ModelShape, dim: DimInfo, tp: int, shard: int, rs_bytes: int, times: int,
     with_shard: bool,
 ) -> list[Collective]:
     groups = [g for g in model.groups if g.numel]
@@ -180,7 +181,7 @@ def _replicate_collectives(
     calls = sum(g.count for g in groups)
     why = ("gradient shards after the reduce-scatter (HSDP)" if with_shard
            else "gradients, per group (replicate alone, DDP-like)")
-    return [Collective(dim.name, "all_reduce", payload * micro, calls * micro, why)]
+    return [Collective(dim.name, "all_reduce", payload * times, calls * times, why)]
 
 
 def _tp_collectives(

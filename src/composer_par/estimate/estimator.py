@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.estimate.accumulation import SyncCost, sync_costs
 from composer_par.estimate.collectives import communication
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.layout import Layout
@@ -42,6 +43,9 @@ class Estimate:
     # slowest one's).
     pipeline: EstimatePipeline | None = None
     ranks: tuple[RankEstimate, ...] = ()
+    # Without a pipeline and with grad_accum > 1: every sync policy's gradient memory
+    # and reductions per step, for comparison (the estimate above is workload.sync's).
+    accumulation: tuple[SyncCost, ...] = ()
 
     @property
     def fullest(self) -> RankEstimate | None:
@@ -87,7 +91,14 @@ class Estimate:
             "accounting": list(ACCOUNTING),
             "notes": list(self.notes),
             "pipeline": self._pipeline_dict(),
+            "accumulation": self._accumulation_dict(),
         }
+
+    def _accumulation_dict(self) -> dict[str, Any] | None:
+        if not self.accumulation:
+            return None
+        return {"accumulate": self.workload.grad_accum, "sync": self.workload.sync,
+                "policies": [c.to_dict() for c in self.accumulation]}
 
     def _pipeline_dict(self) -> dict[str, Any] | None:
         line = self.pipeline
@@ -143,6 +154,11 @@ def estimate(
         raise EstimateError("more than one plugin cuts the model into pipeline stages: "
                             + ", ".join(f"{who} over {cut.dim}" for who, cut in cuts))
     pipeline = cuts[0][1] if cuts else None
+    if pipeline is not None and workload.sync != "last":
+        raise EstimateError(
+            f"sync {workload.sync!r} with a pipeline: its schedule reduces gradients once per "
+            "step, after the last microbatch's backward (sync 'last'), which the training "
+            "step takes alone")
     for who, part in parts:
         notes += [f"{who}: {n}" for n in part.notes]
     # dtypes: the workload's, else the plan's mixed precision, else the model's, else fp32
@@ -174,6 +190,10 @@ def estimate(
                                            reduce_dtype=reduce_dtype, mode=mode, tp=tp,
                                            shard=shard)
     notes += uncovered
+    accumulation: tuple[SyncCost, ...] = ()
+    if pipeline is None and workload.grad_accum > 1:
+        accumulation = sync_costs(layout, grouped, workload, parts, dtype=dtype,
+                                  reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard)
     intra_gbps, inter_gbps, assumed = bandwidths(layout.topology, intra_node_gbps,
                                                  inter_node_gbps)
     traffic = dim_traffic(layout, collectives, intra_gbps, inter_gbps)
@@ -190,7 +210,7 @@ def estimate(
                      "--nodes/--devices-per-node)")
     return Estimate(layout, model, workload, dtype, reduce_dtype, mode, memory,
                     traffic, intra_gbps, inter_gbps, assumed, tuple(notes),
-                    device_memory, pipeline, ranks)
+                    device_memory, pipeline, ranks, accumulation)
 
 
 def estimate_plan(

@@ -170,6 +170,12 @@ def _llama_activation_bytes(
     return int(total + logits)
 
 
+def unsharded_gradient_bytes(model: ModelShape, tp: int, reduce_bytes: int) -> int:
+    """The gradients FSDP2 keeps between backwards that do not reduce: every unit's whole
+    (split by TP only), in the reduce dtype."""
+    return sum(g.local_numel(tp, 1) * g.count for g in model.groups) * reduce_bytes
+
+
 def optimizer_bytes(optimizer: str, mixed: bool) -> int:
     if optimizer in ("adamw", "adam"):
         return 12 if mixed else 8
@@ -193,6 +199,8 @@ def memory_per_rank(
     local = sum(g.local_numel(tp, shard) * g.count for g in model.groups)
     params_b = local * (2 if mixed else pbytes)
     grads_b = local * (2 if mixed else pbytes)
+    if shard > 1 and workload.grad_accum > 1 and workload.sync == "last":
+        grads_b = unsharded_gradient_bytes(model, tp, rs_bytes)
     optim_b = local * optimizer_bytes(workload.optimizer, mixed)
     by_mode = {m: activation_bytes(model, workload, dtype, tp=tp,
                                    sequence_parallel=layout.sequence_parallel,

@@ -51,7 +51,8 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
     ac = est.activation_checkpoint + (f" (every {layout.checkpoint_every} blocks)"
                                       if layout.checkpoint_every > 1 else "")
     lines.append(f"workload: seq {work.seq}, micro-batch {work.micro_batch}"
-                 + (f" x {work.grad_accum} accumulated" if work.grad_accum > 1 else "")
+                 + (f" x {work.grad_accum} accumulated (sync {work.sync!r})"
+                    if work.grad_accum > 1 else "")
                  + f", {precision}, {work.optimizer}, activation checkpointing {ac}, "
                  f"attention {work.attention}")
     tp = layout.size_of(Role.MODEL_PARALLEL)
@@ -73,6 +74,11 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
                          "reduce-scatter")
     else:
         lines += ["", "memory per rank:"]
+        if shard > 1 and work.grad_accum > 1 and work.sync == "last":
+            shards = " / ".join(f"{d.name}({d.size})" for d in layout.dims_with(Role.SHARD))
+            grads_how = (f"{bytes_of(est.reduce_dtype)} B per parameter, not divided by "
+                         f"{shards}: kept unsharded between the {work.grad_accum} "
+                         "micro-batches until the step's one reduce-scatter (sync 'last')")
     pb = 2 if mixed else bytes_of(est.dtype)
     ob = optimizer_bytes(work.optimizer, mixed)
     of_what = "params of its stage(s)" if fullest is not None else "params"
@@ -125,6 +131,8 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
                  + (" (assumed)" if "intra_node" in assumed else "")
                  + f", inter-node {est.inter_node_gbps:g} Gbit/s"
                  + (" (assumed)" if "inter_node" in assumed else ""))
+    if est.accumulation:
+        lines += ["", *format_accumulation(est)]
     if line is not None:
         lines += ["", *format_pipeline(est)]
     lines += ["", "accounting:"] + [f"  - {a}" for a in ACCOUNTING]
@@ -147,6 +155,27 @@ PIPELINE_ACCOUNTING: tuple[str, ...] = (
     "one rank), each over the network when the peer is on another node; the bubble idles "
     "each rank and is not in the communication time",
 )
+
+
+def format_accumulation(est: Estimate) -> list[str]:
+    """Every sync policy of the training step's accumulation: gradient memory per rank,
+    gradient reductions per optimizer step."""
+    work = est.workload
+    lines = [f"gradient accumulation: {work.grad_accum} micro-batches per optimizer step, "
+             f"each sync policy (the estimate above is sync {work.sync!r}):"]
+    rows = []
+    for cost in est.accumulation:
+        rows.append((repr(cost.sync), format_bytes(cost.grads),
+                     "unsharded" if cost.unsharded else "sharded",
+                     str(cost.reduce_scatter_calls), format_bytes(cost.reduce_scatter_bytes),
+                     str(cost.all_reduce_calls), format_bytes(cost.all_reduce_bytes)))
+    lines.append(table(rows, ("SYNC", "GRADIENTS", "HELD", "REDUCE-SCATTERS", "PAYLOAD",
+                              "ALL-REDUCES", "PAYLOAD"), right=(1, 3, 4, 5, 6),
+                       indent="  "))
+    lines.append("  (GRADIENTS: bytes per rank between micro-batches; reduce-scatters over "
+                 "the shard dims and all-reduces over the replicate dims, of the gradients, "
+                 "per optimizer step)")
+    return lines
 
 
 def format_pipeline(est: Estimate) -> list[str]:

@@ -1,5 +1,6 @@
 """One training step as the estimator sees it: sequence, micro-batch, dtypes, optimizer,
-activation checkpointing, gradient accumulation and attention kernel."""
+activation checkpointing, gradient accumulation (and when it reduces) and attention
+kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import attrs
 
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.units import optional_dtype
+from composer_par.gradient_sync import SYNC_POLICIES  # the training step's own (no torch)
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 AC_MODES = ("none", "selective", "full")
@@ -23,9 +25,12 @@ def _positive_int(instance: Any, attribute: Any, value: Any) -> None:
 @attrs.frozen
 class Workload:
     """One training step: ``grad_accum`` micro-batches of ``micro_batch`` sequences of
-    ``seq`` tokens per data-parallel rank. ``dtype`` None takes the plan's mixed
-    precision, else the model's dtype, else float32; ``activation_checkpoint`` None takes
-    the plan's activation checkpointing plugin, else none."""
+    ``seq`` tokens per data-parallel rank, their gradients reduced as ``sync`` says (the
+    training step's ``accumulate=grad_accum, sync=...``: ``"last"`` once per step,
+    ``"reduce_scatter"`` reduce-scatters per micro-batch and replicate all-reduces once,
+    ``"every"`` both per micro-batch). ``dtype`` None takes the plan's mixed precision,
+    else the model's dtype, else float32; ``activation_checkpoint`` None takes the plan's
+    activation checkpointing plugin, else none."""
 
     seq: int = attrs.field(validator=_positive_int)
     micro_batch: int = attrs.field(default=1, validator=_positive_int)
@@ -36,6 +41,17 @@ class Workload:
         default=None, validator=attrs.validators.optional(attrs.validators.in_(AC_MODES)))
     grad_accum: int = attrs.field(default=1, validator=_positive_int)
     attention: str = attrs.field(default="sdpa", validator=attrs.validators.in_(ATTENTION))
+    sync: str = attrs.field(default="last", validator=attrs.validators.in_(SYNC_POLICIES))
+
+    def reductions(self) -> tuple[int, int]:
+        """The gradient reduce-scatters (shard dims) and replicate all-reduces each unit
+        issues per optimizer step under ``sync``."""
+        k = self.grad_accum
+        if self.sync == "last":
+            return 1, 1
+        if self.sync == "reduce_scatter":
+            return k, 1
+        return k, k
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

@@ -42,12 +42,13 @@ class Pipeline:
     """This rank's view of the pipeline: the split, the placement, its parts, the schedule.
 
     ``split[s]`` lists the module paths stage ``s`` owns; ``placement[r]`` the stages pp
-    rank ``r`` holds, in execution order. ``build_schedule(loss_fn)`` returns the torch
-    schedule over the local parts (``loss_fn(outputs, targets)`` gives a microbatch's mean
-    loss, ``outputs`` being what the model's forward returned on the last stage for the
-    microbatch: the same kind of object as without a pipeline, not the tensors the stage
-    sends); ``check_batch(size)`` raises, naming both numbers, when a per-rank batch of
-    ``size`` samples cannot be cut into ``microbatches``.
+    rank ``r`` holds, in execution order. ``build_schedule(loss_fn, count=microbatches)``
+    returns the torch schedule over the local parts, running ``count`` microbatches a step
+    (``loss_fn(outputs, targets)`` gives a microbatch's mean loss, ``outputs`` being what
+    the model's forward returned on the last stage for the microbatch: the same kind of
+    object as without a pipeline, not the tensors the stage sends); it raises when the
+    schedule cannot run ``count``. ``check_batch(size)`` raises, naming both numbers,
+    when a per-rank batch of ``size`` samples cannot be cut into ``microbatches``.
     """
 
     dim: str  # the mesh dim the stages lie along
@@ -58,7 +59,7 @@ class Pipeline:
     split: tuple[tuple[str, ...], ...]
     placement: tuple[tuple[int, ...], ...]
     parts: list[StagePart]
-    build_schedule: Callable[[Callable[..., Any]], Any]
+    build_schedule: Callable[..., Any]
     check_batch: Callable[[int], None]
     stage_params: tuple[int, ...] = ()  # parameters of each stage (tied counted once)
     # Every state-dict key (clean names, in state-dict order) of the whole model before

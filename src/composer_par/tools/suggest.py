@@ -303,7 +303,7 @@ def suggest(
         workload = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
                             reduce_dtype="float32" if dtype in ("bfloat16", "float16") else None,
                             optimizer=optimizer, activation_checkpoint=candidate.ac,
-                            grad_accum=candidate.tp, attention=attention)
+                            grad_accum=candidate.tp, sync="every", attention=attention)
         layout = layout_of(candidate, topology, dtype, sequence_parallel)
         est = estimate(layout, model, workload, device_memory=device_memory)
         results.append(Ranked(candidate, est))
