@@ -130,3 +130,77 @@ def lightning_resumes(root: str) -> dict[str, Any]:
     return out
 
 
+
+
+# -- the Hugging Face Trainer ----------------------------------------------------------------
+
+HF_STEPS = 6
+HF_SAVE_AT = 3  # mid-epoch: an epoch is 4 steps (32 samples, 8 a step)
+HF_LR = 5e-3
+
+
+def _plan_trainer(directory: str, save: bool) -> Any:
+    import transformers
+
+    from composer_par.integrations.hf_trainer import PlanTrainer
+    from tests import accelerate_workers as acc
+    from tests import hf_workers
+
+    acc._fresh_accelerate_state()
+    args = transformers.TrainingArguments(
+        output_dir=directory, use_cpu=True, max_steps=HF_STEPS,
+        per_device_train_batch_size=4, learning_rate=HF_LR, lr_scheduler_type="linear",
+        warmup_steps=0, max_grad_norm=0.5, logging_steps=1, report_to="none",
+        save_strategy="steps" if save else "no", save_steps=HF_SAVE_AT,
+        disable_tqdm=True, seed=SEED, dataloader_num_workers=0)
+    return PlanTrainer(_plan(), model=hf_workers.build("llama"), args=args,
+                       train_dataset=acc.DictRows("hf", 4))
+
+
+def hf_resumes(root: str) -> dict[str, Any]:
+    """A PlanTrainer run of HF_STEPS steps (AdamW, a linear schedule, shuffled data),
+    checkpointed at HF_SAVE_AT; the plain loop loads that checkpoint with
+    composer_par.checkpoint.load (bitwise the Trainer's state at that step) and saves it
+    with composer_par.checkpoint.save; a PlanTrainer resumed from that directory ends
+    bitwise where the uninterrupted run ends."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from composer_par import checkpoint
+    from tests import accelerate_workers as acc
+    from tests import hf_workers
+
+    snapshots: dict[int, Any] = {}
+
+    class Snapshot(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == HF_SAVE_AT:
+                snapshots[HF_SAVE_AT] = acc._local_state(kwargs["model"], kwargs["optimizer"])
+
+    whole = _plan_trainer(os.path.join(root, "whole"), save=True)
+    whole.add_callback(Snapshot())
+    whole.train()
+    final = acc._local_state(whole.model, whole.optimizer)
+    out: dict[str, Any] = {"rank": dist.get_rank(), "whole_steps": whole.state.global_step}
+
+    # the user's loop reads the Trainer's checkpoint
+    plan = _plan()
+    model = plan.apply(hf_workers.build("llama"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=HF_LR)
+    info = checkpoint.load(os.path.join(root, "whole", f"checkpoint-{HF_SAVE_AT}"), model,
+                           optimizer)
+    out["plain_loaded"] = acc._bitwise(snapshots[HF_SAVE_AT], acc._local_state(model, optimizer))
+    out["plain_step"] = info.step
+    out["plain_scheduler_step"] = info.extra["trainer"]["scheduler"]["last_epoch"]
+
+    # ... and writes its own; the Trainer resumes from that
+    plain_dir = os.path.join(root, "plain")
+    checkpoint.save(plain_dir, model, optimizer, step=info.step)
+    resumed = _plan_trainer(os.path.join(root, "resumed"), save=False)
+    resumed.train(resume_from_checkpoint=plain_dir)
+    out["resumed_steps"] = resumed.state.global_step
+    out["resumed"] = acc._bitwise(final, acc._local_state(resumed.model, resumed.optimizer))
+    out["resumed_lr"] = resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
+    acc._fresh_accelerate_state()
+    return out

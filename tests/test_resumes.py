@@ -92,3 +92,25 @@ def test_a_position_of_another_epoch_or_at_an_epochs_end_starts_at_the_first_bat
     loader.load_state_dict({"epoch": 4, "batches": 5})  # the whole epoch trained
     assert _epoch(loader, sampler, 4) == fresh
     assert loader.state_dict() == {"epoch": 4, "batches": 0}
+
+
+# -- the Hugging Face Trainer ---------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_hf_trainer_and_the_plain_loop_resume_from_each_others_checkpoints(
+        tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    ranks = run_ranks(workers.hf_resumes, 2, args=(str(tmp_path),), timeout=600)
+    for result in ranks:
+        assert result["whole_steps"] == workers.HF_STEPS
+        # PlanTrainer's checkpoint-3 in the plain loop: every tensor of the model and the
+        # AdamW state bitwise the Trainer's after step 3; the step and the scheduler's
+        assert result["plain_loaded"] == [], result
+        assert result["plain_step"] == result["plain_scheduler_step"] == workers.HF_SAVE_AT
+        # checkpoint.save's directory in PlanTrainer: it continues at step 3, mid-epoch,
+        # and ends bitwise where the uninterrupted run ends, its schedule too
+        assert result["resumed_steps"] == workers.HF_STEPS
+        assert result["resumed"] == [], (result["rank"], result["resumed"][:5])
+        assert result["resumed_lr"]
