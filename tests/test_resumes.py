@@ -114,3 +114,27 @@ def test_hf_trainer_and_the_plain_loop_resume_from_each_others_checkpoints(
         assert result["resumed_steps"] == workers.HF_STEPS
         assert result["resumed"] == [], (result["rank"], result["resumed"][:5])
         assert result["resumed_lr"]
+
+
+def test_the_skipped_batches_are_not_read_with_torchs_batch_sampler() -> None:
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from composer_par.data import ResumableLoader
+
+    class Counted(Dataset[Any]):
+        def __init__(self) -> None:
+            self.read: list[int] = []
+
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int) -> Any:
+            self.read.append(i)
+            return torch.tensor(i)
+
+    data = Counted()
+    loader = ResumableLoader(DataLoader(data, batch_size=3))
+    loader.load_state_dict({"epoch": None, "batches": 2})
+    assert [b.tolist() for b in loader] == [[6, 7, 8], [9, 10, 11]]
+    assert data.read == [6, 7, 8, 9, 10, 11]
