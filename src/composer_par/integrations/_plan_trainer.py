@@ -11,10 +11,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 import transformers
 from torch import nn
+from transformers.trainer import TRAINER_STATE_NAME
 
 from composer_par import checkpoint, training
+from composer_par.checkpoint import steps
+from composer_par.checkpoint.dcp import resolve_for_all
 from composer_par.gradient_sync import check_sync_policy
 from composer_par.integrations._plan_accelerator import PlanAccelerator, plan_mesh, world_size
 from composer_par.integrations.accelerate import plan_findings
@@ -49,6 +53,7 @@ class PlanTrainer(transformers.Trainer):
             plan_mesh(plan, world)
             model = plan.apply(model)
         self._plan_model = model
+        self._resume_from_plan_checkpoint: str | None = None
         super().__init__(model=model, args=args, **kwargs)
 
     # -- the accelerator -----------------------------------------------------------------
@@ -138,12 +143,97 @@ class PlanTrainer(transformers.Trainer):
             raise ValueError(f"no checkpoint directory at {resume_from_checkpoint}")
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
-        """The composer_par checkpoint of ``checkpoint-N``: model, optimizer, scheduler."""
+        """The composer_par checkpoint of ``checkpoint-N``: model, optimizer, scheduler.
+        A checkpoint the Trainer did not write (``composer_par.checkpoint.save``) has no
+        scheduler state, and its optimizer's parameter groups need not be the Trainer's:
+        the per-parameter state is loaded, the groups keep the Trainer's settings and the
+        scheduler continues from the checkpoint's step."""
         if checkpoint_dir is None:
             return
-        info = checkpoint.load(checkpoint_dir, cast("nn.Module", self.model),
-                               self._optimizer_to_save())
+        optimizer = self._optimizer_to_save()
+        settings = ([{k: v for k, v in group.items() if k != "params"}
+                     for group in optimizer.param_groups] if optimizer is not None else [])
+        info = checkpoint.load(checkpoint_dir, cast("nn.Module", self.model), optimizer)
         saved = info.extra.get(CHECKPOINT_EXTRA) if isinstance(info.extra, dict) else None
-        state = (saved or {}).get("scheduler")
+        if saved is None:
+            if optimizer is not None:
+                for group, own in zip(optimizer.param_groups, settings, strict=True):
+                    group.update(own)
+            if self.lr_scheduler is not None and info.step > 0:
+                self._continue_schedule(info.step)
+            return
+        state = saved.get("scheduler")
         if state is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state)
+
+    def _continue_schedule(self, step: int) -> None:
+        """The scheduler, and the learning rates it sets, as the Trainer's would be after
+        ``step`` steps. The Trainer's schedules are functions of the step (LambdaLR);
+        another scheduler continues from the optimizer's current rates."""
+        scheduler = cast("Any", self.lr_scheduler)
+        optimizer = self._optimizer_to_save()
+        if not hasattr(scheduler, "last_epoch") or optimizer is None:
+            return  # no step count to set (ReduceLROnPlateau)
+        groups = optimizer.param_groups
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                           strict=True):
+                group["lr"] = base * factor(step)
+        state = scheduler.state_dict()
+        state.update(last_epoch=step, _step_count=step + 1,
+                     _last_lr=[group["lr"] for group in groups])
+        scheduler.load_state_dict(state)
+
+    # -- resuming from a directory composer_par.checkpoint.save wrote -----------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """The Trainer's ``train``; ``resume_from_checkpoint`` may also be a directory
+        written by ``composer_par.checkpoint.save`` (a root or a step directory) without
+        the Trainer's ``trainer_state.json``: training continues at the checkpoint's step
+        (model, optimizer, global step, the data position of that step)."""
+        self._resume_from_plan_checkpoint = None
+        if (isinstance(resume_from_checkpoint, (str, os.PathLike))
+                and _plan_checkpoint_alone(resume_from_checkpoint)):
+            # The Trainer's train() reads trainer_state.json from the directory it
+            # resumes; the loop gets the directory past it (_inner_training_loop).
+            self._resume_from_plan_checkpoint = str(resolve_for_all(resume_from_checkpoint))
+            resume_from_checkpoint = None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _inner_training_loop(self, batch_size: int | None = None,
+                             args: transformers.TrainingArguments | None = None,
+                             resume_from_checkpoint: str | None = None, trial: Any = None,
+                             ignore_keys_for_eval: list[str] | None = None) -> Any:
+        if self._resume_from_plan_checkpoint is not None:
+            resume_from_checkpoint = self._resume_from_plan_checkpoint
+        return super()._inner_training_loop(batch_size=batch_size, args=args,
+                                            resume_from_checkpoint=resume_from_checkpoint,
+                                            trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int,
+                             num_train_epochs: int, resume_from_checkpoint: str | None,
+                             trial: Any) -> tuple[int, int]:
+        """The Trainer's state, at the step of a composer_par checkpoint it resumes; the
+        epochs and batches to skip computed as the Trainer computes them from its own."""
+        trained = super()._init_training_state(max_steps, num_update_steps_per_epoch,
+                                               num_train_epochs, resume_from_checkpoint, trial)
+        directory = self._resume_from_plan_checkpoint
+        if directory is None or resume_from_checkpoint != directory:
+            return trained
+        info = steps.read_info(directory)
+        step = int(info.get("step", steps.step_of(directory)) or 0)
+        self.state.global_step = step
+        in_epoch = 0
+        if not self.args.ignore_data_skip:
+            in_epoch = (step % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
+        return step // num_update_steps_per_epoch, in_epoch
+
+
+def _plan_checkpoint_alone(path: str | os.PathLike[str]) -> bool:
+    """``path`` holds a composer_par checkpoint (a step directory or a root of them) and
+    not the Trainer's state."""
+    directory = Path(path)
+    if not directory.is_dir() or (directory / TRAINER_STATE_NAME).is_file():
+        return False
+    return steps.is_checkpoint_dir(directory) or bool(steps.step_dirs(directory))

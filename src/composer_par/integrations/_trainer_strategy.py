@@ -18,10 +18,12 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.utils.data import DataLoader
 
 # Lightning's save_checkpoint names its argument ``checkpoint``: the module goes by ckpt.
 from composer_par import checkpoint as ckpt
 from composer_par import training
+from composer_par.data import ResumableLoader
 from composer_par.findings import Finding
 from composer_par.gradient_sync import DeferredSync
 from composer_par.integrations.errors import refuse_errors
@@ -96,6 +98,20 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return self._sampler_kwargs(self.global_rank, self.world_size)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader with its position in the epoch (a ResumableLoader):
+        Lightning saves the state of a loader that has one, so a checkpoint taken
+        mid-epoch resumes at the next batch instead of the epoch's first."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
+                or hasattr(dataloader, "state_dict")):  # a loader with a state of its own
+            return dataloader
+        try:
+            len(dataloader)
+        except TypeError:  # an iterable dataset: no position to restore
+            return dataloader
+        return ResumableLoader(dataloader)
 
     def _target(self) -> tuple[nn.Module, str, nn.Module]:
         """(parent, attribute, the module the plan applies to)."""

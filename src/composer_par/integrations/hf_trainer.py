@@ -21,8 +21,10 @@ On top of what that adapter turns off, the Trainer is kept from:
 * saving checkpoints as full state dicts on rank 0: each ``checkpoint-N`` directory holds
   a :mod:`composer_par.checkpoint` checkpoint (model, optimizer, scheduler in its JSON
   extra) next to the Trainer's ``trainer_state.json`` and RNG files, and
-  ``resume_from_checkpoint`` reads it back. ``save_model`` exports Hugging Face
-  safetensors without gathering the model on one rank.
+  ``resume_from_checkpoint`` reads it back, as it reads a directory that
+  ``composer_par.checkpoint.save`` wrote in a loop of the user's own (the step, model
+  and optimizer state from it; the scheduler set to that step). ``save_model`` exports
+  Hugging Face safetensors without gathering the model on one rank.
 
 transformers (and accelerate) are imported when a trainer is made, not with this module:
 ``PlanTrainer`` lives in a module of its own that imports them, loaded when the class is
