@@ -9,7 +9,9 @@ lack, are errors. State dicts come from torch's helpers (``get_state_dict`` /
 Only tensors go through DCP. Everything else (the optimizer's param groups, the caller's
 ``extra``, the plan) is JSON in ``composer_par.json``: DCP would store those objects with
 ``torch.save`` and read them back with ``torch.load(weights_only=False)``, a pickle.
-DCP's own ``.metadata`` file is still a pickle: load checkpoints from trusted sources only.
+DCP's own ``.metadata`` file is a pickle: it is read by an unpickler that finds only the
+classes DCP metadata holds (:mod:`~composer_par.checkpoint.dcp_metadata`), so it runs no
+code from the file.
 """
 
 from __future__ import annotations
@@ -382,28 +384,27 @@ _UNREAD = object()
 
 
 def read_metadata(directory: Path, manifest: Any = _UNREAD) -> Any:
-    """DCP's metadata of a checkpoint directory (a pickle: trusted sources only), checked
-    against the commit record's digest before it is unpickled (``manifest``: the record,
+    """DCP's metadata of a checkpoint directory, checked against the commit record's
+    digest before it is unpickled (only the classes DCP metadata holds: see
+    :mod:`~composer_par.checkpoint.dcp_metadata`) (``manifest``: the record,
     None for none; default: the directory's own), with every file it names inside the
     directory."""
     path = Path(directory) / steps.DCP_METADATA
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory}: not a DCP checkpoint (no .metadata)")
     if manifest is _UNREAD:
         manifest = steps.read_manifest(directory)
     raw = read_bounded(path, METADATA_LIMIT, what="DCP metadata file")
     if manifest is not None:
         manifest.check_bytes(steps.DCP_METADATA, raw)
-    import pickle
-
     from torch.distributed.checkpoint.metadata import Metadata
 
-    try:
-        metadata = pickle.loads(raw)  # what DCP's reader does, from bytes already checked
-    except Exception as exc:
-        raise CorruptFileError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
+    from composer_par.checkpoint import dcp_metadata
+
+    metadata = dcp_metadata.loads(raw, path)
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CorruptFileError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+        raise dcp_metadata.UnreadableMetadataError(
+            f"{path}: not DCP metadata (a {type(metadata).__name__})")
     names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
     for name in sorted(names, key=str):
         contained(directory, name, what=str(path))  # type: ignore[arg-type]

@@ -71,6 +71,13 @@ class VerifyingReader(FileSystemReader):
         return self.checker
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                # DCP would hand these bytes to torch.load(weights_only=False): a pickle.
+                raise CorruptFileError(
+                    f"{self.directory / '.metadata'}: key {item.storage_index.fqn} is stored "
+                    "as pickled bytes, which are never read (they could run code); only "
+                    "tensors are loaded")
         try:
             return self._read_data(plan, planner)
         finally:

@@ -4,8 +4,9 @@
 checkpoint directory, or a root of step directories (its steps with their commit state,
 and the latest committed one in detail). The commit state checks the recorded sizes and
 the digests of the small files; ``verify=True`` reads every byte of every file against
-its digest. Reading a DCP checkpoint unpickles its metadata (after checking its digest):
-inspect only trusted checkpoints.
+its digest. A DCP checkpoint's metadata is unpickled (after its digest is checked) by an
+unpickler that finds only the classes DCP metadata holds; a ``.metadata`` that is not
+DCP metadata (or not a regular file) is an error naming it, not an empty checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_par.checkpoint import claims, steps
+from composer_par.checkpoint.dcp_metadata import UnreadableMetadataError
 from composer_par.checkpoint.errors import CheckpointError
 from composer_par.checkpoint.integrity import DIGEST
 from composer_par.checkpoint.paths import relative_name
@@ -148,11 +150,16 @@ def _dcp(directory: Path, *, verify: bool = False) -> dict[str, Any]:
     if isinstance(info.get("optimizer"), dict):
         out["optimizer"] = {"class": info["optimizer"].get("class"),
                             "param_groups": len(info["optimizer"].get("param_groups", []))}
-    if not (directory / steps.DCP_METADATA).is_file():
+    metadata_path = directory / steps.DCP_METADATA
+    if not os.path.lexists(metadata_path):
         out.update(tensors=0, bytes=0, keys=[], note="no DCP .metadata: nothing readable")
         return _mark_corrupt(out)
+    if not metadata_path.is_file():
+        raise CheckpointError(f"{metadata_path}: not a regular file; DCP metadata must be one")
     try:
         metadata = read_metadata(directory, manifest)
+    except UnreadableMetadataError:
+        raise  # whatever its digest says, nothing of this checkpoint can be described
     except CheckpointError as exc:
         if str(exc) not in problems:
             problems.append(str(exc))

@@ -25,8 +25,10 @@ measurements. Both compute the same values, so digests recorded by either are re
 the other (without zlib-ng, zlib is used). It is made to catch accidents (bit rot, torn
 or truncated writes, a file of another step or copy): every burst of up to 32 flipped
 bits is caught, any other damage with probability 1 - 2**-32 per chunk. It is no defence
-against someone who edits files on purpose (they can recompute it; DCP's ``.metadata``
-is a pickle anyway: trusted sources only).
+against someone who edits files on purpose (they can recompute it); what protects against
+such files is that nothing read runs code (DCP's ``.metadata`` pickle is read by an
+unpickler that finds only the classes DCP metadata holds) and every name read stays
+inside its directory.
 """
 
 from __future__ import annotations

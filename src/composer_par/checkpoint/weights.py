@@ -166,8 +166,8 @@ def checkpoint_model_specs(directory: str | os.PathLike[str], metadata: Any = No
                            ) -> tuple[dict[str, Spec], str]:
     """The model tensors of a DCP checkpoint by model name, and the key prefix they have
     in it (``"model."`` for composer_par checkpoints, ``""`` for a bare model state dict).
-    Reads DCP's pickled metadata (checked against the commit record's digest) unless
-    given: trusted sources only."""
+    Reads DCP's pickled metadata (checked against the commit record's digest, unpickled
+    finding only the classes DCP metadata holds) unless given."""
     from pathlib import Path
 
     from composer_par.checkpoint.dcp import MODEL, read_metadata, stored_specs
