@@ -129,3 +129,134 @@ def test_the_unpickler_reads_what_dcp_writes(tmp_path: Path) -> None:
              no_dist=True)
     raw = (tmp_path / "bare" / ".metadata").read_bytes()
     assert dcp_metadata.loads(raw, "m") == pickle.loads(raw)
+
+
+# -- a named pipe (or a directory) where a file belongs -------------------------------------
+
+
+def unjam(fifo: Path, after: float = 5.0) -> None:
+    """Should a reader block on ``fifo``, give it an empty write end after ``after``
+    seconds, so that a test of code that hangs fails instead of hanging."""
+    def run() -> None:
+        time.sleep(after)
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader is waiting: nothing to unblock
+            return
+        os.close(fd)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def fifo_in_place_of(path: Path) -> Path:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    unjam(path)
+    return path
+
+
+def quickly(call: Callable[[], Any], expected: type[BaseException], match: str) -> None:
+    """``call`` raises ``expected`` matching ``match`` in under a second."""
+    started = time.monotonic()
+    with pytest.raises(expected, match=match):
+        call()
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("digests", [True, False])
+def test_a_pipe_in_place_of_a_shard_is_named_at_once_and_no_thread_stays(
+        digests: bool, saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not digests:
+        _digest_less(saved)
+    shard = fifo_in_place_of(saved / "__0_0.distcp")
+    named = f"{shard}: not a regular file"
+    model, optimizer, before = fresh()
+    quickly(lambda: ck.load(saved, model, optimizer), CheckpointError, named)
+    assert_same(state(model), before)
+    assert no_verify_threads()
+    quickly(lambda: ParallelPlan(MeshSpec()).use(LoadCheckpoint(saved)).apply(meta_model()),
+            CheckpointError, named)
+    assert no_verify_threads()
+    quickly(lambda: ck.dcp_to_safetensors(saved, tmp_path / "out"), CheckpointError, named)
+    assert no_verify_threads()
+    if digests:
+        started = time.monotonic()
+        code, out, _ = cli(["inspect", str(saved), "--verify"], capsys)
+        assert code == 1 and named in out and time.monotonic() - started < 1.0
+
+
+@pytest.mark.timeout(120)
+def test_a_pipe_or_a_directory_where_weights_belong_is_named_at_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_par.checkpoint.safetensors_io import save_file
+    from composer_par.checkpoint.sources import WeightsSource
+
+    weights = tmp_path / "w"
+    weights.mkdir()
+    save_file({"a": torch.ones(2)}, weights / "a.safetensors")
+    # The weights file given directly, an entry of a weights directory, a file an index
+    # names, the index itself; then a directory where a weights file belongs.
+    given = fifo_in_place_of(tmp_path / "given.safetensors")
+    quickly(lambda: WeightsSource.open(given), CheckpointError, f"{given}: not a regular")
+    code, _, err = cli(["inspect", str(given)], capsys)
+    assert code == 2 and f"{given}: not a regular file" in err
+    entry = fifo_in_place_of(weights / "b.safetensors")
+    quickly(lambda: WeightsSource.open(weights), CheckpointError, f"{entry}: not a regular")
+    index = weights / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}))
+    quickly(lambda: WeightsSource.open(weights), CheckpointError, f"{entry}: not a regular")
+    fifo_in_place_of(index)
+    quickly(lambda: WeightsSource.open(index), CheckpointError, f"{index}: not a regular")
+    index.unlink()
+    entry.unlink()
+    entry.mkdir()
+    quickly(lambda: WeightsSource.open(weights), CheckpointError, f"{entry}: not a regular")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", [steps.INFO, ".metadata", "rng/rank-00000.safetensors"])
+def test_a_pipe_in_place_of_a_small_checkpoint_file_is_named_at_once(
+        name: str, saved: Path) -> None:
+    path = fifo_in_place_of(saved / name)
+    model, optimizer, before = fresh()
+    quickly(lambda: ck.load(saved, model, optimizer), CheckpointError, f"{path}: not a regular")
+    assert_same(state(model), before)
+
+
+# -- the random state --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "re-digested garbage"])
+def test_a_missing_or_damaged_rng_file_is_an_error_or_with_warn_a_loud_warning(
+        damage: str, saved: Path) -> None:
+    rng = saved / "rng" / "rank-00000.safetensors"
+    if damage == "deleted":
+        rng.unlink()
+    elif damage == "truncated":
+        rng.write_bytes(rng.read_bytes()[:100])
+    else:
+        rng.write_bytes(b"\x10" + b"\x00" * 7 + b"{}" + b" " * 14)
+        recommit(saved, "rng/rank-00000.safetensors")
+    model, optimizer, before = fresh()
+    with pytest.raises(CheckpointError, match=f"{rng}: .*missing_rng='warn'"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    with pytest.warns(RuntimeWarning, match=f"random state NOT restored: {rng}: .*bit-exact"):
+        info = ck.load(saved, model, optimizer, missing_rng="warn")
+    assert not info.rng_restored
+    assert not torch.equal(state(model)["output.weight"], before["output.weight"])
+
+
+def test_a_deleted_rng_file_of_a_digest_less_checkpoint_is_an_error(saved: Path) -> None:
+    _digest_less(saved)
+    rng = saved / "rng" / "rank-00000.safetensors"
+    rng.unlink()
+    model, optimizer, before = fresh()
+    with pytest.raises(CheckpointError, match=f"{rng}: missing"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    assert ck.load(saved, model, optimizer, restore_random=False).rng_restored is False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,8 @@ from composer_par.checkpoint.integrity import (
 )
 from composer_par.checkpoint.matching import Spec, convertible
 from composer_par.checkpoint.paths import contained, read_bounded
-from composer_par.checkpoint.rng import rank_file, restore_rng, save_rng
+from composer_par.checkpoint.rng import DIRECTORY as RNG_DIRECTORY
+from composer_par.checkpoint.rng import SavedRng, rank_file, read_rng, save_rng
 from composer_par.checkpoint.strided import for_dcp
 from composer_par.logging import get_logger
 
@@ -462,6 +464,7 @@ def load(
     strict: bool = True,
     restore_random: bool = True,
     generators: Mapping[str, torch.Generator] | None = None,
+    missing_rng: str = "error",
 ) -> CheckpointInfo:
     """Load a committed checkpoint into ``model`` (and ``optimizer``) on any mesh and
     world size; every rank calls it. ``path`` is a step directory or a root (its latest
@@ -469,16 +472,23 @@ def load(
 
     ``strict=False`` tolerates checkpoint keys the model lacks (they are skipped and
     logged); keys the model needs are always required. RNG states (and ``generators``)
-    are restored when the world size equals the saved one.
+    are restored when the world size equals the saved one: then this rank's RNG file
+    must be there and intact (checked, like everything else, before anything is read into
+    the model). ``missing_rng="warn"`` loads without a missing or damaged one instead,
+    with a warning that the resumed run will not be bit-exact (``rng_restored`` is
+    False); the default, ``"error"``, raises naming the file.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    if missing_rng not in ("error", "warn"):
+        raise ValueError(f"missing_rng must be 'error' or 'warn'; got {missing_rng!r}")
     directory = resolve_for_all(path)
     rank = _dist.rank()
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
-    restore = has_rng = False
+    saved_rng: SavedRng | None = None
+    has_rng = False
     unexpected: list[str] = []
     failure: CheckpointError | None = None
     expected: dict[str, Spec] = {}
@@ -509,23 +519,23 @@ def load(
         unexpected = [k for k in found if k in unheld]
         check_keys(str(directory), expected, found, prefixes, strict=strict, unheld=unheld)
         saved_world = int(info.get("world_size", 0) or 0)
-        rng = rank_file(directory, rank)
-        has_rng = rng.is_file()
-        restore = restore_random and saved_world == _dist.world_size() and has_rng
-        if restore and manifest is not None:
-            manifest.verify_file(rng.relative_to(directory).as_posix())
+        has_rng = os.path.lexists(rank_file(directory, rank))
+        if restore_random and saved_world == _dist.world_size() \
+                and _saved_rng(info, manifest):
+            saved_rng = _read_rng(directory, rank, manifest, generators, missing_rng)
     except CheckpointError as exc:
         failure = exc
     _agree_or_raise(failure, f"loading {directory}")
     if unexpected:
         log.warning("checkpoint keys not loaded", path=str(directory), count=len(unexpected),
                     first=unexpected[:5])
-    with dcp_errors(f"loading {directory}"):
-        # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
-        dcp.load(for_dcp(state),
-                 storage_reader=verifying_reader(directory, metadata, manifest,
-                                                 collective=_dist.active()),
-                 no_dist=not _dist.active())
+    reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
+    try:
+        with dcp_errors(f"loading {directory}"):
+            # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
+            dcp.load(for_dcp(state), storage_reader=reader, no_dist=not _dist.active())
+    finally:
+        reader.close()
     optim_state = None
     if osd is not None:
         saved = info["optimizer"]
@@ -543,16 +553,44 @@ def load(
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(model, msd)
-    restored = False
-    if restore:
-        restore_rng(directory, rank, generators)
-        restored = True
-    elif restore_random and has_rng:
+    if saved_rng is not None:
+        saved_rng.restore()
+    elif restore_random and has_rng and saved_world != _dist.world_size():
         log.warning("random state not restored: saved on another world size",
                     saved_world_size=saved_world, world_size=_dist.world_size())
     step = info.get("step", steps.step_of(directory))
     return CheckpointInfo(directory, int(step or 0), _from_json(info.get("extra")),
-                          info.get("plan"), saved_world, restored)
+                          info.get("plan"), saved_world, saved_rng is not None)
+
+
+def _saved_rng(info: Mapping[str, Any], manifest: Manifest | None) -> bool:
+    """Whether the save wrote random states (every save does; a conversion from
+    safetensors does not): the commit record lists them, or without one, the info says
+    it was saved, not converted."""
+    if manifest is not None:
+        return any(name.startswith(f"{RNG_DIRECTORY}/") for name in manifest.files)
+    return bool(info) and "converted_from" not in info
+
+
+def _read_rng(directory: Path, rank: int, manifest: Manifest | None,
+              generators: Mapping[str, torch.Generator] | None, missing_rng: str
+              ) -> SavedRng | None:
+    """This rank's saved random states, checked against the commit record; a missing or
+    damaged file raises (``missing_rng="error"``) or warns and gives None."""
+    try:
+        if manifest is not None:
+            manifest.verify_file(rank_file(directory, rank).relative_to(directory).as_posix())
+        return read_rng(directory, rank, generators)
+    except CheckpointError as exc:
+        if missing_rng == "error":
+            raise CheckpointError(f"{exc}; the random state cannot be restored (load with "
+                                  "missing_rng='warn' to resume without it, not bit-exact)") \
+                from exc
+        message = (f"random state NOT restored: {exc}; the resumed run will not be "
+                   "bit-exact (its random streams start afresh)")
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return None
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {

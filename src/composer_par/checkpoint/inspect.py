@@ -35,7 +35,7 @@ def kind_of(path: str | os.PathLike[str]) -> str:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
-    if p.is_file():
+    if not p.is_dir():  # a file, or a pipe or device where one belongs: read and refused
         if p.name.endswith((SUFFIX, INDEX_SUFFIX)) or p.suffix == ".json":
             return "safetensors"
         raise CheckpointError(f"{p}: neither a .safetensors file nor an index json")

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
-from composer_par.checkpoint.paths import contained
+from composer_par.checkpoint.paths import check_regular, contained, open_regular
 
 if TYPE_CHECKING:
     from composer_par.checkpoint.dcp_reader import VerifyingReader
@@ -210,7 +210,7 @@ class Manifest:
         record = self._record(name)
         path = self.directory / name
         try:
-            size = os.stat(path).st_size
+            size = check_regular(path, what="checkpoint file").st_size
         except FileNotFoundError:
             raise CorruptFileError(f"{path}: missing (the commit recorded {record.size} "
                                    "bytes)") from None
@@ -255,7 +255,7 @@ class Manifest:
     def verify_file(self, name: str) -> None:
         self.check_size(name)
         path = self.directory / name
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, what="checkpoint file")
         try:
             record = self.files[name]
             self.check_range(name, 0, record.size, fd)
@@ -489,9 +489,10 @@ class _ChunkChecker:
         if in_thread:
             fd = self._fds.get(name)
             if fd is None:
-                fd = self._fds[name] = os.open(self.directory / name, os.O_RDONLY)
+                fd = self._fds[name] = open_regular(self.directory / name,
+                                                    what="checkpoint file")
             return self.manifest.check_range(name, offset, length, fd, self._scratch, key)
-        fd = os.open(self.directory / name, os.O_RDONLY)
+        fd = open_regular(self.directory / name, what="checkpoint file")
         try:
             return self.manifest.check_range(name, offset, length, fd, key=key)
         finally:
