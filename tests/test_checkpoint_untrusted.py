@@ -260,3 +260,49 @@ def test_a_deleted_rng_file_of_a_digest_less_checkpoint_is_an_error(saved: Path)
         ck.load(saved, model, optimizer)
     assert_same(state(model), before)
     assert ck.load(saved, model, optimizer, restore_random=False).rng_restored is False
+
+
+# -- nested or malformed JSON ------------------------------------------------------------------
+
+
+DOCUMENTS = {
+    "nested 500 deep": '{"x": ' + "[" * 500 + "]" * 500 + "}",
+    "nested 100000 deep": '{"x": ' + "[" * 100000 + "]" * 100000 + "}",
+    "a 5000-digit number": '{"x": ' + "7" * 5000 + "}",
+}
+
+
+@pytest.mark.parametrize("document", list(DOCUMENTS))
+@pytest.mark.parametrize("kind", [steps.MARKER, steps.INFO])
+def test_malformed_json_in_a_checkpoint_file_is_named_with_exit_2(
+        kind: str, document: str, saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = saved / kind
+    path.write_text(DOCUMENTS[document])
+    model, optimizer, before = fresh()
+    with pytest.raises(CheckpointError, match=f"{path}: the .* is not valid JSON"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    for target in (saved, saved.parent):
+        code, _, err = cli(["inspect", str(target)], capsys)
+        assert code == 2 and f"{path}: the" in err and "not valid JSON" in err, (code, err)
+
+
+@pytest.mark.parametrize("document", list(DOCUMENTS))
+@pytest.mark.parametrize("kind", ["header", "index"])
+def test_malformed_json_in_weights_is_named_with_exit_2(
+        kind: str, document: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import struct
+
+    from composer_par.checkpoint.sources import WeightsSource
+
+    if kind == "header":
+        path = tmp_path / "model.safetensors"
+        raw = DOCUMENTS[document].encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    else:
+        path = tmp_path / "model.safetensors.index.json"
+        path.write_text(DOCUMENTS[document])
+    with pytest.raises(CheckpointError, match=f"{path}: the .* is not valid JSON"):
+        WeightsSource.open(tmp_path)
+    code, _, err = cli(["inspect", str(path)], capsys)
+    assert code == 2 and f"{path}: the" in err and "not valid JSON" in err, (code, err)

@@ -6,7 +6,9 @@ and the latest committed one in detail). The commit state checks the recorded si
 the digests of the small files; ``verify=True`` reads every byte of every file against
 its digest. A DCP checkpoint's metadata is unpickled (after its digest is checked) by an
 unpickler that finds only the classes DCP metadata holds; a ``.metadata`` that is not
-DCP metadata (or not a regular file) is an error naming it, not an empty checkpoint.
+DCP metadata (or not a regular file), and a JSON file of it that is not a readable JSON
+object, are errors naming the file (the command line's exit 2), not a checkpoint
+described as empty or corrupt.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from composer_par.checkpoint import claims, steps
 from composer_par.checkpoint.dcp_metadata import UnreadableMetadataError
 from composer_par.checkpoint.errors import CheckpointError
 from composer_par.checkpoint.integrity import DIGEST
+from composer_par.checkpoint.jsonfile import MalformedJsonError
 from composer_par.checkpoint.paths import relative_name
 from composer_par.checkpoint.safetensors_io import INDEX_SUFFIX, SUFFIX, dtype_name
 from composer_par.checkpoint.sources import WeightsSource
@@ -102,6 +105,8 @@ def _commit_state(directory: Path, *, verify: bool) -> dict[str, Any]:
                 "claim": claim}
     try:
         manifest = steps.read_manifest(directory)
+    except MalformedJsonError:
+        raise  # not a commit record at all: named, exit 2
     except CheckpointError as exc:
         return {"state": "corrupt", "commit": f"CORRUPT: {exc}", "problems": [str(exc)],
                 "digests": False}
@@ -137,6 +142,8 @@ def _dcp(directory: Path, *, verify: bool = False) -> dict[str, Any]:
     try:
         manifest = steps.read_manifest(directory)
         info = steps.read_info(directory, manifest)
+    except MalformedJsonError:
+        raise
     except CheckpointError as exc:
         if str(exc) not in problems:
             problems.append(str(exc))

@@ -139,8 +139,9 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         os.close(fd)
     parsed = parse_json_object(path, raw, what="header")
     metadata = parsed.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{path}: __metadata__ is not a string map")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str)
+                                                 for v in metadata.values()):
+        raise CorruptFileError(f"{path}: __metadata__ is not a map of strings to strings")
     data_start = 8 + length
     entries: dict[str, TensorEntry] = {}
     for name, info in parsed.items():
@@ -153,8 +154,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         _, end, name = max(spans, key=lambda s: s[1])
         raise CorruptFileError(
             f"{path}: truncated: key {name} ends at byte {end}, the file has {size} bytes")
-    return Header(path, entries, {str(k): str(v) for k, v in metadata.items()}, data_start,
-                  size)
+    return Header(path, entries, dict(metadata), data_start, size)
 
 
 def _entry(path: str, name: str, info: Any, data_start: int) -> TensorEntry:
