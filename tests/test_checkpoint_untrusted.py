@@ -306,3 +306,44 @@ def test_malformed_json_in_weights_is_named_with_exit_2(
         WeightsSource.open(tmp_path)
     code, _, err = cli(["inspect", str(path)], capsys)
     assert code == 2 and f"{path}: the" in err and "not valid JSON" in err, (code, err)
+
+
+# -- optimizer fields ----------------------------------------------------------------------------
+
+
+def _first_group(o: dict[str, Any]) -> dict[str, Any]:
+    return o["param_groups"][0]  # type: ignore[no-any-return]
+
+
+BAD_OPTIMIZER_FIELDS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
+    "a group without params": (lambda o: _first_group(o).pop("params"),
+                               r"param_groups\[0\]\.params must be a list"),
+    "params not a list": (lambda o: _first_group(o).__setitem__("params", 5),
+                          r"param_groups\[0\]\.params must be a list"),
+    "a parameter in no group": (lambda o: _first_group(o)["params"].pop(),
+                                "no parameter group lists 1 parameter"),
+    "a bad tuple": (lambda o: o["scalars"].__setitem__("output.weight\x00q", {"__tuple__": 5}),
+                    "cannot be read back"),
+    "a bad tensor dtype": (lambda o: o["scalars"].__setitem__(
+        "output.weight\x00q", {"__tensor__": 1, "dtype": "load"}), "unknown dtype 'load'"),
+    "a string learning rate": (lambda o: _first_group(o).__setitem__("lr", "x"),
+                               "hyperparameter lr must be a number"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OPTIMIZER_FIELDS))
+def test_bad_optimizer_fields_are_named_before_the_model_is_touched(case: str,
+                                                                    saved: Path) -> None:
+    _digest_less(saved)  # nothing but the fields' own checks stands in the way
+    path = saved / steps.INFO
+    info = json.loads(path.read_text())
+    edit, expected = BAD_OPTIMIZER_FIELDS[case]
+    edit(info["optimizer"])
+    path.write_text(json.dumps(info))
+    model, optimizer, before = fresh()
+    with pytest.raises(CheckpointError, match=f"{path}: field optimizer: .*{expected}"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)
+    # The optimizer holds at most the zero state torch's state-dict helpers give it.
+    assert all(not v.any() for entry in optimizer.state.values()
+               for k, v in entry.items() if k != "step")

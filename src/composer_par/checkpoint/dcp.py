@@ -130,7 +130,10 @@ def _from_json(value: Any) -> Any:
         if "__tuple__" in value:
             return tuple(_from_json(v) for v in value["__tuple__"])
         if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+            dtype = getattr(torch, str(value.get("dtype")), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {value.get('dtype')!r}")
+            return torch.tensor(value["__tensor__"], dtype=dtype)
         return {k: _from_json(v) for k, v in value.items()}
     return value
 
@@ -488,6 +491,7 @@ def load(
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
     saved_rng: SavedRng | None = None
+    saved_optim: dict[str, Any] = {}
     has_rng = False
     unexpected: list[str] = []
     failure: CheckpointError | None = None
@@ -505,6 +509,7 @@ def load(
             state[OPTIM] = {"state": tensors}
             if "optimizer" not in info:
                 raise KeyMismatchError(str(directory), ["optimizer state (saved without one)"])
+            saved_optim = _saved_optimizer(directory / steps.INFO, info["optimizer"], osd)
         expected = _flat_specs(msd, MODEL)
         if OPTIM in state:
             expected.update(_flat_specs(state[OPTIM]["state"], f"{OPTIM}.state"))
@@ -538,13 +543,11 @@ def load(
         reader.close()
     optim_state = None
     if osd is not None:
-        saved = info["optimizer"]
         full_state: dict[str, dict[str, Any]] = {
             fqn: dict(entry) for fqn, entry in state[OPTIM]["state"].items()}
-        for joined, value in saved.get("scalars", {}).items():
-            fqn, _, key = joined.partition("\x00")
-            full_state.setdefault(fqn, {})[key] = _from_json(value)
-        optim_state = {"state": full_state, "param_groups": _from_json(saved["param_groups"])}
+        for fqn, values in saved_optim["state"].items():
+            full_state.setdefault(fqn, {}).update(values)
+        optim_state = {"state": full_state, "param_groups": saved_optim["param_groups"]}
     with dcp_errors(f"setting the state loaded from {directory}"):
         if optimizer is not None and optim_state is not None:
             set_state_dict(model, optimizer, model_state_dict=msd,
@@ -561,6 +564,59 @@ def load(
     step = info.get("step", steps.step_of(directory))
     return CheckpointInfo(directory, int(step or 0), _from_json(info.get("extra")),
                           info.get("plan"), saved_world, saved_rng is not None)
+
+
+def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+    """The optimizer's parameter groups and non-tensor state as saved in the info file
+    ``path``, rebuilt from JSON and checked against this rank's optimizer (every group
+    lists its parameters by name, and each of this rank's parameters is in one), so that
+    a bad field is an error naming the file before anything is read into the model."""
+    where = f"{path}: field optimizer"
+    try:
+        groups = _from_json(saved["param_groups"])
+        scalars: dict[str, dict[str, Any]] = {}
+        for joined, value in saved.get("scalars", {}).items():
+            fqn, _, key = str(joined).partition("\x00")
+            scalars.setdefault(fqn, {})[key] = _from_json(value)
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise CorruptFileError(f"{where}: cannot be read back ({type(exc).__name__}: {exc})") \
+            from None
+    for index, group in enumerate(groups):
+        params = group.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise CorruptFileError(f"{where}: param_groups[{index}].params must be a list of "
+                                   f"parameter names; found {type(params).__name__}")
+    group_of = {p: group for group in groups for p in group["params"]}
+    for own in osd.get("param_groups", []):
+        absent = [p for p in own.get("params", []) if p not in group_of]
+        if absent:
+            raise CorruptFileError(f"{where}: no parameter group lists {len(absent)} "
+                                   f"parameter(s) of the optimizer: "
+                                   f"{', '.join(map(str, absent[:5]))}")
+        for param in own.get("params", [])[:1]:
+            _check_hyperparameters(where, own, group_of[param])
+    return {"param_groups": groups, "state": scalars}
+
+
+def _check_hyperparameters(where: str, own: Mapping[str, Any], saved: Mapping[str, Any]
+                           ) -> None:
+    """A saved group's number and flag hyperparameters are numbers and flags, as the
+    optimizer's own are (a string learning rate would fail only at the next step)."""
+    import torch
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
+
+    for key, mine in own.items():
+        if key == "params" or key not in saved:
+            continue
+        value = saved[key]
+        if isinstance(mine, bool) and not isinstance(value, bool) or \
+                number(mine) and not number(value):
+            raise CorruptFileError(f"{where}: hyperparameter {key} must be a "
+                                   f"{'flag' if isinstance(mine, bool) else 'number'}, as "
+                                   f"the optimizer's is; found {value!r}")
 
 
 def _saved_rng(info: Mapping[str, Any], manifest: Manifest | None) -> bool:
