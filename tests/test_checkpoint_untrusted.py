@@ -347,3 +347,22 @@ def test_bad_optimizer_fields_are_named_before_the_model_is_touched(case: str,
     # The optimizer holds at most the zero state torch's state-dict helpers give it.
     assert all(not v.any() for entry in optimizer.state.values()
                for k, v in entry.items() if k != "step")
+
+
+# -- inspect --verify names the key ------------------------------------------------------------
+
+
+def test_inspect_verify_names_the_key_of_a_damaged_chunk(
+        saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_par.checkpoint.dcp import read_metadata
+    from tests.test_checkpoint_integrity import flip
+
+    shard = saved / "__0_0.distcp"
+    chunks = read_metadata(saved).storage_data
+    index, info = max(chunks.items(), key=lambda item: item[1].length)  # the largest chunk
+    flip(shard, info.offset + info.length // 2)
+    assert f"{shard}: bytes" in ck.verify(saved)[0] and f"({index.fqn})" in ck.verify(saved)[0]
+    code, out, _ = cli(["inspect", str(saved), "--verify"], capsys)
+    assert code == 1 and f"({index.fqn}) differ from what was committed" in out, out
+    code, out, _ = cli(["inspect", str(saved.parent), "--verify", "--json"], capsys)
+    assert code == 1 and f"({index.fqn}) differ" in json.loads(out)["checkpoint"]["commit"]

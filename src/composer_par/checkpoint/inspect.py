@@ -21,7 +21,7 @@ from typing import Any
 from composer_par.checkpoint import claims, steps
 from composer_par.checkpoint.dcp_metadata import UnreadableMetadataError
 from composer_par.checkpoint.errors import CheckpointError
-from composer_par.checkpoint.integrity import DIGEST
+from composer_par.checkpoint.integrity import DIGEST, stored_chunks
 from composer_par.checkpoint.jsonfile import MalformedJsonError
 from composer_par.checkpoint.paths import relative_name
 from composer_par.checkpoint.safetensors_io import INDEX_SUFFIX, SUFFIX, dtype_name
@@ -114,7 +114,8 @@ def _commit_state(directory: Path, *, verify: bool) -> dict[str, Any]:
         return {"state": "committed", "digests": False, "problems": [],
                 "commit": "committed (no digests recorded: saved by an older version, so it "
                           "cannot be verified)"}
-    problems = manifest.verify_all() if verify else manifest.quick_check()
+    problems = manifest.verify_all(_chunks(directory, manifest)) if verify \
+        else manifest.quick_check()
     files = [{"name": name, "bytes": record.size}
              for name, record in sorted(manifest.files.items())]
     out: dict[str, Any] = {"digests": True, "problems": problems, "files": files}
@@ -130,6 +131,19 @@ def _commit_state(directory: Path, *, verify: bool) -> dict[str, Any]:
             f"committed ({len(files)} file(s), sizes checked; --verify checks every byte "
             f"against its {DIGEST} digest)"))
     return out
+
+
+def _chunks(directory: Path, manifest: Any) -> dict[str, list[tuple[int, int, str]]]:
+    """The stored chunks of a step by file, to name a damaged chunk's key (none when its
+    metadata is unreadable: that is reported by itself)."""
+    from composer_par.checkpoint.dcp import read_metadata
+
+    try:
+        return stored_chunks(read_metadata(directory, manifest))
+    except UnreadableMetadataError:
+        raise
+    except CheckpointError:
+        return {}
 
 
 def _dcp(directory: Path, *, verify: bool = False) -> dict[str, Any]:

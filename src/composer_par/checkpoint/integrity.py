@@ -252,22 +252,28 @@ class Manifest:
             hashed += seg_length
         return hashed
 
-    def verify_file(self, name: str) -> None:
+    def verify_file(self, name: str, chunks: Iterable[tuple[int, int, str]] = ()) -> None:
+        """Every byte of ``name``; ``chunks``: the ``(offset, length, key)`` of the stored
+        chunks in it, so that a damaged one is named by its key."""
         self.check_size(name)
         path = self.directory / name
         fd = open_regular(path, what="checkpoint file")
         try:
-            record = self.files[name]
-            self.check_range(name, 0, record.size, fd)
+            for offset, length, key in sorted(chunks):
+                self.check_range(name, offset, length, fd, key=key)
+            self.check_range(name, 0, self.files[name].size, fd)  # what no chunk covers
         finally:
             os.close(fd)
 
-    def verify_all(self) -> list[str]:
-        """Every file, every byte: the problems found (empty: all verified)."""
+    def verify_all(self, chunks: Mapping[str, list[tuple[int, int, str]]] | None = None
+                   ) -> list[str]:
+        """Every file, every byte: the problems found (empty: all verified). ``chunks``:
+        :func:`stored_chunks` of the step's metadata, to name the key of a damaged
+        chunk."""
         problems = []
         for name in sorted(self.files):
             try:
-                self.verify_file(name)
+                self.verify_file(name, (chunks or {}).get(name, ()))
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
@@ -285,6 +291,15 @@ class Manifest:
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
+
+
+def stored_chunks(metadata: Any) -> dict[str, list[tuple[int, int, str]]]:
+    """The ``(offset, length, key)`` of every stored chunk of DCP ``metadata``, by file."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        out.setdefault(info.relative_path, []).append(
+            (int(info.offset), int(info.length), str(index.fqn)))
+    return out
 
 
 def _differs(path: Path, offset: int, length: int, expected: int, got: int,
@@ -538,9 +553,15 @@ def verify(path: str | os.PathLike[str]) -> list[str]:
     uncommitted, or committed before digests were recorded."""
     from composer_par.checkpoint import steps
 
+    from composer_par.checkpoint.dcp import read_metadata
+
     directory = steps.resolve(path)
     manifest = steps.read_manifest(directory)
     if manifest is None:
         raise CheckpointError(f"{directory}: no digests recorded (saved by an older version): "
                               "it cannot be verified")
-    return manifest.verify_all()
+    try:
+        chunks = stored_chunks(read_metadata(directory, manifest))
+    except CheckpointError:
+        chunks = {}  # the check of .metadata itself reports it
+    return manifest.verify_all(chunks)
