@@ -20,7 +20,7 @@ import torch
 
 from composer_par import LoadCheckpoint, MeshSpec, ParallelPlan
 from composer_par import checkpoint as ck
-from composer_par.checkpoint import claims, steps
+from composer_par.checkpoint import steps
 from composer_par.checkpoint.errors import CheckpointError
 from composer_par.checkpoint.integrity import Manifest, digest_file
 from composer_par.findings import PlanError
@@ -134,7 +134,7 @@ def test_the_unpickler_reads_what_dcp_writes(tmp_path: Path) -> None:
 # -- a named pipe (or a directory) where a file belongs -------------------------------------
 
 
-def unjam(fifo: Path, after: float = 5.0) -> None:
+def unjam(fifo: Path, after: float = 10.0) -> None:
     """Should a reader block on ``fifo``, give it an empty write end after ``after``
     seconds, so that a test of code that hangs fails instead of hanging."""
     def run() -> None:
@@ -158,12 +158,18 @@ def fifo_in_place_of(path: Path) -> Path:
     return path
 
 
-def quickly(call: Callable[[], Any], expected: type[BaseException], match: str) -> None:
-    """``call`` raises ``expected`` matching ``match`` in under a second."""
+#: A whole load (state dicts, every check) on a machine shared with other work: well
+#: below the time after which :func:`unjam` unblocks a reader that waited for the pipe.
+LOAD_SECONDS = 5.0
+
+
+def quickly(call: Callable[[], Any], expected: type[BaseException], match: str,
+            limit: float = 1.0) -> None:
+    """``call`` raises ``expected`` matching ``match`` within ``limit`` seconds."""
     started = time.monotonic()
     with pytest.raises(expected, match=match):
         call()
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < limit
 
 
 @pytest.mark.timeout(120)
@@ -175,18 +181,19 @@ def test_a_pipe_in_place_of_a_shard_is_named_at_once_and_no_thread_stays(
     shard = fifo_in_place_of(saved / "__0_0.distcp")
     named = f"{shard}: not a regular file"
     model, optimizer, before = fresh()
-    quickly(lambda: ck.load(saved, model, optimizer), CheckpointError, named)
+    quickly(lambda: ck.load(saved, model, optimizer), CheckpointError, named, LOAD_SECONDS)
     assert_same(state(model), before)
     assert no_verify_threads()
     quickly(lambda: ParallelPlan(MeshSpec()).use(LoadCheckpoint(saved)).apply(meta_model()),
-            CheckpointError, named)
+            CheckpointError, named, LOAD_SECONDS)
     assert no_verify_threads()
-    quickly(lambda: ck.dcp_to_safetensors(saved, tmp_path / "out"), CheckpointError, named)
+    quickly(lambda: ck.dcp_to_safetensors(saved, tmp_path / "out"), CheckpointError, named,
+            LOAD_SECONDS)
     assert no_verify_threads()
     if digests:
         started = time.monotonic()
         code, out, _ = cli(["inspect", str(saved), "--verify"], capsys)
-        assert code == 1 and named in out and time.monotonic() - started < 1.0
+        assert code == 1 and named in out and time.monotonic() - started < LOAD_SECONDS
 
 
 @pytest.mark.timeout(120)
@@ -223,7 +230,8 @@ def test_a_pipe_in_place_of_a_small_checkpoint_file_is_named_at_once(
         name: str, saved: Path) -> None:
     path = fifo_in_place_of(saved / name)
     model, optimizer, before = fresh()
-    quickly(lambda: ck.load(saved, model, optimizer), CheckpointError, f"{path}: not a regular")
+    quickly(lambda: ck.load(saved, model, optimizer), CheckpointError, f"{path}: not a regular",
+            LOAD_SECONDS)
     assert_same(state(model), before)
 
 
@@ -366,3 +374,18 @@ def test_inspect_verify_names_the_key_of_a_damaged_chunk(
     assert code == 1 and f"({index.fqn}) differ from what was committed" in out, out
     code, out, _ = cli(["inspect", str(saved.parent), "--verify", "--json"], capsys)
     assert code == 1 and f"({index.fqn}) differ" in json.loads(out)["checkpoint"]["commit"]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_load_stays_ctrl_c_and_ends_the_check_thread(
+        saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from composer_par.checkpoint import direct_read
+
+    def interrupted(*args: Any, **kwargs: Any) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(direct_read, "read_into", interrupted)
+    model, optimizer, _ = fresh()
+    with pytest.raises(KeyboardInterrupt):
+        ck.load(saved, model, optimizer)
+    assert no_verify_threads()

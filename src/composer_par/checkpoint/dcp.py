@@ -612,8 +612,8 @@ def _check_hyperparameters(where: str, own: Mapping[str, Any], saved: Mapping[st
         if key == "params" or key not in saved:
             continue
         value = saved[key]
-        if isinstance(mine, bool) and not isinstance(value, bool) or \
-                number(mine) and not number(value):
+        if (isinstance(mine, bool) and not isinstance(value, bool)) or \
+                (number(mine) and not number(value)):
             raise CorruptFileError(f"{where}: hyperparameter {key} must be a "
                                    f"{'flag' if isinstance(mine, bool) else 'number'}, as "
                                    f"the optimizer's is; found {value!r}")

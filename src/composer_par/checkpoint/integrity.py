@@ -552,7 +552,6 @@ def verify(path: str | os.PathLike[str]) -> list[str]:
     each naming the file (empty: verified). CheckpointError when it cannot be verified:
     uncommitted, or committed before digests were recorded."""
     from composer_par.checkpoint import steps
-
     from composer_par.checkpoint.dcp import read_metadata
 
     directory = steps.resolve(path)

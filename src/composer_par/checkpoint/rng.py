@@ -76,7 +76,6 @@ def read_rng(directory: Path, rank: int,
     """The random states of ``rank`` saved in ``directory``, for ``generators`` too; a
     missing file, a damaged one or a generator it lacks is a CheckpointError naming the
     file. Nothing is restored yet: the caller restores them once the load succeeded."""
-    import torch
 
     from composer_par.checkpoint.safetensors_io import read_header, read_tensor
 
