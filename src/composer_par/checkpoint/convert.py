@@ -109,8 +109,8 @@ def dcp_to_safetensors(
     progress: Progress | None = None,
 ) -> ConvertResult:
     """The model weights of a committed DCP checkpoint (a step directory, or a root: its
-    latest) as consolidated safetensors in ``destination``. Reads DCP's pickled metadata:
-    trusted sources only."""
+    latest) as consolidated safetensors in ``destination``. DCP's pickled metadata is read
+    by an unpickler that finds only the classes DCP metadata holds."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -164,11 +164,13 @@ def dcp_to_safetensors(
 
         state = {prefix + k: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")
                  for k, s in specs.items()}
+        reader = verifying_reader(directory, metadata, manifest)
         try:
             with dcp_errors(f"reading {directory}"):
-                dcp.load(state, storage_reader=verifying_reader(directory, metadata, manifest),
+                dcp.load(state, storage_reader=reader,
                          planner=Planner(flatten_state_dict=False), no_dist=True)
         finally:
+            reader.close()
             writer.close()
         writer.check(specs, prefix)
         _publish(staging, target)

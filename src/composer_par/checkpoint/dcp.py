@@ -9,13 +9,16 @@ lack, are errors. State dicts come from torch's helpers (``get_state_dict`` /
 Only tensors go through DCP. Everything else (the optimizer's param groups, the caller's
 ``extra``, the plan) is JSON in ``composer_par.json``: DCP would store those objects with
 ``torch.save`` and read them back with ``torch.load(weights_only=False)``, a pickle.
-DCP's own ``.metadata`` file is still a pickle: load checkpoints from trusted sources only.
+DCP's own ``.metadata`` file is a pickle: it is read by an unpickler that finds only the
+classes DCP metadata holds (:mod:`~composer_par.checkpoint.dcp_metadata`), so it runs no
+code from the file.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +46,8 @@ from composer_par.checkpoint.integrity import (
 )
 from composer_par.checkpoint.matching import Spec, convertible
 from composer_par.checkpoint.paths import contained, read_bounded
-from composer_par.checkpoint.rng import rank_file, restore_rng, save_rng
+from composer_par.checkpoint.rng import DIRECTORY as RNG_DIRECTORY
+from composer_par.checkpoint.rng import SavedRng, rank_file, read_rng, save_rng
 from composer_par.checkpoint.strided import for_dcp
 from composer_par.logging import get_logger
 
@@ -126,7 +130,10 @@ def _from_json(value: Any) -> Any:
         if "__tuple__" in value:
             return tuple(_from_json(v) for v in value["__tuple__"])
         if "__tensor__" in value:
-            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+            dtype = getattr(torch, str(value.get("dtype")), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {value.get('dtype')!r}")
+            return torch.tensor(value["__tensor__"], dtype=dtype)
         return {k: _from_json(v) for k, v in value.items()}
     return value
 
@@ -382,28 +389,27 @@ _UNREAD = object()
 
 
 def read_metadata(directory: Path, manifest: Any = _UNREAD) -> Any:
-    """DCP's metadata of a checkpoint directory (a pickle: trusted sources only), checked
-    against the commit record's digest before it is unpickled (``manifest``: the record,
+    """DCP's metadata of a checkpoint directory, checked against the commit record's
+    digest before it is unpickled (only the classes DCP metadata holds: see
+    :mod:`~composer_par.checkpoint.dcp_metadata`) (``manifest``: the record,
     None for none; default: the directory's own), with every file it names inside the
     directory."""
     path = Path(directory) / steps.DCP_METADATA
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory}: not a DCP checkpoint (no .metadata)")
     if manifest is _UNREAD:
         manifest = steps.read_manifest(directory)
     raw = read_bounded(path, METADATA_LIMIT, what="DCP metadata file")
     if manifest is not None:
         manifest.check_bytes(steps.DCP_METADATA, raw)
-    import pickle
-
     from torch.distributed.checkpoint.metadata import Metadata
 
-    try:
-        metadata = pickle.loads(raw)  # what DCP's reader does, from bytes already checked
-    except Exception as exc:
-        raise CorruptFileError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
+    from composer_par.checkpoint import dcp_metadata
+
+    metadata = dcp_metadata.loads(raw, path)
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CorruptFileError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+        raise dcp_metadata.UnreadableMetadataError(
+            f"{path}: not DCP metadata (a {type(metadata).__name__})")
     names = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
     for name in sorted(names, key=str):
         contained(directory, name, what=str(path))  # type: ignore[arg-type]
@@ -461,6 +467,7 @@ def load(
     strict: bool = True,
     restore_random: bool = True,
     generators: Mapping[str, torch.Generator] | None = None,
+    missing_rng: str = "error",
 ) -> CheckpointInfo:
     """Load a committed checkpoint into ``model`` (and ``optimizer``) on any mesh and
     world size; every rank calls it. ``path`` is a step directory or a root (its latest
@@ -468,16 +475,24 @@ def load(
 
     ``strict=False`` tolerates checkpoint keys the model lacks (they are skipped and
     logged); keys the model needs are always required. RNG states (and ``generators``)
-    are restored when the world size equals the saved one.
+    are restored when the world size equals the saved one: then this rank's RNG file
+    must be there and intact (checked, like everything else, before anything is read into
+    the model). ``missing_rng="warn"`` loads without a missing or damaged one instead,
+    with a warning that the resumed run will not be bit-exact (``rng_restored`` is
+    False); the default, ``"error"``, raises naming the file.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    if missing_rng not in ("error", "warn"):
+        raise ValueError(f"missing_rng must be 'error' or 'warn'; got {missing_rng!r}")
     directory = resolve_for_all(path)
     rank = _dist.rank()
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
-    restore = has_rng = False
+    saved_rng: SavedRng | None = None
+    saved_optim: dict[str, Any] = {}
+    has_rng = False
     unexpected: list[str] = []
     failure: CheckpointError | None = None
     expected: dict[str, Spec] = {}
@@ -494,6 +509,7 @@ def load(
             state[OPTIM] = {"state": tensors}
             if "optimizer" not in info:
                 raise KeyMismatchError(str(directory), ["optimizer state (saved without one)"])
+            saved_optim = _saved_optimizer(directory / steps.INFO, info["optimizer"], osd)
         expected = _flat_specs(msd, MODEL)
         if OPTIM in state:
             expected.update(_flat_specs(state[OPTIM]["state"], f"{OPTIM}.state"))
@@ -508,32 +524,30 @@ def load(
         unexpected = [k for k in found if k in unheld]
         check_keys(str(directory), expected, found, prefixes, strict=strict, unheld=unheld)
         saved_world = int(info.get("world_size", 0) or 0)
-        rng = rank_file(directory, rank)
-        has_rng = rng.is_file()
-        restore = restore_random and saved_world == _dist.world_size() and has_rng
-        if restore and manifest is not None:
-            manifest.verify_file(rng.relative_to(directory).as_posix())
+        has_rng = os.path.lexists(rank_file(directory, rank))
+        if restore_random and saved_world == _dist.world_size() \
+                and _saved_rng(info, manifest):
+            saved_rng = _read_rng(directory, rank, manifest, generators, missing_rng)
     except CheckpointError as exc:
         failure = exc
     _agree_or_raise(failure, f"loading {directory}")
     if unexpected:
         log.warning("checkpoint keys not loaded", path=str(directory), count=len(unexpected),
                     first=unexpected[:5])
-    with dcp_errors(f"loading {directory}"):
-        # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
-        dcp.load(for_dcp(state),
-                 storage_reader=verifying_reader(directory, metadata, manifest,
-                                                 collective=_dist.active()),
-                 no_dist=not _dist.active())
+    reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
+    try:
+        with dcp_errors(f"loading {directory}"):
+            # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
+            dcp.load(for_dcp(state), storage_reader=reader, no_dist=not _dist.active())
+    finally:
+        reader.close()
     optim_state = None
     if osd is not None:
-        saved = info["optimizer"]
         full_state: dict[str, dict[str, Any]] = {
             fqn: dict(entry) for fqn, entry in state[OPTIM]["state"].items()}
-        for joined, value in saved.get("scalars", {}).items():
-            fqn, _, key = joined.partition("\x00")
-            full_state.setdefault(fqn, {})[key] = _from_json(value)
-        optim_state = {"state": full_state, "param_groups": _from_json(saved["param_groups"])}
+        for fqn, values in saved_optim["state"].items():
+            full_state.setdefault(fqn, {}).update(values)
+        optim_state = {"state": full_state, "param_groups": saved_optim["param_groups"]}
     with dcp_errors(f"setting the state loaded from {directory}"):
         if optimizer is not None and optim_state is not None:
             set_state_dict(model, optimizer, model_state_dict=msd,
@@ -542,16 +556,97 @@ def load(
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(model, msd)
-    restored = False
-    if restore:
-        restore_rng(directory, rank, generators)
-        restored = True
-    elif restore_random and has_rng:
+    if saved_rng is not None:
+        saved_rng.restore()
+    elif restore_random and has_rng and saved_world != _dist.world_size():
         log.warning("random state not restored: saved on another world size",
                     saved_world_size=saved_world, world_size=_dist.world_size())
     step = info.get("step", steps.step_of(directory))
     return CheckpointInfo(directory, int(step or 0), _from_json(info.get("extra")),
-                          info.get("plan"), saved_world, restored)
+                          info.get("plan"), saved_world, saved_rng is not None)
+
+
+def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+    """The optimizer's parameter groups and non-tensor state as saved in the info file
+    ``path``, rebuilt from JSON and checked against this rank's optimizer (every group
+    lists its parameters by name, and each of this rank's parameters is in one), so that
+    a bad field is an error naming the file before anything is read into the model."""
+    where = f"{path}: field optimizer"
+    try:
+        groups = _from_json(saved["param_groups"])
+        scalars: dict[str, dict[str, Any]] = {}
+        for joined, value in saved.get("scalars", {}).items():
+            fqn, _, key = str(joined).partition("\x00")
+            scalars.setdefault(fqn, {})[key] = _from_json(value)
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise CorruptFileError(f"{where}: cannot be read back ({type(exc).__name__}: {exc})") \
+            from None
+    for index, group in enumerate(groups):
+        params = group.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise CorruptFileError(f"{where}: param_groups[{index}].params must be a list of "
+                                   f"parameter names; found {type(params).__name__}")
+    group_of = {p: group for group in groups for p in group["params"]}
+    for own in osd.get("param_groups", []):
+        absent = [p for p in own.get("params", []) if p not in group_of]
+        if absent:
+            raise CorruptFileError(f"{where}: no parameter group lists {len(absent)} "
+                                   f"parameter(s) of the optimizer: "
+                                   f"{', '.join(map(str, absent[:5]))}")
+        for param in own.get("params", [])[:1]:
+            _check_hyperparameters(where, own, group_of[param])
+    return {"param_groups": groups, "state": scalars}
+
+
+def _check_hyperparameters(where: str, own: Mapping[str, Any], saved: Mapping[str, Any]
+                           ) -> None:
+    """A saved group's number and flag hyperparameters are numbers and flags, as the
+    optimizer's own are (a string learning rate would fail only at the next step)."""
+    import torch
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
+
+    for key, mine in own.items():
+        if key == "params" or key not in saved:
+            continue
+        value = saved[key]
+        if (isinstance(mine, bool) and not isinstance(value, bool)) or \
+                (number(mine) and not number(value)):
+            raise CorruptFileError(f"{where}: hyperparameter {key} must be a "
+                                   f"{'flag' if isinstance(mine, bool) else 'number'}, as "
+                                   f"the optimizer's is; found {value!r}")
+
+
+def _saved_rng(info: Mapping[str, Any], manifest: Manifest | None) -> bool:
+    """Whether the save wrote random states (every save does; a conversion from
+    safetensors does not): the commit record lists them, or without one, the info says
+    it was saved, not converted."""
+    if manifest is not None:
+        return any(name.startswith(f"{RNG_DIRECTORY}/") for name in manifest.files)
+    return bool(info) and "converted_from" not in info
+
+
+def _read_rng(directory: Path, rank: int, manifest: Manifest | None,
+              generators: Mapping[str, torch.Generator] | None, missing_rng: str
+              ) -> SavedRng | None:
+    """This rank's saved random states, checked against the commit record; a missing or
+    damaged file raises (``missing_rng="error"``) or warns and gives None."""
+    try:
+        if manifest is not None:
+            manifest.verify_file(rank_file(directory, rank).relative_to(directory).as_posix())
+        return read_rng(directory, rank, generators)
+    except CheckpointError as exc:
+        if missing_rng == "error":
+            raise CheckpointError(f"{exc}; the random state cannot be restored (load with "
+                                  "missing_rng='warn' to resume without it, not bit-exact)") \
+                from exc
+        message = (f"random state NOT restored: {exc}; the resumed run will not be "
+                   "bit-exact (its random streams start afresh)")
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return None
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {

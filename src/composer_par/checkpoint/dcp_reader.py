@@ -22,7 +22,7 @@ from torch.futures import Future
 from composer_par.checkpoint import _dist, direct_read
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
 from composer_par.checkpoint.integrity import Manifest, _ChunkChecker
-from composer_par.checkpoint.paths import contained
+from composer_par.checkpoint.paths import check_regular, contained, open_regular
 
 
 class VerifyingReader(FileSystemReader):
@@ -70,13 +70,26 @@ class VerifyingReader(FileSystemReader):
         self.checker = _ChunkChecker(manifest, self.directory, self.storage_data, items)
         return self.checker
 
+    def close(self) -> None:
+        """Stop the digest checks not started yet and wait for the checking thread to
+        end. The loads call it when ``dcp.load`` returns or raises (an error on another
+        rank, Ctrl-C), so that no thread of the load outlives it."""
+        if self.checker is not None:
+            self.checker.close()
+            self.checker = None
+
     def read_data(self, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                # DCP would hand these bytes to torch.load(weights_only=False): a pickle.
+                raise CorruptFileError(
+                    f"{self.directory / '.metadata'}: key {item.storage_index.fqn} is stored "
+                    "as pickled bytes, which are never read (they could run code); only "
+                    "tensors are loaded")
         try:
             return self._read_data(plan, planner)
         finally:
-            if self.checker is not None:
-                self.checker.close()
-                self.checker = None
+            self.close()
 
     def _read_data(self, plan: Any, planner: Any) -> Any:
         per_file: dict[str, list[Any]] = {}
@@ -112,7 +125,7 @@ class VerifyingReader(FileSystemReader):
             self.manifest.check_size(name)
             return
         try:
-            size = os.stat(path).st_size
+            size = check_regular(path, what="checkpoint file").st_size
         except FileNotFoundError:
             raise CorruptFileError(f"{path}: missing (.metadata names it)") from None
         end = max(self.storage_data[i.storage_index].offset
@@ -129,7 +142,7 @@ class VerifyingReader(FileSystemReader):
         chunk has been checked."""
         left: list[Any] = []
         layouts: dict[int, Any] = {}
-        fd = os.open(self.directory / name, os.O_RDONLY)
+        fd = open_regular(self.directory / name, what="checkpoint file")
         try:
             for item in items:
                 if checker is not None:

@@ -159,6 +159,9 @@ def dcp_errors(what: str, directory: str | os.PathLike[str] | None = None) -> It
         raise
     except BaseException as exc:
         if wrapped is not None and isinstance(exc, wrapped):
+            # DCP turns Ctrl-C inside its steps into its exception: it stays Ctrl-C.
+            if any(isinstance(e, KeyboardInterrupt) for e in _chain(exc)):
+                raise KeyboardInterrupt from exc
             detail = _failures(exc) or str(exc)
             if directory is not None and is_disk_full(exc):
                 raise CheckpointError(f"{disk_full_message(directory, what)} ({detail})") \

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
 
+from composer_par.checkpoint.paths import open_regular
 from composer_par.checkpoint.safetensors_io import TensorEntry, read_region, torch_dtype
 from composer_par.checkpoint.sources import WeightsSource
 
@@ -77,7 +78,7 @@ class SafetensorsReader(HuggingFaceStorageReader):
             entry: TensorEntry = self.storage_data[item.storage_index]
             per_file.setdefault(entry.path, []).append(item)
         for path, items in per_file.items():
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path, what="safetensors file")
             try:
                 # In file order: the reads then sweep the file forwards.
                 items.sort(key=lambda it: self.storage_data[it.storage_index].begin)

@@ -4,8 +4,11 @@
 checkpoint directory, or a root of step directories (its steps with their commit state,
 and the latest committed one in detail). The commit state checks the recorded sizes and
 the digests of the small files; ``verify=True`` reads every byte of every file against
-its digest. Reading a DCP checkpoint unpickles its metadata (after checking its digest):
-inspect only trusted checkpoints.
+its digest. A DCP checkpoint's metadata is unpickled (after its digest is checked) by an
+unpickler that finds only the classes DCP metadata holds; a ``.metadata`` that is not
+DCP metadata (or not a regular file), and a JSON file of it that is not a readable JSON
+object, are errors naming the file (the command line's exit 2), not a checkpoint
+described as empty or corrupt.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from composer_par.checkpoint import claims, steps
+from composer_par.checkpoint.dcp_metadata import UnreadableMetadataError
 from composer_par.checkpoint.errors import CheckpointError
-from composer_par.checkpoint.integrity import DIGEST
+from composer_par.checkpoint.integrity import DIGEST, stored_chunks
+from composer_par.checkpoint.jsonfile import MalformedJsonError
 from composer_par.checkpoint.paths import relative_name
 from composer_par.checkpoint.safetensors_io import INDEX_SUFFIX, SUFFIX, dtype_name
 from composer_par.checkpoint.sources import WeightsSource
@@ -33,7 +38,7 @@ def kind_of(path: str | os.PathLike[str]) -> str:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
-    if p.is_file():
+    if not p.is_dir():  # a file, or a pipe or device where one belongs: read and refused
         if p.name.endswith((SUFFIX, INDEX_SUFFIX)) or p.suffix == ".json":
             return "safetensors"
         raise CheckpointError(f"{p}: neither a .safetensors file nor an index json")
@@ -100,6 +105,8 @@ def _commit_state(directory: Path, *, verify: bool) -> dict[str, Any]:
                 "claim": claim}
     try:
         manifest = steps.read_manifest(directory)
+    except MalformedJsonError:
+        raise  # not a commit record at all: named, exit 2
     except CheckpointError as exc:
         return {"state": "corrupt", "commit": f"CORRUPT: {exc}", "problems": [str(exc)],
                 "digests": False}
@@ -107,7 +114,8 @@ def _commit_state(directory: Path, *, verify: bool) -> dict[str, Any]:
         return {"state": "committed", "digests": False, "problems": [],
                 "commit": "committed (no digests recorded: saved by an older version, so it "
                           "cannot be verified)"}
-    problems = manifest.verify_all() if verify else manifest.quick_check()
+    problems = manifest.verify_all(_chunks(directory, manifest)) if verify \
+        else manifest.quick_check()
     files = [{"name": name, "bytes": record.size}
              for name, record in sorted(manifest.files.items())]
     out: dict[str, Any] = {"digests": True, "problems": problems, "files": files}
@@ -125,6 +133,19 @@ def _commit_state(directory: Path, *, verify: bool) -> dict[str, Any]:
     return out
 
 
+def _chunks(directory: Path, manifest: Any) -> dict[str, list[tuple[int, int, str]]]:
+    """The stored chunks of a step by file, to name a damaged chunk's key (none when its
+    metadata is unreadable: that is reported by itself)."""
+    from composer_par.checkpoint.dcp import read_metadata
+
+    try:
+        return stored_chunks(read_metadata(directory, manifest))
+    except UnreadableMetadataError:
+        raise
+    except CheckpointError:
+        return {}
+
+
 def _dcp(directory: Path, *, verify: bool = False) -> dict[str, Any]:
     from composer_par.checkpoint.dcp import read_metadata
 
@@ -135,6 +156,8 @@ def _dcp(directory: Path, *, verify: bool = False) -> dict[str, Any]:
     try:
         manifest = steps.read_manifest(directory)
         info = steps.read_info(directory, manifest)
+    except MalformedJsonError:
+        raise
     except CheckpointError as exc:
         if str(exc) not in problems:
             problems.append(str(exc))
@@ -148,11 +171,16 @@ def _dcp(directory: Path, *, verify: bool = False) -> dict[str, Any]:
     if isinstance(info.get("optimizer"), dict):
         out["optimizer"] = {"class": info["optimizer"].get("class"),
                             "param_groups": len(info["optimizer"].get("param_groups", []))}
-    if not (directory / steps.DCP_METADATA).is_file():
+    metadata_path = directory / steps.DCP_METADATA
+    if not os.path.lexists(metadata_path):
         out.update(tensors=0, bytes=0, keys=[], note="no DCP .metadata: nothing readable")
         return _mark_corrupt(out)
+    if not metadata_path.is_file():
+        raise CheckpointError(f"{metadata_path}: not a regular file; DCP metadata must be one")
     try:
         metadata = read_metadata(directory, manifest)
+    except UnreadableMetadataError:
+        raise  # whatever its digest says, nothing of this checkpoint can be described
     except CheckpointError as exc:
         if str(exc) not in problems:
             problems.append(str(exc))

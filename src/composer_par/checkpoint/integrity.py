@@ -25,8 +25,10 @@ measurements. Both compute the same values, so digests recorded by either are re
 the other (without zlib-ng, zlib is used). It is made to catch accidents (bit rot, torn
 or truncated writes, a file of another step or copy): every burst of up to 32 flipped
 bits is caught, any other damage with probability 1 - 2**-32 per chunk. It is no defence
-against someone who edits files on purpose (they can recompute it; DCP's ``.metadata``
-is a pickle anyway: trusted sources only).
+against someone who edits files on purpose (they can recompute it); what protects against
+such files is that nothing read runs code (DCP's ``.metadata`` pickle is read by an
+unpickler that finds only the classes DCP metadata holds) and every name read stays
+inside its directory.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.checkpoint.errors import CheckpointError, CorruptFileError
-from composer_par.checkpoint.paths import contained
+from composer_par.checkpoint.paths import check_regular, contained, open_regular
 
 if TYPE_CHECKING:
     from composer_par.checkpoint.dcp_reader import VerifyingReader
@@ -208,7 +210,7 @@ class Manifest:
         record = self._record(name)
         path = self.directory / name
         try:
-            size = os.stat(path).st_size
+            size = check_regular(path, what="checkpoint file").st_size
         except FileNotFoundError:
             raise CorruptFileError(f"{path}: missing (the commit recorded {record.size} "
                                    "bytes)") from None
@@ -250,22 +252,28 @@ class Manifest:
             hashed += seg_length
         return hashed
 
-    def verify_file(self, name: str) -> None:
+    def verify_file(self, name: str, chunks: Iterable[tuple[int, int, str]] = ()) -> None:
+        """Every byte of ``name``; ``chunks``: the ``(offset, length, key)`` of the stored
+        chunks in it, so that a damaged one is named by its key."""
         self.check_size(name)
         path = self.directory / name
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, what="checkpoint file")
         try:
-            record = self.files[name]
-            self.check_range(name, 0, record.size, fd)
+            for offset, length, key in sorted(chunks):
+                self.check_range(name, offset, length, fd, key=key)
+            self.check_range(name, 0, self.files[name].size, fd)  # what no chunk covers
         finally:
             os.close(fd)
 
-    def verify_all(self) -> list[str]:
-        """Every file, every byte: the problems found (empty: all verified)."""
+    def verify_all(self, chunks: Mapping[str, list[tuple[int, int, str]]] | None = None
+                   ) -> list[str]:
+        """Every file, every byte: the problems found (empty: all verified). ``chunks``:
+        :func:`stored_chunks` of the step's metadata, to name the key of a damaged
+        chunk."""
         problems = []
         for name in sorted(self.files):
             try:
-                self.verify_file(name)
+                self.verify_file(name, (chunks or {}).get(name, ()))
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
@@ -283,6 +291,15 @@ class Manifest:
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
+
+
+def stored_chunks(metadata: Any) -> dict[str, list[tuple[int, int, str]]]:
+    """The ``(offset, length, key)`` of every stored chunk of DCP ``metadata``, by file."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        out.setdefault(info.relative_path, []).append(
+            (int(info.offset), int(info.length), str(index.fqn)))
+    return out
 
 
 def _differs(path: Path, offset: int, length: int, expected: int, got: int,
@@ -487,9 +504,10 @@ class _ChunkChecker:
         if in_thread:
             fd = self._fds.get(name)
             if fd is None:
-                fd = self._fds[name] = os.open(self.directory / name, os.O_RDONLY)
+                fd = self._fds[name] = open_regular(self.directory / name,
+                                                    what="checkpoint file")
             return self.manifest.check_range(name, offset, length, fd, self._scratch, key)
-        fd = os.open(self.directory / name, os.O_RDONLY)
+        fd = open_regular(self.directory / name, what="checkpoint file")
         try:
             return self.manifest.check_range(name, offset, length, fd, key=key)
         finally:
@@ -534,10 +552,15 @@ def verify(path: str | os.PathLike[str]) -> list[str]:
     each naming the file (empty: verified). CheckpointError when it cannot be verified:
     uncommitted, or committed before digests were recorded."""
     from composer_par.checkpoint import steps
+    from composer_par.checkpoint.dcp import read_metadata
 
     directory = steps.resolve(path)
     manifest = steps.read_manifest(directory)
     if manifest is None:
         raise CheckpointError(f"{directory}: no digests recorded (saved by an older version): "
                               "it cannot be verified")
-    return manifest.verify_all()
+    try:
+        chunks = stored_chunks(read_metadata(directory, manifest))
+    except CheckpointError:
+        chunks = {}  # the check of .metadata itself reports it
+    return manifest.verify_all(chunks)

@@ -2,8 +2,12 @@
 
 An index, a commit marker, the checkpoint info, a claim and a safetensors header are
 each a JSON object written by another process, possibly truncated or not ours at all:
-whatever is wrong with one becomes a CorruptFileError naming the file, never a bare
-JSONDecodeError (or the RecursionError of a deeply nested document).
+whatever is wrong with one becomes a :class:`MalformedJsonError` naming the file, never
+a bare JSONDecodeError, the ValueError of an integer too long to convert, or the
+RecursionError of a deeply nested document. A document nested deeper than
+:data:`MAX_DEPTH` is refused too: none of these files nests more than a few levels, and
+a deeper one that the decoder still accepted would make whatever walks it later (a
+message that quotes a field, the optimizer state rebuilt from it) run out of stack.
 """
 
 from __future__ import annotations
@@ -15,16 +19,42 @@ from typing import Any
 from composer_par.checkpoint.errors import CorruptFileError
 from composer_par.checkpoint.paths import read_bounded
 
+#: The deepest nesting of lists and objects accepted in a checkpoint's JSON file.
+MAX_DEPTH = 100
+
+
+class MalformedJsonError(CorruptFileError):
+    """A JSON file of a checkpoint or of weights that is not a readable JSON object."""
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    """Whether lists and objects nest in ``data`` deeper than ``limit`` (walked without
+    recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
+
 
 def parse_json_object(path: str | os.PathLike[str], raw: bytes, *, what: str
                       ) -> dict[str, Any]:
     """The JSON object in ``raw``, the bytes of the ``what`` at ``path``."""
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptFileError(f"{path}: the {what} is not valid JSON ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise MalformedJsonError(f"{path}: the {what} is not valid JSON ({reason})") \
+            from None
     if not isinstance(data, dict):
-        raise CorruptFileError(f"{path}: the {what} is not a JSON object")
+        raise MalformedJsonError(f"{path}: the {what} is not a JSON object")
+    if _depth_exceeds(data, MAX_DEPTH):
+        raise MalformedJsonError(f"{path}: the {what} is not valid JSON for it (nested "
+                                 f"deeper than {MAX_DEPTH} levels)")
     return data
 
 
@@ -34,4 +64,4 @@ def read_json_object(path: str | os.PathLike[str], limit: int, *, what: str
     return parse_json_object(path, read_bounded(path, limit, what=what), what=what)
 
 
-__all__ = ["parse_json_object", "read_json_object"]
+__all__ = ["MAX_DEPTH", "MalformedJsonError", "parse_json_object", "read_json_object"]

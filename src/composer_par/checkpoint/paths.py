@@ -94,3 +94,36 @@ def read_bounded(path: str | os.PathLike[str], limit: int, *, what: str = "file"
         raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+def open_regular(path: str | os.PathLike[str], *, what: str = "file") -> int:
+    """A read-only descriptor of the regular file ``path``.
+
+    The file is opened without blocking and checked before anything reads it: opening a
+    named pipe for reading waits for a writer that may never come, and a device or a
+    directory where a file belongs is as wrong. Each is a CorruptFileError naming it, as
+    is a missing file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CorruptFileError(f"{path}: missing (a {what})") from None
+    except OSError as exc:
+        raise CorruptFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptFileError(f"{path}: not a regular file; a {what} must be one")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_regular(path: str | os.PathLike[str], *, what: str = "file") -> os.stat_result:
+    """The status of ``path``, which must be a regular file (CorruptFileError naming it
+    otherwise; FileNotFoundError when it is missing, for the caller to word)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptFileError(f"{path}: not a regular file; a {what} must be one")
+    return info

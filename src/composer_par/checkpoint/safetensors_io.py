@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ import attrs
 
 from composer_par.checkpoint.errors import CorruptFileError
 from composer_par.checkpoint.jsonfile import parse_json_object
+from composer_par.checkpoint.paths import open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -120,29 +120,28 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     overlapping tensors, or data that ends past the end of the file (truncation).
     """
     path = str(path)
+    fd = open_regular(path, what="safetensors file")
     try:
-        with open(path, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise CorruptFileError(f"{path}: not a regular file (a safetensors file must "
-                                       "be one)")
-            size = info.st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptFileError(f"{path}: not a safetensors file ({size} bytes, "
-                                       "shorter than the 8-byte header length)")
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CorruptFileError(
-                    f"{path}: header length {length} does not fit the file ({size} bytes): "
-                    "truncated or not safetensors")
-            raw = f.read(length)
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CorruptFileError(f"{path}: not a safetensors file ({size} bytes, "
+                                   "shorter than the 8-byte header length)")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CorruptFileError(
+                f"{path}: header length {length} does not fit the file ({size} bytes): "
+                "truncated or not safetensors")
+        raw = os.pread(fd, length, 8)
     except OSError as exc:
         raise CorruptFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
     parsed = parse_json_object(path, raw, what="header")
     metadata = parsed.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{path}: __metadata__ is not a string map")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str)
+                                                 for v in metadata.values()):
+        raise CorruptFileError(f"{path}: __metadata__ is not a map of strings to strings")
     data_start = 8 + length
     entries: dict[str, TensorEntry] = {}
     for name, info in parsed.items():
@@ -155,8 +154,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         _, end, name = max(spans, key=lambda s: s[1])
         raise CorruptFileError(
             f"{path}: truncated: key {name} ends at byte {end}, the file has {size} bytes")
-    return Header(path, entries, {str(k): str(v) for k, v in metadata.items()}, data_start,
-                  size)
+    return Header(path, entries, dict(metadata), data_start, size)
 
 
 def _entry(path: str, name: str, info: Any, data_start: int) -> TensorEntry:
@@ -301,7 +299,7 @@ def read_tensor(entry: TensorEntry, dtype: torch.dtype | None = None) -> torch.T
     import torch
 
     out = torch.empty(entry.shape, dtype=dtype or torch_dtype(entry.dtype))
-    fd = os.open(entry.path, os.O_RDONLY)
+    fd = open_regular(entry.path, what="safetensors file")
     try:
         read_region(fd, entry, [0] * len(entry.shape), list(entry.shape), out)
     finally:

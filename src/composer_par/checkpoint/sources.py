@@ -94,7 +94,7 @@ class WeightsSource:
                 contained(index.parent, file_name, what=f"{index}: key {name}", roots=roots)
             file = index.parent / file_name
             if file_name not in headers:
-                if not file.is_file():
+                if not os.path.lexists(file):
                     raise CheckpointError(f"{index}: key {name} is in {file_name}, and "
                                           f"{file} does not exist")
                 headers[file_name] = _checked_header(str(file))

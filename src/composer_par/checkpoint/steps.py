@@ -91,7 +91,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
             raise UncommittedError(
                 f"{p}: uncommitted checkpoint directory (no {MARKER} marker): its save never "
                 "finished; load an earlier step, e.g. latest() of its parent")
-        if not (p / DCP_METADATA).is_file():
+        if not os.path.lexists(p / DCP_METADATA):  # one that is not a file: read_metadata
             raise CheckpointError(f"{p}: not a DCP checkpoint (no {DCP_METADATA})")
         return p
     found = latest(p)

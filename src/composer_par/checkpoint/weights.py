@@ -166,8 +166,8 @@ def checkpoint_model_specs(directory: str | os.PathLike[str], metadata: Any = No
                            ) -> tuple[dict[str, Spec], str]:
     """The model tensors of a DCP checkpoint by model name, and the key prefix they have
     in it (``"model."`` for composer_par checkpoints, ``""`` for a bare model state dict).
-    Reads DCP's pickled metadata (checked against the commit record's digest) unless
-    given: trusted sources only."""
+    Reads DCP's pickled metadata (checked against the commit record's digest, unpickled
+    finding only the classes DCP metadata holds) unless given."""
     from pathlib import Path
 
     from composer_par.checkpoint.dcp import MODEL, read_metadata, stored_specs
@@ -212,7 +212,10 @@ def load_checkpoint_weights(
         raise error
     to_load = {prefix + m.keys[name]: state_dict[name] for name in m.keys}
     reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
-    with dcp_errors(f"loading {directory}"):
-        dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
+    try:
+        with dcp_errors(f"loading {directory}"):
+            dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
+    finally:
+        reader.close()
     return _finish(model, state_dict, m, strict=strict, started=started,
                    bytes_read=reader.bytes_verified, tied=tied)
