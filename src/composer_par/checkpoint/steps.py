@@ -77,9 +77,12 @@ def is_checkpoint_dir(directory: str | os.PathLike[str]) -> bool:
     return any((p / name).exists() for name in (DCP_METADATA, INFO, MARKER))
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
+def resolve(path: str | os.PathLike[str], run: str | None = None) -> Path:
     """The committed checkpoint directory ``path`` means: a step directory (which must be
-    committed) or a root (its latest committed step)."""
+    committed) or a root (the newest committed step of ``run``, or of the run being
+    resumed: see :mod:`~composer_par.checkpoint.runs`)."""
+    from composer_par.checkpoint.runs import choose
+
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint directory")
@@ -94,7 +97,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         if not (p / DCP_METADATA).is_file():
             raise CheckpointError(f"{p}: not a DCP checkpoint (no {DCP_METADATA})")
         return p
-    found = latest(p)
+    found = choose(p, run)
     if found is None:
         partial = [str(d.name) for _, d, ok in step_dirs(p) if not ok]
         detail = (f"; uncommitted (unfinished) saves: {', '.join(partial)}" if partial
@@ -130,12 +133,14 @@ MARKER_LIMIT = 1 << 31
 
 
 def commit(directory: Path, step: int, manifest: Manifest | None = None,
-           job: str | None = None) -> None:
+           job: str | None = None, run: str | None = None) -> None:
     """Mark ``directory`` committed (rank 0, after every rank finished writing), with the
-    digest record of its files."""
+    digest record of its files and the run that saved it."""
     data: dict[str, Any] = {"step": step, "committed_at": time.time()}
     if job is not None:
         data["job"] = job
+    if run is not None:
+        data["run"] = run
     if manifest is not None:
         data.update(manifest.to_json())
     write_json_atomic(directory / MARKER, data)
@@ -219,21 +224,58 @@ def remove(directory: Path) -> None:
 
 def retain(root: str | os.PathLike[str], keep_last: int, current: int,
            job: Job | None = None) -> list[Path]:
-    """Keep the newest ``keep_last`` committed steps; drop older committed ones, and the
-    unfinished saves older than ``current`` (the step just committed) whose claim proves
-    their writer gone (one another job may still be writing is left alone: see
-    ``clean_stale``; ``job``, the job that saves, counts its own earlier claims as gone).
-    Returns the removed directories."""
-    from composer_par.checkpoint.claims import is_stale, root_lock
+    """Retention of the run that just committed step ``current`` (``job.run``; None: the
+    steps saved without a run id): keep its newest ``keep_last`` committed steps, and
+    always ``current``; delete its older committed ones, and its unfinished saves older
+    than ``current`` whose claim proves their writer gone (``job``, the job that saves,
+    counts its own earlier claims as gone). Steps of other runs are never touched (see
+    :func:`prune` and ``clean_stale`` for those). Returns the removed directories."""
+    from composer_par.checkpoint.claims import is_stale, read_claim, root_lock
+    from composer_par.checkpoint.runs import committed_by_run
 
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1; got {keep_last}")
+    run = job.run if job is not None else None
     with root_lock(Path(root)):
-        entries = step_dirs(root)
-        committed = [d for _, d, ok in entries if ok]
-        doomed = committed[:-keep_last]
-        doomed += [d for step, d, ok in entries if not ok and step < current
-                   and is_stale(d, job)]
+        ours = committed_by_run(root).get(run, [])
+        doomed = [d for step, d in ours[:-keep_last] if step != current]
+        for step, d, ok in step_dirs(root):
+            claim = read_claim(d) if not ok and step < current else None
+            if claim is not None and claim.run == run and is_stale(d, job):
+                doomed.append(d)
         for d in doomed:
             remove(d)
+    return doomed
+
+
+def prune(root: str | os.PathLike[str], *, keep_last: int, older_than: float,
+          run: str | None = None, dry_run: bool = False) -> list[Path]:
+    """The explicit clean-up of committed steps: of every run (or only ``run``), delete
+    the committed steps beyond its newest ``keep_last`` that were committed at least
+    ``older_than`` seconds ago; the newest step of a run is never deleted. With
+    ``dry_run`` nothing is deleted. Returns the (would-be) removed directories."""
+    from composer_par.checkpoint.claims import root_lock
+    from composer_par.checkpoint.runs import committed_by_run
+
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer of at least 1; got {keep_last!r}")
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) \
+            or older_than < 0:
+        raise ValueError(f"older_than must be a number of seconds >= 0; got {older_than!r}")
+    base = Path(root)
+    if not base.is_dir():
+        raise CheckpointError(f"{base}: no such checkpoint root")
+    doomed: list[Path] = []
+    with root_lock(base):
+        now = time.time()
+        for group, entries in committed_by_run(base).items():
+            if run is not None and group != run:
+                continue
+            for _, d in entries[:-keep_last]:
+                when = read_commit(d).get("committed_at")
+                if isinstance(when, (int, float)) and now - when >= older_than:
+                    doomed.append(d)
+        if not dry_run:
+            for d in doomed:
+                remove(d)
     return doomed
