@@ -223,6 +223,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
     from composer_par.checkpoint.convert import (
         FLOAT_DTYPES,
         dcp_to_safetensors,
+        refusal,
         safetensors_to_dcp,
     )
     from composer_par.checkpoint.errors import CheckpointError
@@ -230,8 +231,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
 
     stream = out.stderr if out.stderr is not None else sys.stderr
     if args.dtype is not None and args.dtype.removeprefix("torch.") not in FLOAT_DTYPES:
-        raise InputError(f"--dtype {args.dtype}: weights convert only to "
-                         f"{', '.join(FLOAT_DTYPES)} (a cast to an integer dtype truncates)")
+        raise InputError(f"--dtype {args.dtype}: {refusal(args.dtype.removeprefix('torch.'))}")
     try:
         kind = kind_of(args.source)
         target = "safetensors" if kind in ("dcp", "root") else "dcp"
