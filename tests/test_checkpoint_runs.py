@@ -291,3 +291,15 @@ def test_load_fills_the_model_like_before_for_a_root_of_one_run(tmp_path: Path) 
     info = ck.load(tmp_path, fresh)
     assert info.step == 7 and info.run == claims.job_id()
     assert all(torch.equal(v, state(model)[k]) for k, v in state(fresh).items())
+
+
+def test_a_damaged_commit_marker_is_named_when_it_may_be_the_newest(tmp_path: Path) -> None:
+    model = reference()
+    for step in (1, 2, 3):
+        ck.save(tmp_path, model, step=step, run="a")
+    (tmp_path / "step-000000001" / steps.MARKER).write_text("{not json")
+    assert ck.load(tmp_path, reference(seed=9)).step == 3  # an older one: as before
+    (tmp_path / "step-000000003" / steps.MARKER).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"step-000000003/COMMITTED: the commit "
+                       r"marker is not valid JSON"):
+        ck.load(tmp_path, reference(seed=9))

@@ -211,8 +211,10 @@ def save(
                              "class": type(optimizer).__name__}
     chosen: tuple[int, str, str] = (0, "", "")
     job: Job | None = None
+    # On every rank (a bad COMPOSER_PAR_RUN_ID is refused everywhere); rank 0's counts.
+    save_run = runs.run_for_save(root, run, claims.job_id())
     if rank == 0:
-        job = Job.current(world, runs.run_for_save(root, run, claims.job_id()))
+        job = Job.current(world, save_run)
         chosen = _claim_step_dir(root, step, job)
     try:
         return _write_and_commit(root, state, info, chosen, job, keep_last, generators,
@@ -662,7 +664,7 @@ def resolve_run_for_all(path: str | os.PathLike[str], run: str | None = None
             directory = steps.resolve(path, run)
             saved_by = runs.run_of(directory)[1] if steps.is_committed(directory) else None
             answer = (str(directory), saved_by, "", "")
-        except CheckpointError as exc:
+        except (CheckpointError, ValueError) as exc:  # ValueError: a bad run id
             answer = ("", None, type(exc).__name__, str(exc))
     directory_text, saved_by, kind, message = _dist.broadcast(answer)
     if message:

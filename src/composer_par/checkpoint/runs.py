@@ -99,17 +99,31 @@ def run_of(directory: Path) -> tuple[bool, str | None]:
 
 def committed_by_run(root: str | os.PathLike[str]
                      ) -> dict[str | None, list[tuple[int, Path]]]:
-    """Run -> its committed ``(step, directory)`` under ``root``, by step."""
+    """Run -> its committed ``(step, directory)`` under ``root``, by step (a step whose
+    commit marker cannot be read belongs to none: see :func:`_grouped`)."""
+    return _grouped(root)[0]
+
+
+def _grouped(root: str | os.PathLike[str]
+             ) -> tuple[dict[str | None, list[tuple[int, Path]]],
+                        list[tuple[int, CheckpointError]]]:
+    """The committed steps by run, and ``(step, error)`` of those whose marker cannot be
+    read (corrupt: no run can be told for them, and no retention deletes them)."""
     from composer_par.checkpoint.steps import step_dirs
 
     groups: dict[str | None, list[tuple[int, Path]]] = {}
+    unreadable: list[tuple[int, CheckpointError]] = []
     for step, directory, committed in step_dirs(root):
         if not committed:
             continue
-        still, run = run_of(directory)
+        try:
+            still, run = run_of(directory)
+        except CheckpointError as exc:
+            unreadable.append((step, exc))
+            continue
         if still:
             groups.setdefault(run, []).append((step, directory))
-    return groups
+    return groups, unreadable
 
 
 def describe_run(run: str | None) -> str:
@@ -139,7 +153,21 @@ def _candidates(groups: dict[str | None, list[tuple[int, Path]]]) -> Iterator[st
 def choose(root: Path, run: str | None = None) -> Path | None:
     """The step directory loading ``root`` means (see the module docstring); None when
     the root has no committed step; CheckpointError when the run is not clear."""
-    groups = committed_by_run(root)
+    from composer_par.checkpoint.steps import step_of
+
+    groups, unreadable = _grouped(root)
+    chosen = _chosen(root, groups, run)
+    # A newer step whose marker is damaged might be the run's newest: name it rather
+    # than resume from an older step without a word.
+    newer = [exc for step, exc in unreadable
+             if chosen is None or step > (step_of(chosen) or 0)]
+    if newer:
+        raise newer[-1]
+    return chosen
+
+
+def _chosen(root: Path, groups: dict[str | None, list[tuple[int, Path]]],
+            run: str | None) -> Path | None:
     if not groups:
         return None
     if run is not None:
