@@ -303,3 +303,13 @@ def test_a_damaged_commit_marker_is_named_when_it_may_be_the_newest(tmp_path: Pa
     with pytest.raises(CheckpointError, match=r"step-000000003/COMMITTED: the commit "
                        r"marker is not valid JSON"):
         ck.load(tmp_path, reference(seed=9))
+
+
+def test_retention_leaves_a_step_a_load_is_reading_for_a_later_save(tmp_path: Path) -> None:
+    model = reference()
+    ck.save(tmp_path, model, step=1, keep_last=1, run="a")
+    with steps.reading(tmp_path / "step-000000001"):
+        ck.save(tmp_path, model, step=2, keep_last=1, run="a")
+        assert _steps(tmp_path) == [1, 2]
+    ck.save(tmp_path, model, step=3, keep_last=1, run="a")
+    assert _steps(tmp_path) == [3]

@@ -509,8 +509,9 @@ def load(
     while True:
         directory, saved_by = resolve_run_for_all(path, run)
         try:
-            info = _load_step(directory, model, optimizer, strict=strict,
-                              restore_random=restore_random, generators=generators)
+            with steps.reading(directory):
+                info = _load_step(directory, model, optimizer, strict=strict,
+                                  restore_random=restore_random, generators=generators)
         except CheckpointError as exc:  # load raises on every rank alike
             if not _removed_meanwhile(directory):
                 raise

@@ -18,6 +18,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +214,43 @@ def read_info(directory: str | os.PathLike[str], manifest: Manifest | None = Non
     return data
 
 
+@contextlib.contextmanager
+def reading(directory: Path) -> Iterator[None]:
+    """Hold a shared advisory lock of ``directory``'s commit marker while it is loaded:
+    retention leaves a step being read for a later save to delete (see
+    :func:`in_use`). Best effort: where there are no locks (or no marker), nothing."""
+    fd = -1
+    with contextlib.suppress(OSError, ImportError):
+        import fcntl
+
+        fd = os.open(directory / MARKER, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    try:
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def in_use(directory: Path) -> bool:
+    """Whether a load on this machine holds ``directory``'s marker (see :func:`reading`)."""
+    try:
+        import fcntl
+
+        fd = os.open(directory / MARKER, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ImportError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
 def remove(directory: Path) -> None:
     """Delete a step directory so that a crash midway never leaves it looking committed:
     the marker goes first."""
@@ -228,7 +266,8 @@ def retain(root: str | os.PathLike[str], keep_last: int, current: int,
     steps saved without a run id): keep its newest ``keep_last`` committed steps, and
     always ``current``; delete its older committed ones, and its unfinished saves older
     than ``current`` whose claim proves their writer gone (``job``, the job that saves,
-    counts its own earlier claims as gone). Steps of other runs are never touched (see
+    counts its own earlier claims as gone). A step a load on this machine is reading
+    (:func:`reading`) is left for a later save. Steps of other runs are never touched (see
     :func:`prune` and ``clean_stale`` for those). Returns the removed directories."""
     from composer_par.checkpoint.claims import is_stale, read_claim, root_lock
     from composer_par.checkpoint.runs import committed_by_run
@@ -238,7 +277,8 @@ def retain(root: str | os.PathLike[str], keep_last: int, current: int,
     run = job.run if job is not None else None
     with root_lock(Path(root)):
         ours = committed_by_run(root).get(run, [])
-        doomed = [d for step, d in ours[:-keep_last] if step != current]
+        # A step a load is reading is left for a later save's retention.
+        doomed = [d for step, d in ours[:-keep_last] if step != current and not in_use(d)]
         for step, d, ok in step_dirs(root):
             claim = read_claim(d) if not ok and step < current else None
             if claim is not None and claim.run == run and is_stale(d, job):
