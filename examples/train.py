@@ -89,7 +89,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="commit a checkpoint every N steps (default: only at the end)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest committed checkpoint, if there is one")
+                        help="continue the run from its newest committed checkpoint, if it "
+                        "has one (a root holding several runs needs --run-id)")
+    parser.add_argument("--run-id", metavar="ID",
+                        help="the run this job saves as and resumes (default: "
+                        "COMPOSER_PAR_RUN_ID, else on --resume the run of the checkpoint "
+                        "resumed, else torchrun's --rdzv-id; see docs/checkpoints.md)")
+    parser.add_argument("--keep-last", type=int, default=2, metavar="N",
+                        help="keep this run's N newest committed steps (default 2); steps of "
+                        "other runs are never deleted")
     parser.add_argument("--final-weights", type=Path, metavar="DIR",
                         help="at the end, export the trained parameters as safetensors to DIR")
     args = parser.parse_args()
@@ -98,6 +106,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
     if args.save_every < 0:
         parser.error(f"--save-every must be >= 0; got {args.save_every}")
+    if args.keep_last < 1:
+        parser.error(f"--keep-last must be at least 1; got {args.keep_last}")
     return args
 
 
@@ -157,11 +167,11 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
     trainer = plan.training_step(model, next_token_loss)
 
     step = 0
-    if args.resume and checkpoint.latest(args.checkpoint_dir) is not None:
+    if args.resume and _has_steps(args.checkpoint_dir, args.run_id):
         # A pipeline rank holds its stages' keys only; the checkpoint's others are its
         # peers' (a strict load would call them unexpected).
         step = checkpoint.load(args.checkpoint_dir, model, optimizer,
-                               strict=plan.pipeline is None).step
+                               strict=plan.pipeline is None, run=args.run_id).step
         log.info("resumed", step=step, restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
 
     # Ranks that differ only in TP read the same samples; data-parallel ranks differ.
@@ -186,12 +196,22 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
             log.info("step", step=step, loss=round(float(loss), 4))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             path = checkpoint.save(args.checkpoint_dir, model, optimizer, step=step, plan=plan,
-                                   keep_last=2)
+                                   keep_last=args.keep_last, run=args.run_id)
             log.info("saved", step=step, path=str(path))
 
     if args.final_weights is not None:
         checkpoint.export_safetensors(model, args.final_weights)
         log.info("exported", path=str(args.final_weights))
+
+
+def _has_steps(root: Path, run: str | None) -> bool:
+    """Whether --resume has a step to continue from: any committed one (the load then
+    picks the run's), or with --run-id one of that run (a new run starts from scratch)."""
+    if run is None:
+        return checkpoint.latest(root) is not None
+    from composer_par.checkpoint.runs import committed_by_run
+
+    return run in committed_by_run(root)
 
 
 def _freeze(step: int) -> None:

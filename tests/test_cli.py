@@ -632,6 +632,7 @@ BAD_ARGUMENTS = {
     "demo": ["demo", "--fail", "abc"],
     "inspect": ["inspect"],
     "convert": ["convert", "only-a-source"],
+    "clean": ["clean", "root", "--older-than", "soon"],
     "estimate": ["estimate", "plan.toml", "--seq", "0", "--params", "1e9"],
     "suggest": ["suggest", "--nodes", "0", "--devices-per-node", "8", "--device-memory",
                 "80GiB", "--params", "1e9", "--seq", "8"],

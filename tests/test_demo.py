@@ -79,7 +79,9 @@ def test_a_frozen_rank_ends_the_run_at_the_timeout_named_leaving_no_process(
     # (measured ~37 s on 2 busy cores), not a speed claim.
     assert run.ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
     data = json.loads((tmp_path / "stdout").read_text())
-    assert data["ok"] is False and data["stuck_ranks"] == [0] and data["failed_rank"] != 0
+    # The stuck rank is the one that failed, not the healthy rank that reported it.
+    assert data["ok"] is False and data["stuck_ranks"] == [0] and data["failed_rank"] == 0
+    assert data["reported_by"] != 0
     assert data["error"].startswith("StuckRankError: rank 0 never joined: ranks 1, 2, 3 "
                                     "timed out after 10 s")
     assert "demo failed: rank 0 never joined: ranks 1, 2, 3 timed out" in stderr

@@ -56,6 +56,42 @@ def test_train_py_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
     assert '"resumed"' in resumed and "step-000000004" in resumed
 
 
+def _torchrun_train(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """examples/train.py on 2 processes under ``torchrun --standalone`` (whose run id is
+    new on each invocation)."""
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSER_PAR_RUN_ID"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", "2", str(EXAMPLES / "train.py"),
+         str(EXAMPLES / "plans" / "fsdp.toml"), "--seq-len", "32", *args],
+        capture_output=True, text=True, cwd=cwd, timeout=240, env=env)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_train_py_keeps_each_run_s_steps_and_resumes_the_run_named(tmp_path: Path) -> None:
+    from composer_par import checkpoint as ck
+    from composer_par.checkpoint import steps
+
+    # Before, the second job's keep_last (the two highest steps of the whole root) deleted
+    # its steps 1 and 2 right after saving them, and --resume then took the first job's.
+    root = tmp_path / "train-checkpoints"
+    for args in (("--steps", "4"), ("--steps", "2")):
+        job = _torchrun_train(tmp_path, *args, "--save-every", "1")
+        assert job.returncode == 0, job.stderr[-4000:]
+    assert [s for s, _, ok in ck.step_dirs(root) if ok] == [1, 2, 3, 4]
+    first_run = steps.read_commit(root / "step-000000004")["run"]
+    assert steps.read_commit(root / "step-000000002")["run"] != first_run
+    ambiguous = _torchrun_train(tmp_path, "--steps", "5", "--resume")
+    assert ambiguous.returncode != 0
+    assert "holds the committed steps of 2 runs" in ambiguous.stderr, ambiguous.stderr[-4000:]
+    assert f"run {first_run} (newest step-000000004" in ambiguous.stderr
+    resumed = _torchrun_train(tmp_path, "--steps", "5", "--resume", "--run-id", first_run)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert '"resumed"' in resumed.stdout + resumed.stderr
+    assert [s for s, _, ok in ck.step_dirs(root) if ok] == [1, 2, 4, 5]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_train_py_finished_job_exits_0_on_every_rank_with_no_thread_left(

@@ -6,11 +6,12 @@ offline conversion and inspection.
 
     checkpoint.save("ckpt", model, optimizer, extra={"epoch": 3}, step=120, plan=plan,
                     keep_last=3)
-    info = checkpoint.load("ckpt", model, optimizer)     # the latest committed step
+    info = checkpoint.load("ckpt", model, optimizer)     # the run's newest committed step
     checkpoint.export_safetensors(model, "hf-out", adapter=checkpoint.Rename([...]))
 
 Modules, one job each: ``steps`` (step directories, commit markers, latest, retention),
-``claims`` (exclusive step directories, stale cleaning), ``integrity`` (digests of every
+``runs`` (the run a step belongs to; which step resuming a run loads), ``claims``
+(exclusive step directories, stale cleaning), ``integrity`` (digests of every
 file, their checks), ``paths`` (names read from files stay inside their directory; bounded
 reads), ``dcp`` (save/load), ``dcp_reader`` (DCP's reader checking what it reads), ``rng``
 (per-rank random state), ``safetensors_io`` (headers, region reads and writes),

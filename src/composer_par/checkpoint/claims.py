@@ -11,7 +11,9 @@ directory after the commit, recording who saved it.
 An uncommitted step directory that already exists is taken over only when its writer is
 provably gone:
 
-* its claim is this job's own (an earlier failed save of the same step);
+* its claim is this job's own (an earlier failed save of the same step) and no thread of
+  this process is still saving it (each save's claim has its own id: two threads of one
+  process saving one step are two claims, and the second is refused);
 * its claim is from this machine (same host name, boot and pid namespace) and that pid
   is not running, or runs a process started at another time (the pid was reused);
 * its claim is from an earlier attempt of this torchrun job (the same elastic run id and
@@ -37,6 +39,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -60,6 +63,9 @@ _STAGING = ".claim-"
 _TRASH = ".trash-"
 
 _job: tuple[int, str] = (0, "")  # (pid, id): a forked child gets an id of its own
+# The saves of this process that hold a claim now (Job.save), across its threads.
+_saving: set[str] = set()
+_saving_lock = threading.Lock()
 
 
 def job_id() -> str:
@@ -116,16 +122,19 @@ class Job:
     run_id: str | None = None  # torchrun's TORCHELASTIC_RUN_ID
     restart: int | None = None  # torchrun's TORCHELASTIC_RESTART_COUNT
     claimed_at: float = 0.0
+    run: str | None = None  # the run this save belongs to (see checkpoint.runs)
+    # One save of this job: two threads of one process saving share the job id.
+    save: str = ""
 
     @classmethod
-    def current(cls, world_size: int) -> Job:
-        """This process as rank 0 of a job of ``world_size`` ranks."""
+    def current(cls, world_size: int, run: str | None = None) -> Job:
+        """This process as rank 0 of a job of ``world_size`` ranks, for one save."""
         pid = os.getpid()
         return cls(id=job_id(), pid=pid, pid_start=_start_ticks(pid),
                    started_at=_process_started(), world_size=world_size,
                    run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
                    restart=_int_env("TORCHELASTIC_RESTART_COUNT"), claimed_at=time.time(),
-                   **_machine())
+                   run=run, save=uuid.uuid4().hex[:16], **_machine())
 
     @classmethod
     def from_dict(cls, data: Any) -> Job | None:
@@ -140,7 +149,9 @@ class Job:
                        world_size=int(data.get("world_size", 0)),
                        run_id=None if data.get("run_id") is None else str(data["run_id"]),
                        restart=None if data.get("restart") is None else int(data["restart"]),
-                       claimed_at=float(data.get("claimed_at", 0.0)))
+                       claimed_at=float(data.get("claimed_at", 0.0)),
+                       run=None if data.get("run") is None else str(data["run"]),
+                       save=str(data.get("save", "")))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -179,6 +190,9 @@ def liveness(claim: Job, me: Job | None = None) -> tuple[str, str]:
     that is gone or reused, or an earlier torchrun attempt of the same run.
     """
     if me is not None and claim.id == me.id and claim.pid == me.pid and claim.same_machine():
+        if claim.save and claim.save in _saving:
+            return "live", (f"another thread of this process (pid {claim.pid}) is saving it "
+                            f"now (save {claim.save})")
         return "dead", "an earlier save of this same job"
     if (me is not None and claim.run_id not in (None, "", "none") and claim.run_id == me.run_id
             and claim.restart is not None and me.restart is not None
@@ -312,7 +326,16 @@ def claim_step(directory: Path, job: Job) -> None:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        with _saving_lock:
+            _saving.add(job.save)
         _fsync_dir(root)
+
+
+def release(job: Job) -> None:
+    """The save of ``job`` ended (committed or failed): its claim no longer stands for a
+    thread at work, so a later save of this process may take an uncommitted one over."""
+    with _saving_lock:
+        _saving.discard(job.save)
 
 
 def _take_over(directory: Path, job: Job, committed: bool) -> None:
@@ -344,13 +367,13 @@ def _take_over(directory: Path, job: Job, committed: bool) -> None:
     discard(directory)
 
 
-def still_ours(directory: Path, job_id: str) -> str:
-    """Empty when ``directory``'s claim is ``job_id``'s, else why not (call under the
-    root lock, right before committing)."""
+def still_ours(directory: Path, job: Job) -> str:
+    """Empty when ``directory``'s claim is this save's of ``job``, else why not (call
+    under the root lock, right before committing)."""
     claim = read_claim(directory)
     if claim is None:
         return f"{directory} lost its claim while this job wrote it (was it removed?)"
-    if claim.id != job_id:
+    if claim.id != job.id or claim.save != job.save:
         return (f"{directory} was taken over by {claim.describe()} while this job wrote "
                 "it; nothing was committed")
     return ""
@@ -395,15 +418,28 @@ def clean_stale(root: str | os.PathLike[str], *, older_than: float,
     can still be writing: unchanged for at least ``older_than`` seconds and without a live
     claim (a claim from this machine whose pid runs). Committed steps are never touched;
     neither are leftovers younger than ``older_than``. With ``dry_run`` nothing is
-    removed. Also removes hidden leftovers of interrupted claims and removals."""
-    from composer_par.checkpoint import steps
-
+    removed. Also removes hidden leftovers of interrupted claims and removals; a root
+    this user may not change is a CheckpointError saying so."""
     if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) \
             or older_than < 0:
         raise ValueError(f"older_than must be a number of seconds >= 0; got {older_than!r}")
     base = Path(root)
     if not base.is_dir():
         raise CheckpointError(f"{base}: no such checkpoint root")
+    try:
+        return _clean_stale(base, older_than, dry_run)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise CheckpointError(
+            f"{base}: cannot clean stale steps: {exc.strerror or 'permission denied'} on "
+            f"{exc.filename or base} (cleaning takes the root's lock and removes "
+            "directories: the root must be writable by this user)") from exc
+
+
+def _clean_stale(base: Path, older_than: float, dry_run: bool) -> Cleaned:
+    from composer_par.checkpoint import steps
+
     removed: list[Path] = []
     kept: list[tuple[Path, str]] = []
     with root_lock(base):

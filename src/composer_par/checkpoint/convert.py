@@ -8,8 +8,15 @@
   about one tensor. The result is a committed checkpoint directory that ``load`` and
   ``LoadCheckpoint`` accept.
 
-Both write into a temporary directory renamed into place at the end, so a failure leaves
-nothing at the destination. Reading a DCP checkpoint checks every stored chunk read (and
+Both write into a hidden staging directory beside the destination (in its parent, so the
+final rename stays on one file system), renamed into place at the end, so a failure
+leaves nothing at the destination. Until then the staging directory is not a checkpoint
+anyone could mistake for one: safetensors files keep a zero header (readers refuse them)
+until every tensor is written, and a DCP staging directory holds its info file but no
+commit marker (``load`` and ``inspect`` call it uncommitted). A failed convert removes its
+staging directory; one killed outright leaves it, with a claim naming its process, and
+the next convert into the same parent removes every staging directory whose process is
+gone. Reading a DCP checkpoint checks every stored chunk read (and
 ``.metadata``) against the commit record's digests; writing one records them. ``dtype``
 converts floating-point tensors to one of :data:`FLOAT_DTYPES`; other tensors keep their
 dtype. ``progress(done_bytes, total_bytes)`` is called as they go.
@@ -17,6 +24,8 @@ dtype. ``progress(done_bytes, total_bytes)`` is called as they go.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import time
@@ -27,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.checkpoint import steps
+from composer_par.checkpoint import claims, steps
 from composer_par.checkpoint.adapter import Identity, StateDictAdapter, file_names
 from composer_par.checkpoint.dcp import FORMAT, MODEL
 from composer_par.checkpoint.errors import CheckpointError, dcp_errors
 from composer_par.checkpoint.safetensors_io import (
+    INDEX_NAME,
     FileLayout,
     PlannedTensor,
     TensorEntry,
@@ -42,11 +52,19 @@ from composer_par.checkpoint.safetensors_io import (
     write_region,
 )
 from composer_par.checkpoint.sources import WeightsSource
+from composer_par.logging import get_logger
 
 if TYPE_CHECKING:
     import torch
 
+log = get_logger(__name__)
+
 Progress = Callable[[int, int], None]
+
+_STAGING = ".convert-"
+# A staging directory without a readable claim (killed between creating it and writing
+# the claim) is removed once it has been left this long.
+_UNCLAIMED_AGE_S = 600.0
 
 
 @attrs.frozen
@@ -69,12 +87,33 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 
 
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32", "fp64": "float64", "double": "float64"}
+_INTEGERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def refusal(name: str) -> str:
+    """Why weights do not convert to the dtype ``name`` (not one of FLOAT_DTYPES)."""
+    choices = ", ".join(FLOAT_DTYPES)
+    if name in _ALIASES:
+        why = f"write {_ALIASES[name]} for {name}"
+    elif name in _INTEGERS:
+        why = "a cast to an integer dtype truncates"
+    elif name == "bool":
+        why = "a cast to bool keeps only whether each value is zero"
+    elif name.startswith("float8"):
+        why = "float8 weights need scales that a cast does not compute"
+    else:
+        why = "weights convert only between these floating-point dtypes"
+    return (f"cannot convert weights to {name}: the target dtype must be one of {choices} "
+            f"({why})")
+
+
 def float_dtype(dtype: torch.dtype | str) -> str:
     """The name of ``dtype`` if it is one of :data:`FLOAT_DTYPES`, else ValueError."""
     name = str(dtype).removeprefix("torch.")
     if name not in FLOAT_DTYPES:
-        raise ValueError(f"cannot convert weights to {name}: the target dtype must be one of "
-                         f"{', '.join(FLOAT_DTYPES)} (a cast to an integer dtype truncates)")
+        raise ValueError(refusal(name))
     return name
 
 
@@ -87,16 +126,75 @@ def _target(code: str | None, stored: str) -> str:
 
 
 def _staging(target: Path) -> Path:
+    """A fresh staging directory for ``target``, claimed by this process, after removing
+    the ones earlier converts into the same parent left when they were killed."""
     if target.exists():
         raise CheckpointError(f"{target} already exists; convert writes a new directory")
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir(parents=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(target.parent)
+    job = claims.Job.current(1)
+    staging = target.parent / f".{target.name}{_STAGING}{job.id}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        with open(staging / claims.CLAIM, "w", encoding="utf-8") as f:
+            json.dump(job.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return staging
 
 
+def remove_leftovers(parent: Path) -> list[Path]:
+    """Remove the staging directories of converts into ``parent`` whose process is gone
+    (their claim says so, or they have no claim and are old). Returns them."""
+    removed = []
+    for path in sorted(parent.iterdir()):
+        if not (path.name.startswith(".") and _STAGING in path.name) or path.is_symlink() \
+                or not path.is_dir():
+            continue
+        claim = claims.read_claim(path)
+        if claim is not None:
+            gone = claims.liveness(claim)[0] == "dead"
+        else:
+            age = 0.0
+            with contextlib.suppress(OSError):
+                age = time.time() - path.stat().st_mtime
+            gone = age > _UNCLAIMED_AGE_S
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed the staging directories of interrupted converts",
+                 removed=[str(p) for p in removed])
+    return removed
+
+
 def _publish(staging: Path, target: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (staging / claims.CLAIM).unlink()
     os.replace(staging, target)
     steps.fsync_dir(target.parent)
+
+
+def _create_blank(layout: FileLayout, directory: Path) -> None:
+    """Every output file at its final size, its header zeroed: until
+    :func:`_write_headers`, a reader refuses the file instead of reading holes."""
+    for file_name, tensors in layout.files:
+        header = layout.header_bytes(tensors)
+        with open(directory / file_name, "wb") as f:
+            f.truncate(len(header) + sum(t.nbytes for t in tensors))
+
+
+def _write_headers(layout: FileLayout, directory: Path) -> None:
+    """The headers (and the index json, for several files), once every tensor is written."""
+    for file_name, tensors in layout.files:
+        with open(directory / file_name, "r+b") as f:
+            f.write(layout.header_bytes(tensors))
+            f.flush()
+            os.fsync(f.fileno())
+    if len(layout.files) > 1:
+        steps.write_json_atomic(directory / INDEX_NAME, layout.index())
 
 
 def dcp_to_safetensors(
@@ -136,7 +234,7 @@ def dcp_to_safetensors(
     staging = _staging(target)
     total = layout.total_bytes
     try:
-        layout.create_files(staging)
+        _create_blank(layout, staging)
         entries = layout.entries(staging)
         by_key = {prefix + k: entries[names[k]] for k in specs}
         writer = _ChunkWriter(by_key, total, progress)
@@ -173,6 +271,7 @@ def dcp_to_safetensors(
             reader.close()
             writer.close()
         writer.check(specs, prefix)
+        _write_headers(layout, staging)
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -259,13 +358,15 @@ def safetensors_to_dcp(
     target = Path(destination)
     staging = _staging(target)
     try:
-        writer = digesting_writer(staging, sync_files=True)
-        with dcp_errors(f"writing {staging}", staging):
-            dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+        # The info file first: until the commit, the staging directory is an uncommitted
+        # checkpoint of ours, which load and inspect refuse.
         steps.write_json_atomic(staging / steps.INFO, {
             "format": FORMAT, "step": 0, "world_size": 1, "plan": None, "extra": None,
             "converted_from": str(source), "saved_at": time.time(),
             "torch": torch.__version__})
+        writer = digesting_writer(staging, sync_files=True)
+        with dcp_errors(f"writing {staging}", staging):
+            dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
         records = dict(writer.records)
         for name in (steps.INFO, steps.DCP_METADATA):
             records[name] = digest_file(staging / name)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.checkpoint import _dist, claims, steps
+from composer_par.checkpoint import _dist, claims, runs, steps
 from composer_par.checkpoint.claims import Job
 from composer_par.checkpoint.errors import (
     CheckpointError,
@@ -74,6 +74,7 @@ class CheckpointInfo:
     plan: str | None  # the plan's TOML at save time
     world_size: int
     rng_restored: bool
+    run: str | None = None  # the run that saved it (None: saved without a run id)
 
 
 # -- state dicts --------------------------------------------------------------------------
@@ -163,6 +164,7 @@ def save(
     plan: ParallelPlan | str | None = None,
     keep_last: int | None = None,
     generators: Mapping[str, torch.Generator] | None = None,
+    run: str | None = None,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) sharded into ``path/step-NNNNNNNNN``; every rank
     calls it. Returns the committed step directory.
@@ -171,7 +173,11 @@ def save(
     any JSON value (epoch, samples seen, a data loader's position). ``plan`` (a plan or its
     TOML) is recorded so ``inspect`` shows the layout. ``generators`` are named
     ``torch.Generator`` objects (e.g. the data-order stream) saved per rank with torch's
-    global RNG states. ``keep_last`` keeps that many committed steps and deletes the rest.
+    global RNG states. ``keep_last`` keeps that many committed steps of this save's run
+    and deletes its older ones (never a step of another run, never the one just saved).
+    ``run`` names the run (default: see :mod:`~composer_par.checkpoint.runs`: the
+    environment's, the one this process resumed, torchrun's, or this process's own); it
+    is recorded in the commit.
 
     Rank 0 first claims the step directory for this job (an existing one is an error
     naming the job that has it, unless that job is provably gone). The directory is
@@ -181,9 +187,9 @@ def save(
     ``latest`` and ``load`` ignore. A failure names every failing rank's error, on every
     rank.
     """
-    import torch.distributed.checkpoint as dcp
-
     root = Path(path)
+    if run is not None:
+        runs.check_run(run)
     rank, world = _dist.rank(), _dist.world_size()
     plan_toml = plan if isinstance(plan, str) or plan is None else plan.to_toml()
     started = time.perf_counter()
@@ -212,11 +218,30 @@ def save(
                              "class": type(optimizer).__name__}
     chosen: tuple[int, str, str] = (0, "", "")
     job: Job | None = None
+    # On every rank (a bad COMPOSER_PAR_RUN_ID is refused everywhere); rank 0's counts.
+    save_run = runs.run_for_save(root, run, claims.job_id())
     if rank == 0:
-        job = Job.current(world)
+        job = Job.current(world, save_run)
         chosen = _claim_step_dir(root, step, job)
+    try:
+        return _write_and_commit(root, state, info, chosen, job, keep_last, generators,
+                                 started)
+    finally:
+        if job is not None:
+            claims.release(job)
+
+
+def _write_and_commit(root: Path, state: dict[str, Any], info: dict[str, Any],
+                      chosen: tuple[int, str, str], job: Job | None, keep_last: int | None,
+                      generators: Mapping[str, torch.Generator] | None, started: float
+                      ) -> Path:
+    """Every rank: write the claimed step, then (rank 0, ``job``) commit it and apply
+    the run's retention."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = _dist.rank()
     # The job id travels with the step: every rank's errors can name the claim.
-    step_value, job_id, problem = _dist.broadcast(chosen)
+    step_value, _, problem = _dist.broadcast(chosen)
     if problem:
         raise CheckpointError(problem)
     directory = root / steps.step_name(step_value)
@@ -249,14 +274,14 @@ def save(
     failures = [f for f in _dist.gather(failure) if f]
     if failures:
         unique = list(dict.fromkeys(failures))
-        if rank == 0:
-            _discard_own(directory, job_id)
+        if job is not None:
+            _discard_own(directory, job)
         raise CheckpointError(f"saving {directory} failed, nothing committed: "
                               + "; ".join(unique))
     gathered = _dist.gather_to_root(records)
     committed = ""
-    if rank == 0:
-        committed = _commit(root, directory, step_value, job_id, gathered or [])
+    if job is not None:
+        committed = _commit(root, directory, step_value, job, gathered or [])
         if not committed and keep_last is not None:
             try:
                 removed = steps.retain(root, keep_last, step_value, job)
@@ -343,7 +368,7 @@ def _claim_step_dir(root: Path, step: int | None, job: Job) -> tuple[int, str, s
         return step or 0, "", f"cannot create the step directory under {root}: {exc}"
 
 
-def _commit(root: Path, directory: Path, step: int, job_id: str,
+def _commit(root: Path, directory: Path, step: int, job: Job,
             gathered: list[dict[str, FileRecord]]) -> str:
     """Rank 0: write the commit marker with every rank's digest records, if the step
     directory is still this job's. Returns a problem, or ''."""
@@ -355,10 +380,10 @@ def _commit(root: Path, directory: Path, step: int, job_id: str,
             files[name] = record
     try:
         with claims.root_lock(root):
-            problem = claims.still_ours(directory, job_id)
+            problem = claims.still_ours(directory, job)
             if problem:
                 return problem
-            steps.commit(directory, step, Manifest(directory, files), job=job_id)
+            steps.commit(directory, step, Manifest(directory, files), job=job.id, run=job.run)
     except Exception as exc:
         if is_disk_full(exc):
             return disk_full_message(directory, f"committing {directory}")
@@ -366,13 +391,13 @@ def _commit(root: Path, directory: Path, step: int, job_id: str,
     return ""
 
 
-def _discard_own(directory: Path, job_id: str) -> None:
+def _discard_own(directory: Path, job: Job) -> None:
     """Rank 0, after a failed save that every rank has given up on: remove the step
     directory if it is still this job's claim (it can never be committed), so a full disk
     gets its space back."""
     try:
         with claims.root_lock(directory.parent):
-            if job_id and directory.is_dir() and not claims.still_ours(directory, job_id) \
+            if directory.is_dir() and not claims.still_ours(directory, job) \
                     and not steps.is_committed(directory):
                 claims.discard(directory)
     except Exception as exc:  # the save's own error is the one to report
@@ -468,10 +493,14 @@ def load(
     restore_random: bool = True,
     generators: Mapping[str, torch.Generator] | None = None,
     missing_rng: str = "error",
+    run: str | None = None,
 ) -> CheckpointInfo:
     """Load a committed checkpoint into ``model`` (and ``optimizer``) on any mesh and
-    world size; every rank calls it. ``path`` is a step directory or a root (its latest
-    committed step). Raises CheckpointError naming the directory and keys on mismatch.
+    world size; every rank calls it. ``path`` is a step directory or a root: the newest
+    committed step of ``run``, or of the run being resumed (see
+    :mod:`~composer_par.checkpoint.runs`; a root holding several runs, none of them named,
+    is refused naming each). Raises CheckpointError naming the directory and keys on
+    mismatch. Later saves of this process into the same root continue the loaded run.
 
     ``strict=False`` tolerates checkpoint keys the model lacks (they are skipped and
     logged); keys the model needs are always required. RNG states (and ``generators``)
@@ -480,13 +509,67 @@ def load(
     the model). ``missing_rng="warn"`` loads without a missing or damaged one instead,
     with a warning that the resumed run will not be bit-exact (``rng_restored`` is
     False); the default, ``"error"``, raises naming the file.
+
+    A step that retention (another job of the run saving with ``keep_last``) removes
+    while it is being loaded from a root is reported as such and the newest remaining
+    step is loaded instead.
     """
+    if missing_rng not in ("error", "warn"):
+        raise ValueError(f"missing_rng must be 'error' or 'warn'; got {missing_rng!r}")
+    if run is not None:
+        runs.check_run(run)
+    removed: list[str] = []
+    while True:
+        directory, saved_by = resolve_run_for_all(path, run)
+        try:
+            with steps.reading(directory):
+                info = _load_step(directory, model, optimizer, strict=strict,
+                                  restore_random=restore_random, generators=generators,
+                                  missing_rng=missing_rng)
+        except CheckpointError as exc:  # load raises on every rank alike
+            if not _removed_meanwhile(directory):
+                raise
+            if directory == Path(path):
+                raise CheckpointError(
+                    f"{directory} was removed by retention (a save of the run that wrote it, "
+                    "with keep_last) while it was being loaded; load a newer step") from exc
+            removed.append(directory.name)
+            if len(removed) > _REMOVED_RETRIES:
+                raise CheckpointError(
+                    f"{path}: each step chosen was removed by retention while it was being "
+                    f"loaded ({', '.join(removed)}): a job saving here with a small keep_last "
+                    "deletes steps faster than they load; load a step directory, or keep "
+                    "more steps") from exc
+            log.warning("checkpoint step removed by retention while it was being loaded; "
+                        "loading the newest remaining step", path=str(directory))
+            continue
+        if _dist.rank() == 0:
+            runs.adopt(directory.parent, saved_by)
+        return attrs.evolve(info, run=saved_by)
+
+
+# How many steps removed by retention while being loaded one load moves past.
+_REMOVED_RETRIES = 8
+
+
+def _removed_meanwhile(directory: Path) -> bool:
+    """Whether ``directory``, committed when it was chosen, is gone or being removed
+    (retention deletes the marker first), decided by rank 0 for every rank."""
+    gone = False
+    if _dist.rank() == 0:
+        gone = not directory.exists() or (steps.step_of(directory) is not None
+                                          and not steps.is_committed(directory))
+    return bool(_dist.broadcast(gone))
+
+
+def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               *, strict: bool, restore_random: bool,
+               generators: Mapping[str, torch.Generator] | None,
+               missing_rng: str) -> CheckpointInfo:
+    """Every rank: load the committed step ``directory`` (see :func:`load`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    if missing_rng not in ("error", "warn"):
-        raise ValueError(f"missing_rng must be 'error' or 'warn'; got {missing_rng!r}")
-    directory = resolve_for_all(path)
     rank = _dist.rank()
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
@@ -656,16 +739,25 @@ _ERRORS: dict[str, type[CheckpointError]] = {
 def resolve_for_all(path: str | os.PathLike[str]) -> Path:
     """The step directory ``path`` means, decided by rank 0 for every rank (a save
     committing meanwhile must not make ranks load different steps)."""
-    answer: tuple[str, str, str] = ("", "", "")
+    return resolve_run_for_all(path)[0]
+
+
+def resolve_run_for_all(path: str | os.PathLike[str], run: str | None = None
+                        ) -> tuple[Path, str | None]:
+    """``(step directory, the run that saved it)`` ``path`` means (see
+    :func:`steps.resolve`), decided by rank 0 for every rank."""
+    answer: tuple[str, str | None, str, str] = ("", None, "", "")
     if _dist.rank() == 0:
         try:
-            answer = (str(steps.resolve(path)), "", "")
-        except CheckpointError as exc:
-            answer = ("", type(exc).__name__, str(exc))
-    directory, kind, message = _dist.broadcast(answer)
+            directory = steps.resolve(path, run)
+            saved_by = runs.run_of(directory)[1] if steps.is_committed(directory) else None
+            answer = (str(directory), saved_by, "", "")
+        except (CheckpointError, ValueError) as exc:  # ValueError: a bad run id
+            answer = ("", None, type(exc).__name__, str(exc))
+    directory_text, saved_by, kind, message = _dist.broadcast(answer)
     if message:
         raise _ERRORS.get(kind, CheckpointError)(message)
-    return Path(directory)
+    return Path(directory_text), saved_by
 
 
 def _agree_or_raise(failure: CheckpointError | None, what: str) -> None:

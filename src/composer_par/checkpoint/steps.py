@@ -18,6 +18,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,9 +78,12 @@ def is_checkpoint_dir(directory: str | os.PathLike[str]) -> bool:
     return any((p / name).exists() for name in (DCP_METADATA, INFO, MARKER))
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
+def resolve(path: str | os.PathLike[str], run: str | None = None) -> Path:
     """The committed checkpoint directory ``path`` means: a step directory (which must be
-    committed) or a root (its latest committed step)."""
+    committed) or a root (the newest committed step of ``run``, or of the run being
+    resumed: see :mod:`~composer_par.checkpoint.runs`)."""
+    from composer_par.checkpoint.runs import choose
+
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint directory")
@@ -94,7 +98,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         if not os.path.lexists(p / DCP_METADATA):  # one that is not a file: read_metadata
             raise CheckpointError(f"{p}: not a DCP checkpoint (no {DCP_METADATA})")
         return p
-    found = latest(p)
+    found = choose(p, run)
     if found is None:
         partial = [str(d.name) for _, d, ok in step_dirs(p) if not ok]
         detail = (f"; uncommitted (unfinished) saves: {', '.join(partial)}" if partial
@@ -130,12 +134,14 @@ MARKER_LIMIT = 1 << 31
 
 
 def commit(directory: Path, step: int, manifest: Manifest | None = None,
-           job: str | None = None) -> None:
+           job: str | None = None, run: str | None = None) -> None:
     """Mark ``directory`` committed (rank 0, after every rank finished writing), with the
-    digest record of its files."""
+    digest record of its files and the run that saved it."""
     data: dict[str, Any] = {"step": step, "committed_at": time.time()}
     if job is not None:
         data["job"] = job
+    if run is not None:
+        data["run"] = run
     if manifest is not None:
         data.update(manifest.to_json())
     write_json_atomic(directory / MARKER, data)
@@ -208,6 +214,43 @@ def read_info(directory: str | os.PathLike[str], manifest: Manifest | None = Non
     return data
 
 
+@contextlib.contextmanager
+def reading(directory: Path) -> Iterator[None]:
+    """Hold a shared advisory lock of ``directory``'s commit marker while it is loaded:
+    retention leaves a step being read for a later save to delete (see
+    :func:`in_use`). Best effort: where there are no locks (or no marker), nothing."""
+    fd = -1
+    with contextlib.suppress(OSError, ImportError):
+        import fcntl
+
+        fd = os.open(directory / MARKER, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    try:
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def in_use(directory: Path) -> bool:
+    """Whether a load on this machine holds ``directory``'s marker (see :func:`reading`)."""
+    try:
+        import fcntl
+
+        fd = os.open(directory / MARKER, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ImportError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
 def remove(directory: Path) -> None:
     """Delete a step directory so that a crash midway never leaves it looking committed:
     the marker goes first."""
@@ -219,21 +262,60 @@ def remove(directory: Path) -> None:
 
 def retain(root: str | os.PathLike[str], keep_last: int, current: int,
            job: Job | None = None) -> list[Path]:
-    """Keep the newest ``keep_last`` committed steps; drop older committed ones, and the
-    unfinished saves older than ``current`` (the step just committed) whose claim proves
-    their writer gone (one another job may still be writing is left alone: see
-    ``clean_stale``; ``job``, the job that saves, counts its own earlier claims as gone).
-    Returns the removed directories."""
-    from composer_par.checkpoint.claims import is_stale, root_lock
+    """Retention of the run that just committed step ``current`` (``job.run``; None: the
+    steps saved without a run id): keep its newest ``keep_last`` committed steps, and
+    always ``current``; delete its older committed ones, and its unfinished saves older
+    than ``current`` whose claim proves their writer gone (``job``, the job that saves,
+    counts its own earlier claims as gone). A step a load on this machine is reading
+    (:func:`reading`) is left for a later save. Steps of other runs are never touched (see
+    :func:`prune` and ``clean_stale`` for those). Returns the removed directories."""
+    from composer_par.checkpoint.claims import is_stale, read_claim, root_lock
+    from composer_par.checkpoint.runs import committed_by_run
 
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1; got {keep_last}")
+    run = job.run if job is not None else None
     with root_lock(Path(root)):
-        entries = step_dirs(root)
-        committed = [d for _, d, ok in entries if ok]
-        doomed = committed[:-keep_last]
-        doomed += [d for step, d, ok in entries if not ok and step < current
-                   and is_stale(d, job)]
+        ours = committed_by_run(root).get(run, [])
+        # A step a load is reading is left for a later save's retention.
+        doomed = [d for step, d in ours[:-keep_last] if step != current and not in_use(d)]
+        for step, d, ok in step_dirs(root):
+            claim = read_claim(d) if not ok and step < current else None
+            if claim is not None and claim.run == run and is_stale(d, job):
+                doomed.append(d)
         for d in doomed:
             remove(d)
+    return doomed
+
+
+def prune(root: str | os.PathLike[str], *, keep_last: int, older_than: float,
+          run: str | None = None, dry_run: bool = False) -> list[Path]:
+    """The explicit clean-up of committed steps: of every run (or only ``run``), delete
+    the committed steps beyond its newest ``keep_last`` that were committed at least
+    ``older_than`` seconds ago; the newest step of a run is never deleted. With
+    ``dry_run`` nothing is deleted. Returns the (would-be) removed directories."""
+    from composer_par.checkpoint.claims import root_lock
+    from composer_par.checkpoint.runs import committed_by_run
+
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer of at least 1; got {keep_last!r}")
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) \
+            or older_than < 0:
+        raise ValueError(f"older_than must be a number of seconds >= 0; got {older_than!r}")
+    base = Path(root)
+    if not base.is_dir():
+        raise CheckpointError(f"{base}: no such checkpoint root")
+    doomed: list[Path] = []
+    with root_lock(base):
+        now = time.time()
+        for group, entries in committed_by_run(base).items():
+            if run is not None and group != run:
+                continue
+            for _, d in entries[:-keep_last]:
+                when = read_commit(d).get("committed_at")
+                if isinstance(when, (int, float)) and now - when >= older_than:
+                    doomed.append(d)
+        if not dry_run:
+            for d in doomed:
+                remove(d)
     return doomed

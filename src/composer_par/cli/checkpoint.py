@@ -1,4 +1,5 @@
-"""``composer-par inspect CKPT`` and ``composer-par convert SRC DST``.
+"""``composer-par inspect CKPT``, ``composer-par clean ROOT`` and ``composer-par convert
+SRC DST``.
 
 ``inspect`` reads headers and metadata only: keys, shapes, dtypes, bytes, the commit
 state (committed, verified with ``--verify``, corrupt naming the file, or uncommitted
@@ -8,7 +9,9 @@ into consolidated safetensors or back, one tensor at a time, with a progress bar
 stderr, checking what it reads against the commit's digests; it writes into a temporary
 directory renamed into place at the end, so a failure leaves nothing at DST. Both exit 2
 on input they cannot use (a missing, truncated or corrupt file; an uncommitted
-checkpoint), naming the file and the key.
+checkpoint), naming the file and the key. ``clean`` removes, explicitly, what retention
+leaves: unfinished steps nothing can still be writing and, with ``--keep-last``, the
+older committed steps of each run, all older than an age, with a dry run.
 """
 
 from __future__ import annotations
@@ -140,6 +143,62 @@ def run_inspect(args: argparse.Namespace, out: Output) -> int:
     return EXIT_ERRORS if bad else EXIT_OK
 
 
+# -- clean ------------------------------------------------------------------------------------
+
+
+def configure_clean(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", metavar="ROOT", help="a root of step directories")
+    parser.add_argument("--older-than", type=parse_age, metavar="AGE", required=True,
+                        help="touch only what is at least AGE old (e.g. 30m, 2h, 1d, 3600): "
+                        "unfinished steps unchanged that long, committed steps committed "
+                        "that long ago")
+    parser.add_argument("--keep-last", type=_at_least_one, metavar="N",
+                        help="also delete committed steps: of each run, those beyond its N "
+                        "newest (the newest step of a run is never deleted); without it "
+                        "committed steps are left alone")
+    # dest: ``run`` is the command's own entry point (Command.run)
+    parser.add_argument("--run", dest="run_id", metavar="ID",
+                        help="with --keep-last: only the committed steps of this run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="say what would be removed, remove nothing")
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1; got {text!r}")
+    return value
+
+
+def run_clean(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.checkpoint.claims import clean_stale
+    from composer_par.checkpoint.errors import CheckpointError
+    from composer_par.checkpoint.steps import prune
+
+    if args.run_id is not None and args.keep_last is None:
+        raise InputError("--run chooses the committed steps to clean: give --keep-last too")
+    try:
+        cleaned = clean_stale(args.root, older_than=args.older_than, dry_run=args.dry_run)
+        committed = [] if args.keep_last is None else prune(
+            args.root, keep_last=args.keep_last, older_than=args.older_than, run=args.run_id,
+            dry_run=args.dry_run)
+    except CheckpointError as exc:
+        raise InputError(str(exc)) from exc
+    verb = "would remove" if args.dry_run else "removed"
+    lines = ([f"{verb} unfinished: {p}" for p in cleaned.removed]
+             + [f"{verb} committed: {p}" for p in committed]
+             + [f"kept: {p}: {why}" for p, why in cleaned.kept])
+    data = {"ok": True, "dry_run": args.dry_run,
+            "removed_unfinished": [str(p) for p in cleaned.removed],
+            "removed_committed": [str(p) for p in committed],
+            "kept": [{"path": str(p), "why": why} for p, why in cleaned.kept]}
+    out.result(data, "\n".join(lines) or f"nothing to {verb.split()[-1]} under {args.root}")
+    return EXIT_OK
+
+
 # -- convert ----------------------------------------------------------------------------------
 
 
@@ -164,6 +223,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
     from composer_par.checkpoint.convert import (
         FLOAT_DTYPES,
         dcp_to_safetensors,
+        refusal,
         safetensors_to_dcp,
     )
     from composer_par.checkpoint.errors import CheckpointError
@@ -171,8 +231,7 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
 
     stream = out.stderr if out.stderr is not None else sys.stderr
     if args.dtype is not None and args.dtype.removeprefix("torch.") not in FLOAT_DTYPES:
-        raise InputError(f"--dtype {args.dtype}: weights convert only to "
-                         f"{', '.join(FLOAT_DTYPES)} (a cast to an integer dtype truncates)")
+        raise InputError(f"--dtype {args.dtype}: {refusal(args.dtype.removeprefix('torch.'))}")
     try:
         kind = kind_of(args.source)
         target = "safetensors" if kind in ("dcp", "root") else "dcp"

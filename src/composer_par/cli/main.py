@@ -1,5 +1,5 @@
 """``composer-par``: check and explain plans, list plugins and rule codes, estimate,
-suggest, dry-run, inspect and convert checkpoints, and run a demo.
+suggest, dry-run, inspect, clean and convert checkpoints, and run a demo.
 
 This module holds the list of subcommands, the parser and :func:`main`; the subcommands
 live in modules by topic (:mod:`~composer_par.cli.plan_commands`,
@@ -60,6 +60,9 @@ COMMANDS: list[Command] = [
             demo.configure_demo, demo.run_demo),
     Command("inspect", "keys, shapes, dtypes, bytes, commit state and saved plan of a checkpoint "
             "(DCP or safetensors)", checkpoint.configure_inspect, checkpoint.run_inspect),
+    Command("clean", "remove a checkpoint root's stale unfinished steps and, with "
+            "--keep-last, each run's older committed ones (an age, a dry run)",
+            checkpoint.configure_clean, checkpoint.run_clean),
     Command("convert", "convert a checkpoint DCP <-> safetensors, streaming, with progress",
             checkpoint.configure_convert, checkpoint.run_convert),
     Command("estimate", "per-rank memory and per-mesh-dim communication of a plan",

@@ -217,7 +217,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                                       "exit_code": failure.exitcode,
                                       "error": message}
             if stuck:
+                # The rank that failed is the stuck one; the rank whose error says so
+                # was healthy, and only reported it.
                 failed["stuck_ranks"] = [int(r) for r in stuck.group(1).split(",")]
+                failed["failed_rank"] = failed["stuck_ranks"][0]
+                failed["reported_by"] = rank
             out.result(failed, "")
         return 1
     seconds = time.perf_counter() - started
