@@ -21,6 +21,7 @@ collects the cycles, so that every group's destructor joins its threads there.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -60,8 +61,6 @@ def call_rank(fn: Callable[..., _R], *args: object, **kwargs: object) -> _R:
 def _clear_dtensor_caches() -> None:
     """Empty DTensor's caches of sharding and redistribution plans: their keys and values
     hold device meshes, and a mesh holds its process groups."""
-    import sys
-
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor was made
         return
     from torch.distributed.tensor import _collective_utils, _redistribute, debug
@@ -109,10 +108,8 @@ def native_threads() -> list[str]:
     for task in tasks:
         if not task.name.isdigit() or int(task.name) in python:
             continue
-        try:
+        with contextlib.suppress(OSError):  # ended meanwhile
             names.append((task / "comm").read_text().strip())
-        except OSError:  # ended meanwhile
-            pass
     return names
 
 
