@@ -12,7 +12,6 @@ parameters an uninterrupted run would have had, bit for bit.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
 from composer_par.hangs import name_stuck_ranks
 from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
+from composer_par.teardown import run_rank
 from composer_par.tools.demo import corpus_bytes
 
 log = get_logger("train")
@@ -32,7 +32,7 @@ log = get_logger("train")
 # A testing aid: "RANK:STEP" makes that rank stop at that step, alive but joining no
 # collective, to show that the others give up at the plan's timeout and name it.
 FREEZE_ENV = "COMPOSER_PAR_TRAIN_FREEZE"
-# A testing aid: set, each rank prints the Python threads still running as it exits.
+# A testing aid: set, each rank prints the threads still running as it exits.
 THREADS_ENV = "COMPOSER_PAR_TRAIN_SHOW_THREADS"
 
 
@@ -133,27 +133,16 @@ def main() -> None:
             train(args, plan, torch.device("cuda") if cuda else torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    _exit_finished()
 
 
-def _exit_finished() -> None:
-    """End a rank that finished, with status 0, skipping the interpreter's teardown.
-
-    destroy_process_group forgets the groups, but torch (FSDP2 over gloo) still holds one
-    from native code, so its worker and transport threads outlive it: left to the
-    teardown, a still-running native thread met at exit aborts the process ("terminate
-    called without an active exception") and torchrun reports the finished job failed.
-    Everything this job wrote is on disk and committed by now; what remains is output."""
+def _show_threads() -> None:
     import threading
 
-    if os.environ.get(THREADS_ENV):
-        names = [t.name for t in threading.enumerate()]
-        print(f"rank {os.environ.get('RANK', '0')}: python threads at exit: {names}",
-              file=sys.stderr, flush=True)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from composer_par.teardown import native_threads
+
+    print(f"rank {os.environ.get('RANK', '0')}: threads at exit: python "
+          f"{[t.name for t in threading.enumerate()]}, native {native_threads()}",
+          file=sys.stderr, flush=True)
 
 
 def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) -> None:
@@ -222,4 +211,9 @@ def _freeze(step: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Every process group destroyed and its threads joined before the interpreter's
+    # teardown, on success and on error (composer_par.teardown).
+    status = run_rank(main)
+    if os.environ.get(THREADS_ENV):
+        _show_threads()
+    sys.exit(status)

@@ -85,3 +85,14 @@ def test_a_frozen_rank_ends_the_run_at_the_timeout_named_leaving_no_process(
     assert data["error"].startswith("StuckRankError: rank 0 never joined: ranks 1, 2, 3 "
                                     "timed out after 10 s")
     assert "demo failed: rank 0 never joined: ranks 1, 2, 3 timed out" in stderr
+
+
+def test_a_finished_demo_exits_0_on_every_rank_with_no_thread_left(tmp_path: Path) -> None:
+    # The launcher returns only if every rank exited 0; each rank reports the process
+    # group threads still running after its groups were destroyed (none, or a warning).
+    plan = Path(__file__).parent.parent / "examples" / "plans" / "fsdp.toml"
+    result = demo(tmp_path, "--plan", str(plan), "--nproc", "2", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout)["ok"] is True
+    assert "still running at exit" not in result.stderr, result.stderr[-4000:]
+    assert "terminate called" not in result.stderr

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,22 +98,24 @@ def test_train_py_keeps_each_run_s_steps_and_resumes_the_run_named(tmp_path: Pat
 @pytest.mark.timeout(300)
 def test_train_py_finished_job_exits_0_on_every_rank_with_no_thread_left(
         tmp_path: Path) -> None:
-    # torchrun exits 0 only if every worker did; each rank says which Python threads were
-    # still running as it ended, after its last save.
+    # torchrun exits 0 only if every worker did; each rank says which threads were still
+    # running as it ended, after its last save and export: none but the main thread, the
+    # process groups' native threads joined (composer_par.teardown).
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc-per-node", "2", str(EXAMPLES / "train.py"),
          str(EXAMPLES / "plans" / "fsdp.toml"), "--seq-len", "32", "--steps", "3",
-         "--save-every", "3"],
+         "--save-every", "3", "--final-weights", "final"],
         capture_output=True, text=True, cwd=tmp_path, timeout=240,
         env={**os.environ, "COMPOSER_PAR_TRAIN_SHOW_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "step-000000003" in result.stdout + result.stderr
     for rank in (0, 1):
-        assert f"rank {rank}: python threads at exit: ['MainThread']" in result.stderr, \
-            result.stderr[-4000:]
+        assert f"rank {rank}: threads at exit: python ['MainThread'], native []" in \
+            result.stderr, result.stderr[-4000:]
     assert "terminate called" not in result.stderr
+    assert "still running at exit" not in result.stderr
 
 
 @pytest.mark.distributed
@@ -138,3 +142,43 @@ def test_train_py_ends_a_job_with_a_frozen_rank_at_the_plans_timeout_naming_it(
     assert run.ended - frozen_at < timeout + ROLL_CALL_S + 60, stderr[-3000:]
     assert ("StuckRankError: rank 1 never joined: rank 0 timed out after 8 s" in stderr), \
         stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_train_py_rank_sent_sigterm_mid_run_ends_the_job_promptly_leaving_no_process(
+        tmp_path: Path) -> None:
+    # SIGTERM keeps its default action in a rank (nothing installs a handler that would
+    # wait for a collective to return): the rank ends at once, torchrun stops its peer
+    # and exits, and no process of the job is left.
+    mark = processes.new_mark()
+    with (tmp_path / "stderr").open("w") as stderr, subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", "--monitor-interval", "0.2", str(EXAMPLES / "train.py"),
+             str(EXAMPLES / "plans" / "fsdp.toml"), "--seq-len", "32", "--steps", "100000",
+             "--save-every", "2"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr,
+            env={**os.environ, processes.MARK_ENV: mark}) as job:
+        try:
+            committed = tmp_path / "train-checkpoints" / "step-000000002" / "COMMITTED"
+            deadline = time.monotonic() + 200
+            while not committed.exists():
+                assert job.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint committed"
+                time.sleep(0.1)
+            [rank1] = [pid for pid in processes.children(job.pid)
+                       if b"\0RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]
+            os.kill(rank1, signal.SIGTERM)
+            sent = time.monotonic()
+            code = job.wait(timeout=120)
+            ended = time.monotonic()
+            left = processes.marked(mark)
+        finally:
+            job.kill()
+            processes.kill_marked(mark)
+    text = (tmp_path / "stderr").read_text()
+    assert code == 1, text[-3000:]
+    assert "Signal 15 (SIGTERM) received by PID" in text, text[-3000:]
+    assert left == [], f"processes left behind: {left}"
+    # Prompt: no wait for the plan's timeout (300 s); the slack is for a loaded machine.
+    assert ended - sent < 60, text[-3000:]

@@ -203,7 +203,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     settings["freeze"] = freeze
     started = time.perf_counter()
     try:
-        result = elastic_launch(config, train_rank)(text, settings)[0]
+        results = elastic_launch(config, train_rank)(text, settings)
     except ChildFailedError as exc:
         rank, failure, message = _first_failure(exc)
         stuck = _STUCK.match(message)
@@ -225,6 +225,12 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             out.result(failed, "")
         return 1
     seconds = time.perf_counter() - started
+    for rank, rank_result in sorted(results.items()):
+        left = rank_result.pop("threads_left")
+        if left:  # would risk an abort at the rank's exit; a bug to report
+            say(f"rank {rank}: process group threads still running at exit: "
+                f"{', '.join(left)}")
+    result = results[0]
     losses = result["losses"]
     summary = [
         f"trained steps {result['first_step'] + 1}-{args.steps} on {nproc} processes in "
@@ -338,10 +344,15 @@ class _Progress:
 
 
 def train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """One rank: build on meta, apply the plan, train, save; rank 0 returns the results."""
+    """One rank: build on meta, apply the plan, train, save; rank 0 returns the results.
+    Whether it returns or raises, its process groups are destroyed and their threads
+    joined first (:func:`composer_par.teardown.call_rank`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_train_rank)(plan_text, settings)  # type: ignore[return-value]
+    from composer_par.teardown import call_rank, process_group_threads
+
+    result = call_rank(record(_train_rank), plan_text, settings)
+    return {**(result or {}), "threads_left": process_group_threads()}
 
 
 def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -351,11 +362,7 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from composer_par import checkpoint
-    from composer_par.hangs import name_stuck_ranks
     from composer_par.logging import configure_logging
-    from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
-    from composer_par.plan import ParallelPlan
 
     # TP hands the root a view of its logits; FSDP2 warns that an in-place op on such a
     # view would skip its backward hook. The loss below reads the logits out of place.
@@ -367,56 +374,71 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timedelta(seconds=settings["timeout"]))
     try:
-        with name_stuck_ranks(settings["timeout"]):
-            rank = dist.get_rank()
-            fail_rank, _, fail_step = (settings["fail"] or "-1:-1").partition(":")
-            plan = ParallelPlan.from_toml(plan_text)
-            plan.timeout = timedelta(seconds=settings["timeout"])  # --timeout: every group
-            freeze_rank, _, freeze_step = (settings.get("freeze") or "-1:-1").partition(":")
-            seq_len, batch = settings["seq_len"], settings["batch"]
-            cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
-                              max_seq_len=seq_len)
-            with torch.device("meta"):
-                built = Llama(cfg)
-            model = plan.apply(built)
-            device = next(model.parameters()).device
-            index, count = plan.data_shard()
-            data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
-            optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
-            # The same loop for every plan: with a pipeline the step runs its schedule.
-            trainer = plan.training_step(model, next_token_loss)
-            first = 0
-            if settings["resume"]:
-                # A pipeline rank's model holds its stages' keys only: the checkpoint's
-                # other keys are another rank's (strict would call them unexpected).
-                first = checkpoint.load(settings["checkpoint_dir"], model, optimizer,
-                                        strict=plan.pipeline is None).step
-            progress = _Progress(first, settings["steps"])
-            losses: list[float] = []
-            for step in range(first + 1, settings["steps"] + 1):
-                if rank == int(fail_rank) and step == int(fail_step):
-                    raise RuntimeError(f"failure injected at step {step} (--fail)")
-                if rank == int(freeze_rank) and step == int(freeze_step):
-                    _freeze(rank, step)
-                started = time.perf_counter()
-                tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
-                loss = trainer.step(tokens, tokens)  # the global batch's mean loss
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(float(loss))
-                if rank == 0:
-                    tokens_per_s = batch * seq_len / (time.perf_counter() - started)
-                    progress.update(step, losses[-1], tokens_per_s)
-            saved = checkpoint.latest(settings["checkpoint_dir"])
-            if losses:
-                saved = checkpoint.save(settings["checkpoint_dir"], model, optimizer,
-                                        step=settings["steps"], plan=plan, keep_last=2)
-            peaks = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, _peak_bytes(device))
-            return {"first_step": first, "losses": losses, "peak_bytes": peaks,
-                    "checkpoint": str(saved)}
+        # Its own frame: what it made (the model, the plan's mesh) is gone when it returns.
+        return _train(plan_text, settings)
     finally:
         dist.destroy_process_group()
+
+
+def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from composer_par import checkpoint
+    from composer_par.hangs import name_stuck_ranks
+    from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
+    from composer_par.plan import ParallelPlan
+
+    with name_stuck_ranks(settings["timeout"]):
+        rank = dist.get_rank()
+        fail_rank, _, fail_step = (settings["fail"] or "-1:-1").partition(":")
+        plan = ParallelPlan.from_toml(plan_text)
+        plan.timeout = timedelta(seconds=settings["timeout"])  # --timeout: every group
+        freeze_rank, _, freeze_step = (settings.get("freeze") or "-1:-1").partition(":")
+        seq_len, batch = settings["seq_len"], settings["batch"]
+        cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
+                          max_seq_len=seq_len)
+        with torch.device("meta"):
+            built = Llama(cfg)
+        model = plan.apply(built)
+        device = next(model.parameters()).device
+        index, count = plan.data_shard()
+        data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
+        # The same loop for every plan: with a pipeline the step runs its schedule.
+        trainer = plan.training_step(model, next_token_loss)
+        first = 0
+        if settings["resume"]:
+            # A pipeline rank's model holds its stages' keys only: the checkpoint's
+            # other keys are another rank's (strict would call them unexpected).
+            first = checkpoint.load(settings["checkpoint_dir"], model, optimizer,
+                                    strict=plan.pipeline is None).step
+        progress = _Progress(first, settings["steps"])
+        losses: list[float] = []
+        for step in range(first + 1, settings["steps"] + 1):
+            if rank == int(fail_rank) and step == int(fail_step):
+                raise RuntimeError(f"failure injected at step {step} (--fail)")
+            if rank == int(freeze_rank) and step == int(freeze_step):
+                _freeze(rank, step)
+            started = time.perf_counter()
+            tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
+            loss = trainer.step(tokens, tokens)  # the global batch's mean loss
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+            if rank == 0:
+                tokens_per_s = batch * seq_len / (time.perf_counter() - started)
+                progress.update(step, losses[-1], tokens_per_s)
+        saved = checkpoint.latest(settings["checkpoint_dir"])
+        if losses:
+            saved = checkpoint.save(settings["checkpoint_dir"], model, optimizer,
+                                    step=settings["steps"], plan=plan, keep_last=2)
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, _peak_bytes(device))
+        return {"first_step": first, "losses": losses, "peak_bytes": peaks,
+                "checkpoint": str(saved)}
 
 
 def main(argv: list[str] | None = None) -> int:
