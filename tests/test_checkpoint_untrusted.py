@@ -329,7 +329,7 @@ BAD_OPTIMIZER_FIELDS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "params not a list": (lambda o: _first_group(o).__setitem__("params", 5),
                           r"param_groups\[0\]\.params must be a list"),
     "a parameter in no group": (lambda o: _first_group(o)["params"].pop(),
-                                "no parameter group lists 1 parameter"),
+                                r"param_groups: \S+"),
     "a bad tuple": (lambda o: o["scalars"].__setitem__("output.weight\x00q", {"__tuple__": 5}),
                     "cannot be read back"),
     "a bad tensor dtype": (lambda o: o["scalars"].__setitem__(

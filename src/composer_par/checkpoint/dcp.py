@@ -674,9 +674,9 @@ def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any
     for own in osd.get("param_groups", []):
         absent = [p for p in own.get("params", []) if p not in group_of]
         if absent:
-            raise CorruptFileError(f"{where}: no parameter group lists {len(absent)} "
-                                   f"parameter(s) of the optimizer: "
-                                   f"{', '.join(map(str, absent[:5]))}")
+            # The model has parameters the saved optimizer never held (a deeper model, a
+            # pipeline stage with more blocks): a key mismatch, not a damaged file.
+            raise KeyMismatchError(where, [f"{OPTIM}.param_groups: {p}" for p in absent])
         for param in own.get("params", [])[:1]:
             _check_hyperparameters(where, own, group_of[param])
     return {"param_groups": groups, "state": scalars}
