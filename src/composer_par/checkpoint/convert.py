@@ -262,13 +262,12 @@ def dcp_to_safetensors(
 
         state = {prefix + k: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")
                  for k, s in specs.items()}
-        reader = verifying_reader(directory, metadata, manifest)
         try:
-            with dcp_errors(f"reading {directory}"):
+            with verifying_reader(directory, metadata, manifest) as reader, \
+                    dcp_errors(f"reading {directory}"):
                 dcp.load(state, storage_reader=reader,
                          planner=Planner(flatten_state_dict=False), no_dist=True)
         finally:
-            reader.close()
             writer.close()
         writer.check(specs, prefix)
         _write_headers(layout, staging)

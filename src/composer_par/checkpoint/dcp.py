@@ -617,13 +617,10 @@ def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if unexpected:
         log.warning("checkpoint keys not loaded", path=str(directory), count=len(unexpected),
                     first=unexpected[:5])
-    reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
-    try:
-        with dcp_errors(f"loading {directory}"):
-            # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
-            dcp.load(for_dcp(state), storage_reader=reader, no_dist=not _dist.active())
-    finally:
-        reader.close()
+    with verifying_reader(directory, metadata, manifest, collective=_dist.active()) as reader, \
+            dcp_errors(f"loading {directory}"):
+        # Strided (packed) tensors are described as their boxes (see checkpoint.strided).
+        dcp.load(for_dcp(state), storage_reader=reader, no_dist=not _dist.active())
     optim_state = None
     if osd is not None:
         full_state: dict[str, dict[str, Any]] = {

@@ -72,11 +72,18 @@ class VerifyingReader(FileSystemReader):
 
     def close(self) -> None:
         """Stop the digest checks not started yet and wait for the checking thread to
-        end. The loads call it when ``dcp.load`` returns or raises (an error on another
-        rank, Ctrl-C), so that no thread of the load outlives it."""
+        end. The loads use the reader as a context manager, which calls it when
+        ``dcp.load`` returns or raises (an error on another rank, Ctrl-C), so that no
+        thread of the load outlives it."""
         if self.checker is not None:
             self.checker.close()
             self.checker = None
+
+    def __enter__(self) -> VerifyingReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         for item in plan.items:

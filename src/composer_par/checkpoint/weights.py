@@ -211,11 +211,8 @@ def load_checkpoint_weights(
     if error is not None:
         raise error
     to_load = {prefix + m.keys[name]: state_dict[name] for name in m.keys}
-    reader = verifying_reader(directory, metadata, manifest, collective=_dist.active())
-    try:
-        with dcp_errors(f"loading {directory}"):
-            dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
-    finally:
-        reader.close()
+    with verifying_reader(directory, metadata, manifest, collective=_dist.active()) as reader, \
+            dcp_errors(f"loading {directory}"):
+        dcp.load(for_dcp(to_load), storage_reader=reader, no_dist=not _dist.active())
     return _finish(model, state_dict, m, strict=strict, started=started,
                    bytes_read=reader.bytes_verified, tied=tied)
