@@ -412,6 +412,18 @@ class Cleaned:
     kept: tuple[tuple[Path, str], ...]
 
 
+def root_to_clean(root: str | os.PathLike[str], older_than: float) -> Path:
+    """``root`` as a path, once ``older_than`` (seconds) and the root itself are checked:
+    what every clean-up of a root (stale steps, old committed steps) starts with."""
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) \
+            or older_than < 0:
+        raise ValueError(f"older_than must be a number of seconds >= 0; got {older_than!r}")
+    base = Path(root)
+    if not base.is_dir():
+        raise CheckpointError(f"{base}: no such checkpoint root")
+    return base
+
+
 def clean_stale(root: str | os.PathLike[str], *, older_than: float,
                 dry_run: bool = False) -> Cleaned:
     """Remove the unfinished (uncommitted) step directories under ``root`` that nothing
@@ -420,12 +432,7 @@ def clean_stale(root: str | os.PathLike[str], *, older_than: float,
     neither are leftovers younger than ``older_than``. With ``dry_run`` nothing is
     removed. Also removes hidden leftovers of interrupted claims and removals; a root
     this user may not change is a CheckpointError saying so."""
-    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) \
-            or older_than < 0:
-        raise ValueError(f"older_than must be a number of seconds >= 0; got {older_than!r}")
-    base = Path(root)
-    if not base.is_dir():
-        raise CheckpointError(f"{base}: no such checkpoint root")
+    base = root_to_clean(root, older_than)
     try:
         return _clean_stale(base, older_than, dry_run)
     except OSError as exc:

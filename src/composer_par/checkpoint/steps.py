@@ -294,17 +294,12 @@ def prune(root: str | os.PathLike[str], *, keep_last: int, older_than: float,
     the committed steps beyond its newest ``keep_last`` that were committed at least
     ``older_than`` seconds ago; the newest step of a run is never deleted. With
     ``dry_run`` nothing is deleted. Returns the (would-be) removed directories."""
-    from composer_par.checkpoint.claims import root_lock
+    from composer_par.checkpoint.claims import root_lock, root_to_clean
     from composer_par.checkpoint.runs import committed_by_run
 
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an integer of at least 1; got {keep_last!r}")
-    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) \
-            or older_than < 0:
-        raise ValueError(f"older_than must be a number of seconds >= 0; got {older_than!r}")
-    base = Path(root)
-    if not base.is_dir():
-        raise CheckpointError(f"{base}: no such checkpoint root")
+    base = root_to_clean(root, older_than)
     doomed: list[Path] = []
     with root_lock(base):
         now = time.time()
