@@ -637,6 +637,7 @@ BAD_ARGUMENTS = {
     "suggest": ["suggest", "--nodes", "0", "--devices-per-node", "8", "--device-memory",
                 "80GiB", "--params", "1e9", "--seq", "8"],
     "env": ["env", "extra"],
+    "compare": ["compare", "a.json", "b.json", "--rtol", "-1"],
 }
 
 

@@ -71,6 +71,9 @@ COMMANDS: list[Command] = [
             plan_tools.suggest_arguments, plan_tools.run_suggest),
     Command("env", "versions, devices, interconnect, inferred topology and plugins, for a "
             "bug report", diagnostics.env_arguments, diagnostics.run_env),
+    Command("compare", "two runs side by side (JSON logs or checkpoints): losses per step, "
+            "parameters, the first divergent step", diagnostics.compare_arguments,
+            diagnostics.run_compare),
 ]
 
 
