@@ -7,6 +7,7 @@ run). The work is done in :mod:`composer_par.tools.environment`,
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from composer_par.cli.common import EXIT_ERRORS, EXIT_OK, InputError, Output, bounded_int
 
@@ -74,4 +75,81 @@ def run_compare(args: argparse.Namespace, out: Output) -> int:
     return code
 
 
-__all__ = ["compare_arguments", "env_arguments", "run_compare", "run_env"]
+def selfcheck_arguments(parser: argparse.ArgumentParser) -> None:
+    from composer_par.cli.common import bounded_float
+
+    parser.add_argument("plan", metavar="PLAN", help="a plan file, or MODULE:FUNCTION "
+                        "returning a ParallelPlan; it must materialize with MetaInit")
+    parser.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                        help="the model to train (built on meta): a causal language model "
+                        "taking token ids, returning logits (or an output with .logits)")
+    parser.add_argument("--ranks", metavar="1,2,N",
+                        help="the rungs' rank counts, rising (default: 1, 2 and the plan's "
+                        "world size); rung 1, the baseline, always runs first")
+    parser.add_argument("--steps", type=bounded_int(1, 1000), default=4,
+                        help="check steps, timed (default 4)")
+    parser.add_argument("--warmup", type=bounded_int(0, 1000), default=1,
+                        help="warm-up steps before them, trained and checked, not timed "
+                        "(default 1)")
+    parser.add_argument("--seq-len", type=bounded_int(2, 1024), default=16,
+                        help="tokens per sample (default 16)")
+    parser.add_argument("--batch", type=bounded_int(1, 4096), default=8,
+                        help="global batch in samples (default 8)")
+    parser.add_argument("--lr", type=bounded_float(0.0), default=0.05,
+                        help="SGD learning rate (default 0.05)")
+    parser.add_argument("--seed", type=bounded_int(0), default=0,
+                        help="the seed of torch, random and the sampler (default 0)")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.use_deterministic_algorithms and cuDNN's deterministic "
+                        "mode on every rung (default on)")
+    parser.add_argument("--sampler", metavar="MODULE:FACTORY",
+                        help="factory(dataset, num_replicas=, rank=, seed=) -> the sample "
+                        "ids a data-parallel rank reads (default: DistributedSampler)")
+    parser.add_argument("--rtol", type=_tolerance, default=None,
+                        help="relative tolerance (default 1.3e-6, fp32)")
+    parser.add_argument("--atol", type=_tolerance, default=None,
+                        help="absolute tolerance (default 1e-5)")
+    parser.add_argument("--timeout", type=bounded_float(0.0, 3600.0), default=120.0,
+                        help="process-group timeout in seconds (default 120)")
+    parser.add_argument("--svg", metavar="FILE", type=Path,
+                        help="write a chart: peak memory, step time, collective share per rung")
+
+
+def run_selfcheck(args: argparse.Namespace, out: Output) -> int:
+    from composer_par.cli.plan_tools import model_code
+    from composer_par.tools import selfcheck
+    from composer_par.tools.compare import ATOL, RTOL
+    from composer_par.tools.demo import _quiet_numpy_warning
+
+    _quiet_numpy_warning()
+    try:
+        with model_code(args.plan):
+            ranks = (selfcheck.parse_ranks(args.ranks) if args.ranks
+                     else selfcheck.default_ranks(args.plan))
+        settings = selfcheck.Settings(
+            plan=args.plan, model=args.model, ranks=ranks, steps=args.steps,
+            warmup=args.warmup, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
+            seed=args.seed, deterministic=args.deterministic, timeout=args.timeout,
+            sampler=args.sampler, rtol=RTOL if args.rtol is None else args.rtol,
+            atol=ATOL if args.atol is None else args.atol)
+        with model_code(args.plan):
+            selfcheck.check_settings(settings)
+        with model_code(args.model):
+            from composer_par.tools.dryrun import build_on_meta, resolve_factory
+            from composer_par.tools.selfcheck_rank import vocabulary_size
+
+            vocabulary_size(build_on_meta(resolve_factory(args.model), args.model))
+    except selfcheck.SelfcheckInputError as exc:
+        raise InputError(str(exc)) from exc
+    doc = selfcheck.run_ladder(settings, out.note)
+    if args.svg is not None:
+        selfcheck.write_svg(doc, args.svg)
+        doc["svg"] = str(args.svg)
+    out.result(doc, selfcheck.format_report(doc))
+    if not doc["ok"]:
+        out.note(f"selfcheck: {selfcheck.first_failure_text(doc)}")
+    return EXIT_OK if doc["ok"] else EXIT_ERRORS
+
+
+__all__ = ["compare_arguments", "env_arguments", "run_compare", "run_env",
+           "run_selfcheck", "selfcheck_arguments"]

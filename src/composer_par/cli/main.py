@@ -74,6 +74,9 @@ COMMANDS: list[Command] = [
     Command("compare", "two runs side by side (JSON logs or checkpoints): losses per step, "
             "parameters, the first divergent step", diagnostics.compare_arguments,
             diagnostics.run_compare),
+    Command("selfcheck", "the pre-flight ladder: train a plan on 1, 2, N local ranks against "
+            "a one-process baseline; losses, parameters, samples, memory, step time, "
+            "collectives", diagnostics.selfcheck_arguments, diagnostics.run_selfcheck),
 ]
 
 
