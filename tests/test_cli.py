@@ -638,6 +638,7 @@ BAD_ARGUMENTS = {
                 "80GiB", "--params", "1e9", "--seq", "8"],
     "env": ["env", "extra"],
     "compare": ["compare", "a.json", "b.json", "--rtol", "-1"],
+    "selfcheck": ["selfcheck", "plan.toml", "--model", "m:f", "--steps", "0"],
 }
 
 

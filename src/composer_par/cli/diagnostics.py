@@ -50,7 +50,7 @@ def compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bit for bit: --rtol 0 --atol 0")
     parser.add_argument("--rung", type=bounded_int(1), metavar="RANKS",
                         help="in a selfcheck log, the rung of this many ranks (default: "
-                        "the last)")
+                        "the last); other logs ignore it")
 
 
 def run_compare(args: argparse.Namespace, out: Output) -> int:

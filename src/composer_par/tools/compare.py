@@ -99,11 +99,8 @@ def _from_log(path: Path, rung: int | None) -> Run:
         raise CompareError(f"{path}: not a JSON log: {exc}") from None
     if not isinstance(data, dict):
         raise CompareError(f"{path}: a JSON log is an object; found {type(data).__name__}")
-    if "rungs" in data:
+    if "rungs" in data:  # a selfcheck log; rung= concerns these alone
         data = _pick_rung(path, data["rungs"], rung)
-    elif rung is not None:
-        raise CompareError(f"{path}: --rung {rung} given, but this log has no rungs "
-                           "(it is not a selfcheck log)")
     losses = data.get("losses")
     if not isinstance(losses, list) or not all(isinstance(x, int | float) for x in losses):
         raise CompareError(f"{path}: expected \"losses\": a list of numbers")

@@ -333,8 +333,12 @@ def summarize(records: Sequence[dict[str, Any]], checks: list[tuple[str, Failure
     from composer_par.tools.compare import parameter_summary
 
     if failed is not None:
+        # torch's own words when deterministic mode meets an op without a deterministic
+        # implementation: the op is named in the message.
+        check = ("determinism" if "does not have a deterministic implementation"
+                 in failed.message else "run")
         return {"ranks": failed.ranks, "ok": False, "failure": {
-            "check": "run", "message": f"rank {failed.rank} failed: {failed.message}",
+            "check": check, "message": f"rank {failed.rank} failed: {failed.message}",
             "rank": failed.rank, "step": None, "parameter": None}}
     first = records[0]
     failure = next((f for _, f in checks or () if f is not None), None)
@@ -454,7 +458,8 @@ def format_report(doc: dict[str, Any]) -> str:
     else:
         where = ", ".join(f"{k} {failure[k]}" for k in ("step", "parameter", "rank")
                           if failure.get(k) is not None)
-        verb = "failed" if failure["check"] == "run" else f"differs: {failure['check']}"
+        verb = ("failed" if failure["check"] == "run" else
+                f"differs: {failure['check']}")
         lines.append(f"rung {failure['rung']} {verb}"
                      + (f" ({where})" if where else "") + f": {failure['message']}")
     return "\n".join(lines)
