@@ -193,7 +193,7 @@ def run_rung(settings: Settings, ranks: int) -> list[dict[str, Any]]:
     try:
         results = elastic_launch(config, rung_rank)(settings.for_ranks(ranks))
     except ChildFailedError as exc:
-        rank, failure, message = _first_failure(exc)
+        rank, _, message = _first_failure(exc)
         raise RungFailed(ranks, rank, message) from None
     return [results[r] for r in sorted(results)]
 
@@ -241,7 +241,7 @@ def _check_plans(records: Sequence[dict[str, Any]]) -> Failure | None:
     for record in records[1:]:
         lines = record["plan"].splitlines()
         if lines != first:
-            at = next((i for i, (a, b) in enumerate(zip(first, lines)) if a != b),
+            at = next((i for i, (a, b) in enumerate(zip(first, lines, strict=False)) if a != b),
                       min(len(first), len(lines)))
             mine = lines[at] if at < len(lines) else "(nothing)"
             theirs = first[at] if at < len(first) else "(nothing)"
@@ -291,8 +291,8 @@ def _check_samples(baseline: Sequence[Sequence[int]], records: Sequence[dict[str
         index = record["data_shard"][0]
         first = by_shard.setdefault(index, record)
         if record["samples"] != first["samples"]:
-            step = next(s for s, (a, b) in enumerate(zip(record["samples"], first["samples"]))
-                        if a != b) + 1
+            pairs = zip(record["samples"], first["samples"], strict=False)
+            step = next(s for s, (a, b) in enumerate(pairs) if a != b) + 1
             return Failure("samples", f"ranks {first['rank']} and {record['rank']} read data "
                            f"shard {index} but different samples at step {step}",
                            step=step, rank=record["rank"])
@@ -316,7 +316,7 @@ def _check_samples(baseline: Sequence[Sequence[int]], records: Sequence[dict[str
 
 def _check_losses(baseline: Sequence[float], losses: Sequence[float], rtol: float,
                   atol: float) -> Failure | None:
-    for step, (ref, got) in enumerate(zip(baseline, losses), start=1):
+    for step, (ref, got) in enumerate(zip(baseline, losses, strict=False), start=1):
         if not abs(got - ref) <= atol + rtol * abs(ref):
             return Failure("losses", f"the loss of step {step} is {got:.8g}, the baseline's "
                            f"{ref:.8g} (|diff| {abs(got - ref):.3g}; rtol {rtol:g}, "
@@ -485,7 +485,7 @@ def write_svg(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
         base_y = top + panel_h - 40
         parts.append(f'<line x1="{left}" y1="{base_y}" x2="{width - 10}" y2="{base_y}" '
                      'stroke="#444"/>')
-        for i, (rung, value) in enumerate(zip(rungs, values)):
+        for i, (rung, value) in enumerate(zip(rungs, values, strict=True)):
             x = left + 10 + i * (bar_w + 20)
             h = (panel_h - 60) * value / scale
             color = "#4c78a8" if rung["ok"] else "#e45756"

@@ -56,7 +56,9 @@ def rung_rank(settings: dict[str, Any]) -> dict[str, Any]:
 
     from composer_par.teardown import call_rank
 
-    return call_rank(record(_rung_rank), settings)
+    result = call_rank(record(_rung_rank), settings)
+    assert result is not None  # record() returns what the function returned
+    return result
 
 
 def _rung_rank(settings: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +168,8 @@ def _profiled_step(trainer: Any, optimizer: Any, tokens: torch.Tensor, device: t
         loss = _step(trainer, optimizer, tokens)
         _sync(device)
     step_us = (time.perf_counter() - started) * 1e6
-    intervals, by_name = [], {}
+    intervals: list[tuple[float, float]] = []
+    by_name: dict[str, dict[str, Any]] = {}
     for event in prof.events():
         if not event.name.startswith(COLLECTIVE_PREFIXES):
             continue
@@ -266,9 +269,9 @@ def sample_ids(settings: dict[str, Any], index: int, count: int, steps: int
     from composer_par.tools.dryrun import resolve_factory
 
     size = steps * settings["batch"]
-    dataset = range(size)
+    dataset: Any = range(size)  # sample ids: all a sampler needs is the length
     if settings.get("sampler"):
-        make = resolve_factory(settings["sampler"])
+        make: Any = resolve_factory(settings["sampler"])
         sampler = make(dataset, num_replicas=count, rank=index, seed=settings["seed"])
     else:
         sampler = DistributedSampler(dataset, num_replicas=count, rank=index, shuffle=True,
