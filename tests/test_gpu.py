@@ -57,7 +57,7 @@ def test_fsdp2_offload_keeps_pinned_cpu_shards() -> None:
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(GPUS < 2, reason="HSDP's replicate dim needs 2 GPUs")
+@pytest.mark.skipif(CUDA and GPUS < 2, reason="HSDP's replicate dim needs 2 GPUs")
 def test_nccl_comm_hook_of_the_compression_plugin() -> None:
     # Replicate only (HSDP alone, DDP-like): the comm hook runs on NCCL's all-reduce.
     plan = ('[mesh]\ndp_replicate = 2\n[[plugins]]\nname = "hsdp"\n[[plugins]]\n'

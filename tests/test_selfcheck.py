@@ -142,6 +142,8 @@ def test_a_nondeterministic_op_is_refused_at_the_baseline(plan_file: str,
     assert "put_ does not have a deterministic implementation" in failure["message"]
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
 def test_compare_reads_a_rung_of_a_selfcheck_log(correct_run: Any, tmp_path: Path) -> None:
     from composer_par.cli.main import main
 
