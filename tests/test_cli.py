@@ -636,6 +636,9 @@ BAD_ARGUMENTS = {
     "estimate": ["estimate", "plan.toml", "--seq", "0", "--params", "1e9"],
     "suggest": ["suggest", "--nodes", "0", "--devices-per-node", "8", "--device-memory",
                 "80GiB", "--params", "1e9", "--seq", "8"],
+    "env": ["env", "extra"],
+    "compare": ["compare", "a.json", "b.json", "--rtol", "-1"],
+    "selfcheck": ["selfcheck", "plan.toml", "--model", "m:f", "--steps", "0"],
 }
 
 

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from composer_par.cli import checkpoint, demo, plan_commands, plan_tools
+from composer_par.cli import checkpoint, demo, diagnostics, plan_commands, plan_tools
 from composer_par.cli.common import (
     EXIT_CODES,
     EXIT_OK,
@@ -69,6 +69,14 @@ COMMANDS: list[Command] = [
             plan_tools.estimate_arguments, plan_tools.run_estimate),
     Command("suggest", "rank candidate layouts for a model and a cluster; print the best plan",
             plan_tools.suggest_arguments, plan_tools.run_suggest),
+    Command("env", "versions, devices, interconnect, inferred topology and plugins, for a "
+            "bug report", diagnostics.env_arguments, diagnostics.run_env),
+    Command("compare", "two runs side by side (JSON logs or checkpoints): losses per step, "
+            "parameters, the first divergent step", diagnostics.compare_arguments,
+            diagnostics.run_compare),
+    Command("selfcheck", "the pre-flight ladder: train a plan on 1, 2, N local ranks against "
+            "a one-process baseline; losses, parameters, samples, memory, step time, "
+            "collectives", diagnostics.selfcheck_arguments, diagnostics.run_selfcheck),
 ]
 
 

@@ -388,7 +388,7 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
 
     from composer_par import checkpoint
     from composer_par.hangs import name_stuck_ranks
-    from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
+    from composer_par.models.llama import next_token_loss
     from composer_par.plan import ParallelPlan
 
     with name_stuck_ranks(settings["timeout"]):
@@ -398,10 +398,8 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         plan.timeout = timedelta(seconds=settings["timeout"])  # --timeout: every group
         freeze_rank, _, freeze_step = (settings.get("freeze") or "-1:-1").partition(":")
         seq_len, batch = settings["seq_len"], settings["batch"]
-        cfg = LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
-                          max_seq_len=seq_len)
         with torch.device("meta"):
-            built = Llama(cfg)
+            built = demo_model(seq_len)
         model = plan.apply(built)
         device = next(model.parameters()).device
         index, count = plan.data_shard()
@@ -439,6 +437,14 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_object(peaks, _peak_bytes(device))
         return {"first_step": first, "losses": losses, "peak_bytes": peaks,
                 "checkpoint": str(saved)}
+
+
+def demo_model(max_seq_len: int = MAX_SEQ_LEN) -> Any:
+    """The demo's Llama (``--model composer_par.tools.demo:demo_model`` for selfcheck)."""
+    from composer_par.models.llama import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
+                             max_seq_len=max_seq_len))
 
 
 def main(argv: list[str] | None = None) -> int:
