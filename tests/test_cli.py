@@ -636,6 +636,7 @@ BAD_ARGUMENTS = {
     "estimate": ["estimate", "plan.toml", "--seq", "0", "--params", "1e9"],
     "suggest": ["suggest", "--nodes", "0", "--devices-per-node", "8", "--device-memory",
                 "80GiB", "--params", "1e9", "--seq", "8"],
+    "import": ["import", "accelerate.yaml", "--nodes", "0"],
 }
 
 

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from composer_par.cli import checkpoint, demo, plan_commands, plan_tools
+from composer_par.cli import checkpoint, demo, migrate, plan_commands, plan_tools
 from composer_par.cli.common import (
     EXIT_CODES,
     EXIT_OK,
@@ -69,6 +69,8 @@ COMMANDS: list[Command] = [
             plan_tools.estimate_arguments, plan_tools.run_estimate),
     Command("suggest", "rank candidate layouts for a model and a cluster; print the best plan",
             plan_tools.suggest_arguments, plan_tools.run_suggest),
+    Command("import", "a plan file from an accelerate config, a DeepSpeed JSON or the "
+            "Trainer's --fsdp / --deepspeed", migrate.import_arguments, migrate.run_import),
 ]
 
 
