@@ -71,6 +71,7 @@ def apply_strategy(draft: Draft, key: str, value: Any, *, nodes: int | None) -> 
                      f"use one of {', '.join(STRATEGIES)}")
         return
     strategy = STRATEGIES[name]
+    value = getattr(value, "name", value)  # a ShardingStrategy shown by its name
     if not strategy.shard:
         draft.map(key, value, draft.dim("dp_replicate", -1), draft.use("hsdp"))
         return
@@ -164,8 +165,9 @@ def fsdp1_plan(sharding_strategy: Any = "FULL_SHARD", *, auto_wrap_policy: Any =
             draft.map("auto_wrap_policy", f"wrap {', '.join(classes)}",
                       draft.option("hsdp", "blocks", classes))
         else:
-            draft.find("CP905", "auto_wrap_policy", getattr(auto_wrap_policy, "__name__",
-                       type(auto_wrap_policy).__name__), "a wrap policy by size or a custom "
+            policy = getattr(auto_wrap_policy, "func", auto_wrap_policy)  # a partial's
+            draft.find("CP905", "auto_wrap_policy", getattr(policy, "__name__",
+                       type(policy).__name__), "a wrap policy by size or a custom "
                        "function has no equal: the plan makes one FSDP unit per block "
                        "(detected, or named by blocks)", "name the block classes: "
                        "FSDP2(blocks=[\"LlamaDecoderLayer\"]); units= shards other modules "
