@@ -10,7 +10,8 @@ Python arguments.
 Every key of the source is either mapped to plan lines or reported with a rule code
 that names what the plan does instead (:meth:`ImportResult.explain` lists both). The
 mapping tables are in docs/migration.md. Nothing here imports torch, accelerate or
-DeepSpeed.
+DeepSpeed. :func:`load_fsdp1` loads FSDP1's checkpoints (full and sharded state dicts,
+with the optimizer) into a model a plan applied, to resume training.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from composer_par.migrate.accelerate_config import read_accelerate
 from composer_par.migrate.deepspeed_config import read_deepspeed
 from composer_par.migrate.draft import Draft, ImportFailed, ImportResult, Mapped
 from composer_par.migrate.fsdp1 import STRATEGIES, fsdp1_plan, strategy_name
+from composer_par.migrate.fsdp1_checkpoint import Fsdp1Load, load_fsdp1
 from composer_par.migrate.reading import (
     ACCELERATE,
     DEEPSPEED,
@@ -83,6 +85,6 @@ def _json(value: Mapping[str, Any] | str | Path | None) -> Mapping[str, Any] | N
     return data
 
 
-__all__ = ["ACCELERATE", "DEEPSPEED", "KINDS", "STRATEGIES", "TRAINER", "ImportFailed",
-           "ImportResult", "Mapped", "fsdp1_plan", "import_config", "import_trainer_args",
-           "strategy_name"]
+__all__ = ["ACCELERATE", "DEEPSPEED", "KINDS", "STRATEGIES", "TRAINER", "Fsdp1Load",
+           "ImportFailed", "ImportResult", "Mapped", "fsdp1_plan", "import_config",
+           "import_trainer_args", "load_fsdp1", "strategy_name"]
