@@ -342,3 +342,30 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "CP101" in capsys.readouterr().out
     assert main(["import"]) == 2
     assert main(["import", "--help"]) == 0
+
+
+def test_every_deepspeed_key_is_mapped_or_found() -> None:
+    path = DATA / "ds_zero3.json"
+    config = json.loads(path.read_text())
+    result = import_config(path)
+    keys = {m.key for m in result.mapped}
+    expected = {k for k in config if k != "zero_optimization"}
+    expected |= {f"zero_optimization.{k}" for k in config["zero_optimization"]}
+    assert keys == expected
+
+
+def test_accelerate_config_naming_a_deepspeed_file(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text((DATA / "ds_zero3.json").read_text())
+    config = write(tmp_path, "c.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                   "  deepspeed_config_file: ds.json\n  zero3_init_flag: true\n")
+    result = import_config(config)
+    assert plugins(result)["fsdp2"]["reshard_after_forward"] is True
+    assert any(m.key == "ds.json: zero_optimization.stage" for m in result.mapped)
+    # the accelerate keys beside the file are read too
+    assert next(m for m in result.mapped
+                if m.key == "deepspeed_config.zero3_init_flag").code == "CP910"
+    missing = write(tmp_path, "m.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                    "  deepspeed_config_file: nowhere.json\n")
+    with pytest.raises(ImportFailed) as caught:
+        import_config(missing)
+    assert caught.value.report.codes() == ["CP901"]

@@ -258,24 +258,16 @@ def _deepspeed(draft: Draft, config: Mapping[str, Any], *, base: Path | None) ->
             return
         draft.map(prefix + "deepspeed_config_file", path)
         read_deepspeed(draft, data, prefix=f"{file.name}: ")
-        return
-    # accelerate's own keys: the DeepSpeed JSON it writes from them.
-    ds: dict[str, Any] = {"zero_optimization": {"stage": config.get("zero_stage", 2)}}
-    zero = ds["zero_optimization"]
-    for which in ("optimizer", "param"):
-        device = config.get(f"offload_{which}_device")
-        if device and device != "none":
-            zero[f"offload_{which}"] = {"device": device}
-    for key in ("gradient_accumulation_steps", "gradient_clipping"):
-        if key in config:
-            ds[key] = config[key]
-    read_deepspeed(draft, ds, label=lambda path: prefix + _DS_NAMES.get(path, path))
+    else:
+        _deepspeed_keys(draft, config, prefix)
     for key, value in config.items():
         full = prefix + key
-        if key in ("zero_stage", "offload_optimizer_device", "offload_param_device",
-                   "gradient_accumulation_steps", "gradient_clipping"):
-            continue
-        if key == "zero3_save_16bit_model":
+        if key == "deepspeed_config_file" or (key in _FROM_KEYS and not path):
+            continue  # read above
+        if key in _FROM_KEYS:
+            draft.find("CP902", full, value, "accelerate refuses it beside "
+                       "deepspeed_config_file, which says it", "set it in the DeepSpeed JSON")
+        elif key == "zero3_save_16bit_model":
             draft.find("CP911", full, value, "a plan's checkpoints are sharded DCP; full "
                        "weights are exported as safetensors", "export with "
                        "composer_par.checkpoint.export_safetensors or composer-par convert")
@@ -297,6 +289,23 @@ def _deepspeed(draft: Draft, config: Mapping[str, Any], *, base: Path | None) ->
             unknown_key(draft, full, value, DS_ACCELERATE)
 
 
+def _deepspeed_keys(draft: Draft, config: Mapping[str, Any], prefix: str) -> None:
+    # accelerate's own keys: the DeepSpeed JSON it writes from them.
+    ds: dict[str, Any] = {"zero_optimization": {"stage": config.get("zero_stage", 2)}}
+    zero = ds["zero_optimization"]
+    for which in ("optimizer", "param"):
+        device = config.get(f"offload_{which}_device")
+        if device and device != "none":
+            zero[f"offload_{which}"] = {"device": device}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in config:
+            ds[key] = config[key]
+    read_deepspeed(draft, ds, label=lambda path: prefix + _DS_NAMES.get(path, path))
+
+
+# accelerate's deepspeed_config keys that stand for a DeepSpeed JSON's.
+_FROM_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device",
+              "gradient_accumulation_steps", "gradient_clipping")
 # DeepSpeed's config paths -> accelerate's deepspeed_config keys that set them.
 _DS_NAMES = {"zero_optimization.stage": "zero_stage",
              "zero_optimization.offload_optimizer": "offload_optimizer_device",
