@@ -639,6 +639,7 @@ BAD_ARGUMENTS = {
     "env": ["env", "extra"],
     "compare": ["compare", "a.json", "b.json", "--rtol", "-1"],
     "selfcheck": ["selfcheck", "plan.toml", "--model", "m:f", "--steps", "0"],
+    "import": ["import", "accelerate.yaml", "--nodes", "0"],
 }
 
 

@@ -7,6 +7,7 @@ Every rule has a stable code. Codes group by what they look at:
 * ``CP3xx`` topology: which mesh dims cross nodes
 * ``CP4xx`` the model (found at apply or by ``validate --model``)
 * ``CP5xx`` the plan file itself (the CLI exits 2 on these)
+* ``CP9xx`` configs imported from other tools (``composer-par import``)
 
 The core's codes are :data:`CORE_RULES` (its checks live in :mod:`composer_par.rules`).
 Each plugin brings its own catalog, the class attribute ``rules`` of its plugin class,
@@ -274,6 +275,51 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "leave dispatch_batches unset or False",
          "PlanAccelerator(plan, dataloader_config=DataLoaderConfiguration("
          "dispatch_batches=True))"),
+    # CP9xx: configs imported from other tools (composer_par.migrate, composer-par import);
+    # each names the source key and what the plan does instead.
+    Rule("CP901", _E, "the config cannot be read as an accelerate or DeepSpeed config",
+         "give an accelerate config YAML or a DeepSpeed JSON (composer-par import --from "
+         "to say which)", "composer-par import notes.txt"),
+    Rule("CP902", _E, "a setting has a value its tool does not accept",
+         "give one of the values the message lists",
+         "fsdp_config:\n  fsdp_sharding_strategy: FULLSHARD"),
+    Rule("CP903", Severity.INFO, "a setting FSDP2 does without",
+         "nothing to do: FSDP2 does what the setting asked for by itself",
+         "fsdp_config:\n  fsdp_use_orig_params: true"),
+    Rule("CP904", Severity.INFO, "a bucket or prefetch size: FSDP2 communicates per unit",
+         "choose the FSDP2 units (blocks, units) to change the granularity",
+         "{\"zero_optimization\": {\"stage\": 3, \"reduce_bucket_size\": 5e8}}"),
+    Rule("CP905", _W, "wrapping by size or not at all: the plan shards by block",
+         "name the block classes in the fsdp2 plugin's blocks option",
+         "fsdp_config:\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+    Rule("CP906", _W, "offloading the plan does differently (NVMe, optimizer state alone)",
+         "check that host memory holds what the plan offloads to CPU, or leave offload out",
+         "{\"zero_optimization\": {\"stage\": 3, \"offload_optimizer\": {\"device\": "
+         "\"nvme\"}}}"),
+    Rule("CP907", _W, "fp16 loss scaling is left to the training loop",
+         "scale the loss with ShardedGradScaler in the loop, or train in bf16",
+         "mixed_precision: fp16"),
+    Rule("CP908", _W, "a feature with no equal in composer_par",
+         "leave it out, or add the plugin the message names",
+         "parallelism_config:\n  parallelism_config_cp_size: 2"),
+    Rule("CP909", Severity.INFO, "a setting of the launch or the training loop, not of a plan",
+         "give it to the launcher (torchrun) or the training loop",
+         "{\"gradient_clipping\": 1.0}"),
+    Rule("CP910", _W, "weights loaded on one rank and broadcast",
+         "build the model on meta; add load_safetensors (or meta_init)",
+         "fsdp_config:\n  fsdp_cpu_ram_efficient_loading: true"),
+    Rule("CP911", Severity.INFO, "checkpoints are composer_par's sharded layout",
+         "save with composer_par.checkpoint; export full weights as safetensors",
+         "fsdp_config:\n  fsdp_state_dict_type: FULL_STATE_DICT"),
+    Rule("CP912", _W, "a setting the importer does not know",
+         "check its spelling; the plan leaves it out",
+         "fsdp_config:\n  fsdp_ofload_params: true"),
+    Rule("CP913", _E, "the layout needs a node count the config does not give",
+         "give the node count: composer-par import --nodes N",
+         "composer-par import --fsdp \"hybrid_shard\" --fsdp-config '{\"version\": 1}'"),
+    Rule("CP914", Severity.INFO, "an \"auto\" value is left to the trainer",
+         "give the value in the plan or in the trainer's arguments",
+         "{\"bf16\": {\"enabled\": \"auto\"}}"),
 )
 
 

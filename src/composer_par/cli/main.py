@@ -31,7 +31,14 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from composer_par.cli import checkpoint, demo, diagnostics, plan_commands, plan_tools
+from composer_par.cli import (
+    checkpoint,
+    demo,
+    diagnostics,
+    migrate,
+    plan_commands,
+    plan_tools,
+)
 from composer_par.cli.common import (
     EXIT_CODES,
     EXIT_OK,
@@ -77,6 +84,8 @@ COMMANDS: list[Command] = [
     Command("selfcheck", "the pre-flight ladder: train a plan on 1, 2, N local ranks against "
             "a one-process baseline; losses, parameters, samples, memory, step time, "
             "collectives", diagnostics.selfcheck_arguments, diagnostics.run_selfcheck),
+    Command("import", "a plan file from an accelerate config, a DeepSpeed JSON or the "
+            "Trainer's --fsdp / --deepspeed", migrate.import_arguments, migrate.run_import),
 ]
 
 

@@ -259,12 +259,18 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def prepare_accelerator(plan: ParallelPlan, model: nn.Module, **accelerator_kwargs: Any
-                        ) -> tuple[PlanAccelerator, nn.Module]:
+def prepare_accelerator(plan: ParallelPlan | str | os.PathLike[str], model: nn.Module,
+                        **accelerator_kwargs: Any) -> tuple[PlanAccelerator, nn.Module]:
     """``(accelerator, model)``: a :class:`PlanAccelerator` for ``plan`` (refusing what
     overlaps it before anything is built) and ``model`` with the plan applied on its mesh.
-    Build the optimizer on the returned model's parameters, then ``accelerator.prepare``."""
-    accelerator = plan_accelerator_class()(plan, **accelerator_kwargs)
+    ``plan`` may be a plan file, or an accelerate config YAML or DeepSpeed JSON, imported
+    as ``composer-par import`` does (its findings printed; add a materializer to the
+    plan for a model on meta by importing it yourself:
+    ``composer_par.integrations.sources.load_plan``). Build the optimizer on the
+    returned model's parameters, then ``accelerator.prepare``."""
+    from composer_par.integrations.sources import load_plan
+
+    accelerator = plan_accelerator_class()(load_plan(plan), **accelerator_kwargs)
     return accelerator, accelerator.apply(model)
 
 

@@ -31,7 +31,8 @@ transformers (and accelerate) are imported when a trainer is made, not with this
 first asked for. Training arguments that overlap the plan are refused before anything is
 built (CP711-CP719, :func:`trainer_findings`). A plan file on the command line:
 :class:`PlanArguments` with ``HfArgumentParser`` (``--plan plan.toml``), see
-examples/hf_trainer_plan.py.
+examples/hf_trainer_plan.py; or no plan file at all: :func:`plan_trainer` with ``None``
+builds the plan from the Trainer's own ``--fsdp`` / ``--deepspeed`` arguments.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
     from composer_par.integrations._plan_trainer import PlanTrainer
     from composer_par.plan import ParallelPlan
+    from composer_par.plugin import Plugin
 
 TRAINER = "Trainer"
 CHECKPOINT_EXTRA = "trainer"
@@ -140,11 +142,29 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def plan_trainer(plan: ParallelPlan | str | os.PathLike[str], model: nn.Module,
-                 args: transformers.TrainingArguments, **kwargs: Any) -> PlanTrainer:
-    """A :class:`PlanTrainer` from a plan or a plan file's path."""
-    if isinstance(plan, (str, os.PathLike)):
-        plan = PlanArguments(os.fspath(plan)).load()
+def plan_trainer(plan: ParallelPlan | str | os.PathLike[str] | None, model: nn.Module,
+                 args: transformers.TrainingArguments, *, materializer: Plugin | None = None,
+                 **kwargs: Any) -> PlanTrainer:
+    """A :class:`PlanTrainer` from a plan, a plan file's path, an accelerate config or a
+    DeepSpeed JSON (imported, the findings printed), or ``None``: the plan the Trainer's
+    own ``--fsdp`` / ``--fsdp_config`` / ``--deepspeed`` / ``--bf16`` / ``--fp16`` /
+    ``--gradient_checkpointing`` describe, those arguments then turned off
+    (:func:`composer_par.integrations.sources.plan_from_training_args`).
+    ``materializer`` (``MetaInit()``, a loader) is added to an imported plan, which has
+    none, for a model built on meta."""
+    from composer_par.integrations.sources import load_plan, plan_from_training_args
+
+    if plan is None:
+        plan, args, _ = plan_from_training_args(args)
+        imported = True
+    else:
+        imported = not hasattr(plan, "use") and Path(plan).suffix.lower() != ".toml"
+        plan = load_plan(plan)
+    if materializer is not None:
+        if not imported:
+            raise TypeError("materializer= is for a plan imported from another tool's "
+                            "settings; add it to your own plan with plan.use(...)")
+        plan.use(materializer)
     return plan_trainer_class()(plan, model=model, args=args, **kwargs)
 
 

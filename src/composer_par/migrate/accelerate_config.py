@@ -1,0 +1,343 @@
+"""An accelerate config (the YAML ``accelerate config`` writes) as a plan.
+
+FSDP1's keys (``fsdp_sharding_strategy``, or ``fsdp_reshard_after_forward`` holding a
+strategy name) go through :mod:`composer_par.migrate.fsdp1`'s table; FSDP2's
+(``fsdp_version: 2``, ``fsdp_reshard_after_forward: true``) and ``parallelism_config``'s
+sizes map one to one. ``distributed_type: DEEPSPEED`` reads ``deepspeed_config`` (its
+``deepspeed_config_file``, or accelerate's own ``zero_stage`` / ``offload_*_device``
+keys) through :mod:`composer_par.migrate.deepspeed_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from composer_par.migrate.deepspeed_config import read_deepspeed
+from composer_par.migrate.draft import Draft
+from composer_par.migrate.fsdp1 import apply_precision, apply_strategy
+from composer_par.migrate.keys import unknown_key
+
+# Keys of the launch (torchrun's flags, the machines), not of the plan.
+LAUNCH = frozenset({
+    "compute_environment", "debug", "gpu_ids", "machine_rank", "main_process_ip",
+    "main_process_port", "main_training_function", "rdzv_backend", "same_network",
+    "enable_cpu_affinity", "use_cpu", "downcast_bf16", "tpu_name", "tpu_zone",
+    "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+    "mpirun_config", "ipex_config", "mpirun_hostfile",
+})
+FSDP_UNNEEDED = {
+    "fsdp_use_orig_params": "FSDP2's parameters are the model's own (DTensors): there are "
+    "no flat parameters to keep the originals of",
+    "fsdp_sync_module_states": "the plan materializes every rank's shards from one seeded "
+    "init or from the weights (MetaInit, LoadSafetensors): nothing to broadcast",
+    "fsdp_backward_prefetch": "FSDP2 prefetches the next unit's all-gather in backward "
+    "always (BACKWARD_PRE)",
+    "fsdp_forward_prefetch": "FSDP2 prefetches the next unit's all-gather in forward",
+    "fsdp_limit_all_gathers": "FSDP2 bounds its in-flight all-gathers itself",
+}
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
+                     "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON", "FSDP",
+                     "DEEPSPEED", "MEGATRON_LM", "XLA", "TP")
+PARALLELISM = "parallelism_config_"
+# accelerate's deepspeed_config keys (not a DeepSpeed JSON) and their DeepSpeed places.
+DS_ACCELERATE = ("zero_stage", "offload_optimizer_device", "offload_param_device",
+                 "offload_optimizer_nvme_path", "offload_param_nvme_path",
+                 "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+                 "zero3_save_16bit_model", "deepspeed_config_file", "deepspeed_hostfile",
+                 "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+                 "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names")
+
+
+def _flag(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "1", "yes", "on")
+
+
+def read_accelerate(draft: Draft, config: Mapping[str, Any], *, base: Path | None = None,
+                    nodes: int | None = None) -> int | None:
+    """Every key of an accelerate config into ``draft``; returns the world size it says
+    (``num_processes``), or None."""
+    kind = str(config.get("distributed_type", "NO")).upper()
+    machines = config.get("num_machines", 1)
+    processes = config.get("num_processes", -1)
+    nodes = nodes if nodes is not None else (
+        machines if isinstance(machines, int) and machines >= 1 else None)
+    world = processes if isinstance(processes, int) and processes >= 1 else None
+    if kind not in DISTRIBUTED_TYPES:
+        draft.refuse("CP902", "distributed_type", kind, "not a distributed type of "
+                     "accelerate", f"use one of {', '.join(DISTRIBUTED_TYPES)}")
+        return world
+    if kind == "FSDP":
+        draft.map("distributed_type", kind)
+        read_fsdp(draft, config.get("fsdp_config") or {}, config.get(PARALLELISM[:-1]) or {},
+              nodes=nodes)
+    elif kind == "DEEPSPEED":
+        draft.map("distributed_type", kind)
+        _deepspeed(draft, config.get("deepspeed_config") or {}, base=base)
+    elif kind in ("MEGATRON_LM", "XLA"):
+        draft.find("CP908", "distributed_type", kind, f"{kind} has no equal in composer_par",
+                   "describe the parallelism with the plan's plugins (fsdp2, tp, pp)",
+                   draft.dim("dp_shard", -1), draft.use("fsdp2"))
+    else:  # plain data parallel (DDP), or one process
+        draft.map("distributed_type", kind, draft.dim("dp_replicate", -1), draft.use("hsdp"))
+    launch: list[str] = []
+    for key, value in config.items():
+        if key in ("distributed_type", "fsdp_config", "deepspeed_config", "parallelism_config"):
+            continue
+        if key == "num_processes" or key == "num_machines":
+            draft.map(key, value, *_topology(draft, world, nodes, key))
+        elif key == "mixed_precision":
+            apply_precision(draft, key, value, str(value))
+        elif key == "dynamo_config":
+            _dynamo(draft, value or {})
+        elif key in ("megatron_lm_config", "fp8_config"):
+            if value:
+                draft.find("CP908", key, value, f"{key} has no equal in composer_par",
+                           "leave it out")
+        elif key in LAUNCH:
+            launch.append(key)
+            draft.note("CP909", key, value)
+        else:
+            unknown_key(draft, key, value, (*LAUNCH, "distributed_type", "fsdp_config",
+                                            "deepspeed_config", "parallelism_config",
+                                            "num_processes", "num_machines", "mixed_precision",
+                                            "dynamo_config", "megatron_lm_config",
+                                            "fp8_config"))
+    if launch:
+        draft.report("CP909", f"{', '.join(launch)}: settings of the launch, not of a plan",
+                     "give them to the launcher (torchrun --nnodes, --node-rank, "
+                     "--master-addr, CUDA_VISIBLE_DEVICES)")
+    return world
+
+
+def _topology(draft: Draft, world: int | None, nodes: int | None, key: str) -> list[str]:
+    if key != "num_processes" or world is None or nodes is None or world % nodes:
+        return []
+    draft.topology = {"nodes": nodes, "devices_per_node": world // nodes}
+    return [f"[topology] nodes = {nodes}, devices_per_node = {world // nodes}"]
+
+
+def read_fsdp(draft: Draft, fsdp: Mapping[str, Any], parallelism: Mapping[str, Any], *,
+              nodes: int | None, label: Callable[[str], str] | None = None) -> None:
+    """accelerate's ``fsdp_config`` (and FSDP2's ``parallelism_config``) into ``draft``;
+    ``label`` gives the name a key is shown by (default ``fsdp_config.<key>``)."""
+    version = int(fsdp.get("fsdp_version", 1) or 1)
+    name = label or (lambda key: "fsdp_config." + key)
+    strategy_key = next((k for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
+                         if k in fsdp and (version == 1 or k == "fsdp_sharding_strategy")), None)
+    if version == 1:
+        apply_strategy(draft, name(strategy_key or "fsdp_sharding_strategy"),
+                       fsdp.get(strategy_key, "FULL_SHARD") if strategy_key else "FULL_SHARD",
+                       nodes=nodes)
+    elif parallelism:
+        _parallelism(draft, parallelism)
+    else:  # FSDP2 without sizes: accelerate shards over every process
+        draft.map(name("fsdp_version"), version, draft.dim("dp_shard", -1), draft.use("fsdp2"))
+    if version != 1:
+        reshard = fsdp.get("fsdp_reshard_after_forward", True)
+        draft.map(name("fsdp_reshard_after_forward"), reshard,
+                  draft.option("fsdp2", "reshard_after_forward", _flag(reshard)))
+    sharding = draft.has("fsdp2")
+    policy = str(fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
+    for key, value in fsdp.items():
+        full = name(key)
+        if key in ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+            if key == "fsdp_version" and (version == 1 or parallelism):
+                draft.map(full, value)
+            continue
+        if key == "fsdp_offload_params":
+            if not _flag(value):
+                draft.map(full, value)
+            elif sharding:
+                draft.map(full, value, draft.option("fsdp2", "offload", "cpu"))
+            else:
+                draft.find("CP906", full, value, "NO_SHARD only replicates: CPU offload needs "
+                           "FSDP2", "shard (FULL_SHARD) to offload")
+        elif key == "fsdp_auto_wrap_policy":
+            if str(value).upper() == "TRANSFORMER_BASED_WRAP":
+                draft.map(full, value)  # blocks: the class names, or detected
+            else:
+                draft.find("CP905", full, value, "wrapping by size or not at all has no equal: "
+                           "the plan makes one FSDP unit per block (detected, or named by "
+                           "blocks)", "name the block classes: blocks = "
+                           "[\"LlamaDecoderLayer\"] in the fsdp2 plugin")
+        elif key == "fsdp_transformer_layer_cls_to_wrap":
+            names = [n.strip() for n in str(value).split(",") if n.strip()]
+            if names and policy == "TRANSFORMER_BASED_WRAP":
+                target = "fsdp2" if sharding else "hsdp"
+                draft.map(full, value, draft.option(target, "blocks", names))
+            else:
+                draft.map(full, value)
+        elif key == "fsdp_min_num_params":
+            draft.find("CP905", full, value, "a wrap size has no equal: the plan makes one "
+                       "FSDP unit per block", "name the block classes in the fsdp2 plugin's "
+                       "blocks option")
+        elif key == "fsdp_state_dict_type":
+            draft.find("CP911", full, value, "a plan's checkpoints are sharded DCP, resharded "
+                       "on load to any layout; full weights are exported as safetensors",
+                       "save with composer_par.checkpoint.save; export full weights with "
+                       "composer_par.checkpoint.export_safetensors or composer-par convert")
+        elif key == "fsdp_cpu_ram_efficient_loading":
+            if _flag(value):
+                draft.find("CP910", full, value, "rank 0 loading the full weights and "
+                           "broadcasting them has no equal: in a plan each rank reads only its "
+                           "own shards", "build the model on meta and add load_safetensors "
+                           "with the weights' path (or meta_init to initialize)")
+            else:
+                draft.map(full, value)
+        elif key == "fsdp_activation_checkpointing":
+            if _flag(value):
+                draft.map(full, value, draft.use("activation_checkpoint"))
+            else:
+                draft.map(full, value)
+        elif key == "fsdp_activation_checkpointing_offload":
+            if _flag(value):
+                draft.find("CP908", full, value, "offloading checkpointed activations to CPU "
+                           "has no equal", "leave it out; checkpointing recomputes instead")
+            else:
+                draft.map(full, value)
+        elif key in FSDP_UNNEEDED:
+            draft.find("CP903", full, value, FSDP_UNNEEDED[key], "nothing to do")
+        else:
+            unknown_key(draft, full, value, (
+                *FSDP_UNNEEDED, "fsdp_version", "fsdp_sharding_strategy",
+                "fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_auto_wrap_policy",
+                "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
+                "fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading",
+                "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload"))
+
+
+def _parallelism(draft: Draft, config: Mapping[str, Any]) -> None:
+    """FSDP2's sizes: dp_replicate (hsdp), dp_shard (fsdp2), tp (tp); cp and sp have no
+    plugin here."""
+    sizes = {k.removeprefix(PARALLELISM): v for k, v in config.items()}
+    replicate = int(sizes.get("dp_replicate_size", 1) or 1)
+    shard = int(sizes.get("dp_shard_size", 1) or 1)
+    tp = int(sizes.get("tp_size", 1) or 1)
+    rest = [k for k in sizes if k not in ("dp_replicate_size", "dp_shard_size", "tp_size")]
+    key = "parallelism_config." + PARALLELISM
+    # All ones (or absent): accelerate shards over every process.
+    shard_size = -1 if shard == 1 and replicate * tp == 1 else shard
+    if replicate > 1:
+        draft.map(key + "dp_replicate_size", replicate, draft.dim("dp_replicate", replicate),
+                  draft.use("hsdp"))
+    draft.map(key + "dp_shard_size", shard, draft.dim("dp_shard", shard_size),
+              draft.use("fsdp2"))
+    if tp > 1:
+        draft.map(key + "tp_size", tp, draft.dim("tp", tp), draft.use("tp"))
+    for name in rest:
+        value = sizes[name]
+        if name in ("cp_size", "sp_size") and int(value or 1) > 1:
+            what = "context" if name == "cp_size" else "sequence"
+            draft.find("CP908", key + name, value, f"{what} parallelism has no plugin here "
+                       "yet", "leave it out (size 1); for sequence parallelism inside tp use "
+                       "the tp plugin's sequence_parallel")
+        elif name in ("cp_size", "sp_size"):
+            draft.map(key + name, value)
+        else:
+            draft.find("CP903", key + name, value, "a setting of context or sequence "
+                       "parallelism, which the plan does not run", "nothing to do")
+
+
+def _deepspeed(draft: Draft, config: Mapping[str, Any], *, base: Path | None) -> None:
+    prefix = "deepspeed_config."
+    path = config.get("deepspeed_config_file")
+    if path:
+        file = Path(str(path))
+        if not file.is_absolute() and base is not None:
+            file = base / file
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            draft.refuse("CP901", prefix + "deepspeed_config_file", path,
+                         f"cannot read the DeepSpeed JSON it names: {exc}",
+                         "check the path (relative to the accelerate config), or import the "
+                         "DeepSpeed JSON itself: composer-par import ds.json")
+            return
+        draft.map(prefix + "deepspeed_config_file", path)
+        read_deepspeed(draft, data, prefix=f"{file.name}: ")
+    else:
+        _deepspeed_keys(draft, config, prefix)
+    for key, value in config.items():
+        full = prefix + key
+        if key == "deepspeed_config_file" or (key in _FROM_KEYS and not path):
+            continue  # read above
+        if key in _FROM_KEYS:
+            draft.find("CP902", full, value, "accelerate refuses it beside "
+                       "deepspeed_config_file, which says it", "set it in the DeepSpeed JSON")
+        elif key == "zero3_save_16bit_model":
+            draft.find("CP911", full, value, "a plan's checkpoints are sharded DCP; full "
+                       "weights are exported as safetensors", "export with "
+                       "composer_par.checkpoint.export_safetensors or composer-par convert")
+        elif key == "zero3_init_flag":
+            if _flag(value):
+                draft.find("CP910", full, value, "zero.Init builds the model sharded; a plan "
+                           "builds it on meta and materializes only each rank's shards",
+                           "build the model under torch.device(\"meta\") and add meta_init or "
+                           "load_safetensors")
+            else:
+                draft.map(full, value)
+        elif key in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
+            draft.find("CP906", full, value, "NVMe offload has no equal in FSDP2", "offload to "
+                       "CPU memory (fsdp2 offload = \"cpu\")")
+        elif key in DS_ACCELERATE:
+            draft.find("CP909", full, value, "a setting of the launch, not of a plan",
+                       "give it to the launcher")
+        else:
+            unknown_key(draft, full, value, DS_ACCELERATE)
+
+
+def _deepspeed_keys(draft: Draft, config: Mapping[str, Any], prefix: str) -> None:
+    # accelerate's own keys: the DeepSpeed JSON it writes from them.
+    ds: dict[str, Any] = {"zero_optimization": {"stage": config.get("zero_stage", 2)}}
+    zero = ds["zero_optimization"]
+    for which in ("optimizer", "param"):
+        device = config.get(f"offload_{which}_device")
+        if device and device != "none":
+            zero[f"offload_{which}"] = {"device": device}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in config:
+            ds[key] = config[key]
+    read_deepspeed(draft, ds, label=lambda path: prefix + _DS_NAMES.get(path, path))
+
+
+# accelerate's deepspeed_config keys that stand for a DeepSpeed JSON's.
+_FROM_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device",
+              "gradient_accumulation_steps", "gradient_clipping")
+# DeepSpeed's config paths -> accelerate's deepspeed_config keys that set them.
+_DS_NAMES = {"zero_optimization.stage": "zero_stage",
+             "zero_optimization.offload_optimizer": "offload_optimizer_device",
+             "zero_optimization.offload_param": "offload_param_device"}
+
+
+def _dynamo(draft: Draft, config: Mapping[str, Any]) -> None:
+    prefix = "dynamo_config."
+    backend = str(config.get("dynamo_backend", "NO")).lower()
+    for key, value in config.items():
+        full = prefix + key
+        if key == "dynamo_backend":
+            if backend in ("no", "none"):
+                draft.map(full, value)
+            elif backend == "inductor":
+                draft.map(full, value, draft.use("compile"))
+            else:
+                draft.map(full, value, draft.option("compile", "backend", backend))
+        elif backend in ("no", "none"):
+            draft.map(full, value)
+        elif key == "dynamo_mode":
+            mode = str(value)
+            draft.map(full, value, *([] if mode == "default" else
+                                     [draft.option("compile", "mode", mode)]))
+        elif key == "dynamo_use_fullgraph":
+            draft.map(full, value, draft.option("compile", "fullgraph", _flag(value)))
+        elif key == "dynamo_use_regional_compilation":
+            draft.map(full, value)  # the plan compiles each block: regional already
+        elif key == "dynamo_use_dynamic":
+            draft.find("CP908", full, value, "the compile plugin leaves dynamic shapes to "
+                       "torch.compile's default", "leave it out")
+        else:
+            unknown_key(draft, full, value, ("dynamo_backend", "dynamo_mode",
+                                             "dynamo_use_fullgraph", "dynamo_use_dynamic",
+                                             "dynamo_use_regional_compilation"))
