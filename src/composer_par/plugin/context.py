@@ -83,10 +83,14 @@ class ApplyContext:
         :meth:`submesh`."""
         if len(shard) <= 1:
             return self.submesh(*replicate, *shard)
-        flat = "_".join(shard)
-        self.submesh(*shard)._flatten(flat)
-        assert self.device_mesh is not None  # submesh raised otherwise
-        return self.device_mesh[(*replicate, flat) if replicate else flat]
+        flat = self.submesh(*shard)._flatten("_".join(shard))
+        if not replicate:
+            return flat
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # Slicing a flattened dim out of the root mesh is deprecated (torch warns): the
+        # flattened mesh is joined to the replicate dims' instead.
+        return DeviceMesh._concatenate([self.submesh(*replicate), flat])
 
     def replicate_dims(self) -> list[str]:
         """The mesh dims data-parallel plugins should replicate over (composition hook)."""
