@@ -602,8 +602,10 @@ class FSDP2(Plugin):
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
         hooked = {h.dim for h in plan.comm_hooks() if h.all_reduce}
+        folded = {f.dim for f in plan.folded_dims()}
         dims = [*(d for d in plan.replicate_dims() if d in plan.mesh and d not in hooked),
-                self.dim]
+                " x ".join(d for d in plan.mesh.names if d == self.dim or d in folded)
+                or self.dim]
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items()
                          if k not in ("dim", "units", "gradient_divide_factor"))
         middle = (", then " + ", ".join(" + ".join(_entry_paths(e)) for e in self.units)
@@ -633,7 +635,11 @@ class FSDP2(Plugin):
         comm_hooks = ctx.comm_hooks()
         hooked = [d for d in replicate if d in comm_hooks and comm_hooks[d].all_reduce]
         replicate = [d for d in replicate if d not in hooked]
-        mesh = ctx.submesh(*replicate, self.dim)
+        # Dims the model-parallel plugins fold in (cp, ep) hold equal parameters: they
+        # shard with this dim as one flattened shard dim.
+        folded = {f.dim for f in ctx.folded_dims()}
+        shard = [d for d in ctx.mesh.names if d == self.dim or d in folded]
+        mesh = ctx.data_parallel_mesh(replicate, shard)
         if self.offload == "cpu":
             # Pinned host memory needs an accelerator; without one, pinning fails.
             offload: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -659,7 +665,8 @@ class FSDP2(Plugin):
                         **options)
             sharded.extend(modules)
         ctx.data_parallel_modules.extend(sharded)
-        dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim))
+        dims = ", ".join([*(f"{d}({ctx.mesh.size(d)})" for d in replicate),
+                          " x ".join(f"{d}({ctx.mesh.size(d)})" for d in shard)])
         extra = [u for u in units if u.kind == "unit"]
         detail = (f"fully_shard on {len(ctx.blocks)} block(s) + "
                   + (f"{len(extra)} unit(s) ({', '.join(u.name for u in extra)}) + "

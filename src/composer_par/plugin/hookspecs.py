@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from composer_par.findings import Finding
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration, EstimateSettings
+    from composer_par.plugin.base import Declaration, EstimateSettings, FoldedDim
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
     from composer_par.plugin.pipeline import Timeline
@@ -92,6 +92,25 @@ def composer_par_replicate_dims(plan: ParallelPlan) -> list[str] | None:
 
     Called: by a data-parallel plugin building its mesh (FSDP2 asks; HSDP answers).
     Returns: the names of mesh dims this plugin replicates over, outermost first.
+    """
+
+
+@hookspec
+def composer_par_folded_dims(plan: ParallelPlan) -> list[FoldedDim] | None:
+    """Model-parallel mesh dims that data parallelism folds in (context and expert
+    parallelism's dims).
+
+    Called: by data-parallel plugins building their mesh, by ``plan.data_shard()`` and
+    ``plan.data_parallel_dims()``, and by ``explain``; statically (must not import torch).
+    Returns: :class:`~composer_par.plugin.FoldedDim` values, one per claimed mesh dim over
+    which the parameters the plugin does not split are equal across ranks, so their
+    gradients must also be averaged over it. FSDP2 then shards over its own dim and these
+    together (one flattened shard dim; replicate dims stay outer), and HSDP alone
+    replicates over its dim and these. A dim whose ``distinct_samples`` is true is a
+    data-parallel dim of the plan's data shards (ranks along it read different samples).
+    With no data-parallel plugin in the plan, nothing else reduces over a folded dim: the
+    folding plugin averages those gradients itself. Parameters that differ along the dim
+    (expert parallelism's experts) are the folding plugin's business.
     """
 
 
