@@ -28,3 +28,52 @@ class ContextLlama(LlamaTask):
 llama = ContextLlama()
 # Four KV heads: alltoall over 4 ranks, and TP, need head counts they divide.
 llama_kv4 = ContextLlama(n_kv_heads=4)
+
+
+class ContextHF:
+    """A Hugging Face decoder from tests/hf_workers.py's tiny config (SDPA attention),
+    trained on next-token prediction; each cp rank takes its part of the tokens, labels
+    and ``position_ids``."""
+
+    def __init__(self, family: str, **overrides: Any) -> None:
+        self.family, self.overrides = family, overrides
+
+    def build(self) -> Any:
+        import torch
+        import transformers
+
+        from tests import hf_workers
+
+        config = hf_workers.config(self.family, **self.overrides)
+        config._attn_implementation = "sdpa"
+        cls = getattr(transformers, hf_workers.FAMILIES[self.family][1])
+        with torch.device("meta"):
+            return cls(config)
+
+    def batch(self, step: int) -> Any:
+        from tests import hf_workers
+
+        return hf_workers.batch(self.family, step)["input_ids"]
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+        from composer_par.plugins.cp import context_of, next_token_labels
+
+        labels = next_token_labels(batch)
+        cp = context_of(model)
+        if cp is None:
+            positions = torch.arange(batch.shape[1])[None].expand_as(batch)
+            logits = model(input_ids=batch, position_ids=positions).logits
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                   labels.reshape(-1))
+        positions = cp.positions(batch.shape[1])[None].expand(batch.shape[0], -1)
+        logits = model(input_ids=cp.shard(batch), position_ids=positions).logits
+        return cp.cross_entropy(logits, cp.shard(labels))
+
+
+hf_llama = ContextHF("llama")
+hf_qwen3 = ContextHF("qwen3")
+# Sliding-window layers narrower than the sequence, so the window masks something.
+hf_mistral = ContextHF("mistral", sliding_window=6)
+hf_gemma3 = ContextHF("gemma3", sliding_window=6)

@@ -28,6 +28,7 @@ import attrs
 from composer_par.plugin import (
     Claim,
     Finding,
+    FoldedDim,
     Plugin,
     Role,
     Rule,
@@ -89,6 +90,12 @@ class CP(Plugin):
 
     def claims(self) -> tuple[Claim, ...]:
         return (Claim(self.dim, Role.MODEL_PARALLEL),)
+
+    @hookimpl
+    def composer_par_folded_dims(self) -> list[FoldedDim]:
+        # Parameters are equal on every cp rank; the ranks read the same samples, each
+        # its own part of every sequence.
+        return [FoldedDim(self.dim, distinct_samples=False)]
 
     def _size(self, mesh: MeshSpec) -> int:
         return mesh.size(self.dim) if self.dim in mesh else 1
