@@ -77,3 +77,26 @@ hf_qwen3 = ContextHF("qwen3")
 # Sliding-window layers narrower than the sequence, so the window masks something.
 hf_mistral = ContextHF("mistral", sliding_window=6)
 hf_gemma3 = ContextHF("gemma3", sliding_window=6)
+
+
+def train_with_training_step(case: Any) -> tuple[list[float], dict[str, Any]]:
+    """The rank side of a parity case through ``plan.training_step``, as
+    examples/train.py runs it: the step takes this rank's tokens and positions and its
+    labels, and returns the global batch's mean loss."""
+    from composer_par.plugins.cp import context_of, next_token_labels
+
+    from composer_par.testing.parity import full_parameters, start_rank
+
+    task, plan, model, index, count, optimizer = start_rank(case)
+    cp = context_of(model)
+    assert cp is not None and plan.notes["cp"] is cp
+    trainer = plan.training_step(model, cp.cross_entropy)
+    losses = []
+    for step in range(case.steps):
+        tokens = task.batch(step).chunk(count)[index]
+        loss = trainer.step((cp.shard(tokens), cp.positions(tokens.shape[1])),
+                            cp.shard(next_token_labels(tokens)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, full_parameters(model)

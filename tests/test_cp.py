@@ -176,3 +176,18 @@ def test_parity_on_four_ranks() -> None:
     checkpointing, both modes."""
     plans = ["cp4", "fsdp2", "hsdp", "tp", "fsdp2_ac"]
     _check([c for p in plans for c in _cases("llama_kv4", p, 4)], timeout=280)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_training_step_gives_the_global_mean_loss() -> None:
+    """The plan's training step on dp_shard x cp: the loss it returns is the mean over
+    every token of the global batch on every rank, the parameters at parity."""
+    from composer_par.testing.distributed import run_ranks
+    from composer_par.testing.parity import parity_result
+
+    from tests import cp_workers
+
+    case = _cases("llama", "fsdp2", 4)[0]
+    ranks = run_ranks(cp_workers.train_with_training_step, 4, args=(case,), timeout=200)
+    parity_result(case, ranks).assert_close()
