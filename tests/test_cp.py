@@ -185,7 +185,6 @@ def test_training_step_gives_the_global_mean_loss() -> None:
     every token of the global batch on every rank, the parameters at parity."""
     from composer_par.testing.distributed import run_ranks
     from composer_par.testing.parity import parity_result
-
     from tests import cp_workers
 
     case = _cases("llama", "fsdp2", 4)[0]

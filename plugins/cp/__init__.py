@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 MODES = ("allgather", "alltoall")
 
 
-def _seq_len(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+def _seq_len(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                               or value < 1):
         raise ValueError(f"seq_len must be a positive int or None; got {value!r}")
