@@ -89,14 +89,29 @@ def train_with_training_step(case: Any) -> tuple[list[float], dict[str, Any]]:
 
     task, plan, model, index, count, optimizer = start_rank(case)
     cp = context_of(model)
-    assert cp is not None and plan.notes["cp"] is cp
+    assert cp is not None or plan.pipeline is not None
+    cp = plan.notes["cp"]
     trainer = plan.training_step(model, cp.cross_entropy)
     losses = []
     for step in range(case.steps):
         tokens = task.batch(step).chunk(count)[index]
-        loss = trainer.step((cp.shard(tokens), cp.positions(tokens.shape[1])),
-                            cp.shard(next_token_labels(tokens)))
+        # Positions per sample, so that a pipeline cuts them into microbatches as it
+        # cuts the tokens (every stage is given them).
+        positions = cp.positions(tokens.shape[1]).expand(tokens.shape[0], -1)
+        loss = trainer.step(cp.shard(tokens), cp.shard(next_token_labels(tokens)),
+                            positions=positions)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
+    if plan.pipeline is not None:
+        from tests.pp_workers import gathered_parameters
+
+        # Each stage's ranks hold its parameters only: every rank gets all of them,
+        # the copies of every rank holding one found equal.
+        return losses, gathered_parameters(model)
     return losses, full_parameters(model)
+
+
+def train_many_with_training_step(cases: list[Any]) -> list[tuple[list[float], dict[str, Any]]]:
+    """:func:`train_with_training_step` for several cases in one run of the ranks."""
+    return [train_with_training_step(case) for case in cases]

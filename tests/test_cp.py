@@ -141,6 +141,9 @@ PLANS = {
     "fsdp2": '[mesh]\ndp_shard = 2\ncp = 2\n\n[[plugins]]\nname = "fsdp2"\n\n' + _CP,
     "hsdp": '[mesh]\ndp_replicate = 2\ncp = 2\n\n[[plugins]]\nname = "hsdp"\n\n' + _CP,
     "tp": '[mesh]\ncp = 2\ntp = 2\n\n[[plugins]]\nname = "tp"\n\n' + _CP,
+    "fsdp2_tp": '[mesh]\ndp_shard = 2\ncp = 2\ntp = 2\n\n[[plugins]]\nname = "fsdp2"\n\n'
+                '[[plugins]]\nname = "tp"\n\n' + _CP,
+    "pp": '[mesh]\npp = 2\ncp = 2\n\n[[plugins]]\nname = "pp"\nschedule = "1F1B"\n\n' + _CP,
     "fsdp2_ac": '[mesh]\ndp_shard = 2\ncp = 2\n\n[[plugins]]\nname = "activation_checkpoint"'
                 '\n\n[[plugins]]\nname = "fsdp2"\n\n' + _CP,
 }
@@ -190,3 +193,26 @@ def test_training_step_gives_the_global_mean_loss() -> None:
     case = _cases("llama", "fsdp2", 4)[0]
     ranks = run_ranks(cp_workers.train_with_training_step, 4, args=(case,), timeout=200)
     parity_result(case, ranks).assert_close()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parity_with_a_pipeline() -> None:
+    """pp 2 x cp 2 through the plan's training step (positions given to every stage,
+    cut into microbatches with the tokens), both modes."""
+    from composer_par.testing.distributed import run_ranks
+    from composer_par.testing.parity import parity_result
+    from tests import cp_workers
+
+    cases = _cases("llama_kv4", "pp", 4)
+    ranks = run_ranks(cp_workers.train_many_with_training_step, 4, args=(cases,),
+                      timeout=280)
+    for i, case in enumerate(cases):
+        parity_result(case, [per_rank[i] for per_rank in ranks]).assert_close()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parity_on_eight_ranks() -> None:
+    """dp_shard 2 x cp 2 x tp 2: FSDP2 over dp_shard x cp, TP inside, both modes."""
+    _check(_cases("llama_kv4", "fsdp2_tp", 8), timeout=280)
