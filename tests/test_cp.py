@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.nn as nn
@@ -216,3 +217,46 @@ def test_parity_with_a_pipeline() -> None:
 def test_parity_on_eight_ranks() -> None:
     """dp_shard 2 x cp 2 x tp 2: FSDP2 over dp_shard x cp, TP inside, both modes."""
     _check(_cases("llama_kv4", "fsdp2_tp", 8), timeout=280)
+
+
+def test_blockwise_chunks_are_exact_causal_attention() -> None:
+    """Each chunk of queries over the keys up to its end, merged by log-sum-exp, is the
+    causal attention of the whole sequence, gradients included (float64)."""
+    from composer_par.plugins.cp.blockwise import chunk_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 8, dtype=torch.float64, generator=gen,
+                           requires_grad=True) for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn(reference.shape, dtype=torch.float64, generator=gen)
+    expected = torch.autograd.grad(reference, (q, k, v), grad)
+    out = torch.cat([chunk_attention(q[:, :, c * 8:(c + 1) * 8], k[:, :, :(c + 1) * 8],
+                                     v[:, :, :(c + 1) * 8], c * 8) for c in range(4)], dim=2)
+    torch.testing.assert_close(out, reference)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected, strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", MODES)
+def test_estimate_equals_a_real_steps_bytes(mode: str) -> None:
+    """The attention collectives CommCounter counts in one step are what
+    ``attention_collectives`` predicts, call for call and byte for byte."""
+    from composer_par.plugins.cp.estimate import attention_collectives
+
+    from composer_par.testing.parity import measure_comm
+    from tests.cp_workers import llama
+
+    case = _cases("llama", "cp2", 2)[MODES.index(mode)]
+    measured = measure_comm(attrs.evolve(case, steps=1), timeout=200)
+    # The project's Llama repeats K/V to the query heads before its attention math.
+    predicted = attention_collectives(
+        "cp", mode, size=2, layers=llama.n_layers, batch=llama.global_batch,
+        seq=llama.seq_len, heads=llama.n_heads, kv_heads=llama.n_heads,
+        head_dim=llama.dim // llama.n_heads, dtype_bytes=4)
+    for rank in range(2):
+        counted = {kind: value for kind, value in measured.summary[rank]["cp"].items()
+                   if kind != "all_reduce"}  # CP's own gradient averaging, apart
+        assert counted == {c.kind: {"calls": c.calls, "bytes": c.payload}
+                           for c in predicted}, (rank, counted)

@@ -3,9 +3,11 @@
 
 Two modes, both calling ``scaled_dot_product_attention``, the math a single process runs:
 
-* ``allgather``: each rank gathers every rank's keys and values (rank order) and masks
-  with the global positions of its queries and of the gathered keys. Exact for any head
-  count; holds the whole sequence's K/V per layer.
+* ``allgather``: each rank gathers every rank's keys and values and attends with each of
+  its two chunks of queries to the keys up to the chunk's end (:mod:`.blockwise`, on
+  CPU; elsewhere, and with a sliding window, with a mask of the global positions of its
+  queries and of the gathered keys). Exact for any head count; holds the whole
+  sequence's K/V per layer.
 * ``alltoall`` (Ulysses): an all-to-all trades heads for sequence, so that each rank holds
   ``heads / cp`` heads of the whole sequence, put back in global order; plain causal
   attention on them; the inverse all-to-all. Needs the head and K/V-head counts divisible
@@ -23,8 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .blockwise import chunk_attention, supported
 from .comm import gather_sequence, heads_to_sequence, sequence_to_heads
-from .layout import gathered_positions, rank_positions
+from .layout import chunks_of_rank, gathered_positions, rank_positions
 
 MODES = ("allgather", "alltoall")
 
@@ -48,6 +51,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     gqa = k.shape[1] != q.shape[1]
     if mode == "allgather":
         keys, values = gather_sequence(k, group, 2), gather_sequence(v, group, 2)
+        if window is None and supported(q):
+            return _chunked(q, keys, values, size, rank, scale)
         mask = visible(rank_positions(seq_len, size, rank, q.device),
                        gathered_positions(seq_len, size, q.device), window)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
@@ -65,6 +70,26 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(
             positions, positions, window), scale=scale, enable_gqa=gqa)
     return sequence_to_heads(out.index_select(2, placed), group)
+
+
+def _chunked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, size: int, rank: int,
+             scale: float | None) -> torch.Tensor:
+    """``allgather``'s attention without a mask tensor (:mod:`.blockwise`): each of this
+    rank's two chunks over the keys up to its end, the gathered keys in global order."""
+    order = torch.argsort(gathered_positions(q.shape[2] * size, size, q.device))
+    keys, values = keys.index_select(2, order), values.index_select(2, order)
+    if keys.shape[1] != q.shape[1]:
+        repeat = q.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(repeat, dim=1)
+        values = values.repeat_interleave(repeat, dim=1)
+    length = q.shape[2] // 2
+    outs = []
+    for index, chunk in enumerate(chunks_of_rank(rank, size)):
+        end = (chunk + 1) * length
+        outs.append(chunk_attention(q[:, :, index * length:(index + 1) * length],
+                                    keys[:, :, :end], values[:, :, :end], chunk * length,
+                                    scale))
+    return torch.cat(outs, dim=2)
 
 
 class ContextAttention(nn.Module):
