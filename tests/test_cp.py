@@ -260,3 +260,24 @@ def test_estimate_equals_a_real_steps_bytes(mode: str) -> None:
                    if kind != "all_reduce"}  # CP's own gradient averaging, apart
         assert counted == {c.kind: {"calls": c.calls, "bytes": c.payload}
                            for c in predicted}, (rank, counted)
+
+
+def test_estimate_divides_activations_by_cp_and_adds_buffers() -> None:
+    from composer_par import FSDP2
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    model = ModelShape.from_numbers(layers=4, hidden=256, heads=8, kv_heads=2,
+                                   ffn_hidden=512, vocab=1000)
+    work = Workload(seq=8192)
+    # A cp rank's activations are those of half the sequence alone.
+    half = estimate_plan(ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()), model,
+                         Workload(seq=4096), world_size=4)
+    with_cp = estimate_plan(ParallelPlan(MeshSpec(dp_shard=2, cp=2)).use(FSDP2()).use(CP()),
+                            model, work, world_size=4)
+    assert with_cp.memory.activations == half.memory.activations
+    kv = 2 * 2 * 32 * 4 * 8192 // 2  # K and V, 2 heads of 32, fp32, half the sequence
+    assert with_cp.memory.extra == {"cp: cp allgather buffers": 4 * kv}
+    traffic = next(t for t in with_cp.traffic if t.dim.name == "cp")
+    cp_dim = {c.kind: c.payload for c in traffic.collectives}
+    assert cp_dim == {"all_gather": 4 * 2 * 2 * 32 * 4 * 8192,
+                      "all_to_all": 4 * 2 * 2 * 32 * 4 * 8192}

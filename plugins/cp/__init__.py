@@ -21,12 +21,14 @@ collectives), ``attention`` (the two modes), ``drivable`` (which attention a mod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from composer_par.plugin import (
     Claim,
+    EstimatePart,
+    EstimateSettings,
     Finding,
     FoldedDim,
     Plugin,
@@ -38,6 +40,7 @@ from composer_par.plugin import (
 )
 
 from .drivable import Drivable, find_attention
+from .estimate import attention_collectives, kv_buffer_bytes
 from .findings import (
     RULES,
     drive_findings,
@@ -61,6 +64,7 @@ if TYPE_CHECKING:
     from composer_par.plugin import ApplyContext, MeshSpec, PlanView, Topology
 
 MODES = ("allgather", "alltoall")
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 def _seq_len(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
@@ -122,6 +126,35 @@ class CP(Plugin):
         if self.mode == "alltoall":
             out += head_findings(found, size, _tp_size(plan, mesh))
         return out
+
+    @hookimpl
+    def composer_par_estimate_settings(self, plan: PlanView) -> EstimateSettings:
+        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else 1
+        return EstimateSettings(sequence_split=size if size > 1 else None)
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any) -> EstimatePart:
+        size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
+        if size < 2 or not model.heads:
+            return EstimatePart(collectives=())
+        dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
+        shape = {"size": size, "batch": workload.micro_batch, "seq": workload.seq,
+                 "heads": model.heads, "kv_heads": model.kv_heads or model.heads,
+                 "head_dim": model.hidden // model.heads,
+                 "dtype_bytes": _DTYPE_BYTES.get(dtype, 4)}
+        collectives = attention_collectives(self.dim, self.mode, layers=model.layers,
+                                            passes=workload.grad_accum, **shape)
+        # A layer's buffers stay saved for its backward, unless full checkpointing drops
+        # them (then one recomputed layer holds them at a time).
+        held = model.layers
+        if layout.activation_checkpoint == "full":
+            held -= model.layers // layout.checkpoint_every - 1
+        buffers = held * kv_buffer_bytes(self.mode, **shape)
+        return EstimatePart(
+            collectives=collectives, memory={f"cp {self.mode} buffers": buffers},
+            notes=(f"{self.dim}({size}): each rank holds {workload.seq // size} of every "
+                   f"sequence's {workload.seq} tokens (its activations), and in "
+                   f"{self.mode} per layer the buffers above",))
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
