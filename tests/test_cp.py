@@ -114,7 +114,9 @@ def test_cp825_cp_across_nodes_warns() -> None:
     report = cp_plan(CP(), 8, Topology(nodes=2, devices_per_node=4)).validate(world_size=8)
     assert codes(report) == ["CP302", "CP825"]
     assert "spans nodes" in report.warnings[0].message
-    assert "K/V" in report.warnings[0].message
+    assert "K and V" in report.warnings[0].message
+    with_seq = cp_plan(CP(seq_len=4096), 8, Topology(nodes=2, devices_per_node=4))
+    assert "3584 tokens" in with_seq.validate(world_size=8).warnings[0].message
     inside = ParallelPlan(MeshSpec(dp_replicate=2, cp=4),
                           topology=Topology(nodes=2, devices_per_node=4))
     inside.use(CP()).use(MetaInit())

@@ -113,7 +113,7 @@ class CP(Plugin):
         if size < 2:
             return []
         return [*sequence_findings(self.seq_len, size),
-                *node_findings(self.dim, mesh, topology, self.mode, None)]
+                *node_findings(self.dim, mesh, topology, self.mode, self.seq_len)]
 
     @hookimpl
     def composer_par_validate_model(self, plan: PlanView, model: nn.Module, mesh: MeshSpec

@@ -61,24 +61,24 @@ def kv_bytes_per_layer(kv_width: int | None, seq_len: int | None, size: int,
 
 
 def node_findings(dim: str, mesh: MeshSpec, topology: Topology | None, mode: str,
-                  kv_per_layer: int | None) -> list[Finding]:
+                  seq_len: int | None = None) -> list[Finding]:
     """CP825: a cp group spanning nodes moves every layer's K/V over the slow links."""
     if topology is None or dim not in mesh or mesh.size(dim) < 2 or not mesh.is_resolved:
         return []
-    if mesh.world_size != topology.world_size:
-        return []
-    if not topology.crosses_nodes(mesh, dim):
+    if mesh.world_size != topology.world_size or not topology.crosses_nodes(mesh, dim):
         return []
     size = mesh.size(dim)
-    what = (f"{kv_per_layer} bytes of K/V per layer and sequence (fp32)" if kv_per_layer
-            else "every layer's K/V (2 * K/V width * sequence * (cp - 1) / cp values per "
-            "layer and sequence)")
+    tokens = (f"{seq_len * (size - 1) // size} tokens" if seq_len
+              else "sequence * (cp - 1) / cp tokens")
+    what = (f"the K and V of {tokens} (2 x K/V width values per token, "
+            f"{kv_bytes_per_layer(1, seq_len, size)} bytes per unit of K/V width in fp32)"
+            if seq_len else f"the K and V of {tokens} (2 x K/V width values per token)")
     if mode == "alltoall":
-        what = "every layer's queries, keys, values and outputs (four all-to-alls)"
+        what = "its queries, keys, values and outputs (four all-to-alls)"
     return [Finding(
         "CP825", f"{dim}({size}) spans nodes ({topology.devices_per_node} devices per node): "
-        f"each rank moves {what} in {mode} over the links between nodes, in forward and "
-        "again in backward",
+        f"in {mode} each rank receives, per layer and sequence, {what} over the links "
+        "between nodes, in forward and again in backward",
         fix=f"list {dim} after the dims that cross nodes in [mesh] so that its ranks share "
         "a node, or shrink it to the devices per node")]
 
