@@ -100,7 +100,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rotary: Rotary,
+    # positions is keyword-only: tensor-parallel input layouts are given per positional
+    # argument (x, rotary), and positions is never sharded.
+    def forward(self, x: torch.Tensor, rotary: Rotary, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 instead of the configured head counts: under tensor parallelism each rank
@@ -135,7 +137,7 @@ class DecoderLayer(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), self.rotary, positions)
+        x = x + self.attention(self.attention_norm(x), self.rotary, positions=positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
