@@ -30,14 +30,13 @@ _ATTENTION_HINTS = ("Attention", "SelfAttn", "MultiheadAttention")
 @attrs.frozen
 class Drivable:
     """What CP found: the modules it swaps or points at its attention function, the head
-    counts their queries and keys have, the sliding windows per module; and the modules
-    it cannot drive, each with why."""
+    counts their queries and keys have where the math sees them, and the modules it
+    cannot drive, each with why."""
 
     kind: str  # "llama", "hf" or "none"
     modules: tuple[str, ...] = ()
     heads: int | None = None
     kv_heads: int | None = None
-    kv_width: int | None = None  # K (or V) features per token of one layer
     refused: tuple[tuple[str, str], ...] = ()
 
 
@@ -55,14 +54,9 @@ def find_attention(model: nn.Module) -> Drivable:
     """The attention CP would drive in ``model``, and what it refuses."""
     cores = [(p, m) for p, m in model.named_modules() if _is_llama_core(m)]
     if cores:
-        owner = model.get_submodule(cores[0][0].rsplit(".", 1)[0]) if "." in cores[0][0] \
-            else model
-        config = getattr(model, "config", None)
-        heads = getattr(config, "n_heads", None)
-        head_dim = getattr(owner, "head_dim", None)
-        kv_width = (getattr(config, "n_kv_heads", 0) * head_dim) if head_dim else None
+        heads = getattr(getattr(model, "config", None), "n_heads", None)
         # Keys and values reach the core repeated to the query head count.
-        return Drivable("llama", tuple(p for p, _ in cores), heads, heads, kv_width)
+        return Drivable("llama", tuple(p for p, _ in cores), heads, heads)
     config = _hf_config(model)
     if config is not None:
         return _hf_attention(model, config)
@@ -90,11 +84,7 @@ def _hf_attention(model: Any, config: Any) -> Drivable:
                         "'sdpa' exactly") for p, _ in attention[:1]]
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (
-        text.hidden_size // heads if heads and hasattr(text, "hidden_size") else None)
-    kv_width = kv_heads * head_dim if kv_heads and head_dim else None
-    return Drivable("hf", tuple(p for p, _ in attention), heads, kv_heads, kv_width,
-                    tuple(refused))
+    return Drivable("hf", tuple(p for p, _ in attention), heads, kv_heads, tuple(refused))
 
 
 __all__ = ["HF_IMPLEMENTATIONS", "LLAMA_CORE", "Drivable", "find_attention"]
