@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
 from composer_par.hangs import name_stuck_ranks
 from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
+from composer_par.plugins.cp import context_of, next_token_labels
 from composer_par.teardown import run_rank
 from composer_par.tools.demo import corpus_bytes
 
@@ -153,7 +154,11 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # One loop for every plan: with a pipeline (a [[plugins]] name = "pp") the step runs
     # its schedule; the optimizer stays ours, over this rank's parameters.
-    trainer = plan.training_step(model, next_token_loss)
+    # With context parallelism (a [[plugins]] name = "cp") each cp rank takes its part of
+    # every sequence: tokens, labels (shifted on the whole sequence first) and positions,
+    # and its loss averages, over the cp ranks, to the mean over every token.
+    cp = context_of(model)
+    trainer = plan.training_step(model, next_token_loss if cp is None else cp.cross_entropy)
 
     step = 0
     if args.resume and _has_steps(args.checkpoint_dir, args.run_id):
@@ -163,7 +168,7 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
                                strict=plan.pipeline is None, run=args.run_id).step
         log.info("resumed", step=step, restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
 
-    # Ranks that differ only in TP read the same samples; data-parallel ranks differ.
+    # Ranks that differ only in TP or CP read the same samples; data-parallel ranks differ.
     shard, shards = plan.data_shard()
     data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     batches = StepBatches(ByteWindows(data, args.seq_len), shards, shard, args.micro_batch)
@@ -176,7 +181,12 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
         if freeze == f"{dist.get_rank()}:{step}":
             _freeze(step)
         tokens = batches(step).to(device)
-        loss = trainer.step(tokens, tokens)  # the global batch's mean loss, on every rank
+        if cp is None:
+            loss = trainer.step(tokens, tokens)  # the global batch's mean loss, on every rank
+        else:
+            positions = cp.positions(tokens.shape[1], device)
+            loss = trainer.step((cp.shard(tokens), positions),
+                                cp.shard(next_token_labels(tokens)))
         if args.max_grad_norm:
             trainer.clip_grad_norm_(args.max_grad_norm)
         optimizer.step()

@@ -17,7 +17,6 @@ from composer_par.estimate.pipeline import RankEstimate, pipeline_ranks
 from composer_par.estimate.report import ACCOUNTING, format_estimate
 from composer_par.estimate.timing import DimTraffic, bandwidths, dim_traffic
 from composer_par.estimate.workload import Workload
-from composer_par.plugin.base import Role
 
 if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan
@@ -176,8 +175,8 @@ def estimate(
             notes.append(f"activation checkpointing {mode}: stated by {who}")
     every = layout.checkpoint_every if workload.activation_checkpoint is None else 1
     layout = attrs.evolve(layout, checkpoint_every=every)
-    tp = layout.size_of(Role.MODEL_PARALLEL)
-    shard = layout.size_of(Role.SHARD)
+    tp = layout.tensor_parallel_size()
+    shard = layout.shard_size()
     # Modules that are data-parallel units of their own leave the root's group.
     grouped, unfound = model.with_units(layout.units)
     if unfound:

@@ -18,6 +18,7 @@ from composer_par.plugin.base import EstimateSettings, Role
 from composer_par.topology import Topology
 
 if TYPE_CHECKING:
+    from composer_par.estimate.workload import Workload
     from composer_par.plan import ParallelPlan
 
 # What a checkpointed block's recomputation issues again (EstimateSettings'
@@ -57,6 +58,10 @@ class Layout:
     reduce_dtype: str | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    sequence_split: int = 1  # context parallelism: tokens per rank are seq / this
+    # Model-parallel dims data parallelism folds in (composer_par_folded_dims): they split
+    # no tensor, and a sharding plugin shards over them too.
+    folded_dims: tuple[str, ...] = ()
     activation_checkpoint: str | None = None
     checkpoint_every: int = 1
     checkpoint_reissue: str | None = None  # see EstimateSettings; None: the mode's default
@@ -105,6 +110,7 @@ class Layout:
         policies = [d.checkpointing for d in declarations if d.checkpointing]
         if policies:
             options["activation_checkpoint"] = _policy(policies[-1])
+        options["folded_dims"] = tuple(f.dim for f in plan.folded_dims())
         options.update(merge_settings(hooks.estimate_settings()))
         return cls.build(mesh, plan.effective_topology(), roles, owners, **options)
 
@@ -138,6 +144,20 @@ class Layout:
     def size_of(self, role: Role) -> int:
         return math.prod(d.size for d in self.dims_with(role))
 
+    def tensor_parallel_size(self) -> int:
+        """The ranks each split tensor is cut over: the model-parallel dims not folded
+        into data parallelism."""
+        return math.prod(d.size for d in self.dims_with(Role.MODEL_PARALLEL)
+                         if d.name not in self.folded_dims)
+
+    def shard_size(self) -> int:
+        """The ranks a sharded parameter is cut over: the shard dims and, with any, the
+        folded dims."""
+        if not self.dims_with(Role.SHARD):
+            return 1
+        folded = math.prod(d.size for d in self.dims if d.name in self.folded_dims)
+        return self.size_of(Role.SHARD) * folded
+
     def describe(self) -> str:
         return self.mesh.equation() + (f" on {self.topology.describe()}" if self.topology else "")
 
@@ -170,6 +190,10 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
             if reissue is not None and reissue not in REISSUE:
                 raise EstimateError(f"checkpoint_reissue must be one of {list(REISSUE)}; got "
                                     f"{reissue!r}")
+            split = fields.get("sequence_split")
+            if split is not None and (isinstance(split, bool) or not isinstance(split, int)
+                                      or split < 1):
+                raise EstimateError(f"sequence_split must be an int >= 1; got {split!r}")
             every = fields.get("checkpoint_every")
             if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                       or every < 1):
@@ -182,6 +206,14 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
                 fields[key] = bool(fields[key])
         merged.update(fields)
     return merged
+
+
+def local_workload(layout: Layout, workload: Workload) -> Workload:
+    """``workload`` as one rank's activations see it: a context-parallel rank holds
+    ``seq / sequence_split`` tokens of every sequence."""
+    if layout.sequence_split == 1:
+        return workload
+    return attrs.evolve(workload, seq=workload.seq // layout.sequence_split)
 
 
 def run_nodes(layout: Layout, dim: str, run: int) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.estimate.layout import Layout
+from composer_par.estimate.layout import Layout, local_workload
 from composer_par.estimate.model_shape import ModelShape
 from composer_par.estimate.units import bytes_of
 from composer_par.estimate.workload import AC_MODES, Workload
@@ -202,7 +202,7 @@ def memory_per_rank(
     if shard > 1 and workload.grad_accum > 1 and workload.sync == "last":
         grads_b = unsharded_gradient_bytes(model, tp, rs_bytes)
     optim_b = local * optimizer_bytes(workload.optimizer, mixed)
-    by_mode = {m: activation_bytes(model, workload, dtype, tp=tp,
+    by_mode = {m: activation_bytes(model, local_workload(layout, workload), dtype, tp=tp,
                                    sequence_parallel=layout.sequence_parallel,
                                    loss_parallel=layout.loss_parallel, mode=m,
                                    every=every if m == mode else 1)

@@ -26,6 +26,7 @@ import attrs
 
 from composer_par.estimate.collectives import Collective, communication
 from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.layout import local_workload
 from composer_par.estimate.memory import Memory, activation_bytes, memory_per_rank
 from composer_par.estimate.timing import DimTraffic, dim_traffic
 from composer_par.estimate.units import bytes_of
@@ -96,6 +97,7 @@ def _activations(
 ) -> int:
     every = layout.checkpoint_every
     sp, lp = layout.sequence_parallel, layout.loss_parallel
+    workload = local_workload(layout, workload)
     per_stage = [activation_bytes(s.model, workload, dtype, tp=tp, sequence_parallel=sp,
                                   loss_parallel=lp, mode=mode, every=every, recompute=False)
                  for s in rank.stages]

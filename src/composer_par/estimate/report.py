@@ -55,8 +55,8 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
                     if work.grad_accum > 1 else "")
                  + f", {precision}, {work.optimizer}, activation checkpointing {ac}, "
                  f"attention {work.attention}")
-    tp = layout.size_of(Role.MODEL_PARALLEL)
-    shard = layout.size_of(Role.SHARD)
+    tp = layout.tensor_parallel_size()
+    shard = layout.shard_size()
     divided = " / ".join(f"{d.name}({d.size})" for d in layout.dims
                          if d.size > 1 and d.role in (Role.SHARD, Role.MODEL_PARALLEL))
     fullest, slowest = est.fullest, est.slowest

@@ -66,14 +66,28 @@ class Rotary(nn.Module):
         with torch.no_grad():
             self.table.copy_(torch.stack([angles.cos(), angles.sin()], dim=-1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (batch, seq, heads, head_dim)
-        seq = x.shape[1]
-        cos, sin = self.table[:seq, :, 0], self.table[:seq, :, 1]
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # x: (batch, seq, heads, head_dim); positions: (seq,) or (batch, seq), the tokens'
+        # places in their sequence (default 0..seq-1). A rank holding part of a sequence
+        # (context parallelism) gives the global places of its tokens.
+        if positions is None:
+            angles = self.table[: x.shape[1]][None]
+        else:
+            angles = self.table[positions]
+            angles = angles if angles.dim() == 4 else angles[None]
+        cos, sin = angles[..., 0][:, :, None, :], angles[..., 1][:, :, None, :]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return out.flatten(-2).type_as(x)
+
+
+class CausalAttention(nn.Module):
+    """The attention math alone: causal ``scaled_dot_product_attention`` on
+    ``(batch, heads, seq, head_dim)`` queries, keys and values. A module of its own so
+    that context parallelism can put its cross-rank version in its place."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -84,19 +98,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    # positions is keyword-only: tensor-parallel input layouts are given per positional
+    # argument (x, rotary), and positions is never sharded.
+    def forward(self, x: torch.Tensor, rotary: Rotary, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 instead of the configured head counts: under tensor parallelism each rank
         # holds only its share of the heads.
-        q = rotary(self.wq(x).view(bsz, seq, -1, self.head_dim))
-        k = rotary(self.wk(x).view(bsz, seq, -1, self.head_dim))
+        q = rotary(self.wq(x).view(bsz, seq, -1, self.head_dim), positions)
+        k = rotary(self.wk(x).view(bsz, seq, -1, self.head_dim), positions)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         repeat = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -120,8 +136,8 @@ class DecoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), self.rotary)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), self.rotary, positions=positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -134,10 +150,12 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits of ``tokens`` (batch, seq); ``positions`` as :class:`Rotary` takes them."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions)
         return self.output(self.norm(h))
 
 
@@ -154,4 +172,4 @@ def parameter_count(cfg: LlamaConfig) -> int:
     return 2 * cfg.vocab_size * cfg.dim + cfg.dim + cfg.n_layers * per_layer
 
 
-__all__ = ["Llama", "LlamaConfig", "next_token_loss", "parameter_count"]
+__all__ = ["CausalAttention", "Llama", "LlamaConfig", "next_token_loss", "parameter_count"]

@@ -115,6 +115,9 @@ class EstimateSettings:
     # Model parallelism (TP and the like).
     sequence_parallel: bool | None = None
     loss_parallel: bool | None = None
+    # Context parallelism: each rank holds 1 / sequence_split of every sequence's tokens
+    # (its activations are those of seq / sequence_split tokens).
+    sequence_split: int | None = None
     # Activation checkpointing: "none", "selective" or "full", on every N-th block.
     activation_checkpoint: str | None = None
     checkpoint_every: int | None = None

@@ -283,7 +283,9 @@ def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | Non
     Returns: a :class:`~composer_par.plugin.EstimateSettings` setting the fields this
     plugin decides, each left None otherwise: a data-parallel sharding plugin its
     ``reshard_after_forward`` and mixed-precision ``param_dtype`` / ``reduce_dtype``
-    (dtype names), a model-parallel one ``sequence_parallel`` / ``loss_parallel``, an
+    (dtype names), a model-parallel one ``sequence_parallel`` / ``loss_parallel``, a
+    context-parallel one ``sequence_split`` (each rank holds 1 / sequence_split of every
+    sequence's tokens), an
     activation-checkpointing one ``activation_checkpoint`` (``"none"``, ``"selective"``
     or ``"full"``) and ``checkpoint_every``. Or None. The answers are merged in plan
     order, a later plugin's set field over an earlier one's; what no plugin sets keeps

@@ -406,7 +406,11 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
         # The same loop for every plan: with a pipeline the step runs its schedule.
-        trainer = plan.training_step(model, next_token_loss)
+        # Under context parallelism (a cp plugin) each rank takes its part of every
+        # sequence through the ContextShard the plan notes (see docs/cp.md).
+        context = plan.notes.get("cp")
+        trainer = plan.training_step(model, next_token_loss if context is None
+                                     else context.cross_entropy)
         first = 0
         if settings["resume"]:
             # A pipeline rank's model holds its stages' keys only: the checkpoint's
@@ -422,7 +426,13 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
                 _freeze(rank, step)
             started = time.perf_counter()
             tokens = _batch(data, step, batch, seq_len).chunk(count)[index].to(device)
-            loss = trainer.step(tokens, tokens)  # the global batch's mean loss
+            if context is None:
+                loss = trainer.step(tokens, tokens)  # the global batch's mean loss
+            else:
+                labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+                positions = context.positions(seq_len, device).expand(tokens.shape[0], -1)
+                loss = trainer.step(context.shard(tokens), context.shard(labels),
+                                    positions=positions)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss))

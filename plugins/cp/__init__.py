@@ -1,0 +1,239 @@
+"""CP: context parallelism over the cp mesh dim. Each cp rank holds a load-balanced part
+of every sequence (:mod:`.layout`) and attention runs across the cp ranks
+(:mod:`.attention`), calling the model's own ``scaled_dot_product_attention``, so a plan
+trains as one process does.
+
+    plan = ParallelPlan(MeshSpec(dp_shard=2, cp=2)).use(FSDP2()).use(CP()).use(MetaInit())
+    model = plan.apply(model)
+    cp = context_of(model)          # also plan.notes["cp"]
+    logits = model(cp.shard(tokens), cp.positions(seq_len))
+
+Parameters are equal on every cp rank: data parallelism averages their gradients over
+cp as well (with no data-parallel plugin in the plan, CP does it itself, in a hook after
+each gradient is accumulated).
+
+This package imports torch only inside functions: the static path must not. Its modules:
+``layout`` (the load-balanced split and its inverse), ``comm`` (autograd-aware
+collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
+``hf`` (Hugging Face's attention interface), ``runtime`` (what a training loop uses),
+``grads`` (gradient averaging without data parallelism), ``findings`` (rule codes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from composer_par.plugin import (
+    Claim,
+    EstimatePart,
+    EstimateSettings,
+    Finding,
+    FoldedDim,
+    Plugin,
+    Role,
+    Rule,
+    dim_option,
+    hookimpl,
+    ordering_option,
+)
+
+from .drivable import Drivable, find_attention
+from .estimate import attention_collectives, kv_buffer_bytes
+from .findings import (
+    RULES,
+    drive_findings,
+    head_findings,
+    kv_bytes_per_layer,
+    node_findings,
+    sequence_findings,
+)
+from .layout import (
+    chunks_of_rank,
+    gathered_positions,
+    rank_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from .runtime import ATTRIBUTE, ContextShard, context_of, next_token_labels
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.plugin import ApplyContext, MeshSpec, PlanView, Topology
+
+MODES = ("allgather", "alltoall")
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def _seq_len(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"seq_len must be a positive int or None; got {value!r}")
+
+
+@attrs.frozen
+class CP(Plugin):
+    """Context parallelism over one mesh dim.
+
+    Options: ``dim`` (default ``cp``); ``mode`` (``"allgather"``: every rank gathers each
+    layer's K/V, any head count; ``"alltoall"``: Ulysses, heads traded for sequence, head
+    counts divisible by cp); ``seq_len`` (the training sequence length, checked against
+    cp before launch, optional); ``after`` / ``before``.
+    """
+
+    name: ClassVar[str] = "cp"
+    rules: ClassVar[tuple[Rule, ...]] = RULES
+
+    dim: str = dim_option("cp")
+    mode: str = attrs.field(default="allgather", validator=attrs.validators.in_(MODES))
+    seq_len: int | None = attrs.field(default=None, validator=_seq_len)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim(self.dim, Role.MODEL_PARALLEL),)
+
+    @hookimpl
+    def composer_par_folded_dims(self) -> list[FoldedDim]:
+        # Parameters are equal on every cp rank; the ranks read the same samples, each
+        # its own part of every sequence.
+        return [FoldedDim(self.dim, distinct_samples=False)]
+
+    def _size(self, mesh: MeshSpec) -> int:
+        return mesh.size(self.dim) if self.dim in mesh else 1
+
+    # -- validation ------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_validate_plan(self, mesh: MeshSpec, topology: Topology | None
+                                   ) -> list[Finding]:
+        size = self._size(mesh)
+        if size < 2:
+            return []
+        return [*sequence_findings(self.seq_len, size),
+                *node_findings(self.dim, mesh, topology, self.mode, self.seq_len)]
+
+    @hookimpl
+    def composer_par_validate_model(self, plan: PlanView, model: nn.Module, mesh: MeshSpec
+                                    ) -> list[Finding]:
+        size = self._size(mesh)
+        if size < 2:
+            return []
+        found = find_attention(model)
+        out = drive_findings(found)
+        if self.mode == "alltoall":
+            out += head_findings(found, size, _tp_size(plan, mesh))
+        return out
+
+    @hookimpl
+    def composer_par_estimate_settings(self, plan: PlanView) -> EstimateSettings:
+        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else 1
+        return EstimateSettings(sequence_split=size if size > 1 else None)
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any) -> EstimatePart:
+        size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
+        if size < 2 or not model.heads:
+            return EstimatePart(collectives=())
+        dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
+        shape = {"size": size, "batch": workload.micro_batch, "seq": workload.seq,
+                 "heads": model.heads, "kv_heads": model.kv_heads or model.heads,
+                 "head_dim": model.hidden // model.heads,
+                 "dtype_bytes": _DTYPE_BYTES.get(dtype, 4)}
+        collectives = attention_collectives(self.dim, self.mode, layers=model.layers,
+                                            passes=workload.grad_accum, **shape)
+        # A layer's buffers stay saved for its backward, unless full checkpointing drops
+        # them (then one recomputed layer holds them at a time).
+        held = model.layers
+        if layout.activation_checkpoint == "full":
+            held -= model.layers // layout.checkpoint_every - 1
+        buffers = held * kv_buffer_bytes(self.mode, **shape)
+        return EstimatePart(
+            collectives=collectives, memory={f"cp {self.mode} buffers": buffers},
+            notes=(f"{self.dim}({size}): each rank holds {workload.seq // size} of every "
+                   f"sequence's {workload.seq} tokens (its activations), and in "
+                   f"{self.mode} per layer the buffers above",))
+
+    @hookimpl
+    def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
+        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else "?"
+        what = ("each layer's K/V all-gathered" if self.mode == "allgather"
+                else "heads traded for sequence by all-to-all (Ulysses)")
+        return [("tensor_parallel", f"sequence split over {self.dim}({size}), load-balanced "
+                 f"(rank r holds chunks r and 2*cp-1-r); attention across ranks: {what}")]
+
+    # -- apply -----------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_tensor_parallel(self, ctx: ApplyContext) -> str:
+        size = ctx.mesh.size(self.dim)
+        if size == 1:
+            return f"{self.dim}(1): nothing to split"
+        found = find_attention(ctx.model)
+        group = ctx.submesh(self.dim).get_group()
+        import torch.distributed as dist
+
+        shard = ContextShard(group, size, dist.get_rank(group), self.mode)
+        if found.kind == "llama":
+            driven = _swap_llama_cores(ctx.model, found, shard)
+        else:
+            from .hf import drive_hf_attention
+
+            driven = drive_hf_attention(ctx.model, shard)
+        setattr(ctx.model, ATTRIBUTE, shard)
+        ctx.notes["cp"] = shard
+        return (f"sequence split over {self.dim}({size}); {self.mode} attention in "
+                f"{driven} module(s)")
+
+    @hookimpl
+    def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
+        if ctx.mesh.size(self.dim) == 1 or _has_data_parallel(ctx.plan):
+            return None
+        from .grads import average_over
+
+        count = average_over(ctx.model, ctx.submesh(self.dim).get_group())
+        return (f"no data-parallel plugin: {count} parameter gradient(s) averaged over "
+                f"{self.dim} after each backward")
+
+
+def _has_data_parallel(plan: PlanView) -> bool:
+    return any("data_parallel" in d.provides for d in plan.declarations())
+
+
+def _tp_size(plan: PlanView, mesh: MeshSpec) -> int:
+    """The size of the tensor-parallel dim (what splits heads before CP sees them)."""
+    size = 1
+    for decl in plan.declarations():
+        if decl.plugin == "tp":
+            for claim in decl.claims:
+                if claim.dim in mesh and mesh.size(claim.dim) > 0:
+                    size *= mesh.size(claim.dim)
+    return size
+
+
+def _swap_llama_cores(model: nn.Module, found: Drivable, shard: ContextShard) -> int:
+    from .attention import ContextAttention
+
+    for path in found.modules:
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        parent.register_module(attr, ContextAttention(shard.group, shard.mode))
+    return len(found.modules)
+
+
+__all__ = [
+    "CP",
+    "MODES",
+    "RULES",
+    "ContextShard",
+    "chunks_of_rank",
+    "context_of",
+    "gathered_positions",
+    "kv_bytes_per_layer",
+    "next_token_labels",
+    "rank_positions",
+    "shard_sequence",
+    "unshard_sequence",
+]

@@ -1,0 +1,122 @@
+"""What can be wrong with a CP plan: the rule catalog (:data:`RULES`), the static checks
+(CP821, CP825) and the model-aware ones (CP822, CP823, CP824)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from composer_par.plugin import Finding, Rule, Severity
+
+if TYPE_CHECKING:
+    from composer_par.plugin import MeshSpec, Topology
+
+    from .drivable import Drivable
+
+_CP_PLAN = '[mesh]\ncp = 2\n\n[[plugins]]\nname = "cp"\n'
+
+RULES = (
+    Rule("CP821", Severity.ERROR, "the sequence length is not divisible by 2 * cp",
+         "use a sequence length that 2 * cp divides (each rank holds two equal chunks), or "
+         "a cp size that fits it",
+         _CP_PLAN + "seq_len = 4098\n"),
+    Rule("CP822", Severity.ERROR, "alltoall mode needs head counts divisible by cp",
+         "use mode = \"allgather\" (any head count), or a cp size that divides the head "
+         "and K/V-head counts (after tensor parallelism)",
+         "ParallelPlan(MeshSpec(cp=4)).use(CP(mode=\"alltoall\")).use(MetaInit())"
+         ".validate(llama_with_2_heads)"),
+    Rule("CP823", Severity.ERROR, "CP cannot drive a module's attention",
+         "build the model with attn_implementation=\"sdpa\" (Hugging Face) or the project's "
+         "Llama, or leave cp out of the plan",
+         "ParallelPlan(MeshSpec(cp=2)).use(CP()).use(MetaInit())"
+         ".validate(hf_llama_with_eager_attention)"),
+    Rule("CP824", Severity.ERROR, "the model attends to more than its own causal sequence",
+         "use a decoder-only model with causal self-attention, or leave cp out of the plan",
+         "ParallelPlan(MeshSpec(cp=2)).use(CP()).use(MetaInit()).validate(t5)"),
+    Rule("CP825", Severity.WARNING, "cp crosses nodes",
+         "put cp inside a node (list it after the dims that cross nodes in [mesh]), or "
+         "accept the inter-node K/V traffic the message gives",
+         '[mesh]\ncp = 8\n\n[topology]\nnodes = 2\ndevices_per_node = 4\n\n'
+         '[[plugins]]\nname = "cp"\n'),
+)
+
+
+def sequence_findings(seq_len: int | None, size: int) -> list[Finding]:
+    """CP821: each rank holds two equal chunks of every sequence."""
+    if seq_len is None or size < 1 or seq_len % (2 * size) == 0:
+        return []
+    return [Finding(
+        "CP821", f"seq_len={seq_len} cannot be cut into 2 * cp = {2 * size} equal chunks "
+        f"(rank r holds chunks r and {2 * size - 1} - r)",
+        fix=f"use a sequence length that {2 * size} divides (e.g. "
+        f"{(seq_len // (2 * size) + 1) * 2 * size}), or a cp size that fits it")]
+
+
+def kv_bytes_per_layer(kv_width: int | None, seq_len: int | None, size: int,
+                       dtype_bytes: int = 4) -> int | None:
+    """The bytes one rank receives in one layer's K/V all-gather for one sequence: K and
+    V of the ``size - 1`` other ranks' tokens."""
+    if kv_width is None or seq_len is None:
+        return None
+    return 2 * kv_width * dtype_bytes * seq_len * (size - 1) // size
+
+
+def node_findings(dim: str, mesh: MeshSpec, topology: Topology | None, mode: str,
+                  seq_len: int | None = None) -> list[Finding]:
+    """CP825: a cp group spanning nodes moves every layer's K/V over the slow links."""
+    if topology is None or dim not in mesh or mesh.size(dim) < 2 or not mesh.is_resolved:
+        return []
+    if mesh.world_size != topology.world_size or not topology.crosses_nodes(mesh, dim):
+        return []
+    size = mesh.size(dim)
+    tokens = (f"{seq_len * (size - 1) // size} tokens" if seq_len
+              else "sequence * (cp - 1) / cp tokens")
+    what = (f"the K and V of {tokens} (2 x K/V width values per token, "
+            f"{kv_bytes_per_layer(1, seq_len, size)} bytes per unit of K/V width in fp32)"
+            if seq_len else f"the K and V of {tokens} (2 x K/V width values per token)")
+    if mode == "alltoall":
+        what = "its queries, keys, values and outputs (four all-to-alls)"
+    return [Finding(
+        "CP825", f"{dim}({size}) spans nodes ({topology.devices_per_node} devices per node): "
+        f"in {mode} each rank receives, per layer and sequence, {what} over the links "
+        "between nodes, in forward and again in backward",
+        fix=f"list {dim} after the dims that cross nodes in [mesh] so that its ranks share "
+        "a node, or shrink it to the devices per node")]
+
+
+def head_findings(found: Drivable, size: int, tp_size: int) -> list[Finding]:
+    """CP822: Ulysses hands each rank heads / cp whole heads of every tensor it trades."""
+    out = []
+    for label, count in (("attention head", found.heads), ("K/V-head", found.kv_heads)):
+        if not count or count % tp_size:
+            continue
+        local = count // tp_size
+        if local % size:
+            where = f" ({count} / tp({tp_size}) = {local} per tp rank)" if tp_size > 1 else ""
+            out.append(Finding(
+                "CP822", f"mode = \"alltoall\" needs the {label} count divisible by "
+                f"cp({size}); the model has {count}{where}",
+                fix="use mode = \"allgather\", or a cp size that divides "
+                f"{local}"))
+            break
+    return out
+
+
+def drive_findings(found: Drivable) -> list[Finding]:
+    """CP823 (no seam to drive) and CP824 (not causal self-attention), naming the
+    module."""
+    out = []
+    for path, why in found.refused:
+        code = "CP824" if ("causal" in why or "encoder" in why) else "CP823"
+        out.append(Finding(code, f"{path or 'the model'}: {why}", fix=(
+            "use a decoder-only model with causal self-attention, or leave cp out"
+            if code == "CP824" else
+            "build the model with attn_implementation=\"sdpa\", or leave cp out")))
+    if found.kind == "none" and not found.refused:
+        out.append(Finding("CP823", "no attention CP can drive was found in the model",
+                           fix="use the project's Llama or a Hugging Face decoder with "
+                           "attn_implementation=\"sdpa\", or leave cp out"))
+    return out
+
+
+__all__ = ["RULES", "drive_findings", "head_findings", "kv_bytes_per_layer", "node_findings",
+           "sequence_findings"]

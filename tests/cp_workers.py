@@ -1,0 +1,117 @@
+"""Tasks and rank-side functions for tests/test_cp.py (importable by rank processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_par.testing.tasks import LlamaTask
+
+
+class ContextLlama(LlamaTask):
+    """The Llama task, each cp rank taking its part of every sequence: tokens, labels and
+    positions cut by the plan's :class:`ContextShard`; without CP (the reference) the
+    whole sequence. The loss is the mean over every labelled token either way."""
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        import torch.nn.functional as F
+        from composer_par.plugins.cp import context_of, next_token_labels
+
+        labels = next_token_labels(batch)
+        cp = context_of(model)
+        if cp is None:
+            logits = model(batch)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        positions = cp.positions(batch.shape[1])
+        return cp.cross_entropy(model(cp.shard(batch), positions), cp.shard(labels))
+
+
+llama = ContextLlama()
+# Four KV heads: alltoall over 4 ranks, and TP, need head counts they divide.
+llama_kv4 = ContextLlama(n_kv_heads=4)
+
+
+class ContextHF:
+    """A Hugging Face decoder from tests/hf_workers.py's tiny config (SDPA attention),
+    trained on next-token prediction; each cp rank takes its part of the tokens, labels
+    and ``position_ids``."""
+
+    def __init__(self, family: str, **overrides: Any) -> None:
+        self.family, self.overrides = family, overrides
+
+    def build(self) -> Any:
+        import torch
+        import transformers
+
+        from tests import hf_workers
+
+        config = hf_workers.config(self.family, **self.overrides)
+        config._attn_implementation = "sdpa"
+        cls = getattr(transformers, hf_workers.FAMILIES[self.family][1])
+        with torch.device("meta"):
+            return cls(config)
+
+    def batch(self, step: int) -> Any:
+        from tests import hf_workers
+
+        return hf_workers.batch(self.family, step)["input_ids"]
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+        from composer_par.plugins.cp import context_of, next_token_labels
+
+        labels = next_token_labels(batch)
+        cp = context_of(model)
+        if cp is None:
+            positions = torch.arange(batch.shape[1])[None].expand_as(batch)
+            logits = model(input_ids=batch, position_ids=positions).logits
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                   labels.reshape(-1))
+        positions = cp.positions(batch.shape[1])[None].expand(batch.shape[0], -1)
+        logits = model(input_ids=cp.shard(batch), position_ids=positions).logits
+        return cp.cross_entropy(logits, cp.shard(labels))
+
+
+hf_llama = ContextHF("llama")
+hf_qwen3 = ContextHF("qwen3")
+# Sliding-window layers narrower than the sequence, so the window masks something.
+hf_mistral = ContextHF("mistral", sliding_window=6)
+hf_gemma3 = ContextHF("gemma3", sliding_window=6)
+
+
+def train_with_training_step(case: Any) -> tuple[list[float], dict[str, Any]]:
+    """The rank side of a parity case through ``plan.training_step``, as
+    examples/train.py runs it: the step takes this rank's tokens and positions and its
+    labels, and returns the global batch's mean loss."""
+    from composer_par.plugins.cp import context_of, next_token_labels
+
+    from composer_par.testing.parity import full_parameters, start_rank
+
+    task, plan, model, index, count, optimizer = start_rank(case)
+    cp = context_of(model)
+    assert cp is not None or plan.pipeline is not None
+    cp = plan.notes["cp"]
+    trainer = plan.training_step(model, cp.cross_entropy)
+    losses = []
+    for step in range(case.steps):
+        tokens = task.batch(step).chunk(count)[index]
+        # Positions per sample, so that a pipeline cuts them into microbatches as it
+        # cuts the tokens (every stage is given them).
+        positions = cp.positions(tokens.shape[1]).expand(tokens.shape[0], -1)
+        loss = trainer.step(cp.shard(tokens), cp.shard(next_token_labels(tokens)),
+                            positions=positions)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    if plan.pipeline is not None:
+        from tests.pp_workers import gathered_parameters
+
+        # Each stage's ranks hold its parameters only: every rank gets all of them,
+        # the copies of every rank holding one found equal.
+        return losses, gathered_parameters(model)
+    return losses, full_parameters(model)
+
+
+def train_many_with_training_step(cases: list[Any]) -> list[tuple[list[float], dict[str, Any]]]:
+    """:func:`train_with_training_step` for several cases in one run of the ranks."""
+    return [train_with_training_step(case) for case in cases]

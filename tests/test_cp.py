@@ -1,0 +1,285 @@
+"""CP: the load-balanced split, the rule codes CP821-CP825, and training at parity with one
+process on real gloo ranks (the project's Llama and Hugging Face decoders, both modes,
+composed with FSDP2, HSDP, TP and activation checkpointing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import torch.nn as nn
+from composer_par.plugins.cp import (
+    CP,
+    chunks_of_rank,
+    rank_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from composer_par import MeshSpec, MetaInit, ParallelPlan, Topology
+from composer_par.findings import Report
+from composer_par.models.llama import Llama, LlamaConfig
+from composer_par.testing.parity import ParityCase
+from tests.composition_workers import check_cases
+
+# -- the load-balanced split -----------------------------------------------------------
+
+
+def test_rank_holds_a_head_and_a_tail_chunk() -> None:
+    assert [chunks_of_rank(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert rank_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert rank_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+@given(size=st.integers(1, 6), chunk=st.integers(1, 5), batch=st.integers(1, 3),
+       seq_dim=st.integers(0, 2))
+def test_split_round_trips(size: int, chunk: int, batch: int, seq_dim: int) -> None:
+    shape = [batch, 3, 2]
+    shape[seq_dim] = 2 * size * chunk
+    whole = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    parts = [shard_sequence(whole, size, r, seq_dim) for r in range(size)]
+    assert all(p.shape[seq_dim] == 2 * chunk for p in parts)
+    assert torch.equal(unshard_sequence(parts, seq_dim), whole)
+    every = torch.cat([rank_positions(shape[seq_dim], size, r) for r in range(size)])
+    assert sorted(every.tolist()) == list(range(shape[seq_dim]))
+
+
+def test_uneven_sequence_is_refused_with_the_rule() -> None:
+    with pytest.raises(ValueError, match="CP821"):
+        rank_positions(10, 2, 0)
+
+
+# -- rule codes ------------------------------------------------------------------------
+
+
+def codes(report: Report) -> list[str]:
+    return [f.code for f in report.findings]
+
+
+def meta_llama(**config: Any) -> Llama:
+    with torch.device("meta"):
+        return Llama(LlamaConfig(**config))
+
+
+def cp_plan(cp: CP, size: int = 2, topology: Topology | None = None) -> ParallelPlan:
+    return ParallelPlan(MeshSpec(cp=size), topology=topology).use(cp).use(MetaInit())
+
+
+def test_cp821_sequence_not_divisible() -> None:
+    report = cp_plan(CP(seq_len=4098), 4).validate(world_size=4)
+    assert codes(report) == ["CP821"]
+    assert "2 * cp = 8" in report.errors[0].message and "4104" in (report.errors[0].fix or "")
+    assert cp_plan(CP(seq_len=4096), 4).validate(world_size=4).ok
+
+
+def test_cp822_alltoall_needs_heads_divisible() -> None:
+    model = meta_llama(dim=48, n_heads=6, n_kv_heads=6)
+    report = cp_plan(CP(mode="alltoall"), 4).validate(model, world_size=4)
+    assert codes(report) == ["CP822"]
+    assert "cp(4)" in report.errors[0].message and "6" in report.errors[0].message
+    # allgather drives any head count
+    assert cp_plan(CP(), 4).validate(model, world_size=4).ok
+
+
+def test_cp823_attention_cp_cannot_drive() -> None:
+    from tests import hf_workers
+
+    eager = hf_workers.build("llama", attn_implementation="eager")
+    eager.config._attn_implementation = "eager"
+    report = cp_plan(CP()).validate(eager, world_size=2)
+    assert "CP823" in codes(report)
+    assert "model.layers.0.self_attn" in report.errors[0].message
+    with torch.device("meta"):
+        plain = nn.Sequential(nn.Linear(4, 4))
+    assert codes(cp_plan(CP()).validate(plain, world_size=2)) == ["CP823"]
+
+
+def test_cp824_attention_that_is_not_causal_self_attention() -> None:
+    from tests import hf_workers
+
+    bert = hf_workers.build("bert")
+    bert.config._attn_implementation = "sdpa"
+    report = cp_plan(CP()).validate(bert, world_size=2)
+    assert "CP824" in codes(report)
+    assert "not causal" in next(f for f in report.findings if f.code == "CP824").message
+
+
+def test_cp825_cp_across_nodes_warns() -> None:
+    # The core's CP302 refuses any model-parallel dim across nodes; CP825 adds what cp
+    # would move there.
+    report = cp_plan(CP(), 8, Topology(nodes=2, devices_per_node=4)).validate(world_size=8)
+    assert codes(report) == ["CP302", "CP825"]
+    assert "spans nodes" in report.warnings[0].message
+    assert "K and V" in report.warnings[0].message
+    with_seq = cp_plan(CP(seq_len=4096), 8, Topology(nodes=2, devices_per_node=4))
+    assert "3584 tokens" in with_seq.validate(world_size=8).warnings[0].message
+    inside = ParallelPlan(MeshSpec(dp_replicate=2, cp=4),
+                          topology=Topology(nodes=2, devices_per_node=4))
+    inside.use(CP()).use(MetaInit())
+    assert "CP825" not in codes(inside.validate(world_size=8))
+
+
+def test_mode_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        CP(mode="ring")
+
+
+def test_cp_ranks_read_the_same_samples() -> None:
+    from composer_par import FSDP2
+
+    plan = ParallelPlan(MeshSpec(dp_shard=2, cp=2)).use(FSDP2()).use(CP()).use(MetaInit())
+    assert [plan.data_shard(r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+# -- parity ------------------------------------------------------------------------------
+
+_CP = '[[plugins]]\nname = "cp"\nmode = "{mode}"\n\n[[plugins]]\nname = "meta_init"\n'
+PLANS = {
+    "cp2": "[mesh]\ncp = 2\n\n" + _CP,
+    "cp4": "[mesh]\ncp = 4\n\n" + _CP,
+    "fsdp2": '[mesh]\ndp_shard = 2\ncp = 2\n\n[[plugins]]\nname = "fsdp2"\n\n' + _CP,
+    "hsdp": '[mesh]\ndp_replicate = 2\ncp = 2\n\n[[plugins]]\nname = "hsdp"\n\n' + _CP,
+    "tp": '[mesh]\ncp = 2\ntp = 2\n\n[[plugins]]\nname = "tp"\n\n' + _CP,
+    "fsdp2_tp": '[mesh]\ndp_shard = 2\ncp = 2\ntp = 2\n\n[[plugins]]\nname = "fsdp2"\n\n'
+                '[[plugins]]\nname = "tp"\n\n' + _CP,
+    "pp": '[mesh]\npp = 2\ncp = 2\n\n[[plugins]]\nname = "pp"\nschedule = "1F1B"\n\n' + _CP,
+    "fsdp2_ac": '[mesh]\ndp_shard = 2\ncp = 2\n\n[[plugins]]\nname = "activation_checkpoint"'
+                '\n\n[[plugins]]\nname = "fsdp2"\n\n' + _CP,
+}
+MODES = ("allgather", "alltoall")
+
+
+def _cases(task: str, plan: str, world: int) -> list[ParityCase]:
+    return [ParityCase(f"tests.cp_workers:{task}", PLANS[plan].format(mode=mode), world,
+                       steps=4) for mode in MODES]
+
+
+def _check(cases: list[ParityCase], timeout: float) -> None:
+    for case, result in zip(cases, check_cases(cases, timeout=timeout), strict=True):
+        try:
+            result.assert_close()
+        except AssertionError as exc:
+            raise AssertionError(f"{case.task} {case.plan!r}: {exc}") from None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parity_on_two_ranks() -> None:
+    """CP 2 in both modes: the project's Llama and three Hugging Face families (Mistral
+    and Gemma 3 with sliding-window layers narrower than the sequence)."""
+    tasks = ["llama", "hf_llama", "hf_qwen3", "hf_mistral", "hf_gemma3"]
+    _check([c for t in tasks for c in _cases(t, "cp2", 2)], timeout=280)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parity_on_four_ranks() -> None:
+    """CP 4, and CP 2 composed with FSDP2 (dp_shard x cp), HSDP, TP and activation
+    checkpointing, both modes."""
+    plans = ["cp4", "fsdp2", "hsdp", "tp", "fsdp2_ac"]
+    _check([c for p in plans for c in _cases("llama_kv4", p, 4)], timeout=280)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_training_step_gives_the_global_mean_loss() -> None:
+    """The plan's training step on dp_shard x cp: the loss it returns is the mean over
+    every token of the global batch on every rank, the parameters at parity."""
+    from composer_par.testing.distributed import run_ranks
+    from composer_par.testing.parity import parity_result
+    from tests import cp_workers
+
+    case = _cases("llama", "fsdp2", 4)[0]
+    ranks = run_ranks(cp_workers.train_with_training_step, 4, args=(case,), timeout=200)
+    parity_result(case, ranks).assert_close()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parity_with_a_pipeline() -> None:
+    """pp 2 x cp 2 through the plan's training step (positions given to every stage,
+    cut into microbatches with the tokens), both modes."""
+    from composer_par.testing.distributed import run_ranks
+    from composer_par.testing.parity import parity_result
+    from tests import cp_workers
+
+    cases = _cases("llama_kv4", "pp", 4)
+    ranks = run_ranks(cp_workers.train_many_with_training_step, 4, args=(cases,),
+                      timeout=280)
+    for i, case in enumerate(cases):
+        parity_result(case, [per_rank[i] for per_rank in ranks]).assert_close()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parity_on_eight_ranks() -> None:
+    """dp_shard 2 x cp 2 x tp 2: FSDP2 over dp_shard x cp, TP inside, both modes."""
+    _check(_cases("llama_kv4", "fsdp2_tp", 8), timeout=280)
+
+
+def test_blockwise_chunks_are_exact_causal_attention() -> None:
+    """Each chunk of queries over the keys up to its end, merged by log-sum-exp, is the
+    causal attention of the whole sequence, gradients included (float64)."""
+    from composer_par.plugins.cp.blockwise import chunk_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 8, dtype=torch.float64, generator=gen,
+                           requires_grad=True) for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn(reference.shape, dtype=torch.float64, generator=gen)
+    expected = torch.autograd.grad(reference, (q, k, v), grad)
+    out = torch.cat([chunk_attention(q[:, :, c * 8:(c + 1) * 8], k[:, :, :(c + 1) * 8],
+                                     v[:, :, :(c + 1) * 8], c * 8) for c in range(4)], dim=2)
+    torch.testing.assert_close(out, reference)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), grad), expected, strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", MODES)
+def test_estimate_equals_a_real_steps_bytes(mode: str) -> None:
+    """The attention collectives CommCounter counts in one step are what
+    ``attention_collectives`` predicts, call for call and byte for byte."""
+    from composer_par.plugins.cp.estimate import attention_collectives
+
+    from composer_par.testing.parity import measure_comm
+    from tests.cp_workers import llama
+
+    case = _cases("llama", "cp2", 2)[MODES.index(mode)]
+    measured = measure_comm(attrs.evolve(case, steps=1), timeout=200)
+    # The project's Llama repeats K/V to the query heads before its attention math.
+    predicted = attention_collectives(
+        "cp", mode, size=2, layers=llama.n_layers, batch=llama.global_batch,
+        seq=llama.seq_len, heads=llama.n_heads, kv_heads=llama.n_heads,
+        head_dim=llama.dim // llama.n_heads, dtype_bytes=4)
+    for rank in range(2):
+        counted = {kind: value for kind, value in measured.summary[rank]["cp"].items()
+                   if kind != "all_reduce"}  # CP's own gradient averaging, apart
+        assert counted == {c.kind: {"calls": c.calls, "bytes": c.payload}
+                           for c in predicted}, (rank, counted)
+
+
+def test_estimate_divides_activations_by_cp_and_adds_buffers() -> None:
+    from composer_par import FSDP2
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    model = ModelShape.from_numbers(layers=4, hidden=256, heads=8, kv_heads=2,
+                                   ffn_hidden=512, vocab=1000)
+    work = Workload(seq=8192)
+    # A cp rank's activations are those of half the sequence alone.
+    half = estimate_plan(ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()), model,
+                         Workload(seq=4096), world_size=4)
+    with_cp = estimate_plan(ParallelPlan(MeshSpec(dp_shard=2, cp=2)).use(FSDP2()).use(CP()),
+                            model, work, world_size=4)
+    assert with_cp.memory.activations == half.memory.activations
+    kv = 2 * 2 * 32 * 4 * 8192 // 2  # K and V, 2 heads of 32, fp32, half the sequence
+    assert with_cp.memory.extra == {"cp: cp allgather buffers": 4 * kv}
+    traffic = next(t for t in with_cp.traffic if t.dim.name == "cp")
+    cp_dim = {c.kind: c.payload for c in traffic.collectives}
+    assert cp_dim == {"all_gather": 4 * 2 * 2 * 32 * 4 * 8192,
+                      "all_to_all": 4 * 2 * 2 * 32 * 4 * 8192}
