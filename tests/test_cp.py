@@ -109,10 +109,10 @@ def test_cp824_attention_that_is_not_causal_self_attention() -> None:
 
 
 def test_cp825_cp_across_nodes_warns() -> None:
-    # The core's CP302 refuses any model-parallel dim across nodes; CP825 adds what cp
-    # would move there.
+    # cp is folded into data parallelism: the core's CP302 (a tensor-parallel dim across
+    # nodes is an error) leaves it to CP825, which says what cp would move there.
     report = cp_plan(CP(), 8, Topology(nodes=2, devices_per_node=4)).validate(world_size=8)
-    assert codes(report) == ["CP302", "CP825"]
+    assert codes(report) == ["CP825"]
     assert "spans nodes" in report.warnings[0].message
     assert "K and V" in report.warnings[0].message
     with_seq = cp_plan(CP(seq_len=4096), 8, Topology(nodes=2, devices_per_node=4))

@@ -235,7 +235,8 @@ class ParallelPlan:
                 "stages (stage pipeline_split): a plan has one pipeline",
                 fix=f"keep one of {', '.join(splitters)}"))
         findings += plugin_rules(materializers, decls, block_specs)
-        findings += topology_rules(mesh, topology, decls)
+        findings += topology_rules(mesh, topology, decls,
+                                   [f.dim for f in hooks.folded_dims()])
         findings += comm_hook_rules(mesh, decls, hooks.comm_hooks())
         findings += hooks.validate_plan(mesh, topology)
         blocks: list[Block] = []
