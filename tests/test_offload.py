@@ -235,3 +235,62 @@ def test_plan_describes_offload(tmp_path: Path) -> None:
     plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Offload(path=str(tmp_path)))
     assert plan.validate(world_size=2).ok
     assert "streamed through the step unit by unit" in plan.explain(world_size=2).format()
+
+
+# -- validation -------------------------------------------------------------------------
+
+
+def _codes(toml: str, world: int = 2) -> dict[str, str]:
+    report = ParallelPlan.from_toml(toml).validate(world_size=world)
+    return {f.code: f.message for f in report.findings}
+
+
+def _offload_plan(options: str, fsdp2: bool = True) -> str:
+    mesh = "[mesh]\ndp_shard = 2\n" if fsdp2 else "[mesh]\n"
+    data_parallel = '\n[[plugins]]\nname = "fsdp2"\n' if fsdp2 else ""
+    return f'{mesh}{data_parallel}\n[[plugins]]\nname = "offload"\n{options}\n'
+
+
+def test_nvme_without_a_path_is_cp951() -> None:
+    codes = _codes(_offload_plan('optimizer = "nvme"'))
+    assert set(codes) == {"CP951"}
+    assert "has no path" in codes["CP951"]
+
+
+def test_a_missing_path_is_cp952(tmp_path: Path) -> None:
+    codes = _codes(_offload_plan(f'path = "{tmp_path / "missing"}"'))
+    assert set(codes) == {"CP952"}
+    assert f"{tmp_path / 'missing'} does not exist" in codes["CP952"]
+    (tmp_path / "file").write_text("")
+    assert "is not a directory" in _codes(_offload_plan(f'path = "{tmp_path / "file"}"'))[
+        "CP952"]
+
+
+def test_a_path_not_writable_is_cp953(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    # root writes through file modes: procfs refuses it too
+    path = locked if not os.access(locked, os.W_OK) else Path("/proc/sys")
+    codes = _codes(_offload_plan(f'path = "{path}"'))
+    assert set(codes) == {"CP953"}, codes
+    assert "not writable" in codes["CP953"]
+
+
+def test_cpu_offload_is_fsdp2s_option_cp954(tmp_path: Path) -> None:
+    codes = _codes(_offload_plan(f'path = "{tmp_path}"\nparams = "cpu"'))
+    assert set(codes) == {"CP954"}
+    assert 'offload = "cpu" on fsdp2' in ParallelPlan.from_toml(_offload_plan(
+        f'path = "{tmp_path}"\noptimizer = "cpu"')).validate(world_size=2).format()
+
+
+def test_without_data_parallel_units_are_chunks_cp956(tmp_path: Path) -> None:
+    codes = _codes(_offload_plan(f'path = "{tmp_path}"', fsdp2=False), world=1)
+    assert set(codes) == {"CP956"}
+    assert "unit_bytes" in codes["CP956"]
+
+
+def test_options_round_trip_and_bad_values_are_refused(tmp_path: Path) -> None:
+    plan = ParallelPlan.from_toml(_offload_plan(f'path = "{tmp_path}"\nunit_bytes = 4096'))
+    assert ParallelPlan.from_toml(plan.to_toml()).to_toml() == plan.to_toml()
+    with pytest.raises(ValueError, match="optimizer must be one of 'nvme', 'cpu'"):
+        Offload(optimizer="disk")

@@ -40,18 +40,18 @@ if TYPE_CHECKING:
 RULES = (
     Rule("CP951", Severity.ERROR, "optimizer state to NVMe without a path",
          "give path = a directory on the NVMe device (DeepSpeed's nvme_path)",
-         "[[plugins]]\nname = \"offload\"\noptimizer = \"nvme\"\n"),
+         "[mesh]\n\n[[plugins]]\nname = \"offload\"\noptimizer = \"nvme\"\n"),
     Rule("CP952", Severity.ERROR, "the offload path is not a directory",
          "create the directory (on every node) before training, or fix the path",
-         "[[plugins]]\nname = \"offload\"\npath = \"/nvme/no-such-dir\"\n"),
+         "[mesh]\n\n[[plugins]]\nname = \"offload\"\npath = \"/nvme/no-such-dir\"\n"),
     Rule("CP953", Severity.ERROR, "the offload path is not writable",
          "make the directory writable by the training processes, or choose another",
-         "[[plugins]]\nname = \"offload\"\npath = \"/proc\"\n"),
+         "[mesh]\n\n[[plugins]]\nname = \"offload\"\npath = \"/proc/sys\"\n"),
     Rule("CP954", Severity.ERROR, "offload to CPU is FSDP2's offload option",
          "drop params/optimizer = \"cpu\" from offload and set offload = \"cpu\" on fsdp2 "
          "(parameters, gradients and the optimizer step on the host)",
-         "[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\nname = \"offload\"\n"
-         "params = \"cpu\"\n"),
+         "[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = \"fsdp2\"\n\n[[plugins]]\n"
+         "name = \"offload\"\nparams = \"cpu\"\n"),
     Rule("CP955", Severity.ERROR, "an optimizer whose state offload cannot stream",
          "use a per-parameter optimizer (AdamW, Adam, SGD, ...), or FSDP2's offload = "
          "\"cpu\" for this one",
