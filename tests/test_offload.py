@@ -60,6 +60,18 @@ def test_single_process_is_bitwise_equal(tmp_path: Path, make) -> None:
     assert len(optimizer.inner.state) == 0
     assert len(list(optimizer.directory.glob("unit-*.safetensors"))) == len(optimizer.units)
     assert len(optimizer.state) == len(reference.state)
+    # The files are safetensors: safetensors' own reader opens them.
+    from safetensors import safe_open
+
+    with safe_open(str(optimizer.store.path(0)), framework="pt") as f:
+        assert f.metadata()["composer_par.offload"]
+        # unit 0 holds the optimizer's first parameters: its index i is the state's i
+        state = optimizer.state_dict()["state"]
+        keys = list(f.keys())
+        assert keys
+        for key in keys:
+            index, name = key.split("/")
+            assert torch.equal(f.get_tensor(key), torch.as_tensor(state[int(index)][name]))
     ours, theirs = optimizer.state_dict(), reference.state_dict()
     assert ours["param_groups"] == theirs["param_groups"]
     for index, values in theirs["state"].items():
