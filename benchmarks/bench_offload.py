@@ -94,7 +94,8 @@ def train(layers: int, dim: int, steps: int, path: str | None) -> dict[str, Any]
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
-    return {"peak": _peak_rss(), "apply_peak": apply_peak, "reset": reset, "state": 2 * 4 * local, "params": 4 * local,
+    return {"peak": _peak_rss(), "apply_peak": apply_peak, "reset": reset,
+            "state": 2 * 4 * local, "params": 4 * local,
             "step": sum(times[1:]) / max(1, len(times) - 1),
             "units": len(optimizer.units) if offload is not None else 0}
 

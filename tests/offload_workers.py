@@ -53,8 +53,7 @@ def checkpoint_round_trip(case: ParityCase, root: str) -> dict[str, Any]:
     offloaded optimizer, train 2 more steps on each: the two must stay equal."""
     from composer_par import checkpoint
 
-    losses, model, optimizer, (task, index, count) = _train(case, offload=True,
-                                                            steps=range(3))
+    _, model, optimizer, (task, index, count) = _train(case, offload=True, steps=range(3))
     saved = optimizer.state_dict()
     checkpoint.save(root, model, optimizer, step=3)
     _, _, fresh_model, _, _, fresh = start_rank(case)

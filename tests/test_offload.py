@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from composer_par import FSDP2, MeshSpec, Offload, ParallelPlan
 from composer_par.plugins.offload.optimizer import OffloadedOptimizer, OffloadError
 from composer_par.plugins.offload.store import OffloadStorageError
+
+from composer_par import FSDP2, MeshSpec, Offload, ParallelPlan
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ParityCase, parity_result
 
@@ -108,7 +108,7 @@ def test_a_changed_file_is_not_taken_for_state(tmp_path: Path) -> None:
     data = bytearray(unit.read_bytes())
     data[-1] ^= 0xFF  # same size, one bit pattern changed
     unit.write_bytes(bytes(data))
-    with pytest.raises(OffloadStorageError, match="CRC-32 differs.*not taken for state"):
+    with pytest.raises(OffloadStorageError, match=r"CRC-32 differs.*not taken for state"):
         _train(model, optimizer, 1)
     unit.write_bytes(bytes(data[:-8]))  # cut short
     with pytest.raises(OffloadStorageError, match=r"\d+ bytes, \d+ written"):
@@ -161,6 +161,8 @@ def test_an_optimizer_it_cannot_stream_is_refused(tmp_path: Path) -> None:
         Offload(path=str(tmp_path)).wrap(torch.optim.LBFGS(model.parameters()), model)
     with pytest.raises(OffloadError, match="CP952"):
         OffloadedOptimizer(torch.optim.AdamW(model.parameters()), tmp_path / "missing", [])
+    with pytest.raises(OffloadError, match="CP953: offload cannot make its directory"):
+        OffloadedOptimizer(torch.optim.AdamW(model.parameters()), "/proc/sys", [])
 
 
 class _GlobalState(torch.optim.SGD):

@@ -29,7 +29,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -120,7 +120,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._names = dict(names or {})
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
-        self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        try:
+            self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        except OSError as e:
+            raise OffloadError(f"CP953: offload cannot make its directory in {root}: "
+                               f"{e.strerror}; fix: make {root} writable by the training "
+                               "processes, or choose another path") from e
         self._finalizer = weakref.finalize(self, _cleanup, self.directory)
         self.store = UnitStore(self.directory)
         self.units = self._cut(units)
@@ -228,8 +233,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 elif kind == "dtensor":
                     from torch.distributed.tensor import DTensor
 
+                    sharded = cast(DTensor, param)
                     values[key] = DTensor.from_local(
-                        tensors[f"{index}/{key}"], param.device_mesh, param.placements,
+                        tensors[f"{index}/{key}"], sharded.device_mesh, sharded.placements,
                         run_check=False, shape=param.shape, stride=param.stride())
                 else:
                     values[key] = tensors[f"{index}/{key}"]

@@ -60,7 +60,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     import torch
 
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

@@ -19,7 +19,8 @@ def fsdp_units(model: nn.Module) -> Units:
     units: Units = []
     inside: set[int] = set()
     for name, module in reversed(list(model.named_modules())):
-        if not isinstance(module, FSDPModule):
+        sharded = isinstance(module, FSDPModule)
+        if not sharded:
             continue
         own = [p for p in module.parameters() if id(p) not in inside]
         inside.update(id(p) for p in own)
