@@ -187,7 +187,7 @@ def test_state_outside_the_unit_is_refused(tmp_path: Path) -> None:
         optimizer.step()
 
 
-def _plan(world: int, path: str | None) -> str:
+def _plan(world: int, path: str | None, fsdp_options: str = "") -> str:
     offload = f'\n[[plugins]]\nname = "offload"\npath = "{path}"\n' if path else ""
     return f"""
 [mesh]
@@ -195,6 +195,7 @@ dp_shard = {world}
 
 [[plugins]]
 name = "fsdp2"
+{fsdp_options}
 
 [[plugins]]
 name = "meta_init"
@@ -204,11 +205,16 @@ seed = 7
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_fsdp2_with_nvme_offload_is_bitwise_equal(tmp_path: Path) -> None:
-    plain = ParityCase(task=LLAMA, plan=_plan(2, None), world_size=2, steps=5,
+@pytest.mark.parametrize("fsdp_options", ["", 'offload = "cpu"'],
+                         ids=["fsdp2", "fsdp2-cpu-offload"])
+def test_fsdp2_with_nvme_offload_is_bitwise_equal(tmp_path: Path, fsdp_options: str) -> None:
+    # With FSDP2's own CPU offload too (DeepSpeed's offload_param: cpu beside
+    # offload_optimizer: nvme): both sides use it, only the optimizer state differs.
+    plain = ParityCase(task=LLAMA, plan=_plan(2, None, fsdp_options), world_size=2, steps=5,
                        optimizer="adamw", lr=0.01, reference="accumulate")
-    offloaded = ParityCase(task=LLAMA, plan=_plan(2, str(tmp_path)), world_size=2, steps=5,
-                           optimizer="adamw", lr=0.01, reference="accumulate")
+    offloaded = ParityCase(task=LLAMA, plan=_plan(2, str(tmp_path), fsdp_options),
+                           world_size=2, steps=5, optimizer="adamw", lr=0.01,
+                           reference="accumulate")
     from tests.offload_workers import train_both
 
     results = run_ranks(train_both, 2, args=(plain, offloaded), timeout=240)
