@@ -314,3 +314,38 @@ def test_options_round_trip_and_bad_values_are_refused(tmp_path: Path) -> None:
     assert ParallelPlan.from_toml(plan.to_toml()).to_toml() == plan.to_toml()
     with pytest.raises(ValueError, match="optimizer must be one of 'nvme', 'cpu'"):
         Offload(optimizer="disk")
+
+
+def test_the_step_holds_one_unit_at_a_time(tmp_path: Path) -> None:
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = Offload(path=str(tmp_path), unit_bytes=1024).wrap(inner, model)
+    seen: list[set[int]] = []
+    # Runs inside each unit's step, with that unit's state loaded.
+    inner.register_step_pre_hook(lambda opt, args, kwargs: seen.append(
+        {id(p) for p in opt.state}))
+    _train(model, optimizer, 2)
+    units = [u.ids for u in optimizer.units]
+    assert len(seen) == 2 * len(units)
+    assert seen[:len(units)] == [set()] * len(units)  # the first step starts from nothing
+    assert seen[len(units):] == units  # then exactly the unit's own state, no other
+
+
+def test_an_lr_scheduler_drives_the_offloaded_optimizer(tmp_path: Path) -> None:
+    plain, offloaded = _model(), _model()
+    reference = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    optimizer = Offload(path=str(tmp_path)).wrap(
+        torch.optim.AdamW(offloaded.parameters(), lr=0.01), offloaded)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step)
+                 for o in (reference, optimizer)]
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for model, o, schedule in zip((plain, offloaded), (reference, optimizer), schedules,
+                                      strict=True):
+            model(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+            schedule.step()
+    assert optimizer.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 0.01 / 8
+    for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
+        assert torch.equal(a, b)
