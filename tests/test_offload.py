@@ -40,18 +40,26 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int)
         optimizer.zero_grad()
 
 
+def _decay_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    return [{"params": [p for p in params if p.dim() > 1]},
+            {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
-], ids=["adamw", "sgd-momentum", "adam-amsgrad"])
-def test_single_process_is_bitwise_equal(tmp_path: Path, make) -> None:
+    # two groups (no weight decay on biases): a unit spans both
+    lambda ps: torch.optim.AdamW(_decay_groups(list(ps)), lr=0.01, weight_decay=0.1),
+], ids=["adamw", "sgd-momentum", "adam-amsgrad", "adamw-two-groups"])
+@pytest.mark.parametrize("unit_bytes", [1024, 1 << 20], ids=["units-per-layer", "one-unit"])
+def test_single_process_is_bitwise_equal(tmp_path: Path, make, unit_bytes: int) -> None:
     plain, offloaded = _model(), _model()
     reference = make(plain.parameters())
-    # unit_bytes small enough that every Linear's weight is a unit of its own
-    optimizer = Offload(path=str(tmp_path), unit_bytes=1024).wrap(
+    # 1024: every Linear's weight is a unit of its own; 1 MiB: one unit, over both groups
+    optimizer = Offload(path=str(tmp_path), unit_bytes=unit_bytes).wrap(
         make(offloaded.parameters()), offloaded)
-    assert len(optimizer.units) > 2
+    assert (len(optimizer.units) > 2) == (unit_bytes == 1024)
     _train(plain, reference, 6)
     _train(offloaded, optimizer, 6)
     for (name, a), b in zip(plain.named_parameters(), offloaded.parameters(), strict=True):
