@@ -150,12 +150,12 @@ class Offload(Plugin):
 
         The units are ``model``'s FSDP2 units (each unit's own parameters), else the
         optimizer's parameters cut into runs of about ``unit_bytes`` bytes."""
-        from .optimizer import OffloadedOptimizer, OffloadError
+        from .optimizer import OffloadedOptimizer
         from .units import chunk_units, fsdp_units
 
         if self.optimizer != "nvme" or self.path is None:
-            raise OffloadError(f"offload wraps optimizers with optimizer = \"nvme\" and a path "
-                               f"(got optimizer={self.optimizer!r}, path={self.path!r})")
+            raise ValueError(f"offload wraps optimizers with optimizer = \"nvme\" and a path "
+                             f"(got optimizer={self.optimizer!r}, path={self.path!r})")
         units = fsdp_units(model) if model is not None else []
         if not units:
             units = chunk_units(optimizer, self.unit_bytes)

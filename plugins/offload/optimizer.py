@@ -33,6 +33,8 @@ from typing import Any, cast
 
 import torch
 
+from composer_par.plugin import Finding
+
 from .store import UnitStore
 
 #: The safetensors metadata key holding how each state entry is rebuilt.
@@ -45,7 +47,12 @@ NOT_STREAMABLE = {"LBFGS": "its step re-evaluates the loss (a closure) over ever
 
 
 class OffloadError(ValueError):
-    """An optimizer or state the offload cannot stream; the message names the cause."""
+    """What the offload refuses when it wraps an optimizer or steps it (CP952, CP953,
+    CP955): ``finding`` holds the code, the message and the fix."""
+
+    def __init__(self, code: str, message: str, fix: str) -> None:
+        self.finding = Finding(code, message, fix=fix, plugin="offload")
+        super().__init__(self.finding.format())
 
 
 def _param_label(names: Mapping[int, str], param: torch.Tensor, fallback: str) -> str:
@@ -105,16 +112,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # wrapper shares the wrapped optimizer's groups instead (LR schedulers set them).
         kind = type(optimizer).__name__
         if kind in NOT_STREAMABLE:
-            raise OffloadError(f"CP955: offload cannot stream {kind}: "
-                               f"{NOT_STREAMABLE[kind]}; fix: use optimizer = \"cpu\" "
-                               "(FSDP2's offload) or a per-parameter optimizer (AdamW)")
+            raise OffloadError("CP955", f"offload cannot stream {kind}: "
+                               f"{NOT_STREAMABLE[kind]}",
+                               fix="use a per-parameter optimizer (AdamW, Adam, SGD, ...), "
+                               "or FSDP2's offload = \"cpu\" for this one")
         if isinstance(optimizer, OffloadedOptimizer):
-            raise OffloadError("the optimizer is offloaded already; wrap the torch "
-                               "optimizer once")
+            raise ValueError("the optimizer is offloaded already; wrap the torch "
+                             "optimizer once")
         root = Path(path)
         if not root.is_dir():
-            raise OffloadError(f"CP952: the offload path {root} is not a directory; fix: "
-                               "create it, on the NVMe device, before training")
+            raise OffloadError("CP952", f"the offload path {root} is not a directory",
+                               fix="create it, on the NVMe device, before training")
         self.inner = optimizer
         self.defaults = optimizer.defaults
         self._names = dict(names or {})
@@ -123,8 +131,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         try:
             self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
         except OSError as e:
-            raise OffloadError(f"CP953: offload cannot make its directory in {root}: "
-                               f"{e.strerror}; fix: make {root} writable by the training "
+            raise OffloadError("CP953", f"offload cannot make its directory in {root}: "
+                               f"{e.strerror}", fix=f"make {root} writable by the training "
                                "processes, or choose another path") from e
         self._finalizer = weakref.finalize(self, _cleanup, self.directory)
         self.store = UnitStore(self.directory)
@@ -247,10 +255,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         stray = [p for p in inner if id(p) not in unit.ids] if stepped else []
         if stray:
             raise OffloadError(
-                f"CP955: {type(self.inner).__name__} keeps state on parameters it did not "
+                "CP955", f"{type(self.inner).__name__} keeps state on parameters it did not "
                 f"step ({len(stray)} outside unit {unit.label}): its state is not per "
-                "parameter, so offload cannot stream it; fix: use a per-parameter "
-                "optimizer (AdamW, SGD, ...) or optimizer = \"cpu\"")
+                "parameter, so offload cannot stream it",
+                fix="use a per-parameter optimizer (AdamW, Adam, SGD, ...), or FSDP2's "
+                "offload = \"cpu\" for this one")
         tensors: dict[str, torch.Tensor] = {}
         layout: dict[str, dict[str, tuple[str, Any]]] = {}
         for index, param in enumerate(unit.params):
@@ -292,9 +301,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                       ) -> OffloadError:
         name = _param_label(self._names, param, f"a parameter of unit {unit.label}")
         return OffloadError(
-            f"CP955: {type(self.inner).__name__}'s state {key!r} of {name} is {what}; "
+            "CP955", f"{type(self.inner).__name__}'s state {key!r} of {name} is {what}; "
             "offload streams tensors (plain, or DTensors laid out as their parameter) and "
-            "plain numbers only; fix: use optimizer = \"cpu\" for this optimizer")
+            "plain numbers only", fix="use FSDP2's offload = \"cpu\" for this optimizer")
 
     def _store_all(self) -> None:
         try:
