@@ -57,8 +57,25 @@ def _filesystem(path: str) -> str:
     return best[1]
 
 
-def train(layers: int, dim: int, steps: int, path: str | None) -> dict[str, Any]:
+def _fixed_mmap_threshold(nbytes: int) -> bool:
+    """Have glibc's malloc serve blocks of ``nbytes`` or more by mmap, returned to the
+    system when freed (its default threshold rises to the largest block freed, after
+    which freed tensors stay in the heap); whether it could (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    m_mmap_threshold = -3
+    return bool(ctypes.CDLL(name).mallopt(m_mmap_threshold, nbytes))
+
+
+def train(layers: int, dim: int, steps: int, path: str | None,
+          mmap_threshold: int | None = None) -> dict[str, Any]:
     """One rank: build, apply FSDP2 (+ offload), train ``steps`` steps of AdamW."""
+    if mmap_threshold:
+        _fixed_mmap_threshold(mmap_threshold)
     import torch
     import torch.distributed as dist
 
@@ -108,19 +125,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
+                        help="fix glibc's mmap threshold in the ranks (both sides), e.g. "
+                        "1048576 (default: malloc's own dynamic threshold)")
     parser.add_argument("--path", default=None,
                         help="offload directory (default: a temporary one under /tmp)")
     args = parser.parse_args()
     path = args.path or tempfile.mkdtemp(prefix="bench-offload-")
     common = (args.layers, args.dim, args.steps)
-    plain = run_ranks(train, args.ranks, args=(*common, None), timeout=1200)
-    offloaded = run_ranks(train, args.ranks, args=(*common, path), timeout=1200)
+    plain = run_ranks(train, args.ranks, args=(*common, None, args.mmap_threshold),
+                      timeout=1200)
+    offloaded = run_ranks(train, args.ranks, args=(*common, path, args.mmap_threshold),
+                          timeout=1200)
     if args.path is None:
         shutil.rmtree(path, ignore_errors=True)
     mb = 1 / 2**20
     print(f"Llama dim={args.dim} layers={args.layers}, FSDP2 over {args.ranks} gloo ranks, "
           f"AdamW, {args.steps} steps; offload path {path} ({_filesystem(path)}), "
-          f"{offloaded[0]['units']} units")
+          f"{offloaded[0]['units']} units"
+          + (f"; glibc mmap threshold {args.mmap_threshold} bytes" if args.mmap_threshold
+             else ""))
     if not all(r["reset"] for r in plain + offloaded):
         print("note: the peak could not be restarted after apply (no /proc/self/clear_refs): "
               "the peaks below include applying the plan")
