@@ -22,6 +22,7 @@ from composer_par.plugins.hsdp import HSDP
 from composer_par.plugins.load_checkpoint import LoadCheckpoint
 from composer_par.plugins.load_safetensors import LoadSafetensors
 from composer_par.plugins.meta_init import MetaInit
+from composer_par.plugins.offload import Offload
 from composer_par.plugins.pp import PP
 from composer_par.plugins.tp import TP
 from composer_par.replicas import ReplicaDriftError, check_replicas
@@ -49,6 +50,7 @@ __all__ = [
     "MeshSpec",
     "MetaInit",
     "MixedPrecision",
+    "Offload",
     "ParallelPlan",
     "PlanError",
     "PlanFileError",
