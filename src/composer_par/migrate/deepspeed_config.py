@@ -201,12 +201,19 @@ def _offload(draft: Draft, key: str, value: Any, *, optimizer: bool) -> None:
                    "the plan only replicates", "use ZeRO stage 3 (FSDP2) to offload")
         return
     line = draft.option("fsdp2", "offload", "cpu")
-    what = "optimizer state" if optimizer else "parameters"
-    if device == "nvme":
-        draft.find("CP906", key, value, f"offloading the {what} to NVMe has no equal in FSDP2: "
-                   "the plan offloads parameters, gradients and the optimizer step to CPU "
-                   "memory instead", "make sure the host memory holds them, or keep "
-                   "DeepSpeed for NVMe offload", line)
+    if device == "nvme" and optimizer:
+        path = value.get("nvme_path", "DIR")
+        draft.find("CP906", key, value, "NVMe optimizer state is the offload plugin's, which "
+                   "needs the training loop to wrap its optimizer; so the plan offloads "
+                   "parameters, gradients and the optimizer step to CPU memory instead",
+                   f"to keep the optimizer state in files instead, add [[plugins]] name = "
+                   f"\"offload\" with path = \"{path}\" and wrap the optimizer: "
+                   "plan.plugin(\"offload\").wrap(optimizer, model) (docs/offload.md)", line)
+    elif device == "nvme":
+        draft.find("CP906", key, value, "offloading the parameters to NVMe has no equal: the "
+                   "plan offloads parameters, gradients and the optimizer step to CPU memory "
+                   "instead", "make sure the host memory holds them, or keep DeepSpeed for "
+                   "parameter offload to NVMe", line)
     elif optimizer:
         draft.find("CP906", key, value, "FSDP2 offloads parameters, gradients and the "
                    "optimizer step to CPU together: offloading the optimizer state alone has "
