@@ -14,7 +14,7 @@ from composer_par.blocks import Block, BlockSpec, find_blocks
 from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
 from composer_par.mesh import DEFAULT_TIMEOUT_S, MeshError, MeshSpec, as_timeout
-from composer_par.plugin import STAGES, Plugin, Role, Stage
+from composer_par.plugin import STAGES, FoldedDim, Plugin, Role, Stage
 from composer_par.plugin.caller import HookCaller, HookError
 from composer_par.plugin.context import AppliedStep, ApplyContext
 from composer_par.plugin.fsdp_state import check_installed
@@ -163,12 +163,19 @@ class ParallelPlan:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
         return self.hooks.replicate_dims()
 
+    def folded_dims(self) -> list[FoldedDim]:
+        """The model-parallel dims plugins fold into data parallelism, in mesh order."""
+        folded = {f.dim: f for f in self.hooks.folded_dims()}
+        return [folded[n] for n in self.mesh.names if n in folded]
+
     def data_parallel_dims(self) -> list[str]:
         """Mesh dims over which ranks read different samples (sharded or replicated data
-        parallelism), outermost first. Ranks that differ only in other (model-parallel)
-        mesh dims read the same samples."""
+        parallelism, and folded dims whose ranks read different samples), outermost
+        first. Ranks that differ only in other (model-parallel) mesh dims read the same
+        samples."""
         roles = {c.dim for d in self.hooks.declarations() for c in d.claims
                  if c.role in (Role.SHARD, Role.REPLICATE)}
+        roles |= {f.dim for f in self.folded_dims() if f.distinct_samples}
         return [n for n in self.mesh.names if n in roles]
 
     def data_shard(self, rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:

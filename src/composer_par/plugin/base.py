@@ -80,6 +80,19 @@ class Declaration:
 
 
 @attrs.frozen
+class FoldedDim:
+    """A model-parallel mesh dim over which the model's ordinary (dense) parameters are
+    equal, so data parallelism folds it in (the ``composer_par_folded_dims`` hook).
+
+    ``distinct_samples``: ranks along the dim read different samples (expert
+    parallelism: each ep rank is a data-parallel rank for the dense layers), or the same
+    samples, each rank slicing them (context parallelism)."""
+
+    dim: str
+    distinct_samples: bool
+
+
+@attrs.frozen
 class EstimateSettings:
     """What a plugin tells ``composer-par estimate`` about how it runs (the
     ``composer_par_estimate_settings`` hook): each field None unless it decides it.

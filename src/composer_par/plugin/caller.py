@@ -198,6 +198,13 @@ class HookCaller:
             dims.extend(d for d in answer if d not in dims)
         return dims
 
+    def folded_dims(self) -> list[Any]:
+        """Every plugin's folded dims (``FoldedDim``), in plan order, each dim once."""
+        out: list[Any] = []
+        for _, answer in self.answers("composer_par_folded_dims"):
+            out.extend(f for f in answer if f.dim not in {o.dim for o in out})
+        return out
+
     def comm_hooks(self) -> list[CommHook]:
         """Every plugin's comm hooks, in plan order, each naming the plugin that gave it."""
         out: list[CommHook] = []

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from composer_par.findings import Finding
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration, EstimateSettings
+    from composer_par.plugin.base import Declaration, EstimateSettings, FoldedDim
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
     from composer_par.plugin.pipeline import Timeline
@@ -92,6 +92,21 @@ def composer_par_replicate_dims(plan: ParallelPlan) -> list[str] | None:
 
     Called: by a data-parallel plugin building its mesh (FSDP2 asks; HSDP answers).
     Returns: the names of mesh dims this plugin replicates over, outermost first.
+    """
+
+
+@hookspec
+def composer_par_folded_dims(plan: ParallelPlan) -> list[FoldedDim] | None:
+    """Model-parallel mesh dims this plugin claims that data parallelism must fold in.
+
+    Called: statically (must not import torch) by the plan, whenever it lists its
+    data-parallel dims (``plan.data_parallel_dims()``, ``plan.data_shard()``) or its
+    folded dims (``plan.folded_dims()``, ``ctx.folded_dims()``), and by data-parallel
+    plugins building their mesh (FSDP2 shards over its dim and the folded dims together).
+    Returns: :class:`~composer_par.plugin.FoldedDim` values, one per dim the plugin claims
+    over which the dense parameters are equal; a dim with ``distinct_samples`` is one
+    over which ranks read different samples. With no data-parallel plugin in the plan the
+    folding plugin itself averages the gradients of the parameters equal across its dim.
     """
 
 

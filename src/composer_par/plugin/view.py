@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration, Stage
+    from composer_par.plugin.base import Declaration, FoldedDim, Stage
     from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook
     from composer_par.topology import Topology
@@ -68,6 +68,10 @@ class PlanView:
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
         return self._caller.replicate_dims()
+
+    def folded_dims(self) -> list[FoldedDim]:
+        """The model-parallel dims plugins fold into data parallelism, in mesh order."""
+        return self._plan.folded_dims()
 
     def data_parallel_dims(self) -> list[str]:
         """Mesh dims over which ranks read different samples, outermost first."""
