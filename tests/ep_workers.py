@@ -1,0 +1,115 @@
+"""Tasks and rank-side functions of tests/test_ep*.py: the MoE Llama of
+composer_par.models.moe_llama and Hugging Face MoE families from tiny configs (built on
+meta, nothing downloaded), each with its router's auxiliary loss in the loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class MoELlamaTask:
+    """Next-token prediction plus the load-balancing loss with the MoE Llama."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    shared_expert: bool = False
+    n_layers: int = 2
+    dim: int = 32
+    vocab_size: int = 64
+    global_batch: int = 8
+    seq_len: int = 8
+    data_seed: int = 1234
+    # Route every token to these experts regardless of the router (the router's
+    # probabilities still give the weights): uneven routing, an ep rank receiving nothing.
+    forced: tuple[int, ...] | None = None
+
+    def config(self) -> Any:
+        from composer_par.models.moe_llama import MoELlamaConfig
+
+        return MoELlamaConfig(
+            vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers, n_heads=4,
+            n_kv_heads=2, ffn_hidden=2 * self.dim, max_seq_len=self.seq_len,
+            num_experts=self.num_experts, top_k=self.top_k, expert_hidden=self.dim,
+            shared_expert=self.shared_expert, aux_loss_coef=0.1)
+
+    def build(self) -> Any:
+        from composer_par.models.moe_llama import MoELlama
+
+        model = MoELlama(self.config())
+        if self.forced is not None:
+            for layer in model.layers:
+                layer.moe.router.forward = _ForcedRouter(layer.moe.router, self.forced)
+        return model
+
+    def batch(self, step: int) -> Any:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.data_seed + step)
+        start = torch.randint(0, self.vocab_size, (self.global_batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (self.global_batch, 1), generator=gen)
+        return (start + stride * torch.arange(self.seq_len)) % self.vocab_size
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        from composer_par.models.moe_llama import moe_loss
+
+        return moe_loss(model, batch)
+
+
+class _ForcedRouter:
+    """A router whose choice of experts is fixed (its weights still train)."""
+
+    def __init__(self, router: Any, experts: tuple[int, ...]) -> None:
+        self.router, self.experts = router, experts
+
+    def __call__(self, x: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        probs = F.softmax(F.linear(x, self.router.weight).float(), dim=-1)
+        index = torch.tensor(self.experts, device=x.device).expand(x.shape[0], -1)
+        weights = probs.gather(1, index)
+        return probs, weights.to(x.dtype), index
+
+
+@attrs.frozen
+class HFMoETask:
+    """A Hugging Face MoE family's causal-LM loss with its router's aux loss
+    (``output_router_logits=True``: the model adds ``router_aux_loss_coef`` times it)."""
+
+    family: str
+    global_batch: int = 4
+    seq_len: int = 8
+    data_seed: int = 5
+
+    def build(self) -> Any:
+        from tests import hf_workers
+
+        return hf_workers.build(self.family, **MOE_CONFIG.get(self.family, {}))
+
+    def batch(self, step: int) -> Any:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.data_seed + step)
+        return torch.randint(3, 128, (self.global_batch, self.seq_len), generator=gen)
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        assert out.aux_loss is not None
+        return out.loss
+
+
+# The tiny configs of tests/hf_workers.py with a router loss that counts.
+MOE_CONFIG: dict[str, dict[str, Any]] = {
+    "mixtral": {"router_aux_loss_coef": 0.1},
+    "qwen3_moe": {"router_aux_loss_coef": 0.1},
+}
+
+moe_llama = MoELlamaTask()
+moe_llama_shared = MoELlamaTask(shared_expert=True, num_experts=8)
+# Every token to experts 0 and 1: with ep = 2 rank 1's experts receive nothing.
+moe_llama_forced = MoELlamaTask(forced=(0, 1))
+mixtral = HFMoETask("mixtral")
+qwen3_moe = HFMoETask("qwen3_moe")

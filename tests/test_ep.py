@@ -1,0 +1,124 @@
+"""EP (expert parallelism) trains exactly like a single process, on the MoE Llama and on
+Hugging Face MoE families, and its rules (CP801-CP803) name what is wrong.
+
+Every rank's view of every parameter (the experts' full_tensor() included) is compared
+with the reference; the loss includes the router's auxiliary load-balancing loss, whose
+per-shard value the reference computes per micro-batch (``reference="accumulate"``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from composer_par import EP, FSDP2, MeshSpec, MetaInit, ParallelPlan, Topology
+from composer_par.plugin import FoldedDim
+from composer_par.testing.parity import ParityCase, check_parity
+
+WORKERS = "tests.ep_workers"
+
+
+def ep_plan(ep: int, *, mesh: str = "", plugins: str = "") -> str:
+    return f"""
+[mesh]
+{mesh}
+ep = {ep}
+
+[[plugins]]
+name = "ep"
+{plugins}
+
+[[plugins]]
+name = "meta_init"
+seed = 7
+"""
+
+
+def _parity(task: str, plan: str, world: int, steps: int = 3) -> None:
+    case = ParityCase(task=f"{WORKERS}:{task}", plan=plan, world_size=world, steps=steps,
+                      lr=0.5, reference="accumulate")
+    result = check_parity(case)
+    result.assert_close()
+    # Vacuous if nothing trained: the losses move.
+    assert result.losses[-1] < result.losses[0], result.losses
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("task", "world"), [
+    ("moe_llama", 2),
+    ("moe_llama_shared", 4),  # 8 experts, 2 per rank, and a shared expert
+    ("moe_llama_forced", 2),  # every token to experts 0 and 1: rank 1 receives nothing
+    ("mixtral", 2),
+    ("qwen3_moe", 4),
+])
+def test_ep_matches_single_process(task: str, world: int) -> None:
+    _parity(task, ep_plan(world), world)
+
+
+# -- the plugin's answers, no processes --------------------------------------------------
+
+
+def _moe(num_experts: int = 4) -> object:
+    import torch
+
+    from composer_par.models.moe_llama import MoELlama, MoELlamaConfig
+
+    with torch.device("meta"):
+        return MoELlama(MoELlamaConfig(num_experts=num_experts))
+
+
+def test_ep_folds_its_dim_into_data_parallelism() -> None:
+    plan = ParallelPlan(MeshSpec(dp_shard=2, ep=2)).use(FSDP2()).use(EP()).use(MetaInit())
+    assert plan.folded_dims() == [FoldedDim("ep", distinct_samples=True)]
+    assert plan.data_parallel_dims() == ["dp_shard", "ep"]
+    # Rank 1 is (dp_shard 0, ep 1): the second of four data shards.
+    assert plan.data_shard(1, 4) == (1, 4)
+
+
+def test_ep_finds_the_experts_of_the_moe_llama_and_hugging_face() -> None:
+    from composer_par.plugins.ep import find_experts
+    from tests import hf_workers
+
+    sites = find_experts(_moe())  # type: ignore[arg-type]
+    assert [(s.path, s.num_experts, s.names) for s in sites] == [
+        (f"layers.{i}.moe.experts", 4, ("w1", "w3", "w2")) for i in range(2)]
+    for family in ("mixtral", "qwen3_moe"):
+        sites = find_experts(hf_workers.build(family))
+        assert [s.path for s in sites] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+        assert {s.names for s in sites} == {("gate_up_proj", "down_proj")}
+
+
+def test_cp801_experts_that_ep_does_not_divide() -> None:
+    plan = ParallelPlan(MeshSpec(ep=4)).use(EP()).use(MetaInit())
+    found = plan.validate(_moe(6), world_size=4).findings  # type: ignore[arg-type]
+    cp801 = [f for f in found if f.code == "CP801"]
+    assert len(cp801) == 2 and all(f.severity.value == "error" for f in cp801)
+    assert "layers.0.moe.experts holds 6 experts" in cp801[0].message
+    assert "[1, 2, 3, 6]" in (cp801[0].fix or "")
+    assert not [f for f in plan.validate(_moe(8), world_size=4).findings  # type: ignore[arg-type]
+                if f.code == "CP801"]
+
+
+def test_cp802_a_model_without_experts() -> None:
+    import torch
+
+    from composer_par.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        dense = Llama(LlamaConfig())
+    found = ParallelPlan(MeshSpec(ep=2)).use(EP()).use(MetaInit()).validate(
+        dense, world_size=2).findings
+    assert [f.code for f in found if f.plugin == "ep"] == ["CP802"]
+    assert "Llama has no experts module" in found[0].message
+
+
+def test_cp803_ep_across_nodes_warns_with_the_bytes() -> None:
+    spread = ParallelPlan(MeshSpec(ep=4), topology=Topology(nodes=2, devices_per_node=2))
+    found = spread.use(EP()).use(MetaInit()).validate(_moe()).findings  # type: ignore[arg-type]
+    cp803 = [f for f in found if f.code == "CP803"]
+    assert len(cp803) == 1 and cp803[0].severity.value == "warning"
+    # 4 passes x hidden 64 x 4 bytes x 2 blocks x 3/4 of the pairs leaving the rank.
+    assert "1,536 bytes per step" in cp803[0].message
+    inside = ParallelPlan(MeshSpec(ep=2), topology=Topology(nodes=1, devices_per_node=2))
+    assert not [f for f in inside.use(EP()).use(MetaInit()).validate(_moe()).findings  # type: ignore[arg-type]
+                if f.code == "CP803"]
