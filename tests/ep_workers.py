@@ -113,3 +113,21 @@ moe_llama_shared = MoELlamaTask(shared_expert=True, num_experts=8)
 moe_llama_forced = MoELlamaTask(forced=(0, 1))
 mixtral = HFMoETask("mixtral")
 qwen3_moe = HFMoETask("qwen3_moe")
+
+
+def layouts(plan_toml: str, task: str = "moe_llama") -> dict[str, tuple[Any, ...]]:
+    """After apply on this rank: (mesh dim names, placements, local shape) of an expert
+    weight and of a dense weight of the first block."""
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.testing.parity import apply_to_built, build_plan
+
+    model, _, _ = apply_to_built(globals()[task], build_plan(plan_toml))
+    out = {}
+    for name, param in model.named_parameters():
+        if name.endswith(("moe.experts.w1", "attention.wq.weight")) and ".0." in name:
+            key = "expert" if "experts" in name else "dense"
+            assert isinstance(param, DTensor), (name, type(param))
+            out[key] = (param.device_mesh.mesh_dim_names, tuple(map(str, param.placements)),
+                        tuple(param.to_local().shape))
+    return out

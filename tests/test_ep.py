@@ -55,6 +55,34 @@ def test_ep_matches_single_process(task: str, world: int) -> None:
     _parity(task, ep_plan(world), world)
 
 
+FSDP2_EP = ep_plan(2, mesh="dp_shard = 2", plugins="") + """
+[[plugins]]
+name = "fsdp2"
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("task", ["moe_llama_shared", "mixtral"])
+def test_ep_with_fsdp2_matches_single_process(task: str) -> None:
+    """dp_shard(2) x ep(2): the dense layers sharded over all four ranks, the experts
+    over the two dp_shard ranks of their ep rank, their gradients divided by four."""
+    _parity(task, FSDP2_EP, 4)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ep_with_fsdp2_shards_experts_apart() -> None:
+    """torchtitan's arrangement, through the composer_par_shard_apart hook: experts
+    Shard(0) over ep (2 of 4 experts) then over dp_shard (1 each); dense weights over
+    dp_shard x ep flattened."""
+    from composer_par.testing import run_ranks
+
+    for view in run_ranks(f"{WORKERS}:layouts", 4, args=(FSDP2_EP,)):
+        assert view["expert"] == (("dp_shard", "ep"), ("_S(0, 2)", "S(0)"), (1, 32, 32))
+        assert view["dense"] == (("dp_shard_ep",), ("S(0)",), (8, 32))
+
+
 # -- the plugin's answers, no processes --------------------------------------------------
 
 
@@ -122,3 +150,11 @@ def test_cp803_ep_across_nodes_warns_with_the_bytes() -> None:
     inside = ParallelPlan(MeshSpec(ep=2), topology=Topology(nodes=1, devices_per_node=2))
     assert not [f for f in inside.use(EP()).use(MetaInit()).validate(_moe()).findings  # type: ignore[arg-type]
                 if f.code == "CP803"]
+
+
+def test_ep_answers_the_composition_hooks() -> None:
+    """composer_par_folded_dims: ep, read by data parallelism; composer_par_shard_apart:
+    nothing before EP dispatches (the experts it answers are those it sharded)."""
+    plugin = EP(dim="experts")
+    assert plugin.composer_par_folded_dims() == [FoldedDim("experts", distinct_samples=True)]
+    assert plugin.composer_par_shard_apart(_moe()) == []  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from composer_par.plugin import (
     Plugin,
     Role,
     Rule,
+    ShardApart,
     dim_option,
     hookimpl,
     ordering_option,
@@ -56,6 +57,8 @@ class EP(Plugin):
     """
 
     name: ClassVar[str] = "ep"
+    # FSDP2 reads this capability (not EP's options) to know the _ep_plan is applied.
+    provides: ClassVar[frozenset[str]] = frozenset({"expert_parallel"})
     rules: ClassVar[tuple[Rule, ...]] = RULES
 
     dim: str = dim_option("ep")
@@ -68,6 +71,17 @@ class EP(Plugin):
     @hookimpl
     def composer_par_folded_dims(self) -> list[FoldedDim]:
         return [FoldedDim(self.dim, distinct_samples=True)]
+
+    @hookimpl
+    def composer_par_shard_apart(self, model: nn.Module) -> list[ShardApart]:
+        """The experts: a data-parallel plugin shards them over its dims without ep."""
+        from .apply import dispatched_sites
+
+        sites = dispatched_sites(model)
+        if not sites:
+            return []
+        return [ShardApart(modules=tuple(s.module for s in sites),
+                           paths=tuple(s.path for s in sites), without=(self.dim,))]
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -15,8 +15,8 @@ RULES = (
     Rule("CP801", Severity.ERROR, "the experts do not divide among the ep ranks",
          "make the ep size a divisor of the number of experts (each ep rank holds "
          "num_experts / ep whole experts)",
-         "[mesh]\nep = 4\n\n[[plugins]]\nname = \"ep\"\n\n[[plugins]]\nname = \"meta_init\"\n"
-         "# with a model of 6 experts per block"),
+         "ParallelPlan(MeshSpec(ep=4)).use(EP()).use(MetaInit())"
+         ".validate(moe_llama_with_6_experts, world_size=4)"),
     Rule("CP802", Severity.ERROR, "EP finds no experts module in the model",
          "use EP with a mixture-of-experts model whose experts are fused as [num_experts, "
          "...] parameters and whose experts forward takes (hidden_states, top_k_index, "
@@ -25,8 +25,8 @@ RULES = (
     Rule("CP803", Severity.WARNING, "the ep mesh dim crosses nodes",
          "list ep after the dims that cross nodes, with a size <= devices_per_node: every "
          "MoE block's token all-to-all is the most bandwidth-hungry collective of a step",
-         "[mesh]\nep = 4\n\n[topology]\nnodes = 2\ndevices_per_node = 2\n\n[[plugins]]\n"
-         "name = \"ep\"\n\n[[plugins]]\nname = \"meta_init\""),
+         "ParallelPlan(MeshSpec(ep=4), topology=Topology(nodes=2, devices_per_node=2))"
+         ".use(EP()).use(MetaInit()).validate(moe_llama)"),
 )
 
 #: Logical all-to-all passes per routed (token, slot) pair and MoE block in a training

@@ -110,6 +110,7 @@ from composer_par.plugin.base import (
     FoldedDim,
     Plugin,
     Role,
+    ShardApart,
     Stage,
     hookimpl,
 )
@@ -171,6 +172,7 @@ __all__ = [
     "Role",
     "Rule",
     "Severity",
+    "ShardApart",
     "Stage",
     "Topology",
     "all_reduce_mean",

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from composer_par.plugin.base import FoldedDim
+    from composer_par.plugin.base import FoldedDim, ShardApart
     from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook, InstalledCommHook
     from composer_par.plugin.pipeline import Pipeline
@@ -82,6 +82,10 @@ class ApplyContext:
     def folded_dims(self) -> list[FoldedDim]:
         """The model-parallel dims plugins fold into data parallelism, in mesh order."""
         return self.plan.folded_dims()
+
+    def shard_apart(self) -> list[ShardApart]:
+        """The modules plugins ask data parallelism to shard apart (composition hook)."""
+        return self.hooks.shard_apart(self.model)
 
     def comm_hooks(self) -> dict[str, CommHook]:
         """The comm hooks plugins give, by mesh dim (validation allows one per dim)."""
