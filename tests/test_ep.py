@@ -105,6 +105,7 @@ def test_ep_folds_its_dim_into_data_parallelism() -> None:
 
 def test_ep_finds_the_experts_of_the_moe_llama_and_hugging_face() -> None:
     from composer_par.plugins.ep import find_experts
+
     from tests import hf_workers
 
     sites = find_experts(_moe())  # type: ignore[arg-type]

@@ -142,7 +142,7 @@ class EP(Plugin):
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
-        from .apply import average_over, divide_gradients, dispatched_sites
+        from .apply import average_over, dispatched_sites, divide_gradients
 
         size = ctx.mesh.size(self.dim)
         if size == 1 or _has_data_parallel(ctx.plan):

@@ -87,7 +87,7 @@ class ExpertDispatch:
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, top_k = top_k_index.shape
+        top_k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)
         # The pairs sorted by expert, so each destination rank's pairs are contiguous and
         # within them each local expert's; stable, so the order is deterministic.
@@ -111,14 +111,14 @@ class ExpertDispatch:
             # A rank that received nothing still takes part in backward's all-to-alls (the
             # others wait for it) and gives its experts a zero gradient, as one process
             # gives experts no token chose: tie the empty result to both.
-            weights = [t for t in local.values() if isinstance(t, torch.Tensor)]
-            computed = arrived + sum((0 * t.sum() for t in weights), arrived.new_zeros(()))
+            tensors = [t for t in local.values() if isinstance(t, torch.Tensor)]
+            computed = arrived + sum((0 * t.sum() for t in tensors), arrived.new_zeros(()))
         returned = all_to_all(computed, send_splits, recv_splits, self.group)
-        weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
+        router_weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
         out = torch.zeros_like(hidden_states)
-        return out.index_add(0, token_of, returned * weights[:, None])
+        return out.index_add(0, token_of, returned * router_weights[:, None])
 
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
+    def _local_tensors(self) -> dict[str, Any]:
         tensors: dict[str, Any] = {}
         if isinstance(getattr(self.module, "num_experts", None), int):
             # transformers' grouped-mm forward counts tokens per expert over num_experts.
