@@ -131,3 +131,55 @@ def layouts(plan_toml: str, task: str = "moe_llama") -> dict[str, tuple[Any, ...
             out[key] = (param.device_mesh.mesh_dim_names, tuple(map(str, param.placements)),
                         tuple(param.to_local().shape))
     return out
+
+
+# -- checkpoints across EP layouts ----------------------------------------------------------
+
+#: name -> (mesh, plugins other than the materializer).
+CHECKPOINT_LAYOUTS: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
+    "fsdp2_ep_2x2": ({"dp_shard": 2, "ep": 2}, ("fsdp2", "ep")),
+    "ep_2": ({"ep": 2}, ("ep",)),
+    "one_process": ({}, ()),
+}
+
+
+def _built(layout: str, seed: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    from composer_par import MeshSpec, MetaInit, ParallelPlan
+    from tests.checkpoint_io_workers import plugin
+
+    mesh, names = CHECKPOINT_LAYOUTS[layout]
+    plan = ParallelPlan(MeshSpec(**mesh))
+    for name in names:
+        plan.use(plugin(name))
+    plan.use(MetaInit(seed=seed))
+    with torch.device("meta"):
+        model = moe_llama_shared.build()
+    model = plan.apply(model)
+    return plan, model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def save_trained(layout: str, root: str) -> dict[str, Any]:
+    """Train 2 steps under ``layout`` and save; this rank's view of the full state."""
+    from composer_par.checkpoint import save
+    from tests.checkpoint_io_workers import full_state
+
+    plan, model, optimizer = _built(layout, 11)
+    index, count = plan.data_shard()
+    for step in range(2):
+        moe_llama_shared.loss(model, moe_llama_shared.batch(step).chunk(count)[index]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save(root, model, optimizer, step=2, plan=plan)
+    return full_state(model, optimizer)  # type: ignore[no-any-return]
+
+
+def load_saved(layout: str, root: str) -> dict[str, Any]:
+    """A fresh model of ``layout`` (another seed) loads ``root``; this rank's view."""
+    from composer_par.checkpoint import load
+    from tests.checkpoint_io_workers import full_state
+
+    _, model, optimizer = _built(layout, 99)
+    load(root, model, optimizer)
+    return full_state(model, optimizer)  # type: ignore[no-any-return]

@@ -8,6 +8,8 @@ per-shard value the reference computes per micro-batch (``reference="accumulate"
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from composer_par import EP, FSDP2, MeshSpec, MetaInit, ParallelPlan, Topology
@@ -81,6 +83,24 @@ def test_ep_with_fsdp2_shards_experts_apart() -> None:
     for view in run_ranks(f"{WORKERS}:layouts", 4, args=(FSDP2_EP,)):
         assert view["expert"] == (("dp_shard", "ep"), ("_S(0, 2)", "S(0)"), (1, 32, 32))
         assert view["dense"] == (("dp_shard_ep",), ("S(0)",), (8, 32))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_checkpoint_saved_under_ep_x_fsdp2_loads_into_ep_and_one_process(
+        tmp_path: Path) -> None:
+    """Saved under dp_shard(2) x ep(2) after two AdamW steps; loaded into EP 2 and into
+    one process: model and optimizer state bitwise, in every rank's view."""
+    from composer_par.testing import run_ranks
+    from tests.test_checkpoint_dist import agreed, assert_every_rank_bitwise
+
+    root = str(tmp_path / "fsdp2_ep")
+    saved = agreed(run_ranks(f"{WORKERS}:save_trained", 4, args=("fsdp2_ep_2x2", root),
+                             timeout=300), "saved")
+    assert any(k.endswith("moe.experts.w1.exp_avg") for k in saved)  # optimizer state
+    for layout, world in (("ep_2", 2), ("one_process", 1)):
+        views = run_ranks(f"{WORKERS}:load_saved", world, args=(layout, root), timeout=300)
+        assert_every_rank_bitwise(saved, views, f"fsdp2_ep_2x2 -> {layout}")
 
 
 # -- the plugin's answers, no processes --------------------------------------------------
