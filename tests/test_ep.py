@@ -103,6 +103,23 @@ def test_a_checkpoint_saved_under_ep_x_fsdp2_loads_into_ep_and_one_process(
         assert_every_rank_bitwise(saved, views, f"fsdp2_ep_2x2 -> {layout}")
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ep_with_activation_checkpointing_matches_single_process() -> None:
+    """Recomputation in backward issues the block's all-to-alls again, on every rank."""
+    _parity("moe_llama", ep_plan(2, plugins='[[plugins]]\nname = "activation_checkpoint"'), 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ep_with_tp_matches_single_process() -> None:
+    """ep(2) x tp(2): attention split over tp, experts over ep (whole on both tp ranks,
+    which read the same samples). replicate_rest=false: a router weight replicated as a
+    DTensor would make the routing DTensors (no bincount for those)."""
+    plan = ep_plan(2, plugins='[[plugins]]\nname = "tp"\nreplicate_rest = false')
+    _parity("moe_llama", plan.replace("ep = 2", "ep = 2\ntp = 2"), 4)
+
+
 # -- the plugin's answers, no processes --------------------------------------------------
 
 
