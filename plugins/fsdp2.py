@@ -613,8 +613,10 @@ class FSDP2(Plugin):
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
         hooked = {h.dim for h in plan.comm_hooks() if h.all_reduce}
+        folded = {f.dim for f in plan.folded_dims()}
         dims = [*(d for d in plan.replicate_dims() if d in plan.mesh and d not in hooked),
-                self.dim]
+                " x ".join(d for d in plan.mesh.names if d == self.dim or d in folded)
+                or self.dim]
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items()
                          if k not in ("dim", "units", "gradient_divide_factor"))
         middle = (", then " + ", ".join(" + ".join(_entry_paths(e)) for e in self.units)
@@ -644,7 +646,11 @@ class FSDP2(Plugin):
         comm_hooks = ctx.comm_hooks()
         hooked = [d for d in replicate if d in comm_hooks and comm_hooks[d].all_reduce]
         replicate = [d for d in replicate if d not in hooked]
-        mesh = _shard_mesh(ctx, replicate, self.dim)
+        # Dims the model-parallel plugins fold in (cp, ep) hold equal parameters: they
+        # shard with this dim as one flattened shard dim.
+        folded = {f.dim for f in ctx.folded_dims()}
+        shard = [d for d in ctx.mesh.names if d == self.dim or d in folded]
+        mesh = ctx.data_parallel_mesh(replicate, shard)
         if self.offload == "cpu":
             # Pinned host memory needs an accelerator; without one, pinning fails.
             offload: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -662,7 +668,7 @@ class FSDP2(Plugin):
         apart_options = dict(common, mp_policy=block_policy)
         if self.reshard_after_forward is not None:
             apart_options["reshard_after_forward"] = self.reshard_after_forward
-        apart = _shard_apart(ctx, replicate, self.dim, apart_options)
+        apart = _shard_apart(ctx, replicate, shard, apart_options)
         # Bottom-up: each block, then the other units, then the root (whose unit holds
         # whatever no other unit took).
         for unit in units:
@@ -675,8 +681,8 @@ class FSDP2(Plugin):
                         **options)
             sharded.extend(modules)
         ctx.data_parallel_modules.extend([*apart, *sharded])
-        folded = [f.dim for f in ctx.folded_dims() if f.dim != self.dim]
-        dims = ", ".join(f"{d}({ctx.mesh.size(d)})" for d in (*replicate, self.dim, *folded))
+        dims = ", ".join([*(f"{d}({ctx.mesh.size(d)})" for d in replicate),
+                          " x ".join(f"{d}({ctx.mesh.size(d)})" for d in shard)])
         extra = [u for u in units if u.kind == "unit"]
         detail = (f"fully_shard on {len(ctx.blocks)} block(s) + "
                   + (f"{len(extra)} unit(s) ({', '.join(u.name for u in extra)}) + "
@@ -717,20 +723,7 @@ class FSDP2(Plugin):
                 f"{note}")
 
 
-def _shard_mesh(ctx: ApplyContext, replicate: list[str], dim: str) -> Any:
-    """FSDP2's mesh: the replicate dims, then its own dim flattened with the dims other
-    plugins fold into data parallelism (one shard dim over dp_shard x folded)."""
-    folded = [f.dim for f in ctx.folded_dims() if f.dim != dim and f.dim in ctx.mesh]
-    if not folded:
-        return ctx.submesh(*replicate, dim)
-    together = [n for n in ctx.mesh.names if n == dim or n in folded]
-    name = "_".join(together)
-    ctx.submesh(*together)._flatten(name)  # the root mesh then knows the flat dim
-    assert ctx.device_mesh is not None
-    return ctx.device_mesh[(*replicate, name)] if replicate else ctx.device_mesh[name]
-
-
-def _shard_apart(ctx: ApplyContext, replicate: list[str], dim: str,
+def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
                  options: dict[str, Any]) -> list[Any]:
     """``fully_shard`` the modules plugins ask to be sharded apart, each over the
     data-parallel dims less its ``without``, dividing gradients by all data shards."""
@@ -744,8 +737,8 @@ def _shard_apart(ctx: ApplyContext, replicate: list[str], dim: str,
         data_shards *= ctx.mesh.size(name)
     done = []
     for answer in answers:
-        dims = [d for d in (*replicate, dim) if d not in answer.without]
-        mesh = ctx.submesh(*dims)
+        mesh = ctx.data_parallel_mesh([d for d in replicate if d not in answer.without],
+                                      [d for d in shard if d not in answer.without])
         for module in answer.modules:
             fully_shard(module, **dict(options, mesh=mesh))
             done.append(module)

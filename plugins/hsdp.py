@@ -134,7 +134,17 @@ class HSDP(Plugin):
             return f"replicate over {size} through {sharders[0][0]}'s 2-D mesh"
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        mesh = ctx.submesh(self.dim)
+        # Alone, HSDP also averages over the dims model-parallel plugins fold in (cp, ep).
+        folded = {f.dim for f in ctx.folded_dims()}
+        over = [d for d in ctx.mesh.names if d == self.dim or d in folded]
+        if hook is not None and hook.all_reduce and len(over) > 1:
+            # The hook reduces over its own dim only: the folded dims would go unreduced.
+            raise NotImplementedError(
+                f"{hook.plugin}'s all-reduce hook on {self.dim} cannot also reduce over "
+                f"{', '.join(d for d in over if d != self.dim)}: add FSDP2 (it "
+                "shards over those dims and leaves the hook the replicate all-reduce)")
+        size = " x ".join(f"{d}({ctx.mesh.size(d)})" for d in over)
+        mesh = ctx.data_parallel_mesh([], over)
         replicated: list[nn.Module] = []
         for _, block in ctx.blocks:
             replicate(block, mesh=mesh)

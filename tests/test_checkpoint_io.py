@@ -329,6 +329,39 @@ def test_save_load_round_trip_with_optimizer_rng_extra_and_plan(tmp_path: Path) 
                for m in metadata.state_dict_metadata.values())
 
 
+def _grouped(model: torch.nn.Module, *, swapped: bool = False) -> torch.optim.Optimizer:
+    """AdamW with decay and no-decay groups (matrices, then vectors; or the other way)."""
+    matrices = [p for p in model.parameters() if p.ndim > 1]
+    vectors = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": matrices, "lr": 0.01, "weight_decay": 0.1},
+              {"params": vectors, "lr": 0.001, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups[::-1] if swapped else groups)
+
+
+def test_optimizer_groups_load_by_parameter_or_are_refused(tmp_path: Path) -> None:
+    """Each parameter keeps its saved group's settings, whatever the order of the groups;
+    an optimizer whose one group held parameters of two saved groups is refused (torch
+    would give it one saved group's lr and weight decay for all of them, silently)."""
+    model = reference(3)
+    optimizer = _grouped(model)
+    llama.loss(model, llama.batch(0)).backward()
+    optimizer.step()
+    ck.save(tmp_path, model, optimizer)
+    fresh = reference(5)
+    swapped = _grouped(fresh, swapped=True)
+    for group in swapped.param_groups:
+        group["lr"] = 0.5
+    ck.load(tmp_path, fresh, swapped)
+    assert [(g["lr"], g["weight_decay"]) for g in swapped.param_groups] == [(0.001, 0.0),
+                                                                          (0.01, 0.1)]
+    one = reference(5)
+    before = state(one)
+    with pytest.raises(KeyMismatchError, match=r"optim\.param_groups\[0\]: the model "
+                       r"expects its parameters in one group, .* has them in 2 groups"):
+        ck.load(tmp_path, one, torch.optim.AdamW(one.parameters(), lr=0.5))
+    assert_same(state(one), before)
+
+
 def test_steps_are_fresh_directories_numbered_on(tmp_path: Path) -> None:
     model = reference()
     first = ck.save(tmp_path, model)

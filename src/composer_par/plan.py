@@ -164,19 +164,20 @@ class ParallelPlan:
         return self.hooks.replicate_dims()
 
     def folded_dims(self) -> list[FoldedDim]:
-        """The model-parallel dims plugins fold into data parallelism, in mesh order."""
+        """The model-parallel mesh dims plugins ask data parallelism to fold in (context
+        and expert parallelism's), in mesh order."""
         folded = {f.dim: f for f in self.hooks.folded_dims()}
         return [folded[n] for n in self.mesh.names if n in folded]
 
     def data_parallel_dims(self) -> list[str]:
         """Mesh dims over which ranks read different samples (sharded or replicated data
-        parallelism, and folded dims whose ranks read different samples), outermost
-        first. Ranks that differ only in other (model-parallel) mesh dims read the same
-        samples."""
-        roles = {c.dim for d in self.hooks.declarations() for c in d.claims
-                 if c.role in (Role.SHARD, Role.REPLICATE)}
-        roles |= {f.dim for f in self.folded_dims() if f.distinct_samples}
-        return [n for n in self.mesh.names if n in roles]
+        parallelism, and folded dims whose ranks read their own samples, as expert
+        parallelism's), outermost first. Ranks that differ only in other (model-parallel)
+        mesh dims read the same samples."""
+        dims = {c.dim for d in self.hooks.declarations() for c in d.claims
+                if c.role in (Role.SHARD, Role.REPLICATE)}
+        dims |= {f.dim for f in self.hooks.folded_dims() if f.distinct_samples}
+        return [n for n in self.mesh.names if n in dims]
 
     def data_shard(self, rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
         """``(shard_index, num_shards)`` of the data this rank reads: the ``rank`` and

@@ -668,12 +668,26 @@ def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any
             raise CorruptFileError(f"{where}: param_groups[{index}].params must be a list of "
                                    f"parameter names; found {type(params).__name__}")
     group_of = {p: group for group in groups for p in group["params"]}
-    for own in osd.get("param_groups", []):
+    for index, own in enumerate(osd.get("param_groups", [])):
         absent = [p for p in own.get("params", []) if p not in group_of]
         if absent:
             # The model has parameters the saved optimizer never held (a deeper model, a
             # pipeline stage with more blocks): a key mismatch, not a damaged file.
             raise KeyMismatchError(where, [f"{OPTIM}.param_groups: {p}" for p in absent])
+        # torch gives a group the settings of one saved group: a group whose parameters
+        # were saved in several would silently take one group's lr and weight decay.
+        first_in_group: dict[str, str] = {}
+        for param in own.get("params", []):
+            settings = {k: v for k, v in group_of[param].items() if k != "params"}
+            first_in_group.setdefault(repr(sorted(settings.items())), param)
+        if len(first_in_group) > 1:
+            one, other = list(first_in_group.values())[:2]
+            raise KeyMismatchError(where, mismatched=[(
+                f"{OPTIM}.param_groups[{index}]",
+                "its parameters in one group",
+                f"them in {len(first_in_group)} groups with their own settings ({one} in "
+                f"one, {other} in another): build the optimizer with the parameter groups "
+                "it was saved with")])
         for param in own.get("params", [])[:1]:
             _check_hyperparameters(where, own, group_of[param])
     return {"param_groups": groups, "state": scalars}

@@ -62,8 +62,10 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   :func:`modules_by_clean_name` (every module by its clean name, the outer of a wrapper
   pair kept); :func:`tied_outside` (the parameters a block shares with a module outside
   it: one parameter cannot be in two FSDP units).
-* **Composition values**: comm hooks (:class:`CommHook`, :class:`CommSetup`,
-  :class:`GradBucket`, :class:`GradReducer`, :func:`all_reduce_mean`), estimates
+* **Composition values**: folded dims (:class:`FoldedDim`: a model-parallel dim data
+  parallelism also reduces over, context and expert parallelism's), comm hooks
+  (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
+  :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
   stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`).
 * **Blocks already wrapped**: :data:`ALREADY_WRAPPED`, :data:`CHECKPOINT_MARK`,

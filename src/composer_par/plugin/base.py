@@ -59,6 +59,19 @@ class Claim:
 
 
 @attrs.frozen
+class FoldedDim:
+    """A model-parallel mesh dim over which the parameters its plugin does not split are
+    equal, so data parallelism reduces their gradients over it too (the
+    ``composer_par_folded_dims`` hook): context parallelism's ``cp`` (each rank a slice of
+    the same samples) and expert parallelism's ``ep`` (each rank its own samples)."""
+
+    dim: str
+    # Whether ranks along the dim read different samples (ep) or the same samples, each
+    # its own slice of them (cp). Only the first kind counts in the plan's data shards.
+    distinct_samples: bool
+
+
+@attrs.frozen
 class Declaration:
     """What a plugin tells the plan before anything runs (the declaration hook)."""
 
@@ -77,19 +90,6 @@ class Declaration:
     # The plugin's rule catalog (its class attribute ``rules``): validation reports two
     # plugins giving one code different meanings (CP222). Not part of equality.
     rules: tuple[Rule, ...] = attrs.field(default=(), eq=False, repr=False)
-
-
-@attrs.frozen
-class FoldedDim:
-    """A model-parallel mesh dim over which the model's ordinary (dense) parameters are
-    equal, so data parallelism folds it in (the ``composer_par_folded_dims`` hook).
-
-    ``distinct_samples``: ranks along the dim read different samples (expert
-    parallelism: each ep rank is a data-parallel rank for the dense layers), or the same
-    samples, each rank slicing them (context parallelism)."""
-
-    dim: str
-    distinct_samples: bool
 
 
 @attrs.frozen

@@ -35,7 +35,7 @@ import pluggy
 
 from composer_par.findings import CURRENT_PLUGIN, Finding
 from composer_par.plugin import hookspecs
-from composer_par.plugin.base import PROJECT, Declaration, Plugin, Stage
+from composer_par.plugin.base import PROJECT, Declaration, FoldedDim, Plugin, Stage
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -198,9 +198,9 @@ class HookCaller:
             dims.extend(d for d in answer if d not in dims)
         return dims
 
-    def folded_dims(self) -> list[Any]:
-        """Every plugin's folded dims (``FoldedDim``), in plan order, each dim once."""
-        out: list[Any] = []
+    def folded_dims(self) -> list[FoldedDim]:
+        """Every plugin's folded dims, once each (the first answer for a dim kept)."""
+        out: list[FoldedDim] = []
         for _, answer in self.answers("composer_par_folded_dims"):
             out.extend(f for f in answer if f.dim not in {o.dim for o in out})
         return out

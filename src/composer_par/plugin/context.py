@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -75,13 +76,27 @@ class ApplyContext:
             return self.device_mesh
         return self.device_mesh[names if len(names) > 1 else names[0]]
 
+    def data_parallel_mesh(self, replicate: Sequence[str], shard: Sequence[str]) -> DeviceMesh:
+        """The DeviceMesh a data-parallel plugin works over: the ``replicate`` dims outer,
+        then the ``shard`` dims flattened into one mesh dim (torchtitan's ``dp_shard_cp``),
+        so that FSDP2 sees at most (replicate, shard). With one shard dim it is
+        :meth:`submesh`."""
+        if len(shard) <= 1:
+            return self.submesh(*replicate, *shard)
+        flat = "_".join(shard)
+        self.submesh(*shard)._flatten(flat)
+        assert self.device_mesh is not None  # submesh raised otherwise
+        return self.device_mesh[(*replicate, flat) if replicate else flat]
+
     def replicate_dims(self) -> list[str]:
         """The mesh dims data-parallel plugins should replicate over (composition hook)."""
         return self.hooks.replicate_dims()
 
     def folded_dims(self) -> list[FoldedDim]:
-        """The model-parallel dims plugins fold into data parallelism, in mesh order."""
-        return self.plan.folded_dims()
+        """The model-parallel dims data parallelism folds in (composition hook), in mesh
+        order."""
+        folded = {f.dim: f for f in self.hooks.folded_dims()}
+        return [folded[n] for n in self.mesh.names if n in folded]
 
     def shard_apart(self) -> list[ShardApart]:
         """The modules plugins ask data parallelism to shard apart (composition hook)."""

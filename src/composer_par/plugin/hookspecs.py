@@ -102,16 +102,20 @@ def composer_par_replicate_dims(plan: ParallelPlan) -> list[str] | None:
 
 @hookspec
 def composer_par_folded_dims(plan: ParallelPlan) -> list[FoldedDim] | None:
-    """Model-parallel mesh dims this plugin claims that data parallelism must fold in.
+    """Model-parallel mesh dims that data parallelism folds in (context and expert
+    parallelism's dims).
 
-    Called: statically (must not import torch) by the plan, whenever it lists its
-    data-parallel dims (``plan.data_parallel_dims()``, ``plan.data_shard()``) or its
-    folded dims (``plan.folded_dims()``, ``ctx.folded_dims()``), and by data-parallel
-    plugins building their mesh (FSDP2 shards over its dim and the folded dims together).
-    Returns: :class:`~composer_par.plugin.FoldedDim` values, one per dim the plugin claims
-    over which the dense parameters are equal; a dim with ``distinct_samples`` is one
-    over which ranks read different samples. With no data-parallel plugin in the plan the
-    folding plugin itself averages the gradients of the parameters equal across its dim.
+    Called: by data-parallel plugins building their mesh, by ``plan.data_shard()`` and
+    ``plan.data_parallel_dims()``, and by ``explain``; statically (must not import torch).
+    Returns: :class:`~composer_par.plugin.FoldedDim` values, one per claimed mesh dim over
+    which the parameters the plugin does not split are equal across ranks, so their
+    gradients must also be averaged over it. FSDP2 then shards over its own dim and these
+    together (one flattened shard dim; replicate dims stay outer), and HSDP alone
+    replicates over its dim and these. A dim whose ``distinct_samples`` is true is a
+    data-parallel dim of the plan's data shards (ranks along it read different samples).
+    With no data-parallel plugin in the plan, nothing else reduces over a folded dim: the
+    folding plugin averages those gradients itself. Parameters that differ along the dim
+    (expert parallelism's experts) are the folding plugin's business.
     """
 
 

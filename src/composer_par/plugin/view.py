@@ -70,7 +70,8 @@ class PlanView:
         return self._caller.replicate_dims()
 
     def folded_dims(self) -> list[FoldedDim]:
-        """The model-parallel dims plugins fold into data parallelism, in mesh order."""
+        """The model-parallel dims data parallelism folds in (context and expert
+        parallelism's), in mesh order."""
         return self._plan.folded_dims()
 
     def data_parallel_dims(self) -> list[str]:
