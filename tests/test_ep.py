@@ -120,6 +120,15 @@ def test_ep_with_tp_matches_single_process() -> None:
     _parity("moe_llama", plan.replace("ep = 2", "ep = 2\ntp = 2"), 4)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ep_with_hsdp_alone_matches_single_process() -> None:
+    """dp_replicate(2) x ep(2), HSDP alone: the dense layers replicated over both dims,
+    the experts (shard apart) over dp_replicate only, their gradients divided by four."""
+    plan = ep_plan(2, mesh="dp_replicate = 2", plugins='[[plugins]]\nname = "hsdp"')
+    _parity("moe_llama", plan, 4)
+
+
 # -- the plugin's answers, no processes --------------------------------------------------
 
 
