@@ -87,6 +87,12 @@ class HFMoETask:
     def build(self) -> Any:
         from tests import hf_workers
 
+        if self.family in MORE_MOE:
+            import transformers
+
+            config_class, model_class, fields = MORE_MOE[self.family]
+            config = getattr(transformers, config_class)(**{**hf_workers.COMMON, **fields})
+            return getattr(transformers, model_class)(config)
         return hf_workers.build(self.family, **MOE_CONFIG.get(self.family, {}))
 
     def batch(self, step: int) -> Any:
@@ -96,6 +102,8 @@ class HFMoETask:
         return torch.randint(3, 128, (self.global_batch, self.seq_len), generator=gen)
 
     def loss(self, model: Any, batch: Any) -> Any:
+        if self.family == "deepseek_v3":  # its router balances by a bias, not a loss
+            return model(input_ids=batch, labels=batch).loss
         out = model(input_ids=batch, labels=batch, output_router_logits=True)
         assert out.aux_loss is not None
         return out.loss
@@ -107,12 +115,32 @@ MOE_CONFIG: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"router_aux_loss_coef": 0.1},
 }
 
+# MoE families beyond tests/hf_workers.py's: family -> (config, model, fields over its
+# COMMON), each with 4 experts, top-2 and a router loss that counts.
+MORE_MOE: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # A shared expert with its own sigmoid gate beside the routed ones.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "router_aux_loss_coef": 0.1}),
+    # Grouped routing, a shared expert, multi-head latent attention; no aux loss.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+        "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.1}),
+}
+
 moe_llama = MoELlamaTask()
 moe_llama_shared = MoELlamaTask(shared_expert=True, num_experts=8)
 # Every token to experts 0 and 1: with ep = 2 rank 1's experts receive nothing.
 moe_llama_forced = MoELlamaTask(forced=(0, 1))
 mixtral = HFMoETask("mixtral")
 qwen3_moe = HFMoETask("qwen3_moe")
+qwen2_moe = HFMoETask("qwen2_moe")
+olmoe = HFMoETask("olmoe")
+deepseek_v3 = HFMoETask("deepseek_v3")
 
 
 def layouts(plan_toml: str, task: str = "moe_llama") -> dict[str, tuple[Any, ...]]:
