@@ -135,6 +135,19 @@ def test_ep_with_hsdp_alone_matches_single_process() -> None:
     _parity("moe_llama", plan, 4)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_routing_stats_count_tokens_per_expert_and_per_ep_rank() -> None:
+    """Every token of the global batch (8 x 8) to experts 0 and 1, both on rank 0: each
+    receives 64 pairs, rank 0 computes 128 and rank 1 none; every rank reports the same."""
+    from composer_par.testing import run_ranks
+
+    views = run_ranks(f"{WORKERS}:routing_after_one_step", 2)
+    expected = [{"module": f"layers.{i}.moe.experts", "tokens_per_expert": (64, 64, 0, 0),
+                 "rank_min": 0, "rank_mean": 64.0, "rank_max": 128} for i in range(2)]
+    assert views == [expected, expected]
+
+
 # -- the plugin's answers, no processes --------------------------------------------------
 
 
