@@ -237,3 +237,52 @@ name = "ep"
 [[plugins]]
 name = "meta_init"
 """
+
+
+# -- Hugging Face weights in and out under EP ------------------------------------------------
+
+HF_EP_LAYOUTS: dict[str, dict[str, int]] = {"fsdp2_ep_2x2": {"dp_shard": 2, "ep": 2},
+                                             "ep_2": {"ep": 2}}
+
+
+def _hf_plan(layout: str, materializer: Any) -> Any:
+    from composer_par import EP, FSDP2, MeshSpec, ParallelPlan
+
+    mesh = HF_EP_LAYOUTS[layout]
+    plan = ParallelPlan(MeshSpec(**mesh))
+    if "dp_shard" in mesh:
+        plan.use(FSDP2())
+    return plan.use(EP()).use(materializer)
+
+
+def export_mixtral(layout: str, directory: str) -> dict[str, Any]:
+    """Mixtral initialized under ``layout``, exported as safetensors with its Hugging
+    Face names; this rank's view of the full weights."""
+    import torch
+
+    from composer_par import MetaInit
+    from composer_par.checkpoint import export_safetensors
+    from tests.checkpoint_io_workers import full_state
+
+    plan = _hf_plan(layout, MetaInit(seed=5))
+    with torch.device("meta"):
+        model = mixtral.build()
+    model = plan.apply(model)
+    export_safetensors(model, directory, plan=plan)
+    return full_state(model, None)  # type: ignore[no-any-return]
+
+
+def load_mixtral(layout: str, directory: str) -> dict[str, Any]:
+    """Mixtral materialized under ``layout`` by LoadSafetensors from ``directory``."""
+    import torch
+
+    from composer_par import LoadSafetensors
+    from tests.checkpoint_io_workers import full_state
+
+    plan = _hf_plan(layout, LoadSafetensors(directory))
+    with torch.device("meta"):
+        model = mixtral.build()
+    model = plan.apply(model)
+    state: dict[str, Any] = full_state(model, None)
+    state["bytes_read"] = plan.notes["load_safetensors_report"].bytes_read
+    return state

@@ -148,6 +148,38 @@ def test_routing_stats_count_tokens_per_expert_and_per_ep_rank() -> None:
     assert views == [expected, expected]
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_hugging_face_weights_out_of_and_into_ep(tmp_path: Path) -> None:
+    """Mixtral exported from dp_shard(2) x ep(2) is what from_pretrained loads exactly;
+    LoadSafetensors reads it back into ep(2) bitwise, each rank less than the file (its
+    own experts, not the others')."""
+    import torch
+    import transformers
+
+    from composer_par.testing import run_ranks
+    from tests import hf_workers
+    from tests.ep_workers import MOE_CONFIG
+    from tests.test_checkpoint_dist import agreed, assert_every_rank_bitwise
+
+    directory = tmp_path / "mixtral"
+    saved = agreed(run_ranks(f"{WORKERS}:export_mixtral", 4,
+                             args=("fsdp2_ep_2x2", str(directory)), timeout=300), "exported")
+    hf_workers.config("mixtral", **MOE_CONFIG["mixtral"]).save_pretrained(directory)
+    theirs = transformers.MixtralForCausalLM.from_pretrained(directory).state_dict()
+    assert_every_rank_bitwise(saved, [{f"model.{k}": v for k, v in theirs.items()}],
+                              "from_pretrained")
+    file_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    views = run_ranks(f"{WORKERS}:load_mixtral", 2, args=("ep_2", str(directory)),
+                      timeout=300)
+    experts = sum(v.numel() * v.element_size() for k, v in saved.items() if "experts" in k)
+    for view in views:
+        # Each ep rank reads its half of the experts (and every dense weight) only.
+        assert 0 < view.pop("bytes_read") <= file_bytes - experts // 2
+    assert_every_rank_bitwise(saved, views, "LoadSafetensors into ep(2)")
+    assert all(isinstance(v, torch.Tensor) for v in saved.values())
+
+
 # -- the plugin's answers, no processes --------------------------------------------------
 
 
