@@ -213,15 +213,16 @@ def load_saved(layout: str, root: str) -> dict[str, Any]:
     return full_state(model, optimizer)  # type: ignore[no-any-return]
 
 
-def routing_after_one_step() -> list[dict[str, Any]]:
-    """EP 2 on the forced-routing MoE Llama: one forward, then the routing stats (each
-    rank's), logged through composer_par's logger too."""
+def routing_after_one_step(options: str = "") -> list[dict[str, Any]]:
+    """EP 2 (with ``options``, plan-file lines of the ep plugin) on the forced-routing MoE
+    Llama: one forward, then the routing stats (each rank's), logged through
+    composer_par's logger too."""
     from composer_par.plugins.ep.stats import log_routing
 
     from composer_par.logging import get_logger
     from composer_par.testing.parity import apply_to_built, build_plan
 
-    plan = build_plan(EP2)
+    plan = build_plan(EP2.replace('name = "ep"', 'name = "ep"\n' + options))
     model, index, count = apply_to_built(moe_llama_forced, plan)
     moe_llama_forced.loss(model, moe_llama_forced.batch(0).chunk(count)[index])
     return [s.as_dict() for s in log_routing(model, get_logger("tests.ep"), step=0)]

@@ -144,8 +144,31 @@ def test_routing_stats_count_tokens_per_expert_and_per_ep_rank() -> None:
 
     views = run_ranks(f"{WORKERS}:routing_after_one_step", 2)
     expected = [{"module": f"layers.{i}.moe.experts", "tokens_per_expert": (64, 64, 0, 0),
-                 "rank_min": 0, "rank_mean": 64.0, "rank_max": 128} for i in range(2)]
+                 "rank_min": 0, "rank_mean": 64.0, "rank_max": 128, "dropped": 0}
+                for i in range(2)]
     assert views == [expected, expected]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_capacity_factor_drops_the_pairs_beyond_capacity_cp804() -> None:
+    """capacity_factor = 1: each rank sends each expert at most 64 pairs / 4 experts = 16;
+    of its 32 pairs for each of experts 0 and 1 it drops 16 (64 over both ranks)."""
+    from composer_par.testing import run_ranks
+
+    views = run_ranks(f"{WORKERS}:routing_after_one_step", 2,
+                      args=("capacity_factor = 1.0",))
+    expected = [{"module": f"layers.{i}.moe.experts", "tokens_per_expert": (32, 32, 0, 0),
+                 "rank_min": 0, "rank_mean": 32.0, "rank_max": 64, "dropped": 64}
+                for i in range(2)]
+    assert views == [expected, expected]
+    found = ParallelPlan(MeshSpec(ep=2)).use(EP(capacity_factor=1.25)).use(MetaInit()) \
+        .validate(_moe(), world_size=2).findings  # type: ignore[arg-type]
+    cp804 = [f for f in found if f.code == "CP804"]
+    assert len(cp804) == 1 and cp804[0].severity.value == "info"
+    assert "capacity_factor=1.25" in cp804[0].message
+    assert "CP804" not in ParallelPlan(MeshSpec(ep=2)).use(EP()).use(MetaInit()).validate(
+        _moe(), world_size=2).codes()  # type: ignore[arg-type]
 
 
 @pytest.mark.distributed

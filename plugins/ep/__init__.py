@@ -19,7 +19,7 @@ changes to the model). The plugin class is here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -27,6 +27,7 @@ from composer_par.plugin import (
     Claim,
     Finding,
     FoldedDim,
+    OptionError,
     Plugin,
     Role,
     Rule,
@@ -37,12 +38,27 @@ from composer_par.plugin import (
 )
 
 from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
-from .findings import RULES, crossing_finding, divisibility_findings, no_experts_finding
+from .findings import (
+    RULES,
+    capacity_finding,
+    crossing_finding,
+    divisibility_findings,
+    no_experts_finding,
+)
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.plugin import ApplyContext, MeshSpec, PlanView
+
+
+def _capacity_factor(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise OptionError(f"capacity_factor must be a number > 0, or None for dropless; "
+                          f"got {value!r}")
+    return float(value)
 
 
 def _has_data_parallel(plan: PlanView) -> bool:
@@ -53,7 +69,10 @@ def _has_data_parallel(plan: PlanView) -> bool:
 class EP(Plugin):
     """Expert parallelism: whole experts per rank, tokens moved by all-to-all.
 
-    Options: ``dim`` (default ``ep``); ``after`` / ``before``.
+    Options: ``dim`` (default ``ep``); ``capacity_factor`` (None: dropless, the
+    default; a number > 0: each rank sends each expert at most ``ceil(capacity_factor *
+    routed pairs / num_experts)`` pairs, dropping the rest: CP804); ``after`` /
+    ``before``.
     """
 
     name: ClassVar[str] = "ep"
@@ -62,11 +81,18 @@ class EP(Plugin):
     rules: ClassVar[tuple[Rule, ...]] = RULES
 
     dim: str = dim_option("ep")
+    capacity_factor: float | None = attrs.field(default=None, converter=_capacity_factor)
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
     def claims(self) -> tuple[Claim, ...]:
         return (Claim(self.dim, Role.MODEL_PARALLEL),)
+
+    @hookimpl
+    def composer_par_validate_plan(self) -> list[Finding]:
+        if self.capacity_factor is None:
+            return []
+        return [capacity_finding(self.capacity_factor)]
 
     @hookimpl
     def composer_par_folded_dims(self) -> list[FoldedDim]:
@@ -88,7 +114,10 @@ class EP(Plugin):
         size = plan.mesh.size(self.dim) if self.dim in plan.mesh else "?"
         steps = [("tensor_parallel", f"each experts module keeps num_experts / {self.dim}"
                   f"({size}) whole experts (DTensor Shard(0) over {self.dim}); tokens to "
-                  "their experts' ranks and back by all-to-all (dropless)")]
+                  "their experts' ranks and back by all-to-all ("
+                  + ("dropless" if self.capacity_factor is None else
+                     f"capacity factor {self.capacity_factor:g}: pairs beyond it dropped")
+                  + ")")]
         if not _has_data_parallel(plan):
             steps.append(("finalize", f"average the dense gradients over {self.dim}; divide "
                           f"the experts' by {self.dim}'s size"))
@@ -133,12 +162,13 @@ class EP(Plugin):
         group = mesh.get_group()
         for site in sites:
             shard_experts(site, mesh)
-            install_dispatch(site, group)
+            install_dispatch(site, group, self.capacity_factor)
         ctx.notes["ep_experts"] = [(s.path, s.num_experts) for s in sites]
         counts = sorted({s.num_experts for s in sites})
         return (f"{len(sites)} experts module(s) of {'/'.join(map(str, counts))} experts: "
                 f"{counts[0] // size} per rank over {self.dim}({size}); token all-to-all "
-                "(dropless)")
+                + ("(dropless)" if self.capacity_factor is None else
+                   f"(capacity factor {self.capacity_factor:g})"))
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:

@@ -34,11 +34,12 @@ def shard_experts(site: ExpertsSite, mesh: DeviceMesh) -> None:
             name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def install_dispatch(site: ExpertsSite, group: dist.ProcessGroup) -> ExpertDispatch:
+def install_dispatch(site: ExpertsSite, group: dist.ProcessGroup,
+                     capacity_factor: float | None = None) -> ExpertDispatch:
     """Make the site's forward the all-to-all dispatch around its own forward."""
     module = site.module
     dispatch = ExpertDispatch(module, type(module).forward, site.names, site.num_experts,
-                              group)
+                              group, capacity_factor)
     module.forward = dispatch  # type: ignore[method-assign]
     return dispatch
 

@@ -11,6 +11,7 @@ the one-process result up to the order of floating-point sums.
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -68,12 +69,20 @@ class ExpertDispatch:
     """The replacement forward of one experts module (``module.forward``).
 
     ``forward``: the module's own (class) forward; ``names``: its parameters split per
-    expert; ``num_experts``: the global count; ``group``: the ep process group.
+    expert; ``num_experts``: the global count; ``group``: the ep process group;
+    ``capacity_factor``: None (dropless), or the factor of a capacity: each rank sends
+    each expert at most ``ceil(capacity_factor * pairs / num_experts)`` of its routed
+    pairs (the first in token order), the rest dropped (they add nothing to the output;
+    the token keeps its residual), as GShard and Switch Transformer do.
     """
 
     def __init__(self, module: nn.Module, forward: Any, names: tuple[str, ...],
-                 num_experts: int, group: dist.ProcessGroup) -> None:
+                 num_experts: int, group: dist.ProcessGroup,
+                 capacity_factor: float | None = None) -> None:
         self.module = module
+        self.capacity_factor = capacity_factor
+        # Pairs the capacity dropped in the last forward, on this rank.
+        self.dropped = 0
         self.forward = forward
         self.names = names
         self.num_experts = num_experts
@@ -92,8 +101,10 @@ class ExpertDispatch:
         # The pairs sorted by expert, so each destination rank's pairs are contiguous and
         # within them each local expert's; stable, so the order is deterministic.
         order = torch.argsort(experts, stable=True)
+        if self.capacity_factor is not None:
+            order = self._within_capacity(experts, order)
         token_of = torch.div(order, top_k, rounding_mode="floor")
-        sent = torch.bincount(experts, minlength=self.num_experts)
+        sent = torch.bincount(experts[order], minlength=self.num_experts)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=self.group)
         self.sent_per_expert, self.received_per_expert = sent, received
@@ -117,6 +128,17 @@ class ExpertDispatch:
         router_weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, returned * router_weights[:, None])
+
+    def _within_capacity(self, experts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """``order`` (pairs sorted by expert) less each expert's pairs beyond capacity."""
+        capacity = math.ceil(self.capacity_factor * experts.numel() / self.num_experts)  # type: ignore[operator]
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        sorted_experts = experts[order]
+        position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
+        kept = order[position < capacity]
+        self.dropped = order.numel() - kept.numel()
+        return kept
 
     def _local_tensors(self) -> dict[str, Any]:
         tensors: dict[str, Any] = {}

@@ -27,6 +27,11 @@ RULES = (
          "MoE block's token all-to-all is the most bandwidth-hungry collective of a step",
          "ParallelPlan(MeshSpec(ep=4), topology=Topology(nodes=2, devices_per_node=2))"
          ".use(EP()).use(MetaInit()).validate(moe_llama)"),
+    Rule("CP804", Severity.INFO, "a capacity factor drops routed tokens",
+         "leave capacity_factor unset for dropless expert parallelism (training as one "
+         "process does), or keep it to bound each expert's work",
+         "[mesh]\nep = 2\n\n[[plugins]]\nname = \"ep\"\ncapacity_factor = 1.25\n\n"
+         "[[plugins]]\nname = \"meta_init\"\n"),
 )
 
 #: Logical all-to-all passes per routed (token, slot) pair and MoE block in a training
@@ -79,3 +84,14 @@ def crossing_finding(mesh: MeshSpec, topology: Topology, dim: str,
         "leaving the rank), much of it over the inter-node links",
         fix=f"list {dim} after the dims that cross nodes, with a size <= devices_per_node "
         f"({topology.devices_per_node})")
+
+
+def capacity_finding(factor: float) -> Finding:
+    """CP804: pairs beyond each expert's capacity are dropped."""
+    return Finding(
+        "CP804", f"capacity_factor={factor:g}: each rank sends each expert at most "
+        f"ceil({factor:g} x routed pairs / num_experts) pairs and drops the rest, which add "
+        "nothing to their tokens' output: training differs from one process whenever the "
+        "routing is that uneven (routing_stats counts the drops)",
+        fix="leave capacity_factor unset for dropless expert parallelism, or keep it to "
+        "bound each expert's work")

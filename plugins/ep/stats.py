@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -28,6 +29,8 @@ class RoutingStats:
     rank_min: int
     rank_mean: float
     rank_max: int
+    # Pairs a capacity factor dropped, over the ep group (0 when dropless).
+    dropped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -49,9 +52,11 @@ def routing_stats(model: nn.Module) -> list[RoutingStats]:
         low, high = mine.clone(), mine.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=dispatch.group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=dispatch.group)
+        dropped = torch.tensor(dispatch.dropped)
+        dist.all_reduce(dropped, group=dispatch.group)
         out.append(RoutingStats(
             clean_name(path), tuple(int(n) for n in per_expert.tolist()), int(low),
-            float(per_expert.sum()) / dispatch.ep, int(high)))
+            float(per_expert.sum()) / dispatch.ep, int(high), int(dropped)))
     return out
 
 
