@@ -235,7 +235,10 @@ class ParallelPlan:
                 "stages (stage pipeline_split): a plan has one pipeline",
                 fix=f"keep one of {', '.join(splitters)}"))
         findings += plugin_rules(materializers, decls, block_specs)
-        findings += topology_rules(mesh, topology, decls)
+        # A folded dim whose ranks read their own samples (ep) is data parallel for the
+        # dense layers: crossing nodes is its plugin's call (EP warns with the bytes).
+        exempt = {f.dim for f in self.folded_dims() if f.distinct_samples}
+        findings += topology_rules(mesh, topology, decls, exempt)
         findings += comm_hook_rules(mesh, decls, hooks.comm_hooks())
         findings += hooks.validate_plan(mesh, topology)
         blocks: list[Block] = []

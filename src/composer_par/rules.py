@@ -10,7 +10,7 @@ catalogs give different meanings, which validation reports as CP222.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from composer_par.findings import CORE_RULES, Finding, Rule, did_you_mean
@@ -292,9 +292,11 @@ def find_cycle(decls: Sequence[Declaration]) -> list[str] | None:
 
 
 def topology_rules(
-    mesh: MeshSpec, topology: Topology | None, decls: Sequence[Declaration]
+    mesh: MeshSpec, topology: Topology | None, decls: Sequence[Declaration],
+    exempt: Collection[str] = (),
 ) -> list[Finding]:
-    """Which mesh dims cross nodes; needs a resolved mesh that fits the topology."""
+    """Which mesh dims cross nodes; needs a resolved mesh that fits the topology.
+    ``exempt``: model-parallel dims whose crossing their plugin judges (no CP302)."""
     if topology is None or not mesh.is_resolved or mesh.world_size != topology.world_size:
         return []
     found: list[Finding] = []
@@ -315,7 +317,7 @@ def topology_rules(
                 _suggest_hsdp(mesh, topology, shard, roles[shard][1], by_role[Role.REPLICATE])
             )
     for tp in by_role[Role.MODEL_PARALLEL]:
-        if tp in crossing:
+        if tp in crossing and tp not in exempt:
             found.append(
                 Finding(
                     "CP302",
