@@ -281,3 +281,16 @@ def test_ep_answers_the_composition_hooks() -> None:
     plugin = EP(dim="experts")
     assert plugin.composer_par_folded_dims() == [FoldedDim("experts", distinct_samples=True)]
     assert plugin.composer_par_shard_apart(_moe()) == []  # type: ignore[arg-type]
+
+
+def test_ep_in_a_plan_file_round_trips_and_explains() -> None:
+    text = ep_plan(2, mesh="dp_shard = 2", plugins="capacity_factor = 1.5") \
+        + '\n[[plugins]]\nname = "fsdp2"\n'
+    plan = ParallelPlan.from_toml(text)
+    assert ParallelPlan.from_toml(plan.to_toml()).to_toml() == plan.to_toml()
+    assert 'capacity_factor = 1.5' in plan.to_toml()
+    explained = str(plan.explain())
+    assert "num_experts / ep(2) whole experts" in explained
+    assert "capacity factor 1.5" in explained
+    with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
+        EP(capacity_factor=0)
