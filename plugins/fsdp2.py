@@ -9,7 +9,13 @@ A Hugging Face model's own FSDP plan (transformers' ``_fsdp_plan``: ``model.laye
 are sharded as units of their own, those it keeps whole kept unsharded from forward to
 backward (CP425); a unit holding a tied weight, or overlapping a block, stays in its
 parent's unit. Explicit blocks replace the model's plan (CP426). Its expert-parallel
-plan (``_ep_plan``) has no plugin to apply it (CP427).
+plan (``_ep_plan``) is applied by a plugin providing ``expert_parallel`` (EP), and
+without one reported as not applied (CP427).
+
+Dims that model-parallel plugins fold into data parallelism (``composer_par_folded_dims``:
+ep) are flattened with FSDP2's own dim into one shard dim; modules other plugins ask to
+shard apart (``composer_par_shard_apart``: EP's experts) are sharded first, over the
+mesh without the dims they name, their gradients divided by all data shards.
 """
 
 from __future__ import annotations
@@ -78,8 +84,9 @@ RULES = (
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(blocks=\"model.layers\"))"
          ".use(MetaInit()).validate(llama_for_causal_lm)"),
     Rule("CP427", Severity.INFO, "the model's expert-parallel plan is not applied",
-         "nothing to do: the experts train as the plan's other weights do (sharded by FSDP2, "
-         "split per expert by TP's auto plan)",
+         "add EP() and an ep mesh dim to hold whole experts per rank; or nothing: the experts "
+         "train as the plan's other weights do (sharded by FSDP2, split per expert by TP's "
+         "auto plan)",
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())"
          ".validate(mixtral_for_causal_lm)"),
     Rule("CP428", Severity.ERROR, "reshard_units names no FSDP2 unit of the model",
@@ -417,8 +424,11 @@ class FSDP2(Plugin):
         return found
 
     @hookimpl
-    def composer_par_validate_model(self, model: Any, blocks: list[Any]) -> list[Finding]:
-        found = self._own_plan_findings(model, blocks)
+    def composer_par_validate_model(self, plan: PlanView, model: Any,
+                                    blocks: list[Any]) -> list[Finding]:
+        # A plugin providing expert parallelism applies the model's _ep_plan (CP427).
+        experts_parallel = any("expert_parallel" in d.provides for d in plan.declarations())
+        found = self._own_plan_findings(model, blocks, experts_parallel)
         units, unit_found = self.unit_list(model, blocks)
         found += unit_found
         found += self.reshard_values(units)[1]
@@ -551,7 +561,8 @@ class FSDP2(Plugin):
                     "unit, list it in units="))
         return values, found
 
-    def _own_plan_findings(self, model: Any, blocks: list[Any]) -> list[Finding]:
+    def _own_plan_findings(self, model: Any, blocks: list[Any],
+                           experts_parallel: bool = False) -> list[Finding]:
         name = type(model).__name__
         units, left = own_units(model, blocks)
         found = []
@@ -579,16 +590,16 @@ class FSDP2(Plugin):
             found.append(Finding("CP425", message,
                                  fix="nothing to do; pass blocks= to choose the units yourself"))
         experts = _ep_plan(model)
-        if experts:
+        if experts and not experts_parallel:
             shown = ", ".join(f"{k}: {v}" for k, v in list(experts.items())[:3])
             found.append(Finding(
                 "CP427", f"{name} has an expert-parallel plan (_ep_plan: {shown}"
-                f"{', ...' if len(experts) > 3 else ''}), which no plugin applies: "
-                "composer_par has no expert parallelism (tokens are not dispatched to experts "
-                "on other ranks); each rank computes every expert, whose weights FSDP2 "
-                "shards with their block",
-                fix="nothing to do: the experts train as the plan's other weights do (split "
-                "per expert over tp by TP's auto plan, moe_tp_experts)"))
+                f"{', ...' if len(experts) > 3 else ''}), which no plugin of this plan "
+                "applies: tokens are not dispatched to experts on other ranks; each rank "
+                "computes every expert, whose weights FSDP2 shards with their block",
+                fix="add EP() and an ep mesh dim (e.g. MeshSpec(dp_shard=2, ep=2)) to hold "
+                "whole experts per rank and dispatch tokens by all-to-all; or nothing: the "
+                "experts train as the plan's other weights do"))
         return found
 
     @hookimpl
@@ -653,6 +664,11 @@ class FSDP2(Plugin):
         reshard = self.reshard_values(units)[0]
         sharded = []
         block_policy, root_policy = mp.policy(root=False), mp.policy(root=True)
+        # Modules sharded apart (expert parallelism's experts), inside the blocks: first.
+        apart_options = dict(common, mp_policy=block_policy)
+        if self.reshard_after_forward is not None:
+            apart_options["reshard_after_forward"] = self.reshard_after_forward
+        apart = _shard_apart(ctx, replicate, shard, apart_options)
         # Bottom-up: each block, then the other units, then the root (whose unit holds
         # whatever no other unit took).
         for unit in units:
@@ -664,13 +680,15 @@ class FSDP2(Plugin):
                         mp_policy=root_policy if unit.kind == "root" else block_policy,
                         **options)
             sharded.extend(modules)
-        ctx.data_parallel_modules.extend(sharded)
+        ctx.data_parallel_modules.extend([*apart, *sharded])
         dims = ", ".join([*(f"{d}({ctx.mesh.size(d)})" for d in replicate),
                           " x ".join(f"{d}({ctx.mesh.size(d)})" for d in shard)])
         extra = [u for u in units if u.kind == "unit"]
         detail = (f"fully_shard on {len(ctx.blocks)} block(s) + "
                   + (f"{len(extra)} unit(s) ({', '.join(u.name for u in extra)}) + "
                      if extra else "") + f"root over ({dims})")
+        if apart:
+            detail += f"; {len(apart)} module(s) sharded apart (expert parallelism's experts)"
         own = [u for u in units if u.kind == "model plan"]
         if own:
             detail += ("; the model's own FSDP units: "
@@ -703,6 +721,30 @@ class FSDP2(Plugin):
         note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
         return (f"gradient divide factor {factor:g} on {len(modules)} FSDP module(s)"
                 f"{note}")
+
+
+def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
+                 options: dict[str, Any]) -> list[Any]:
+    """``fully_shard`` the modules plugins ask to be sharded apart, each over the
+    data-parallel dims less its ``without``, dividing gradients by all data shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    answers = ctx.shard_apart()
+    if not answers:
+        return []
+    data_shards = 1
+    for name in ctx.plan.data_parallel_dims():
+        data_shards *= ctx.mesh.size(name)
+    done = []
+    for answer in answers:
+        mesh = ctx.data_parallel_mesh([d for d in replicate if d not in answer.without],
+                                      [d for d in shard if d not in answer.without])
+        for module in answer.modules:
+            fully_shard(module, **dict(options, mesh=mesh))
+            done.append(module)
+    set_gradient_divide_factor(done, data_shards, sum_only=not premul_sum_supported(ctx),
+                               owner="fsdp2")
+    return done
 
 
 def _units_text(units: list[OwnUnit]) -> str:

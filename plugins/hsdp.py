@@ -146,6 +146,23 @@ class HSDP(Plugin):
         size = " x ".join(f"{d}({ctx.mesh.size(d)})" for d in over)
         mesh = ctx.data_parallel_mesh([], over)
         replicated: list[nn.Module] = []
+        # Modules other plugins ask to keep apart (expert parallelism's experts): each
+        # replicated over the dims without the answer's, before the blocks holding them;
+        # their gradients already sum over those dims, so they divide by all data shards.
+        apart: list[nn.Module] = []
+        for answer in ctx.shard_apart():
+            apart_mesh = ctx.data_parallel_mesh([], [d for d in over
+                                                     if d not in answer.without])
+            for module in answer.modules:
+                replicate(module, mesh=apart_mesh)
+                apart.append(module)
+        if apart:
+            shards = 1
+            for name in ctx.plan.data_parallel_dims():
+                shards *= ctx.mesh.size(name)
+            set_gradient_divide_factor(apart, shards, sum_only=not premul_sum_supported(ctx),
+                                       owner=self.name)
+            replicated.extend(apart)
         for _, block in ctx.blocks:
             replicate(block, mesh=mesh)
             replicated.append(block)

@@ -310,9 +310,15 @@ def test_the_expert_parallel_plan_is_reported_as_not_applied_cp427() -> None:
         model = hf_workers.build(family)
         assert model._ep_plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
         finding = only(plan.validate(model, world_size=2), "CP427")
-        assert "composer_par has no expert parallelism" in finding.message
+        assert "which no plugin of this plan applies" in finding.message
+        assert "add EP()" in (finding.fix or "")
         assert finding.severity.value == "info"
     assert "CP427" not in plan.validate(hf_workers.build("llama"), world_size=2).codes()
+    # With EP in the plan the experts are dispatched: nothing to report.
+    from composer_par import EP
+
+    with_ep = ParallelPlan(MeshSpec(dp_shard=2, ep=2)).use(FSDP2()).use(EP()).use(MetaInit())
+    assert "CP427" not in with_ep.validate(hf_workers.build("mixtral"), world_size=4).codes()
 
 
 @pytest.mark.distributed

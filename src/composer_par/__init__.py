@@ -17,6 +17,7 @@ from composer_par.plugin.registry import Registry, RegistryError
 from composer_par.plugins.activation_checkpoint import ActivationCheckpoint
 from composer_par.plugins.compile import Compile
 from composer_par.plugins.cp import CP
+from composer_par.plugins.ep import EP
 from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
 from composer_par.plugins.hsdp import HSDP
 from composer_par.plugins.load_checkpoint import LoadCheckpoint
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CP",
+    "EP",
     "FSDP2",
     "HSDP",
     "PP",

@@ -112,6 +112,7 @@ from composer_par.plugin.base import (
     FoldedDim,
     Plugin,
     Role,
+    ShardApart,
     Stage,
     hookimpl,
 )
@@ -173,6 +174,7 @@ __all__ = [
     "Role",
     "Rule",
     "Severity",
+    "ShardApart",
     "Stage",
     "Topology",
     "all_reduce_mean",

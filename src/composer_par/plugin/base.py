@@ -93,6 +93,22 @@ class Declaration:
 
 
 @attrs.frozen
+class ShardApart:
+    """Modules a data-parallel plugin shards as units of their own, over its mesh without
+    the ``without`` dims (the ``composer_par_shard_apart`` hook).
+
+    Their parameters differ along ``without`` (expert parallelism's experts: each ep rank
+    holds other experts), and their gradients already sum over it (the model's own
+    collectives bring every ep rank's tokens' contributions to the expert's holder), so
+    the data-parallel plugin divides them by the number of all data shards, ``without``'s
+    ranks included, instead of its own mesh's size."""
+
+    modules: tuple[Any, ...] = attrs.field(eq=False, repr=False)
+    paths: tuple[str, ...]
+    without: tuple[str, ...]
+
+
+@attrs.frozen
 class EstimateSettings:
     """What a plugin tells ``composer-par estimate`` about how it runs (the
     ``composer_par_estimate_settings`` hook): each field None unless it decides it.

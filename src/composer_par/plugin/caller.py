@@ -205,6 +205,11 @@ class HookCaller:
             out.extend(f for f in answer if f.dim not in {o.dim for o in out})
         return out
 
+    def shard_apart(self, model: nn.Module) -> list[Any]:
+        """Every plugin's ``ShardApart`` answers for ``model``, in plan order."""
+        return [a for _, answer in self.answers("composer_par_shard_apart", model=model)
+                for a in answer]
+
     def comm_hooks(self) -> list[CommHook]:
         """Every plugin's comm hooks, in plan order, each naming the plugin that gave it."""
         out: list[CommHook] = []

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from composer_par.plugin.base import FoldedDim
+    from composer_par.plugin.base import FoldedDim, ShardApart
     from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook, InstalledCommHook
     from composer_par.plugin.pipeline import Pipeline
@@ -101,6 +101,10 @@ class ApplyContext:
         order."""
         folded = {f.dim: f for f in self.hooks.folded_dims()}
         return [folded[n] for n in self.mesh.names if n in folded]
+
+    def shard_apart(self) -> list[ShardApart]:
+        """The modules plugins ask data parallelism to shard apart (composition hook)."""
+        return self.hooks.shard_apart(self.model)
 
     def comm_hooks(self) -> dict[str, CommHook]:
         """The comm hooks plugins give, by mesh dim (validation allows one per dim)."""

@@ -31,7 +31,12 @@ if TYPE_CHECKING:
     from composer_par.findings import Finding
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration, EstimateSettings, FoldedDim
+    from composer_par.plugin.base import (
+        Declaration,
+        EstimateSettings,
+        FoldedDim,
+        ShardApart,
+    )
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
     from composer_par.plugin.pipeline import Timeline
@@ -111,6 +116,23 @@ def composer_par_folded_dims(plan: ParallelPlan) -> list[FoldedDim] | None:
     With no data-parallel plugin in the plan, nothing else reduces over a folded dim: the
     folding plugin averages those gradients itself. Parameters that differ along the dim
     (expert parallelism's experts) are the folding plugin's business.
+    """
+
+
+@hookspec
+def composer_par_shard_apart(plan: ParallelPlan, model: nn.Module) -> list[ShardApart] | None:
+    """Modules that data parallelism must shard apart from their block, over its mesh
+    without some model-parallel dims (expert parallelism's experts, over the data-parallel
+    dims without ``ep``: torchtitan's arrangement).
+
+    Called: at apply, by the data-parallel plugin in its data_parallel stage, with the
+    model (or the pipeline part) as the earlier stages left it, before it shards the
+    blocks. The data-parallel plugin shards each answer's modules as units of their own
+    (bottom-up: before the blocks that hold them) over its mesh less ``without``, and
+    divides their summed gradients by the number of all data shards (the product of
+    ``plan.data_parallel_dims()``'s sizes), since the modules' gradients already sum over
+    ``without``.
+    Returns: :class:`~composer_par.plugin.ShardApart` values, or None.
     """
 
 

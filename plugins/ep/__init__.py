@@ -1,0 +1,191 @@
+"""EP: expert parallelism over the ``ep`` mesh dim.
+
+Each ep rank holds ``num_experts / ep`` whole experts of every experts module (its
+parameters become DTensors ``Shard(0)`` over ep, so checkpoints and ``full_tensor()`` see
+whole expert tensors). The model's router runs untouched; the experts module's forward
+becomes: the routed (token, slot) pairs to the ranks of their experts by
+``all_to_all_single`` with uneven splits, the module's own forward on the local experts,
+the results back by all-to-all, combined with the router weights. Dropless.
+
+The dense parameters are equal on every ep rank, and each ep rank reads its own samples:
+EP answers ``composer_par_folded_dims`` with its dim, so data parallelism folds it in.
+With no data-parallel plugin in the plan, EP itself averages the dense gradients over
+ep and divides the experts' (which sum every shard's tokens) by the ep size.
+
+Modules: ``discovery`` (which modules are experts, no torch), ``findings`` (the rule
+catalog and checks, no torch), ``dispatch`` (the all-to-all forward) and ``apply`` (the
+changes to the model). The plugin class is here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from composer_par.plugin import (
+    Claim,
+    Finding,
+    FoldedDim,
+    OptionError,
+    Plugin,
+    Role,
+    Rule,
+    ShardApart,
+    dim_option,
+    hookimpl,
+    ordering_option,
+)
+
+from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
+from .findings import (
+    RULES,
+    capacity_finding,
+    crossing_finding,
+    divisibility_findings,
+    no_experts_finding,
+)
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from composer_par.plugin import ApplyContext, MeshSpec, PlanView
+
+
+def _capacity_factor(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise OptionError(f"capacity_factor must be a number > 0, or None for dropless; "
+                          f"got {value!r}")
+    return float(value)
+
+
+def _has_data_parallel(plan: PlanView) -> bool:
+    return any("data_parallel" in d.provides for d in plan.declarations())
+
+
+@attrs.frozen
+class EP(Plugin):
+    """Expert parallelism: whole experts per rank, tokens moved by all-to-all.
+
+    Options: ``dim`` (default ``ep``); ``capacity_factor`` (None: dropless, the
+    default; a number > 0: each rank sends each expert at most ``ceil(capacity_factor *
+    routed pairs / num_experts)`` pairs, dropping the rest: CP804); ``after`` /
+    ``before``.
+    """
+
+    name: ClassVar[str] = "ep"
+    # FSDP2 reads this capability (not EP's options) to know the _ep_plan is applied.
+    provides: ClassVar[frozenset[str]] = frozenset({"expert_parallel"})
+    rules: ClassVar[tuple[Rule, ...]] = RULES
+
+    dim: str = dim_option("ep")
+    capacity_factor: float | None = attrs.field(default=None, converter=_capacity_factor)
+    after: tuple[str, ...] = ordering_option()
+    before: tuple[str, ...] = ordering_option()
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim(self.dim, Role.MODEL_PARALLEL),)
+
+    @hookimpl
+    def composer_par_validate_plan(self) -> list[Finding]:
+        if self.capacity_factor is None:
+            return []
+        return [capacity_finding(self.capacity_factor)]
+
+    @hookimpl
+    def composer_par_folded_dims(self) -> list[FoldedDim]:
+        return [FoldedDim(self.dim, distinct_samples=True)]
+
+    @hookimpl
+    def composer_par_shard_apart(self, model: nn.Module) -> list[ShardApart]:
+        """The experts: a data-parallel plugin shards them over its dims without ep."""
+        from .apply import dispatched_sites
+
+        sites = dispatched_sites(model)
+        if not sites:
+            return []
+        return [ShardApart(modules=tuple(s.module for s in sites),
+                           paths=tuple(s.path for s in sites), without=(self.dim,))]
+
+    @hookimpl
+    def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
+        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else "?"
+        steps = [("tensor_parallel", f"each experts module keeps num_experts / {self.dim}"
+                  f"({size}) whole experts (DTensor Shard(0) over {self.dim}); tokens to "
+                  "their experts' ranks and back by all-to-all ("
+                  + ("dropless" if self.capacity_factor is None else
+                     f"capacity factor {self.capacity_factor:g}: pairs beyond it dropped")
+                  + ")")]
+        if not _has_data_parallel(plan):
+            steps.append(("finalize", f"average the dense gradients over {self.dim}; divide "
+                          f"the experts' by {self.dim}'s size"))
+        return steps
+
+    # -- model-aware validation ------------------------------------------------------
+
+    @hookimpl
+    def composer_par_validate_model(self, plan: PlanView, model: nn.Module,
+                                    mesh: MeshSpec) -> list[Finding]:
+        if self.dim not in mesh:
+            return []  # CP203
+        size = mesh.size(self.dim)
+        sites = find_experts(model)
+        if not sites:
+            return [no_experts_finding(type(model).__name__, self.dim, list(ep_plan(model)))]
+        if size < 1:
+            return []  # not known without a world size
+        found = divisibility_findings(sites, size, self.dim)
+        topology = plan.topology
+        if topology is not None and size > 1:
+            crossing = crossing_finding(mesh, topology, self.dim, sites)
+            if crossing is not None:
+                found.append(crossing)
+        return found
+
+    # -- apply -----------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_tensor_parallel(self, ctx: ApplyContext) -> str:
+        from .apply import install_dispatch, shard_experts
+
+        size = ctx.mesh.size(self.dim)
+        sites = find_experts(ctx.model)
+        if size == 1:
+            return f"{self.dim}(1): every rank holds all experts of {len(sites)} module(s)"
+        errors = divisibility_findings(sites, size, self.dim)
+        if errors:  # validate() ran already; the model changed since (a convert stage)
+            raise RuntimeError("EP no longer fits the model:\n" +
+                               "\n".join(f.format() for f in errors))
+        mesh = ctx.submesh(self.dim)
+        group = mesh.get_group()
+        for site in sites:
+            shard_experts(site, mesh)
+            install_dispatch(site, group, self.capacity_factor)
+        ctx.notes["ep_experts"] = [(s.path, s.num_experts) for s in sites]
+        counts = sorted({s.num_experts for s in sites})
+        return (f"{len(sites)} experts module(s) of {'/'.join(map(str, counts))} experts: "
+                f"{counts[0] // size} per rank over {self.dim}({size}); token all-to-all "
+                + ("(dropless)" if self.capacity_factor is None else
+                   f"(capacity factor {self.capacity_factor:g})"))
+
+    @hookimpl
+    def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
+        from .apply import average_over, dispatched_sites, divide_gradients
+
+        size = ctx.mesh.size(self.dim)
+        if size == 1 or _has_data_parallel(ctx.plan):
+            return None
+        sites = dispatched_sites(ctx.model)
+        expert_ids = {id(getattr(s.module, n)) for s in sites for n in s.names}
+        experts = [p for p in ctx.model.parameters() if id(p) in expert_ids]
+        dense = [p for p in ctx.model.parameters() if id(p) not in expert_ids]
+        group = ctx.submesh(self.dim).get_group()
+        averaged = average_over(dense, group, size)
+        divided = divide_gradients(experts, size)
+        return (f"no data-parallel plugin: {averaged} dense gradient(s) averaged over "
+                f"{self.dim}({size}), {divided} expert gradient(s) divided by {size}")
+
+
+__all__ = ["EP", "RULES", "ExpertsSite", "experts_site", "find_experts"]

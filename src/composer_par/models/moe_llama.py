@@ -1,0 +1,180 @@
+"""A mixture-of-experts variant of the small Llama: each block's feed-forward is a
+top-k router over experts stored fused as 3-D parameters ``[num_experts, ...]`` (the
+layout of transformers 5.x and torchtitan), with an optional shared expert that every
+token passes through (DeepSeek / Qwen2-MoE style).
+
+The experts module's forward has the signature of transformers' experts modules,
+``experts(hidden [tokens, dim], top_k_index [tokens, k], top_k_weights [tokens, k])``,
+so expert parallelism treats this model and Hugging Face's the same way.
+
+The router's auxiliary load-balancing loss (Switch Transformer's ``num_experts *
+sum_e(f_e * P_e)``: ``f_e`` the fraction of routed slots that chose expert ``e``, ``P_e``
+its mean router probability) of the last forward is kept on each MoE module;
+:meth:`MoELlama.aux_loss` sums it over the blocks, and :func:`moe_loss` adds it to the
+next-token loss with the config's coefficient.
+
+Every module that owns tensors has ``reset_parameters()`` initializing its full tensors,
+which MetaInit runs on full-size scratch tensors: the same seed gives the same experts
+whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from composer_par.models.llama import (
+    Attention,
+    FeedForward,
+    LlamaConfig,
+    RMSNorm,
+    Rotary,
+    next_token_loss,
+)
+
+
+@attrs.frozen
+class MoELlamaConfig(LlamaConfig):
+    num_experts: int = 4
+    top_k: int = 2
+    # Each expert's hidden width (the dense ffn_hidden is the shared expert's).
+    expert_hidden: int = 32
+    shared_expert: bool = False
+    # Renormalize the top-k probabilities to sum to one (Mixtral, Qwen3-MoE) or not.
+    norm_topk_prob: bool = True
+    aux_loss_coef: float = 0.01
+
+
+class Router(nn.Module):
+    """A linear gate over the experts; top-k of the softmax probabilities."""
+
+    def __init__(self, cfg: MoELlamaConfig) -> None:
+        super().__init__()
+        self.top_k, self.num_experts, self.norm_topk_prob = (
+            cfg.top_k, cfg.num_experts, cfg.norm_topk_prob)
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.weight.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probabilities [tokens, experts], top_k_weights, top_k_index)``."""
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), index
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU feed-forwards, their weights fused on a leading expert dim.
+
+    ``forward`` computes the experts present in ``top_k_index``; an index outside
+    ``[0, len(w1))`` (this module may hold a slice of the experts) is skipped.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default, per expert: uniform in +-1/sqrt(fan_in).
+        for weight in (self.w1, self.w3, self.w2):
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in range(self.w1.shape[0]):
+            token, slot = torch.where(top_k_index == expert)
+            if token.numel() == 0:
+                continue
+            h = x[token]
+            h = F.silu(h @ self.w1[expert].t()) * (h @ self.w3[expert].t())
+            h = (h @ self.w2[expert].t()) * top_k_weights[token, slot, None]
+            out = out.index_add(0, token, h)
+        return out
+
+
+class MoE(nn.Module):
+    """Router, experts and the optional shared expert of one block."""
+
+    aux_loss: torch.Tensor | None
+
+    def __init__(self, cfg: MoELlamaConfig) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_hidden)
+        self.shared_expert = FeedForward(cfg) if cfg.shared_expert else None
+        self.aux_loss = None
+        # Tokens routed to each expert by the last forward (observability, not training).
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, weights, index = self.router(flat)
+        counts = torch.bincount(index.flatten(), minlength=probs.shape[-1])
+        self.tokens_per_expert = counts.detach()
+        fraction = counts.to(probs.dtype) / index.numel()
+        self.aux_loss = probs.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+        out = self.experts(flat, index, weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.reshape(shape)
+
+
+class MoEDecoderLayer(nn.Module):
+    def __init__(self, cfg: MoELlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.moe = MoE(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), self.rotary)
+        return x + self.moe(self.ffn_norm(x))
+
+
+class MoELlama(nn.Module):
+    def __init__(self, cfg: MoELlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(MoEDecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def aux_loss(self) -> torch.Tensor:
+        """The sum over blocks of the last forward's load-balancing loss."""
+        losses = [m.aux_loss for m in self.modules()
+                  if isinstance(m, MoE) and m.aux_loss is not None]
+        if not losses:
+            raise RuntimeError("aux_loss() before a forward: no router has run")
+        return torch.stack(losses).sum()
+
+
+def moe_loss(model: MoELlama, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss plus the config's coefficient times the load-balancing loss."""
+    loss = next_token_loss(model(tokens), tokens)
+    return loss + model.config.aux_loss_coef * model.aux_loss()
+
+
+__all__ = ["GroupedExperts", "MoE", "MoELlama", "MoELlamaConfig", "Router", "moe_loss"]
