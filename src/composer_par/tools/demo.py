@@ -11,10 +11,12 @@ would have had.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -355,7 +357,10 @@ def train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     return {**(result or {}), "threads_left": process_group_threads()}
 
 
-def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def local_rank_group(timeout_s: float) -> Iterator[None]:
+    """The default process group of a rank torch's launcher started (NCCL on its GPU where
+    CUDA is, else gloo), one thread and warning-level logs; destroyed on the way out."""
     import warnings
     from datetime import timedelta
 
@@ -365,19 +370,24 @@ def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     from composer_par.logging import configure_logging
 
     # TP hands the root a view of its logits; FSDP2 warns that an in-place op on such a
-    # view would skip its backward hook. The loss below reads the logits out of place.
+    # view would skip its backward hook. The losses here read the logits out of place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     torch.set_num_threads(1)
     configure_logging(level="WARNING")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=timedelta(seconds=settings["timeout"]))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
-        # Its own frame: what it made (the model, the plan's mesh) is gone when it returns.
-        return _train(plan_text, settings)
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _train_rank(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
+    with local_rank_group(settings["timeout"]):
+        # Its own frame: what it made (the model, the plan's mesh) is gone when it returns.
+        return _train(plan_text, settings)
 
 
 def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:

@@ -63,25 +63,12 @@ def rung_rank(settings: dict[str, Any]) -> dict[str, Any]:
 
 def _rung_rank(settings: dict[str, Any]) -> dict[str, Any]:
     import warnings
-    from datetime import timedelta
 
-    import torch
-    import torch.distributed as dist
+    from composer_par.tools.demo import local_rank_group
 
-    from composer_par.logging import configure_logging
-
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    torch.set_num_threads(1)
-    configure_logging(level="WARNING")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, timeout=timedelta(seconds=settings["timeout"]))
-    try:
+    with local_rank_group(settings["timeout"]):
         return _train(settings)
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(settings: dict[str, Any]) -> dict[str, Any]:
