@@ -1,0 +1,171 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 checkpoints, written by real DeepSpeed (0.19.8, on 2 gloo
+ranks on CPU: the files under tests/data/deepspeed/, see tests/deepspeed_checkpoint_workers.py),
+read without DeepSpeed: the rebuilt fp32 weights and AdamW moments are what DeepSpeed's own
+accessors gave, bit for bit; ``load_deepspeed`` puts them into a plan on 2 ranks, which then
+trains as DeepSpeed went on training; ``convert`` makes safetensors and DCP of them that a
+plan loads exactly. With DeepSpeed installed, one test also writes fresh checkpoints."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from composer_par.checkpoint.errors import CheckpointError, KeyMismatchError
+from composer_par.cli.main import main
+from composer_par.migrate import read_zero_checkpoint
+from composer_par.testing.distributed import run_ranks
+from composer_par.testing.parity import ATOL, RTOL, assert_params_close
+from tests.deepspeed_checkpoint_workers import MOMENTS, STEPS_BEFORE, TAG, read_expected
+
+pytestmark = [pytest.mark.timeout(300)]
+
+WORKERS = "tests.deepspeed_checkpoint_workers"
+FIXTURES = Path(__file__).parent / "data" / "deepspeed"
+STAGES = (2, 3)
+
+
+def _assert_reads_as_deepspeed_held(directory: Path) -> None:
+    expected, meta = read_expected(directory)
+    ckpt = read_zero_checkpoint(directory)
+    assert ckpt.stage == meta["stage"] and ckpt.world_size == 2
+    assert ckpt.global_steps == STEPS_BEFORE
+    assert sorted(ckpt.names) == sorted(expected["saved"])
+    for name, value in expected["saved"].items():
+        assert ckpt.tensor(name).equal(value), name
+        state = ckpt.optimizer_state(name)
+        assert float(state["step"]) == STEPS_BEFORE
+        for moment in MOMENTS:
+            assert state[moment].equal(expected[moment][name]), (name, moment)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_reader_rebuilds_what_deepspeed_held(stage: int) -> None:
+    _assert_reads_as_deepspeed_held(FIXTURES / f"zero{stage}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_plan_loads_the_checkpoint_and_resumes_as_deepspeed_did(stage: int) -> None:
+    directory = FIXTURES / f"zero{stage}"
+    expected, meta = read_expected(directory)
+    views = run_ranks(f"{WORKERS}:plan_load_and_resume", 2, args=(str(directory), "deepspeed"))
+    for rank, view in enumerate(views):
+        assert view["stage"] == stage
+        assert view["step"] == {float(STEPS_BEFORE)}
+        for name, value in expected["saved"].items():  # the load is exact
+            assert view["loaded"][name].equal(value), (rank, name)
+            for moment in MOMENTS:
+                assert view[moment][name].equal(expected[moment][name]), (rank, name, moment)
+        # Adam's state matters here: with fresh moments or step the resumed run differs.
+        assert view["losses"] == pytest.approx(meta["losses"], rel=RTOL, abs=ATOL)
+        assert_params_close(view["final"], expected["final"], rtol=RTOL, atol=ATOL)
+    moved = max(float((views[0]["final"][n] - v).abs().max())
+                for n, v in expected["saved"].items())
+    assert moved > 1e-4
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("to", ["safetensors", "dcp"])
+def test_convert_writes_what_a_plan_loads_exactly(tmp_path: Path, stage: int, to: str) -> None:
+    directory = FIXTURES / f"zero{stage}"
+    expected, _ = read_expected(directory)
+    converted = tmp_path / "converted"
+    assert main(["convert", str(directory), str(converted), "--to", to,
+                 "--no-progress"]) == 0
+    views = run_ranks(f"{WORKERS}:plan_load_and_resume", 2, args=(str(converted), to))
+    for rank, view in enumerate(views):
+        assert set(view["loaded"]) == set(expected["saved"])
+        for name, value in expected["saved"].items():
+            assert view["loaded"][name].equal(value), (rank, name)
+
+
+def test_convert_takes_a_tag_and_a_dtype(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16"
+    assert main(["convert", str(FIXTURES / "zero3"), str(out), "--tag", TAG,
+                 "--dtype", "bfloat16", "--no-progress"]) == 0
+    expected, _ = read_expected(FIXTURES / "zero3")
+    loaded = load_file(str(out / "model.safetensors"))
+    for name, value in expected["saved"].items():
+        assert loaded[name].dtype == torch.bfloat16
+        assert loaded[name].equal(value.to(torch.bfloat16)), name
+
+
+def _copy(stage: int, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(FIXTURES / f"zero{stage}", tmp_path / f"zero{stage}"))
+
+
+def test_a_truncated_optim_states_file_is_named(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    root = _copy(2, tmp_path)
+    bad = root / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=str(bad)):
+        read_zero_checkpoint(root)
+    code = main(["--json", "convert", str(root), str(tmp_path / "out"), "--no-progress"])
+    assert code == 2 and bad.name in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_rank_is_named(tmp_path: Path) -> None:
+    root = _copy(3, tmp_path)
+    (root / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"partition_count says 2 .* 1 optim-states"):
+        read_zero_checkpoint(root)
+
+
+def test_a_file_without_the_expected_key_names_file_and_key(tmp_path: Path) -> None:
+    root = _copy(2, tmp_path)
+    path = root / TAG / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    del state["param_shapes"]
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states\.pt: no key "
+                                              r"'param_shapes'"):
+        read_zero_checkpoint(root)
+
+
+def test_partitions_that_do_not_add_up_are_refused(tmp_path: Path) -> None:
+    """A model-states file from another model than the optim-states files."""
+    root = _copy(3, tmp_path)
+    path = root / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    first = next(iter(state["param_shapes"][0]))
+    state["param_shapes"][0][first] = torch.Size([1, 1])
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"fp32_flat_groups hold .* param_shapes give"):
+        read_zero_checkpoint(root)
+
+
+def test_not_a_deepspeed_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="not a DeepSpeed ZeRO checkpoint"):
+        read_zero_checkpoint(tmp_path)
+
+
+@pytest.mark.distributed
+def test_a_mismatched_model_names_the_keys() -> None:
+    [message, _] = run_ranks(f"{WORKERS}:load_into_another_model", 2,
+                             args=(str(FIXTURES / "zero2"),))
+    assert message.startswith(KeyMismatchError.__name__), message
+    assert "tok_embeddings.weight" in message or "output.weight" in message, message
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_fresh_checkpoints_of_installed_deepspeed_read_as_it_held(tmp_path: Path,
+                                                                   stage: int) -> None:
+    """The fixtures' maker, run now: DeepSpeed (if installed) trains and saves on 2 gloo
+    ranks, and the reader rebuilds what DeepSpeed's accessors give."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (pip install deepspeed); the committed "
+                    "fixtures are tested without it")
+    from tests.deepspeed_checkpoint_workers import write_fixture
+
+    write_fixture(str(tmp_path / "fresh"), stage)
+    _assert_reads_as_deepspeed_held(tmp_path / "fresh")
