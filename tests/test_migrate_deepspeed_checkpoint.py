@@ -3,7 +3,9 @@ ranks on CPU: the files under tests/data/deepspeed/, see tests/deepspeed_checkpo
 read without DeepSpeed: the rebuilt fp32 weights and AdamW moments are what DeepSpeed's own
 accessors gave, bit for bit; ``load_deepspeed`` puts them into a plan on 2 ranks, which then
 trains as DeepSpeed went on training; ``convert`` makes safetensors and DCP of them that a
-plan loads exactly. With DeepSpeed installed, one test also writes fresh checkpoints."""
+plan loads exactly. Two more (bf16, two parameter groups, stage 3 sub-groups, a frozen
+layer, a tied head, a buffer) check the rest of the layout. With DeepSpeed installed, one
+test also writes fresh checkpoints of both kinds and reads them."""
 
 from __future__ import annotations
 
@@ -97,6 +99,56 @@ def test_convert_takes_a_tag_and_a_dtype(tmp_path: Path) -> None:
         assert loaded[name].equal(value.to(torch.bfloat16)), name
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_groups_frozen_and_tied_parameters_and_buffers(tmp_path: Path, stage: int) -> None:
+    """bf16 training with two parameter groups (stage 3: several flat sub-groups per
+    rank), a frozen layer (saved as DeepSpeed holds it, in bf16), a tied head and a
+    buffer: the reader and convert give what DeepSpeed held."""
+    from safetensors.torch import load_file
+
+    directory = FIXTURES / f"zero{stage}_mixed"
+    expected, _ = read_expected(directory)
+    _assert_mixed_reads_as_deepspeed_held(directory)
+    out = tmp_path / "weights"
+    assert main(["convert", str(directory), str(out), "--no-progress"]) == 0
+    converted = load_file(str(out / "model.safetensors"))
+    assert converted.keys() == expected["saved"].keys()
+    for name, value in expected["saved"].items():
+        assert converted[name].equal(value), name
+
+
+def _assert_mixed_reads_as_deepspeed_held(directory: Path) -> None:
+    expected, _ = read_expected(directory)
+    ckpt = read_zero_checkpoint(directory)
+    assert sorted(ckpt.names) == sorted(expected["saved"])
+    assert sorted(ckpt.trainable) == ["embed.weight", "head.weight", "proj.bias",
+                                      "proj.weight"]
+    for name, value in expected["saved"].items():
+        assert ckpt.tensor(name).dtype == value.dtype, name
+        assert ckpt.tensor(name).equal(value), name
+    state = ckpt.optimizer_state("proj.bias")  # the second group
+    assert float(state["step"]) == STEPS_BEFORE
+    assert state["exp_avg_sq"].shape == (5,) and bool((state["exp_avg_sq"] > 0).all())
+
+
+def test_load_deepspeed_fills_a_plain_model_with_tied_and_frozen_parameters() -> None:
+    """Without a plan (one process, plain tensors): tied parameters load once, frozen
+    ones load though the optimizer does not hold them."""
+    from composer_par.migrate import load_deepspeed
+    from tests.deepspeed_checkpoint_workers import Mixed
+
+    directory = FIXTURES / "zero3_mixed"
+    expected, _ = read_expected(directory)
+    model = Mixed()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    info = load_deepspeed(directory, model, optimizer)
+    assert (info.stage, info.world_size) == (3, 2)
+    assert info.optimizer_keys == 3 * 3  # embed/head, proj.weight, proj.bias: 3 keys each
+    for name, value in model.state_dict().items():
+        assert value.equal(expected["saved"][name].to(value.dtype)), name
+    assert model.head.weight is model.embed.weight
+
+
 def _copy(stage: int, tmp_path: Path) -> Path:
     return Path(shutil.copytree(FIXTURES / f"zero{stage}", tmp_path / f"zero{stage}"))
 
@@ -165,7 +217,9 @@ def test_fresh_checkpoints_of_installed_deepspeed_read_as_it_held(tmp_path: Path
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed (pip install deepspeed); the committed "
                     "fixtures are tested without it")
-    from tests.deepspeed_checkpoint_workers import write_fixture
+    from tests.deepspeed_checkpoint_workers import write_fixture, write_mixed_fixture
 
     write_fixture(str(tmp_path / "fresh"), stage)
     _assert_reads_as_deepspeed_held(tmp_path / "fresh")
+    write_mixed_fixture(str(tmp_path / "mixed"), stage)
+    _assert_mixed_reads_as_deepspeed_held(tmp_path / "mixed")

@@ -12,11 +12,13 @@ The layout, as ``engine.save_checkpoint(dir, tag)`` writes it::
     dir/<tag>/mp_rank_00_model_states.pt                stages 1-2: the module's state dict
     dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: one per rank
     dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   one per data-parallel rank
+                                                        (bf16 training: bf16_zero_pp_...)
 
 A model-states file holds ``module`` (stage 3: empty placeholders for the parameters;
 the buffers are real), ``param_shapes`` (per parameter group, name -> shape, in the
 order the parameters were flattened), ``buffer_names``, ``shared_params`` (tied names)
-and the frozen parameters (``frozen_param_shapes`` / ``frozen_param_fragments``). An
+and the frozen parameters (``frozen_param_shapes`` / ``frozen_param_fragments``: they have
+no fp32 master copy, so they are read in the dtype DeepSpeed trained in). An
 optim-states file holds ``optimizer_state_dict`` with ``zero_stage``,
 ``partition_count``, this rank's fp32 master weights and the base optimizer's state:
 
