@@ -206,15 +206,17 @@ def run_clean(args: argparse.Namespace, out: Output) -> int:
 def configure_convert(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SRC",
                         help="a DCP checkpoint (step directory, or a root: its latest committed "
-                        "step), safetensors (file, directory or index json), or a DeepSpeed "
-                        "ZeRO checkpoint (the directory save_checkpoint wrote, or a tag in it)")
+                        "step), safetensors (file, directory or index json), a DeepSpeed "
+                        "ZeRO checkpoint (the directory save_checkpoint wrote, or a tag in it), "
+                        "or an FSDP1 model checkpoint (a torch.save file of the full state "
+                        "dict, or a DCP directory of the sharded one)")
     parser.add_argument("destination", metavar="DST",
                         help="the directory to create (must not exist): safetensors when SRC "
                         "is DCP, a committed DCP checkpoint when SRC is safetensors; from "
-                        "DeepSpeed, what --to says")
+                        "DeepSpeed or FSDP1, what --to says")
     parser.add_argument("--to", choices=("safetensors", "dcp"),
-                        help="from a DeepSpeed checkpoint: write its fp32 weights as "
-                        "safetensors (the default) or as a committed DCP checkpoint")
+                        help="from a DeepSpeed or FSDP1 checkpoint: write its model weights "
+                        "as safetensors (the default) or as a committed DCP checkpoint")
     parser.add_argument("--tag", metavar="TAG",
                         help="from a DeepSpeed checkpoint: the tag to read (default: the one "
                         "its 'latest' file names)")
@@ -232,15 +234,16 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
     from composer_par.checkpoint.convert import FLOAT_DTYPES, refusal
     from composer_par.checkpoint.errors import CheckpointError
     from composer_par.migrate.deepspeed_checkpoint import is_deepspeed_checkpoint
+    from composer_par.migrate.fsdp1_checkpoint import is_fsdp1_checkpoint
 
     stream = out.stderr if out.stderr is not None else sys.stderr
     if args.dtype is not None and args.dtype.removeprefix("torch.") not in FLOAT_DTYPES:
         raise InputError(f"--dtype {args.dtype}: {refusal(args.dtype.removeprefix('torch.'))}")
     try:
-        if is_deepspeed_checkpoint(args.source):
+        if is_deepspeed_checkpoint(args.source) or is_fsdp1_checkpoint(args.source):
             target = args.to or "safetensors"
             bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
-            result = _from_deepspeed(args, target, bar)
+            result = _from_other_tool(args, target, bar)
         else:
             target, result, bar = _between_dcp_and_safetensors(args, stream)
     except CheckpointError as exc:
@@ -256,20 +259,25 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
-def _from_deepspeed(args: argparse.Namespace, target: str, bar: ProgressBar | None) -> Any:
-    from composer_par.migrate.deepspeed_checkpoint import (
-        deepspeed_to_dcp,
-        deepspeed_to_safetensors,
-    )
+def _from_other_tool(args: argparse.Namespace, target: str, bar: ProgressBar | None) -> Any:
+    """A DeepSpeed ZeRO or an FSDP1 checkpoint to ``target``."""
+    from composer_par.migrate import deepspeed_checkpoint as ds
+    from composer_par.migrate import fsdp1_checkpoint as fsdp1
 
+    deepspeed = ds.is_deepspeed_checkpoint(args.source)
+    if args.tag is not None and not deepspeed:
+        raise InputError(f"--tag applies only to DeepSpeed checkpoints; {args.source} is an "
+                         "FSDP1 one")
+    tag = {"tag": args.tag} if deepspeed else {}
     if target == "safetensors":
-        return deepspeed_to_safetensors(args.source, args.destination, tag=args.tag,
-                                        dtype=args.dtype, max_file_bytes=args.max_file_size,
-                                        progress=bar)
+        to_safetensors = ds.deepspeed_to_safetensors if deepspeed else \
+            fsdp1.fsdp1_to_safetensors
+        return to_safetensors(args.source, args.destination, dtype=args.dtype,
+                              max_file_bytes=args.max_file_size, progress=bar, **tag)
     if args.max_file_size is not None:
         raise InputError("--max-file-size applies only when converting to safetensors")
-    return deepspeed_to_dcp(args.source, args.destination, tag=args.tag, dtype=args.dtype,
-                            progress=bar)
+    to_dcp = ds.deepspeed_to_dcp if deepspeed else fsdp1.fsdp1_to_dcp
+    return to_dcp(args.source, args.destination, dtype=args.dtype, progress=bar, **tag)
 
 
 def _between_dcp_and_safetensors(args: argparse.Namespace, stream: TextIO
