@@ -165,6 +165,31 @@ def test_a_truncated_optim_states_file_is_named(tmp_path: Path,
     assert not (tmp_path / "out").exists()
 
 
+class _RunsCode:
+    """A pickle that would run a command when loaded by a plain unpickler."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_file_naming_another_class_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    root = _copy(3, tmp_path)
+    path = root / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    marker = tmp_path / "ran"
+    state["lr_scheduler"] = _RunsCode(marker)
+    torch.save(state, path)
+    with pytest.raises(CheckpointError,
+                       match=rf"{path.name}: cannot read it .*names (posix|nt)\.system"):
+        read_zero_checkpoint(root)
+    assert not marker.exists()
+
+
 def test_a_missing_rank_is_named(tmp_path: Path) -> None:
     root = _copy(3, tmp_path)
     (root / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()

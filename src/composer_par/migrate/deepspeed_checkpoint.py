@@ -96,10 +96,21 @@ def _load(path: Path) -> Mapping[str, Any]:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"{path}: cannot read it as a DeepSpeed checkpoint file "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+                              f"({_reason(exc)})") from exc
     if not isinstance(data, Mapping):
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not a dict")
     return data
+
+
+def _reason(exc: BaseException) -> str:
+    """Why torch.load refused: for a pickle naming a global weights_only does not allow,
+    that global (torch's own first line suggests weights_only=False, which is no fix)."""
+    refused = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if refused:
+        return (f"it names {refused.group(1)}, not a class a DeepSpeed ZeRO checkpoint "
+                "holds; nothing from the file ran")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _get(data: Mapping[str, Any], key: str, path: Path, kind: type | tuple[type, ...],
