@@ -149,6 +149,31 @@ def test_load_deepspeed_fills_a_plain_model_with_tied_and_frozen_parameters() ->
     assert model.head.weight is model.embed.weight
 
 
+def test_convert_refuses_options_that_do_not_apply(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    source = str(FIXTURES / "zero2")
+    cases = [
+        ([source, str(tmp_path / "a"), "--to", "dcp", "--max-file-size", "1GB"],
+         "--max-file-size applies only when converting to safetensors"),
+        ([source, str(tmp_path / "b"), "--tag", "global_step9"],
+         "global_step9: no such DeepSpeed checkpoint directory"),
+        ([str(FIXTURES / "zero2" / "expected.safetensors"), str(tmp_path / "c"), "--tag", TAG],
+         "--tag applies only to DeepSpeed checkpoints"),
+        ([str(FIXTURES / "zero2" / "expected.safetensors"), str(tmp_path / "d"), "--to",
+          "safetensors"], "converts to dcp only"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(["--json", "convert", *argv, "--no-progress"]) == 2, argv
+        assert message in json.loads(capsys.readouterr().out)["error"], argv
+    assert not any(tmp_path.iterdir())
+    capsys.readouterr()
+    assert main(["convert", "--help"]) == 0
+    assert "--tag" in capsys.readouterr().out
+
+
 def _copy(stage: int, tmp_path: Path) -> Path:
     return Path(shutil.copytree(FIXTURES / f"zero{stage}", tmp_path / f"zero{stage}"))
 
