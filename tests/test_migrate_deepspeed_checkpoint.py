@@ -245,6 +245,17 @@ def test_partitions_that_do_not_add_up_are_refused(tmp_path: Path) -> None:
         read_zero_checkpoint(root)
 
 
+def test_a_tag_never_leads_out_of_the_checkpoint(tmp_path: Path) -> None:
+    root = _copy(2, tmp_path)
+    shutil.copytree(root / TAG, tmp_path / "elsewhere")
+    (root / "latest").write_text("../elsewhere\n")
+    with pytest.raises(CheckpointError, match=r"latest names the tag '\.\./elsewhere'"):
+        read_zero_checkpoint(root)
+    with pytest.raises(CheckpointError, match=r"given the tag '\.\.'"):
+        read_zero_checkpoint(root, tag="..")
+    assert read_zero_checkpoint(root, tag=TAG).stage == 2
+
+
 def test_not_a_deepspeed_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not a DeepSpeed ZeRO checkpoint"):
         read_zero_checkpoint(tmp_path)

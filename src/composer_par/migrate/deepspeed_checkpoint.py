@@ -132,12 +132,16 @@ def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Path:
     """The tag directory of a DeepSpeed checkpoint: ``path/tag``, ``path/<latest>``, or
     ``path`` itself when it holds the optim-states files."""
     root = Path(path)
-    if tag is not None:
-        directory = root / tag
-    elif (root / LATEST).is_file():
-        directory = root / (root / LATEST).read_text(encoding="utf-8").strip()
-    else:
-        directory = root
+    source = "given"
+    if tag is None and (root / LATEST).is_file():
+        with open(root / LATEST, "rb") as f:
+            tag = f.read(4096).decode("utf-8", "replace").strip()
+        source = f"{root / LATEST} names"
+    if tag is not None and (not tag or tag in (".", "..") or "/" in tag or "\\" in tag):
+        # A tag is a directory beside `latest`: it never leads out of the checkpoint.
+        raise CheckpointError(f"{source} the tag {tag!r}, which is not the name of a "
+                              f"directory inside {root}")
+    directory = root / tag if tag is not None else root
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such DeepSpeed checkpoint directory")
     if not any(OPTIM_STATES.match(p.name) for p in directory.iterdir()):
