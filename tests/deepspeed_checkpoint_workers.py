@@ -216,17 +216,17 @@ def plan_load_and_resume(source: str, kind: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     view: dict[str, Any] = {}
     if kind == "deepspeed":
-        info = load_deepspeed(source, model, optimizer)
-        view["stage"] = info.stage
+        view["stage"] = load_deepspeed(source, model, optimizer).stage
+    elif kind == "safetensors":
+        ck.load_safetensors(model, source)
+    else:  # DCP converted from DeepSpeed: with the optimizer's state
+        ck.load(source, model, optimizer)
+    if kind != "safetensors":
         _, osd = get_state_dict(model, optimizer,
                                 options=StateDictOptions(full_state_dict=True))
         view.update({m: {fqn: state[m].detach().clone() for fqn, state in osd["state"].items()}
                      for m in MOMENTS})
         view["step"] = {float(s["step"]) for s in osd["state"].values()}
-    elif kind == "safetensors":
-        ck.load_safetensors(model, source)
-    else:
-        ck.load(source, model)
     view["loaded"] = full_parameters(model)
     losses = []
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):

@@ -74,8 +74,10 @@ def test_a_plan_loads_the_checkpoint_and_resumes_as_deepspeed_did(stage: int) ->
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("to", ["safetensors", "dcp"])
 def test_convert_writes_what_a_plan_loads_exactly(tmp_path: Path, stage: int, to: str) -> None:
+    """Both hold the weights; DCP holds the optimizer's state too, so a plan resumes from
+    it as from the DeepSpeed checkpoint itself."""
     directory = FIXTURES / f"zero{stage}"
-    expected, _ = read_expected(directory)
+    expected, meta = read_expected(directory)
     converted = tmp_path / "converted"
     assert main(["convert", str(directory), str(converted), "--to", to,
                  "--no-progress"]) == 0
@@ -84,6 +86,13 @@ def test_convert_writes_what_a_plan_loads_exactly(tmp_path: Path, stage: int, to
         assert set(view["loaded"]) == set(expected["saved"])
         for name, value in expected["saved"].items():
             assert view["loaded"][name].equal(value), (rank, name)
+        if to == "dcp":
+            assert view["step"] == {float(STEPS_BEFORE)}
+            for name in expected["saved"]:
+                for moment in MOMENTS:
+                    assert view[moment][name].equal(expected[moment][name]), (rank, name)
+            assert view["losses"] == pytest.approx(meta["losses"], rel=RTOL, abs=ATOL)
+            assert_params_close(view["final"], expected["final"], rtol=RTOL, atol=ATOL)
 
 
 def test_convert_takes_a_tag_and_a_dtype(tmp_path: Path) -> None:
@@ -147,6 +156,30 @@ def test_load_deepspeed_fills_a_plain_model_with_tied_and_frozen_parameters() ->
     for name, value in model.state_dict().items():
         assert value.equal(expected["saved"][name].to(value.dtype)), name
     assert model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_dcp_from_deepspeed_keeps_the_parameter_groups(tmp_path: Path, stage: int) -> None:
+    """Two groups with their own weight decay: ``load`` gives the optimizer DeepSpeed's
+    groups and state (frozen parameters are not the optimizer's)."""
+    from composer_par import checkpoint as ck
+    from tests.deepspeed_checkpoint_workers import Mixed
+
+    directory = FIXTURES / f"zero{stage}_mixed"
+    assert main(["convert", str(directory), str(tmp_path / "dcp"), "--to", "dcp",
+                 "--no-progress"]) == 0
+    model = Mixed()
+    optimizer = torch.optim.AdamW([
+        {"params": [model.embed.weight, model.proj.weight], "weight_decay": 0.5},
+        {"params": [model.proj.bias], "weight_decay": 0.5}])
+    ck.load(tmp_path / "dcp", model, optimizer)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    ckpt = read_zero_checkpoint(directory)
+    for name, param in model.named_parameters():
+        assert param.equal(ckpt.tensor(name).to(param.dtype)), name
+        if param.requires_grad:
+            for key, value in ckpt.optimizer_state(name).items():
+                assert optimizer.state[param][key].equal(value), (name, key)
 
 
 def test_convert_refuses_options_that_do_not_apply(tmp_path: Path,

@@ -25,6 +25,7 @@ dtype. ``progress(done_bytes, total_bytes)`` is called as they go.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -346,6 +347,18 @@ class TensorSpec:
 ReadTensor = Callable[[str, "torch.dtype"], "torch.Tensor"]
 
 
+@attrs.frozen
+class OptimizerTensors:
+    """An optimizer's state to convert: ``specs[fqn][key]`` for each tensor,
+    ``read(fqn, key)`` to read one (in its own dtype), and the parameter groups (their
+    hyperparameters, and the parameters by name under ``params``)."""
+
+    specs: dict[str, dict[str, TensorSpec]]
+    read: Callable[[str, str], torch.Tensor]
+    param_groups: list[dict[str, Any]]
+    class_name: str  # what inspect shows as the optimizer's class
+
+
 def tensors_to_dcp(
     source: str,
     specs: dict[str, TensorSpec],
@@ -355,20 +368,41 @@ def tensors_to_dcp(
     dtype: torch.dtype | str | None = None,
     progress: Progress | None = None,
     step: int = 0,
+    optimizer: OptimizerTensors | None = None,
 ) -> ConvertResult:
     """The tensors ``specs`` names, each read by ``read`` only when DCP writes it, as a
     committed DCP checkpoint directory ``destination`` under the ``model.`` prefix as
-    ``save`` writes them (``source`` is what its info file says it was converted from)."""
+    ``save`` writes them (``source`` is what its info file says it was converted from);
+    with ``optimizer``, its state and parameter groups as ``save`` writes an optimizer's."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from composer_par.checkpoint.dcp import OPTIM, _to_json
     from composer_par.checkpoint.integrity import Manifest, digest_file, digesting_writer
 
     started = time.perf_counter()
     code = dtype_code(float_dtype(dtype)) if dtype is not None else None
     targets = {k: torch_dtype(_target(code, dtype_code(s.dtype))) for k, s in specs.items()}
-    total = sum(math.prod(s.shape) * targets[k].itemsize for k, s in specs.items())
+    state: dict[str, Any] = {MODEL: {k: torch.empty(s.shape, device="meta", dtype=targets[k])
+                                     for k, s in specs.items()}}
+    # Every tensor DCP will write, by its flattened name: how to read it.
+    reads: dict[str, Callable[[], torch.Tensor]] = {
+        f"{MODEL}.{k}": functools.partial(read, k, targets[k]) for k in specs}
+    info_optimizer = None
+    if optimizer is not None:
+        state[OPTIM] = {"state": {
+            fqn: {key: torch.empty(s.shape, device="meta", dtype=getattr(torch, s.dtype))
+                  for key, s in entry.items()} for fqn, entry in optimizer.specs.items()}}
+        for fqn, entry in optimizer.specs.items():
+            for key in entry:
+                reads[f"{OPTIM}.state.{fqn}.{key}"] = functools.partial(optimizer.read,
+                                                                         fqn, key)
+        info_optimizer = {"param_groups": _to_json(optimizer.param_groups,
+                                                   "optimizer param_groups"),
+                          "scalars": {}, "class": optimizer.class_name}
+    total = sum(math.prod(t.shape) * t.element_size() for part in state.values()
+                for t in _leaves(part))
     done = 0
 
     class Planner(DefaultSavePlanner):
@@ -376,24 +410,23 @@ def tensors_to_dcp(
 
         def resolve_data(self, write_item: Any) -> Any:
             nonlocal done
-            key = write_item.index.fqn[len(MODEL) + 1:]
-            tensor = read(key, targets[key])
+            tensor = reads[write_item.index.fqn]()
             done += tensor.numel() * tensor.element_size()
             if progress is not None:
                 progress(done, total)
             return tensor
 
-    state = {MODEL: {k: torch.empty(s.shape, device="meta", dtype=targets[k])
-                     for k, s in specs.items()}}
     target = Path(destination)
     staging = _staging(target)
     try:
         # The info file first: until the commit, the staging directory is an uncommitted
         # checkpoint of ours, which load and inspect refuse.
-        steps.write_json_atomic(staging / steps.INFO, {
+        info: dict[str, Any] = {
             "format": FORMAT, "step": step, "world_size": 1, "plan": None, "extra": None,
-            "converted_from": source, "saved_at": time.time(),
-            "torch": torch.__version__})
+            "converted_from": source, "saved_at": time.time(), "torch": torch.__version__}
+        if info_optimizer is not None:
+            info["optimizer"] = info_optimizer
+        steps.write_json_atomic(staging / steps.INFO, info)
         writer = digesting_writer(staging, sync_files=True)
         with dcp_errors(f"writing {staging}", staging):
             dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
@@ -406,8 +439,14 @@ def tensors_to_dcp(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     files = tuple(str(p) for p in sorted(target.iterdir()))
-    return ConvertResult(source, str(target), len(specs), total, files,
+    return ConvertResult(source, str(target), len(reads), total, files,
                          time.perf_counter() - started)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    return [tree]
 
 
 def tensors_to_safetensors(

@@ -225,10 +225,19 @@ class ZeroCheckpoint:
     _state: list[list[dict[str, torch.Tensor]]]  # per rank, per group: optimizer state
     _whole: dict[str, torch.Tensor]  # buffers and frozen parameters, full already
     _aliases: dict[str, str]  # tied name -> the name it shares storage with
+    #: The base optimizer's parameter groups: its hyperparameters, and under ``params``
+    #: the names of the parameters it trained (None: an elastic stage 1-2 checkpoint,
+    #: which does not keep them).
+    param_groups: list[dict[str, Any]] | None = None
 
     @property
     def names(self) -> list[str]:
         return list(self.shapes)
+
+    @property
+    def optimized(self) -> list[str]:
+        """The parameters the optimizer held, each once (a tied one by its first name)."""
+        return list(self._places)
 
     @property
     def trainable(self) -> list[str]:
@@ -330,7 +339,32 @@ def read_zero_checkpoint(path: str | os.PathLike[str], tag: str | None = None
     version = model.get("ds_version")
     return ZeroCheckpoint(directory, stage, world, str(version) if version else None,
                           steps if isinstance(steps, int) else None, shapes, places, fp32,
-                          state, whole, aliases)
+                          state, whole, aliases, _param_groups(optims[0], first, groups))
+
+
+def _param_groups(optim: Mapping[str, Any], path: Path, groups: list[Any]
+                  ) -> list[dict[str, Any]] | None:
+    """The base optimizer's groups, their parameters named. The base optimizer holds one
+    flat tensor per entry of ``param_shapes`` (stages 1-2: per group; stage 3: per
+    sub-group), and its groups list those tensors by index."""
+    base = optim.get("base_optimizer_state", optim.get("optimizer_state_dict"))
+    if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
+        return None
+    out, used = [], []
+    for group in base["param_groups"]:
+        flats = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(flats, list) or not all(
+                isinstance(i, int) and 0 <= i < len(groups) for i in flats):
+            raise CheckpointError(f"{path}: a parameter group of the base optimizer lists "
+                                  f"{flats!r}, not indices of the {len(groups)} flat "
+                                  "group(s) param_shapes describes")
+        used += flats
+        out.append({**{k: v for k, v in group.items() if k != "params"},
+                    "params": [name for i in flats for name in groups[i]]})
+    if sorted(used) != list(range(len(groups))):
+        raise CheckpointError(f"{path}: the base optimizer's groups hold the flat groups "
+                              f"{sorted(used)}, param_shapes describes {len(groups)}")
+    return out
 
 
 def _optim_files(directory: Path) -> list[Path]:
@@ -504,16 +538,25 @@ def deepspeed_to_safetensors(source: str | os.PathLike[str],
 def deepspeed_to_dcp(source: str | os.PathLike[str], destination: str | os.PathLike[str], *,
                      tag: str | None = None, dtype: torch.dtype | str | None = None,
                      progress: Any = None) -> Any:
-    """The fp32 weights (and buffers) of a DeepSpeed ZeRO checkpoint as a committed DCP
-    checkpoint ``destination`` at DeepSpeed's step, which ``load`` and
-    ``LoadCheckpoint`` read into any plan (the optimizer state stays behind: load the
-    DeepSpeed checkpoint itself with :func:`load_deepspeed` to resume with it)."""
-    from composer_par.checkpoint.convert import tensors_to_dcp
+    """A DeepSpeed ZeRO checkpoint as a committed DCP checkpoint ``destination`` at
+    DeepSpeed's step: the fp32 weights and buffers, and the base optimizer's state and
+    parameter groups, which ``load(path, model, optimizer)`` reads into any plan.
+    ``dtype`` converts the weights; the optimizer's state keeps its own."""
+    from composer_par.checkpoint.convert import OptimizerTensors, TensorSpec, tensors_to_dcp
 
     ckpt = read_zero_checkpoint(source, tag)
     specs, read = _convertible(ckpt)
+    optimizer = None
+    if ckpt.param_groups is not None:
+        optim_specs = {
+            fqn: {k: TensorSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                  for k, v in ckpt.optimizer_state(fqn).items()}
+            for fqn in ckpt.optimized}
+        optimizer = OptimizerTensors(
+            optim_specs, lambda fqn, key: ckpt.optimizer_state(fqn)[key],
+            ckpt.param_groups, "DeepSpeed ZeRO's base optimizer")
     return tensors_to_dcp(str(ckpt.directory), specs, read, destination, dtype=dtype,
-                          progress=progress, step=ckpt.global_steps or 0)
+                          progress=progress, step=ckpt.global_steps or 0, optimizer=optimizer)
 
 
 # -- into a plan's model -----------------------------------------------------------------
