@@ -42,3 +42,32 @@ def test_a_mismatched_checkpoint_names_the_keys(tmp_path: Path) -> None:
     messages = run_ranks(f"{WORKERS}:load_into_another_model", 2, args=(str(tmp_path),))
     message = messages[0]
     assert KeyMismatchError.__name__ in message and "layers.1" in message
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_convert_takes_an_fsdp1_checkpoint(tmp_path: Path, kind: str) -> None:
+    """``composer-par convert`` of what FSDP1 saved: safetensors and DCP that hold its
+    weights bit for bit."""
+    from safetensors.torch import load_file
+
+    from composer_par import checkpoint as ck
+    from composer_par.cli.main import main
+    from composer_par.testing.tasks import llama
+
+    fsdp1 = run_ranks(f"{WORKERS}:fsdp1_train_and_save", 2, args=(str(tmp_path), kind))
+    saved = fsdp1[0]["saved"]
+    source = tmp_path / ("pytorch_model_fsdp.bin" if kind == "full" else "pytorch_model_fsdp_0")
+    assert main(["convert", str(source), str(tmp_path / "st"), "--no-progress"]) == 0
+    weights = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert weights.keys() == saved.keys()
+    assert all(weights[n].equal(v) for n, v in saved.items())
+    assert main(["convert", str(source), str(tmp_path / "dcp"), "--to", "dcp",
+                 "--no-progress"]) == 0
+    model = llama.build()
+    ck.load(tmp_path / "dcp", model)
+    assert all(p.equal(saved[n]) for n, p in model.named_parameters())
+    # The optimizer's file is not a model's: refused, naming the key.
+    if kind == "full":
+        code = main(["convert", str(tmp_path / "optimizer.bin"), str(tmp_path / "o"),
+                     "--no-progress"])
+        assert code == 2 and not (tmp_path / "o").exists()

@@ -25,7 +25,9 @@ dtype. ``progress(done_bytes, total_bytes)`` is called as they go.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import os
 import shutil
 import time
@@ -325,55 +327,163 @@ def safetensors_to_dcp(
     """Safetensors weights (a file, a directory or an index json) as a committed DCP
     checkpoint directory ``destination``, keys unchanged, under the ``model.`` prefix as
     ``save`` writes them (load it with an adapter if the names are not the model's)."""
+    weights = WeightsSource.open(source)
+    if not weights.entries:
+        raise CheckpointError(f"{source}: no tensors to convert")
+    specs = {k: TensorSpec(e.shape, dtype_name(e.dtype)) for k, e in weights.entries.items()}
+    return tensors_to_dcp(str(source), specs, lambda key, to: read_tensor(
+        weights.entries[key], to), destination, dtype=dtype, progress=progress)
+
+
+@attrs.frozen
+class TensorSpec:
+    """A tensor to convert, before it is read: its shape and torch dtype name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+#: ``read(key, dtype)``: the tensor ``key`` of a source, in ``dtype``.
+ReadTensor = Callable[[str, "torch.dtype"], "torch.Tensor"]
+
+
+@attrs.frozen
+class OptimizerTensors:
+    """An optimizer's state to convert: ``specs[fqn][key]`` for each tensor,
+    ``read(fqn, key)`` to read one (in its own dtype), and the parameter groups (their
+    hyperparameters, and the parameters by name under ``params``)."""
+
+    specs: dict[str, dict[str, TensorSpec]]
+    read: Callable[[str, str], torch.Tensor]
+    param_groups: list[dict[str, Any]]
+    class_name: str  # what inspect shows as the optimizer's class
+
+
+def tensors_to_dcp(
+    source: str,
+    specs: dict[str, TensorSpec],
+    read: ReadTensor,
+    destination: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    progress: Progress | None = None,
+    step: int = 0,
+    optimizer: OptimizerTensors | None = None,
+) -> ConvertResult:
+    """The tensors ``specs`` names, each read by ``read`` only when DCP writes it, as a
+    committed DCP checkpoint directory ``destination`` under the ``model.`` prefix as
+    ``save`` writes them (``source`` is what its info file says it was converted from);
+    with ``optimizer``, its state and parameter groups as ``save`` writes an optimizer's."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from composer_par.checkpoint.dcp import OPTIM, _to_json
     from composer_par.checkpoint.integrity import Manifest, digest_file, digesting_writer
 
     started = time.perf_counter()
     code = dtype_code(float_dtype(dtype)) if dtype is not None else None
-    weights = WeightsSource.open(source)
-    if not weights.entries:
-        raise CheckpointError(f"{source}: no tensors to convert")
-    targets = {k: torch_dtype(_target(code, e.dtype)) for k, e in weights.entries.items()}
-    total = sum(e.numel * targets[k].itemsize for k, e in weights.entries.items())
+    targets = {k: torch_dtype(_target(code, dtype_code(s.dtype))) for k, s in specs.items()}
+    state: dict[str, Any] = {MODEL: {k: torch.empty(s.shape, device="meta", dtype=targets[k])
+                                     for k, s in specs.items()}}
+    # Every tensor DCP will write, by its flattened name: how to read it.
+    reads: dict[str, Callable[[], torch.Tensor]] = {
+        f"{MODEL}.{k}": functools.partial(read, k, targets[k]) for k in specs}
+    info_optimizer = None
+    if optimizer is not None:
+        state[OPTIM] = {"state": {
+            fqn: {key: torch.empty(s.shape, device="meta", dtype=getattr(torch, s.dtype))
+                  for key, s in entry.items()} for fqn, entry in optimizer.specs.items()}}
+        for fqn, entry in optimizer.specs.items():
+            for key in entry:
+                reads[f"{OPTIM}.state.{fqn}.{key}"] = functools.partial(optimizer.read,
+                                                                         fqn, key)
+        info_optimizer = {"param_groups": _to_json(optimizer.param_groups,
+                                                   "optimizer param_groups"),
+                          "scalars": {}, "class": optimizer.class_name}
+    total = sum(math.prod(t.shape) * t.element_size() for part in state.values()
+                for t in _leaves(part))
     done = 0
 
     class Planner(DefaultSavePlanner):
-        """Reads each tensor from the safetensors file only when DCP writes it."""
+        """Reads each tensor from the source only when DCP writes it."""
 
         def resolve_data(self, write_item: Any) -> Any:
             nonlocal done
-            key = write_item.index.fqn[len(MODEL) + 1:]
-            tensor = read_tensor(weights.entries[key], targets[key])
+            tensor = reads[write_item.index.fqn]()
             done += tensor.numel() * tensor.element_size()
             if progress is not None:
                 progress(done, total)
             return tensor
 
-    state = {MODEL: {k: torch.empty(e.shape, device="meta", dtype=targets[k])
-                     for k, e in weights.entries.items()}}
     target = Path(destination)
     staging = _staging(target)
     try:
         # The info file first: until the commit, the staging directory is an uncommitted
         # checkpoint of ours, which load and inspect refuse.
-        steps.write_json_atomic(staging / steps.INFO, {
-            "format": FORMAT, "step": 0, "world_size": 1, "plan": None, "extra": None,
-            "converted_from": str(source), "saved_at": time.time(),
-            "torch": torch.__version__})
+        info: dict[str, Any] = {
+            "format": FORMAT, "step": step, "world_size": 1, "plan": None, "extra": None,
+            "converted_from": source, "saved_at": time.time(), "torch": torch.__version__}
+        if info_optimizer is not None:
+            info["optimizer"] = info_optimizer
+        steps.write_json_atomic(staging / steps.INFO, info)
         writer = digesting_writer(staging, sync_files=True)
         with dcp_errors(f"writing {staging}", staging):
             dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
         records = dict(writer.records)
         for name in (steps.INFO, steps.DCP_METADATA):
             records[name] = digest_file(staging / name)
-        steps.commit(staging, 0, Manifest(staging, records))
+        steps.commit(staging, step, Manifest(staging, records))
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     files = tuple(str(p) for p in sorted(target.iterdir()))
-    return ConvertResult(str(source), str(target), len(weights.entries), total, files,
+    return ConvertResult(source, str(target), len(reads), total, files,
+                         time.perf_counter() - started)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    return [tree]
+
+
+def tensors_to_safetensors(
+    source: str,
+    specs: dict[str, TensorSpec],
+    read: ReadTensor,
+    destination: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    max_file_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """The tensors ``specs`` names as consolidated safetensors in ``destination``, each
+    read by ``read``, written into its place and dropped before the next."""
+    started = time.perf_counter()
+    code = dtype_code(float_dtype(dtype)) if dtype is not None else None
+    planned = [PlannedTensor(k, _target(code, dtype_code(s.dtype)), s.shape)
+               for k, s in specs.items()]
+    layout = FileLayout.plan(planned, max_file_bytes)
+    target = Path(destination)
+    staging = _staging(target)
+    total = layout.total_bytes
+    try:
+        _create_blank(layout, staging)
+        writer = _ChunkWriter(layout.entries(staging), total, progress)
+        try:
+            for key, spec in specs.items():
+                entry = writer.entries[key]
+                writer.write(key, [0] * len(spec.shape), read(key, torch_dtype(entry.dtype)))
+        finally:
+            writer.close()
+        writer.check(specs, "")
+        _write_headers(layout, staging)
+        _publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    files = tuple(str(target / name) for name, _ in layout.files)
+    return ConvertResult(source, str(target), len(specs), total, files,
                          time.perf_counter() - started)

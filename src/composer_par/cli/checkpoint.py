@@ -5,7 +5,8 @@ SRC DST``.
 state (committed, verified with ``--verify``, corrupt naming the file, or uncommitted
 with the job that claimed it), and for DCP checkpoints the step and the plan they were
 saved with; it exits 1 when what it shows is corrupt. ``convert`` turns a DCP checkpoint
-into consolidated safetensors or back, one tensor at a time, with a progress bar on
+into consolidated safetensors or back, or a DeepSpeed ZeRO checkpoint into either (its fp32
+weights, ``--to``), one tensor at a time, with a progress bar on
 stderr, checking what it reads against the commit's digests; it writes into a temporary
 directory renamed into place at the end, so a failure leaves nothing at DST. Both exit 2
 on input they cannot use (a missing, truncated or corrupt file; an uncommitted
@@ -20,7 +21,7 @@ import argparse
 import re
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from composer_par.cli.common import EXIT_ERRORS, EXIT_OK, InputError, Output
 
@@ -205,10 +206,20 @@ def run_clean(args: argparse.Namespace, out: Output) -> int:
 def configure_convert(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SRC",
                         help="a DCP checkpoint (step directory, or a root: its latest committed "
-                        "step), or safetensors (file, directory or index json)")
+                        "step), safetensors (file, directory or index json), a DeepSpeed "
+                        "ZeRO checkpoint (the directory save_checkpoint wrote, or a tag in it), "
+                        "or an FSDP1 model checkpoint (a torch.save file of the full state "
+                        "dict, or a DCP directory of the sharded one)")
     parser.add_argument("destination", metavar="DST",
                         help="the directory to create (must not exist): safetensors when SRC "
-                        "is DCP, a committed DCP checkpoint when SRC is safetensors")
+                        "is DCP, a committed DCP checkpoint when SRC is safetensors; from "
+                        "DeepSpeed or FSDP1, what --to says")
+    parser.add_argument("--to", choices=("safetensors", "dcp"),
+                        help="from a DeepSpeed or FSDP1 checkpoint: write its model weights "
+                        "as safetensors (the default) or as a committed DCP checkpoint")
+    parser.add_argument("--tag", metavar="TAG",
+                        help="from a DeepSpeed checkpoint: the tag to read (default: the one "
+                        "its 'latest' file names)")
     parser.add_argument("--dtype", metavar="DTYPE",
                         help="convert floating-point tensors to DTYPE: one of float16, "
                         "bfloat16, float32, float64 (integer and bool tensors keep theirs)")
@@ -220,30 +231,21 @@ def configure_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace, out: Output) -> int:
-    from composer_par.checkpoint.convert import (
-        FLOAT_DTYPES,
-        dcp_to_safetensors,
-        refusal,
-        safetensors_to_dcp,
-    )
+    from composer_par.checkpoint.convert import FLOAT_DTYPES, refusal
     from composer_par.checkpoint.errors import CheckpointError
-    from composer_par.checkpoint.inspect import kind_of
+    from composer_par.migrate.deepspeed_checkpoint import is_deepspeed_checkpoint
+    from composer_par.migrate.fsdp1_checkpoint import is_fsdp1_checkpoint
 
     stream = out.stderr if out.stderr is not None else sys.stderr
     if args.dtype is not None and args.dtype.removeprefix("torch.") not in FLOAT_DTYPES:
         raise InputError(f"--dtype {args.dtype}: {refusal(args.dtype.removeprefix('torch.'))}")
     try:
-        kind = kind_of(args.source)
-        target = "safetensors" if kind in ("dcp", "root") else "dcp"
-        bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
-        if target == "safetensors":
-            result = dcp_to_safetensors(args.source, args.destination, dtype=args.dtype,
-                                        max_file_bytes=args.max_file_size, progress=bar)
+        if is_deepspeed_checkpoint(args.source) or is_fsdp1_checkpoint(args.source):
+            target = args.to or "safetensors"
+            bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
+            result = _from_other_tool(args, target, bar)
         else:
-            if args.max_file_size is not None:
-                raise InputError("--max-file-size applies only when converting to safetensors")
-            result = safetensors_to_dcp(args.source, args.destination, dtype=args.dtype,
-                                        progress=bar)
+            target, result, bar = _between_dcp_and_safetensors(args, stream)
     except CheckpointError as exc:
         raise InputError(str(exc)) from exc
     except (ValueError, FileExistsError) as exc:
@@ -255,3 +257,49 @@ def run_convert(args: argparse.Namespace, out: Output) -> int:
             f"{result.source} -> {result.destination} ({target}) in {result.seconds:.1f} s")
     out.result(data, text)
     return EXIT_OK
+
+
+def _from_other_tool(args: argparse.Namespace, target: str, bar: ProgressBar | None) -> Any:
+    """A DeepSpeed ZeRO or an FSDP1 checkpoint to ``target``."""
+    from composer_par.migrate import deepspeed_checkpoint as ds
+    from composer_par.migrate import fsdp1_checkpoint as fsdp1
+
+    deepspeed = ds.is_deepspeed_checkpoint(args.source)
+    if args.tag is not None and not deepspeed:
+        raise InputError(f"--tag applies only to DeepSpeed checkpoints; {args.source} is an "
+                         "FSDP1 one")
+    tag = {"tag": args.tag} if deepspeed else {}
+    if target == "safetensors":
+        to_safetensors = ds.deepspeed_to_safetensors if deepspeed else \
+            fsdp1.fsdp1_to_safetensors
+        return to_safetensors(args.source, args.destination, dtype=args.dtype,
+                              max_file_bytes=args.max_file_size, progress=bar, **tag)
+    if args.max_file_size is not None:
+        raise InputError("--max-file-size applies only when converting to safetensors")
+    to_dcp = ds.deepspeed_to_dcp if deepspeed else fsdp1.fsdp1_to_dcp
+    return to_dcp(args.source, args.destination, dtype=args.dtype, progress=bar, **tag)
+
+
+def _between_dcp_and_safetensors(args: argparse.Namespace, stream: TextIO
+                                 ) -> tuple[str, Any, ProgressBar | None]:
+    from composer_par.checkpoint.convert import dcp_to_safetensors, safetensors_to_dcp
+    from composer_par.checkpoint.inspect import kind_of
+
+    if args.tag is not None:
+        raise InputError(f"--tag applies only to DeepSpeed checkpoints; {args.source} is not "
+                         "one")
+    kind = kind_of(args.source)
+    target = "safetensors" if kind in ("dcp", "root") else "dcp"
+    if args.to is not None and args.to != target:
+        raise InputError(f"--to {args.to}: {args.source} is {kind}, which converts to "
+                         f"{target} only")
+    bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
+    if target == "safetensors":
+        result = dcp_to_safetensors(args.source, args.destination, dtype=args.dtype,
+                                    max_file_bytes=args.max_file_size, progress=bar)
+    else:
+        if args.max_file_size is not None:
+            raise InputError("--max-file-size applies only when converting to safetensors")
+        result = safetensors_to_dcp(args.source, args.destination, dtype=args.dtype,
+                                    progress=bar)
+    return target, result, bar

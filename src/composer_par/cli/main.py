@@ -70,7 +70,7 @@ COMMANDS: list[Command] = [
     Command("clean", "remove a checkpoint root's stale unfinished steps and, with "
             "--keep-last, each run's older committed ones (an age, a dry run)",
             checkpoint.configure_clean, checkpoint.run_clean),
-    Command("convert", "convert a checkpoint DCP <-> safetensors, streaming, with progress",
+    Command("convert", "convert a checkpoint DCP <-> safetensors, or DeepSpeed ZeRO to either",
             checkpoint.configure_convert, checkpoint.run_convert),
     Command("estimate", "per-rank memory and per-mesh-dim communication of a plan",
             plan_tools.estimate_arguments, plan_tools.run_estimate),

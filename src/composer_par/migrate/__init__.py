@@ -11,7 +11,8 @@ Every key of the source is either mapped to plan lines or reported with a rule c
 that names what the plan does instead (:meth:`ImportResult.explain` lists both). The
 mapping tables are in docs/migration.md. Nothing here imports torch, accelerate or
 DeepSpeed. :func:`load_fsdp1` loads FSDP1's checkpoints (full and sharded state dicts,
-with the optimizer) into a model a plan applied, to resume training.
+with the optimizer) into a model a plan applied, to resume training; :func:`load_deepspeed`
+DeepSpeed ZeRO's (stages 1-3, with the optimizer), read without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from composer_par.migrate.accelerate_config import read_accelerate
+from composer_par.migrate.deepspeed_checkpoint import (
+    DeepSpeedLoad,
+    load_deepspeed,
+    read_zero_checkpoint,
+)
 from composer_par.migrate.deepspeed_config import read_deepspeed
 from composer_par.migrate.draft import Draft, ImportFailed, ImportResult, Mapped
 from composer_par.migrate.fsdp1 import STRATEGIES, fsdp1_plan, strategy_name
@@ -85,6 +91,7 @@ def _json(value: Mapping[str, Any] | str | Path | None) -> Mapping[str, Any] | N
     return data
 
 
-__all__ = ["ACCELERATE", "DEEPSPEED", "KINDS", "STRATEGIES", "TRAINER", "Fsdp1Load",
-           "ImportFailed", "ImportResult", "Mapped", "fsdp1_plan", "import_config",
-           "import_trainer_args", "load_fsdp1", "strategy_name"]
+__all__ = ["ACCELERATE", "DEEPSPEED", "KINDS", "STRATEGIES", "TRAINER", "DeepSpeedLoad",
+           "Fsdp1Load", "ImportFailed", "ImportResult", "Mapped", "fsdp1_plan", "import_config",
+           "import_trainer_args", "load_deepspeed", "load_fsdp1", "read_zero_checkpoint",
+           "strategy_name"]

@@ -236,4 +236,91 @@ def _optimizer_key(directory: Path, metadata: Any) -> str:
     return found[0]
 
 
-__all__ = ["Fsdp1Load", "load_fsdp1"]
+# -- convert -----------------------------------------------------------------------------
+
+#: Suffixes of ``torch.save`` files of a full state dict (accelerate: ``.bin``).
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def is_fsdp1_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is what FSDP1 saves of a model: a ``torch.save`` file (a full
+    state dict), or a DCP directory that composer_par did not write (a sharded one)."""
+    from composer_par.checkpoint import steps
+
+    p = Path(path)
+    if p.is_file():
+        return p.suffix in TORCH_SUFFIXES
+    return p.is_dir() and (p / steps.DCP_METADATA).is_file() and not any(
+        (p / name).exists() for name in (steps.INFO, steps.MARKER))
+
+
+def _model_tensors(path: Path) -> tuple[dict[str, Any], Any]:
+    """The model's tensors of an FSDP1 checkpoint: their specs, and a reader of one."""
+    import torch
+
+    from composer_par.checkpoint.convert import TensorSpec
+
+    if path.is_file():
+        state = _torch_load(path)
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{path}: {key} is a {type(value).__name__}, not a "
+                                      "tensor (an optimizer state dict? convert the model's)")
+        specs = {k: TensorSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                 for k, v in state.items()}
+        return specs, lambda key, dtype: state[key].to(dtype)
+
+    import torch.distributed.checkpoint as dcp
+
+    from composer_par.checkpoint.dcp import read_metadata, stored_specs
+    from composer_par.checkpoint.errors import dcp_errors
+    from composer_par.checkpoint.integrity import verifying_reader
+
+    metadata = read_metadata(path, None)  # not a composer_par step: no commit record
+    prefix = f"{MODEL_KEY}."
+    specs = {k[len(prefix):]: TensorSpec(s.shape, s.dtype)
+             for k, s in stored_specs(metadata).items() if k.startswith(prefix)}
+    if not specs:
+        raise CheckpointError(f"{path}: no tensors under {MODEL_KEY!r} (FSDP1 saves the "
+                              "model's sharded state dict as {'model': model.state_dict()})")
+
+    def read(key: str, dtype: torch.dtype) -> torch.Tensor:
+        spec = specs[key]
+        tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+        # One tensor per load: DCP reads only the chunks of this one.
+        with verifying_reader(path, metadata, None) as reader, \
+                dcp_errors(f"reading {path}"):
+            dcp.load({MODEL_KEY: {key: tensor}}, storage_reader=reader, no_dist=True)
+        return tensor.to(dtype)
+
+    return specs, read
+
+
+def fsdp1_to_safetensors(source: str | os.PathLike[str],
+                         destination: str | os.PathLike[str], *,
+                         dtype: torch.dtype | str | None = None,
+                         max_file_bytes: int | None = None, progress: Any = None) -> Any:
+    """An FSDP1 model checkpoint (a full state dict file, or a sharded DCP directory) as
+    consolidated safetensors, one tensor at a time."""
+    from composer_par.checkpoint.convert import tensors_to_safetensors
+
+    specs, read = _model_tensors(Path(source))
+    return tensors_to_safetensors(str(source), specs, read, destination, dtype=dtype,
+                                  max_file_bytes=max_file_bytes, progress=progress)
+
+
+def fsdp1_to_dcp(source: str | os.PathLike[str], destination: str | os.PathLike[str], *,
+                 dtype: torch.dtype | str | None = None, progress: Any = None) -> Any:
+    """An FSDP1 model checkpoint as a committed DCP checkpoint of composer_par's (the
+    optimizer's state is not converted: :func:`load_fsdp1` reads it into a plan)."""
+    from composer_par.checkpoint.convert import tensors_to_dcp
+
+    specs, read = _model_tensors(Path(source))
+    return tensors_to_dcp(str(source), specs, read, destination, dtype=dtype,
+                          progress=progress)
+
+
+__all__ = ["Fsdp1Load", "fsdp1_to_dcp", "fsdp1_to_safetensors", "is_fsdp1_checkpoint",
+           "load_fsdp1"]
