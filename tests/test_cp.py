@@ -285,7 +285,7 @@ def test_estimate_divides_activations_by_cp_and_adds_buffers() -> None:
                       "all_to_all": 4 * 2 * 2 * 32 * 4 * 8192}
 
 
-# -- the estimate of FSDP2 x CP -----------------------------------
+# -- the estimate of FSDP2 x CP and of cp across nodes -----------------------------------
 
 # Two blocks of hidden 64 (4 heads, K/V on every head, MLP 128) and no embeddings: every
 # tensor's rows divide by 4, so FSDP2 pads nothing over dp_shard x cp.
@@ -333,6 +333,31 @@ def test_fsdp2_with_cp_shards_over_dp_shard_x_cp_in_the_estimate() -> None:
     # the node over this rank's own link
     sent = 3 * whole * 3 / 4
     assert (dp.intra_bytes, dp.inter_bytes) == pytest.approx((sent / 2, sent / 2))
+
+
+def test_cp_across_nodes_puts_its_all_to_all_bytes_on_the_network() -> None:
+    """cp 4 on 2 nodes of 2: an all-to-all sends a quarter of its input to each other
+    rank, one of them on this node and two on the other; the allgather mode's K/V
+    all-gather is a rail-optimized ring (half its wire bytes leave the node)."""
+    plan = '[mesh]\ncp = 4\n\n' + _TOPOLOGY + '[[plugins]]\nname = "cp"\nmode = "{}"\n'
+    alltoall = _estimate(plan.format("alltoall"))
+    cp = next(t for t in alltoall.traffic if t.dim.name == "cp")
+    (exchange,) = cp.collectives
+    assert exchange.kind == "all_to_all" and cp.dim.nodes == 2
+    assert (cp.intra_bytes, cp.inter_bytes) == pytest.approx(
+        (exchange.payload / 4, exchange.payload * 2 / 4))
+    allgather = _estimate(plan.format("allgather"))
+    cp = next(t for t in allgather.traffic if t.dim.name == "cp")
+    payload = {c.kind: c.payload for c in cp.collectives}
+    ring = payload["all_gather"] * 3 / 4
+    assert (cp.intra_bytes, cp.inter_bytes) == pytest.approx(
+        (ring / 2 + payload["all_to_all"] / 4, ring / 2 + payload["all_to_all"] * 2 / 4))
+    # cp inside a node (dp_shard outer): nothing of cp's crosses it
+    inside = _estimate('[mesh]\ndp_shard = 2\ncp = 2\n\n' + _TOPOLOGY + '[[plugins]]\nname = '
+                       '"fsdp2"\n\n[[plugins]]\nname = "cp"\nmode = "alltoall"\n')
+    cp = next(t for t in inside.traffic if t.dim.name == "cp")
+    (exchange,) = cp.collectives
+    assert (cp.intra_bytes, cp.inter_bytes) == (exchange.payload / 2, 0.0)
 
 
 @pytest.mark.distributed
