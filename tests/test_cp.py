@@ -335,6 +335,18 @@ def test_fsdp2_with_cp_shards_over_dp_shard_x_cp_in_the_estimate() -> None:
     assert (dp.intra_bytes, dp.inter_bytes) == pytest.approx((sent / 2, sent / 2))
 
 
+def test_hsdp_alone_with_cp_all_reduces_over_dp_replicate_x_cp() -> None:
+    """HSDP alone replicates over dp_replicate and cp: each gradient is all-reduced whole
+    over the four ranks, on both nodes."""
+    est = _estimate('[mesh]\ndp_replicate = 2\ncp = 2\n\n' + _TOPOLOGY + '[[plugins]]\n'
+                    'name = "hsdp"\n\n[[plugins]]\nname = "cp"\n')
+    dp = next(t for t in est.traffic if t.dim.name == "dp_replicate")
+    assert {(c.kind, c.payload, c.calls, c.group_size, c.nodes) for c in dp.collectives} == {
+        ("all_reduce", 4 * _PARAMS, _LAYERS, 4, 2)}
+    sent = 2 * 4 * _PARAMS * 3 / 4  # an all-reduce: twice a ring's share
+    assert (dp.intra_bytes, dp.inter_bytes) == pytest.approx((sent / 2, sent / 2))
+
+
 def test_cp_across_nodes_puts_its_all_to_all_bytes_on_the_network() -> None:
     """cp 4 on 2 nodes of 2: an all-to-all sends a quarter of its input to each other
     rank, one of them on this node and two on the other; the allgather mode's K/V
