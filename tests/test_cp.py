@@ -283,3 +283,122 @@ def test_estimate_divides_activations_by_cp_and_adds_buffers() -> None:
     cp_dim = {c.kind: c.payload for c in traffic.collectives}
     assert cp_dim == {"all_gather": 4 * 2 * 2 * 32 * 4 * 8192,
                       "all_to_all": 4 * 2 * 2 * 32 * 4 * 8192}
+
+
+# -- the estimate of FSDP2 x CP and of cp across nodes -----------------------------------
+
+# Two blocks of hidden 64 (4 heads, K/V on every head, MLP 128) and no embeddings: every
+# tensor's rows divide by 4, so FSDP2 pads nothing over dp_shard x cp.
+_HIDDEN, _FFN, _LAYERS = 64, 128, 2
+_BLOCK = 4 * _HIDDEN * _HIDDEN + 3 * _HIDDEN * _FFN + 2 * _HIDDEN  # q k v o, gated MLP, norms
+_PARAMS = _LAYERS * _BLOCK
+
+
+def _shape() -> Any:
+    from composer_par.estimate import ModelShape
+
+    shape = ModelShape.from_numbers(layers=_LAYERS, hidden=_HIDDEN, heads=4, ffn_hidden=_FFN)
+    assert shape.params == _PARAMS
+    return shape
+
+
+def _estimate(plan_toml: str, seq: int = 64) -> Any:
+    from composer_par.estimate import Workload, estimate_plan
+
+    plan = ParallelPlan.from_toml(plan_toml)
+    return estimate_plan(plan, _shape(), Workload(seq=seq, dtype="float32"), world_size=4)
+
+
+_TOPOLOGY = "[topology]\nnodes = 2\ndevices_per_node = 2\n\n"
+
+
+def test_fsdp2_with_cp_shards_over_dp_shard_x_cp_in_the_estimate() -> None:
+    """FSDP2 over dp_shard 2 x cp 2: each rank holds a quarter of the parameters, and its
+    all-gathers and reduce-scatters run over the four ranks of dp_shard x cp, which span
+    both nodes (ranks 0, 1 on node 0; 2, 3 on node 1)."""
+    est = _estimate('[mesh]\ndp_shard = 2\ncp = 2\n\n' + _TOPOLOGY + '[[plugins]]\nname = '
+                    '"fsdp2"\n\n[[plugins]]\nname = "cp"\n')
+    quarter = _PARAMS // 4
+    mem = est.memory
+    assert (mem.local_params, mem.params, mem.grads, mem.optimizer) == (
+        quarter, 4 * quarter, 4 * quarter, 8 * quarter)  # fp32 AdamW: 4 + 4 + 8 B
+    dp = next(t for t in est.traffic if t.dim.name == "dp_shard")
+    whole = 4 * _PARAMS  # every block gathered whole, its gradients reduce-scattered, fp32
+    # forward all-gathers every block, backward again (resharded after forward), then
+    # one reduce-scatter per block
+    assert {(c.kind, c.payload, c.calls, c.group_size, c.nodes) for c in dp.collectives} == {
+        ("all_gather", whole, _LAYERS, 4, 2), ("all_gather", whole, _LAYERS, 4, 2),
+        ("reduce_scatter", whole, _LAYERS, 4, 2)}
+    # a ring over 4 ranks sends 3/4 of each payload; on 2 nodes of 2, half of that leaves
+    # the node over this rank's own link
+    sent = 3 * whole * 3 / 4
+    assert (dp.intra_bytes, dp.inter_bytes) == pytest.approx((sent / 2, sent / 2))
+
+
+def test_hsdp_alone_with_cp_all_reduces_over_dp_replicate_x_cp() -> None:
+    """HSDP alone replicates over dp_replicate and cp: each gradient is all-reduced whole
+    over the four ranks, on both nodes."""
+    est = _estimate('[mesh]\ndp_replicate = 2\ncp = 2\n\n' + _TOPOLOGY + '[[plugins]]\n'
+                    'name = "hsdp"\n\n[[plugins]]\nname = "cp"\n')
+    dp = next(t for t in est.traffic if t.dim.name == "dp_replicate")
+    assert {(c.kind, c.payload, c.calls, c.group_size, c.nodes) for c in dp.collectives} == {
+        ("all_reduce", 4 * _PARAMS, _LAYERS, 4, 2)}
+    sent = 2 * 4 * _PARAMS * 3 / 4  # an all-reduce: twice a ring's share
+    assert (dp.intra_bytes, dp.inter_bytes) == pytest.approx((sent / 2, sent / 2))
+
+
+def test_cp_across_nodes_puts_its_all_to_all_bytes_on_the_network() -> None:
+    """cp 4 on 2 nodes of 2: an all-to-all sends a quarter of its input to each other
+    rank, one of them on this node and two on the other; the allgather mode's K/V
+    all-gather is a rail-optimized ring (half its wire bytes leave the node)."""
+    plan = '[mesh]\ncp = 4\n\n' + _TOPOLOGY + '[[plugins]]\nname = "cp"\nmode = "{}"\n'
+    alltoall = _estimate(plan.format("alltoall"))
+    cp = next(t for t in alltoall.traffic if t.dim.name == "cp")
+    (exchange,) = cp.collectives
+    assert exchange.kind == "all_to_all" and cp.dim.nodes == 2
+    assert (cp.intra_bytes, cp.inter_bytes) == pytest.approx(
+        (exchange.payload / 4, exchange.payload * 2 / 4))
+    allgather = _estimate(plan.format("allgather"))
+    cp = next(t for t in allgather.traffic if t.dim.name == "cp")
+    payload = {c.kind: c.payload for c in cp.collectives}
+    ring = payload["all_gather"] * 3 / 4
+    assert (cp.intra_bytes, cp.inter_bytes) == pytest.approx(
+        (ring / 2 + payload["all_to_all"] / 4, ring / 2 + payload["all_to_all"] * 2 / 4))
+    # cp inside a node (dp_shard outer): nothing of cp's crosses it
+    inside = _estimate('[mesh]\ndp_shard = 2\ncp = 2\n\n' + _TOPOLOGY + '[[plugins]]\nname = '
+                       '"fsdp2"\n\n[[plugins]]\nname = "cp"\nmode = "alltoall"\n')
+    cp = next(t for t in inside.traffic if t.dim.name == "cp")
+    (exchange,) = cp.collectives
+    assert (cp.intra_bytes, cp.inter_bytes) == (exchange.payload / 2, 0.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_fsdp2_with_cp_estimate_equals_a_real_steps_bytes() -> None:
+    """FSDP2 over dp_shard 2 x cp 2: the all-gathers and reduce-scatters one step issues
+    over the flattened dp_shard x cp group are, call for call and byte for byte, the
+    estimate's collectives of dp_shard (counted over that group of 4)."""
+    import torch
+
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+    from composer_par.testing.parity import measure_comm
+    from tests.cp_workers import llama
+
+    case = _cases("llama", "fsdp2", 4)[0]
+    measured = measure_comm(attrs.evolve(case, steps=1), timeout=200)
+    plan = ParallelPlan.from_toml(case.plan)
+    _, shards = plan.data_shard(0, 4)
+    with torch.device("meta"):
+        shape = ModelShape.from_module(llama.build())
+    est = estimate_plan(plan, shape, Workload(seq=llama.seq_len,
+                                              micro_batch=llama.global_batch // shards),
+                        world_size=4)
+    dp = next(t for t in est.traffic if t.dim.name == "dp_shard")
+    assert {c.group_size for c in dp.collectives} == {4}
+    predicted: dict[str, dict[str, int]] = {}
+    for c in dp.collectives:
+        slot = predicted.setdefault(c.kind, {"calls": 0, "bytes": 0})
+        slot["calls"] += c.calls
+        slot["bytes"] += c.payload
+    for rank in range(4):
+        assert measured.summary[rank]["dp_shard+cp"] == predicted, (rank, measured.summary)

@@ -664,11 +664,15 @@ def test_estimate_and_suggest_from_numbers_never_import_torch(plan_64: str) -> N
     argvs = [["estimate", plan_64, "--params", "13e9", "--seq", "4096"],
              ["suggest", "--params", "13e9", "--nodes", "4", "--devices-per-node", "8",
               "--device-memory", "80GiB", "--seq", "4096"],
-             ["explain", plan_64, "--svg", str(Path(plan_64).with_suffix(".svg"))]]
+             ["explain", plan_64, "--svg", str(Path(plan_64).with_suffix(".svg"))],
+             # long sequences: context-parallel layouts and the cp plugin's own terms
+             ["suggest", "--params", "8e9", "--layers", "32", "--hidden", "4096", "--heads",
+              "32", "--kv-heads", "8", "--ffn-hidden", "14336", "--vocab", "128256", "--nodes",
+              "8", "--devices-per-node", "8", "--device-memory", "64GiB", "--seq", "131072"]]
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True,
                           text=True, timeout=120, check=True, cwd=ROOT)
     probe = json.loads(done.stdout)
-    assert probe["codes"] == [0, 0, 0] and probe["torch"] == []
+    assert probe["codes"] == [0, 0, 0, 0] and probe["torch"] == []
 
 
 # -- measured: the estimator against real collectives on gloo ---------------------------------

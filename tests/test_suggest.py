@@ -12,7 +12,13 @@ import pytest
 from composer_par import ParallelPlan, Registry, Topology
 from composer_par.cli.main import main
 from composer_par.estimate import ModelShape, parse_bytes
-from composer_par.tools.suggest import Candidate, candidates, format_suggestion, suggest
+from composer_par.tools.suggest import (
+    Candidate,
+    candidates,
+    cp_candidates,
+    format_suggestion,
+    suggest,
+)
 
 GIB80 = parse_bytes("80GiB")
 INSTALLED = set(Registry().names())
@@ -67,7 +73,9 @@ def test_picks_hsdp_when_a_node_holds_the_shards_and_inter_node_links_are_slow()
 
 def test_adds_tp_when_activations_do_not_fit() -> None:
     model = ModelShape.from_numbers(params=7_000_000_000, layers=32, hidden=4096, heads=32)
-    result = suggest(model, Topology(2, 8), GIB80, seq=262_144)
+    # without the cp plugin (with it, CP splits the sequence instead: see below)
+    result = suggest(model, Topology(2, 8), GIB80, seq=262_144, registry=Registry(block=["cp"]))
+    assert any("the cp plugin is not installed" in note for note in result.notes)
     best = result.best
     assert best is not None and best.candidate.tp > 1
     why = next(line for line in result.why if line.startswith(f"TP {best.candidate.tp}:"))
@@ -154,3 +162,72 @@ def test_suggest_with_a_model() -> None:
     assert code == 0 and data["model"]["kv_heads"] == 4
     # TP sizes must divide the 4 KV heads: no TP 8 candidate
     assert all(c["mesh"].get("tp", 1) <= 4 for c in data["candidates"])
+
+
+# Llama 3 8B's shape (as docs/estimate.md gives it to suggest)
+LLAMA_8B = ModelShape.from_numbers(params=8_000_000_000, layers=32, hidden=4096, heads=32,
+                                   kv_heads=8, ffn_hidden=14336, vocab=128256)
+
+
+def test_cp_candidates_divide_a_node_the_sequence_and_for_alltoall_the_heads() -> None:
+    found = cp_candidates(Topology(8, 8), LLAMA_8B, seq=131_072)
+    sizes = {(c.tp, c.cp) for c in found}
+    # cp x tp inside a node of 8; TP 8 leaves no room for cp there
+    assert sizes == {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
+    assert all(c.replicate * c.shard * c.cp * c.tp == 64 for c in found)
+    assert {c.ac for c in found} == {"none", "selective", "full"}
+    # alltoall where cp divides a tp rank's heads (32 / tp) and K/V heads (8 / tp)
+    alltoall = {(c.tp, c.cp) for c in found if c.cp_mode == "alltoall"}
+    assert alltoall == {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
+    # 6 heads, 2 K/V heads: cp 2 alone divides both; TP 2 leaves one K/V head per rank
+    few_heads = ModelShape.from_numbers(layers=2, hidden=384, heads=6, kv_heads=2)
+    assert {(c.tp, c.cp) for c in cp_candidates(Topology(8, 8), few_heads, seq=131_072)
+            if c.cp_mode == "alltoall"} == {(1, 2)}
+    # 2 x cp must divide the sequence: 12 tokens allow cp 2 (chunks of 3) only
+    assert {c.cp for c in cp_candidates(Topology(8, 8), LLAMA_8B, seq=12)} == {2}
+    # across nodes: the multiples of a node's share that the world holds
+    across = cp_candidates(Topology(8, 8), LLAMA_8B, seq=131_072, within_node=False)
+    assert {(c.tp, c.cp) for c in across if c.tp == 1} == {(1, 16), (1, 32), (1, 64)}
+
+
+def test_suggests_cp_for_llama_8b_at_128k_tokens_on_8_nodes() -> None:
+    """No layout without CP fits 64 GiB (the smallest needs its activations' ~73 GiB);
+    suggest proposes CP, and the plan file it writes reads back and validates."""
+    gib64 = parse_bytes("64GiB")
+    result = suggest(LLAMA_8B, Topology(8, 8), gib64, seq=131_072)
+    without = [r for r in result.ranked if r.candidate.cp == 1]
+    assert without and not any(r.fits for r in without)
+    best = result.best
+    assert best is not None and best.candidate.cp > 1
+    assert best.estimate.memory.total <= gib64
+    # a cp rank's activations are those of seq / cp tokens
+    assert best.estimate.layout.sequence_split == best.candidate.cp
+    why = next(line for line in result.why if line.startswith(f"CP {best.candidate.cp}:"))
+    assert "no layout without CP fits" in why
+    assert any(n.startswith("context-parallel layouts considered (nothing without CP fits)")
+               for n in result.notes)
+    plan_toml = result.plan_toml or ""
+    assert f"cp = {best.candidate.cp}" in plan_toml and 'name = "cp"' in plan_toml
+    assert "seq_len = 131072" in plan_toml
+    if {"cp", "hsdp", "fsdp2", "activation_checkpoint", "meta_init"} <= INSTALLED:
+        assert result.report is not None and result.report.ok
+        plan = ParallelPlan.from_toml(plan_toml)
+        assert plan.validate(world_size=64).ok
+        assert plan.world_size() == 64
+    # ranked by the same rules: fitting first, by communication time to 3 digits
+    seconds = [float(f"{r.estimate.seconds:.3g}") for r in result.ranked if r.fits]
+    assert seconds == sorted(seconds)
+    # with 80 GiB a TP 8 layout fits, but its activations lead its memory: CP is still
+    # considered, and communicates less than it
+    roomy = suggest(LLAMA_8B, Topology(8, 8), GIB80, seq=131_072)
+    assert any(r.fits and r.candidate.cp == 1 for r in roomy.ranked)
+    assert roomy.best is not None and roomy.best.candidate.cp > 1
+    tp8 = min((r for r in roomy.ranked if r.fits and r.candidate.cp == 1),
+              key=lambda r: r.seconds)
+    assert roomy.best.seconds < tp8.seconds
+
+
+def test_cp_is_not_considered_when_activations_are_small() -> None:
+    result = suggest(ModelShape.from_numbers(params=13_000_000_000), Topology(4, 8), GIB80,
+                     seq=4096)
+    assert all(r.candidate.cp == 1 for r in result.ranked)

@@ -35,7 +35,8 @@ The accounting (also printed with every estimate, :data:`ACCOUNTING`):
 * **time**: ring collectives, as NCCL runs all-gather and reduce-scatter, rail optimized
   (:func:`split_bytes`): a rank sends ``X*(n-1)/n`` for an all-gather or reduce-scatter
   of X bytes over n ranks, twice that for an all-reduce; when the group spans k > 1
-  nodes with m ranks on each, 1/m of it leaves the node over the rank's own network link.
+  nodes with m ranks on each, 1/m of it leaves the node over the rank's own network link;
+  an all-to-all sends X/n to each other rank directly, ``(n-m)/n`` of X across nodes.
   Time = intra-node bytes / intra-node bandwidth + inter-node bytes / inter-node bandwidth
   (per device), summed over collectives: no overlap, no latency term.
 

@@ -74,16 +74,21 @@ def communication(
     for dim in layout.dims:
         if dim.size <= 1 or dim.name in replaced:
             continue
+        # FSDP2 shards over the shard dim and the folded dims flattened (dp_shard x cp):
+        # its collectives run over that group, each rank holding 1/(its size).
+        group, nodes = layout.data_parallel_group(dim)
         if dim.role is Role.SHARD:
             if gathers != (None, None):
-                collectives += _stage_fsdp_collectives(
-                    model, dim, tp, ag_bytes, rs_bytes, gathers, scatters)
+                found = _stage_fsdp_collectives(model, dim, tp, ag_bytes, rs_bytes, gathers,
+                                                scatters, group)
             else:
-                collectives += _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes,
-                                                 micro, scatters)
+                found = _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes, micro,
+                                          scatters, group)
+            collectives += _over(found, group, nodes)
         elif dim.role is Role.REPLICATE:
-            collectives += _replicate_collectives(model, dim, tp, shard, rs_bytes, all_reduces,
-                                                  with_shard=shard > 1)
+            collectives += _over(_replicate_collectives(model, dim, tp, shard, rs_bytes,
+                                                        all_reduces, with_shard=shard > 1),
+                                 group, nodes)
         elif dim.role is Role.MODEL_PARALLEL:
             collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
                                            mode, micro, shard)
@@ -92,16 +97,26 @@ def communication(
     return collectives, notes
 
 
+def _over(collectives: list[Collective], group: int, nodes: int | None) -> list[Collective]:
+    """``collectives`` run over a data-parallel group wider than their mesh dim (nodes not
+    None: the folded dims flattened in); those already on a sub-group keep it."""
+    if nodes is None:
+        return collectives
+    return [c if c.group_size is not None else attrs.evolve(c, group_size=group, nodes=nodes)
+            for c in collectives]
+
+
 def _claimed_dims(layout: Layout, plugin: str) -> set[str]:
     return {d.name for d in layout.dims if d.plugin == plugin}
 
 
 def _fsdp_collectives(
     layout: Layout, model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
-    micro: int, reductions: int | None = None,
+    micro: int, reductions: int | None = None, group: int | None = None,
 ) -> list[Collective]:
-    """FSDP2 over ``dim``: which groups all-gather and reduce-scatter, with padding."""
-    f = dim.size
+    """FSDP2 over ``dim`` (a shard group of ``group`` ranks, default the dim's): which
+    groups all-gather and reduce-scatter, with padding."""
+    f = group or dim.size
     out: list[Collective] = []
     groups = [g for g in model.groups if g.numel]
     ag_fwd = sum(g.padded_numel(tp, f) * g.count for g in groups) * ag_bytes
@@ -147,11 +162,12 @@ def _fsdp_collectives(
 
 def _stage_fsdp_collectives(
     model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
-    gathers: tuple[int | None, int | None], reductions: int,
+    gathers: tuple[int | None, int | None], reductions: int, group: int | None = None,
 ) -> list[Collective]:
-    """FSDP2 over ``dim`` inside a pipeline stage whose runtime says how often it gathers
-    each block group and its root group per step."""
-    f = dim.size
+    """FSDP2 over ``dim`` (a shard group of ``group`` ranks, default the dim's) inside a
+    pipeline stage whose runtime says how often it gathers each block group and its root
+    group per step."""
+    f = group or dim.size
     out: list[Collective] = []
     groups = [g for g in model.groups if g.numel]
     payload = calls = 0

@@ -158,6 +158,20 @@ class Layout:
         folded = math.prod(d.size for d in self.dims if d.name in self.folded_dims)
         return self.size_of(Role.SHARD) * folded
 
+    def data_parallel_group(self, dim: DimInfo) -> tuple[int, int | None]:
+        """(ranks, nodes spanned) of the group data parallelism runs its collectives over
+        on ``dim``: the folded dims flattened in (FSDP2's ``dp_shard x cp``; a replicate
+        dim's only when no shard dim takes them, as HSDP alone), else the dim's own group
+        (nodes None: the dim's)."""
+        folded = [d.name for d in self.dims if d.name in self.folded_dims and d.size > 1]
+        takes = dim.role is Role.SHARD or (dim.role is Role.REPLICATE
+                                           and not self.dims_with(Role.SHARD))
+        if not folded or not takes:
+            return dim.size, None
+        names = (dim.name, *folded)
+        size = math.prod(self.mesh.size(n) for n in names)
+        return size, nodes_spanned_by(self, names)
+
     def describe(self) -> str:
         return self.mesh.equation() + (f" on {self.topology.describe()}" if self.topology else "")
 
@@ -226,3 +240,16 @@ def run_nodes(layout: Layout, dim: str, run: int) -> int:
         for i in range(0, len(group), run):
             widest = max(widest, len({layout.topology.node_of(r) for r in group[i:i + run]}))
     return widest
+
+
+def nodes_spanned_by(layout: Layout, names: tuple[str, ...]) -> int:
+    """Nodes spanned by the widest group of the mesh dims ``names`` flattened together
+    (the ranks that differ only on them)."""
+    if layout.topology is None:
+        return 1
+    nodes: dict[tuple[int, ...], set[int]] = {}
+    for rank in range(layout.mesh.world_size):
+        coord = layout.mesh.coordinate(rank)
+        key = tuple(v for n, v in coord.items() if n not in names)
+        nodes.setdefault(key, set()).add(layout.topology.node_of(rank))
+    return max(len(found) for found in nodes.values())

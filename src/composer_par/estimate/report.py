@@ -34,9 +34,10 @@ ACCOUNTING: tuple[str, ...] = (
     "time: ring collectives (NCCL's), rail optimized: a rank sends X*(n-1)/n for an "
     "all-gather or reduce-scatter of X bytes over n ranks (an all-reduce twice that); when the "
     "group spans k > 1 nodes with m ranks on each, 1/m of that leaves the node through the "
-    "rank's own network link, the rest stays inside; seconds = intra bytes / intra-node "
-    "bandwidth + inter bytes / inter-node bandwidth (per device), summed over collectives: "
-    "no overlap with each other or with compute, no latency term",
+    "rank's own network link, the rest stays inside; an all-to-all of X sends X/n to each "
+    "other rank directly: (m-1)/n of X inside the node, (n-m)/n across; seconds = intra "
+    "bytes / intra-node bandwidth + inter bytes / inter-node bandwidth (per device), "
+    "summed over collectives: no overlap with each other or with compute, no latency term",
 )
 
 

@@ -56,6 +56,9 @@ def split_bytes(kind: str, payload: float, group: int, nodes: int) -> tuple[floa
     ranks on each, NCCL spreads the ring's node crossings over the m ranks' own network
     links, so 1/m of it leaves the node and the rest stays on intra-node links.
 
+    An ``all_to_all`` (X = this rank's input) is no ring: the rank sends X/n straight to
+    each other rank, so (m-1)/n of X stays in the node and (n-m)/n of it leaves it.
+
     A ``send`` (point-to-point) sends its payload once: between nodes when ``nodes`` > 1.
     """
     if kind == "send":
@@ -63,6 +66,9 @@ def split_bytes(kind: str, payload: float, group: int, nodes: int) -> tuple[floa
     if group <= 1 or payload <= 0:
         return 0.0, 0.0
     nodes = max(1, min(nodes, group))
+    if kind == "all_to_all":
+        local = group / nodes
+        return payload * (local - 1) / group, payload * (group - local) / group
     wire = payload * (group - 1) / group
     if kind == "all_reduce":
         wire *= 2

@@ -7,6 +7,12 @@ Candidates, on ``nodes x devices_per_node`` ranks (mesh dims outermost first:
 * HSDP at each split ``dp_replicate x dp_shard`` (replicate-only when ``dp_shard`` is 1);
 * each of them with TP sizes that divide the devices of a node (and the head counts);
 * each with activation checkpointing none, selective or full;
+* context-parallel layouts (``cp`` between ``dp_shard`` and ``tp``, the ``cp`` plugin):
+  cp sizes that divide the devices of a node left by TP (across nodes only when none of
+  those fits) and whose ``2 x cp`` divides the sequence, in ``allgather`` mode, and in
+  ``alltoall`` mode too where cp divides the head counts each tp rank holds; considered
+  only when no layout without CP fits or the activations are the largest part of every
+  one that does;
 * pipeline layouts (``pp`` outermost, the ``pp`` plugin's 1F1B schedule, ``pp x tp``
   microbatches per step) over each of the above on the remaining ranks, with pp sizes
   that divide the node count or that it divides — considered only when no layout
@@ -65,6 +71,8 @@ class Candidate:
     tp: int
     ac: str
     pp: int = 1
+    cp: int = 1
+    cp_mode: str = "allgather"
 
     @property
     def data_parallel(self) -> int:
@@ -84,6 +92,8 @@ class Candidate:
             parts.append(f"replicate {self.replicate}")
         elif self.shard > 1:
             parts.append(f"FSDP {self.shard}")
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}" + (" alltoall" if self.cp_mode == "alltoall" else ""))
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
         if self.ac != "none":
@@ -99,12 +109,18 @@ class Candidate:
             # FSDP2 shards (a size-1 dp_shard lets it replicate TP-split parameters: HSDP
             # alone does not combine with TP)
             dims.append(("dp_shard", self.shard))
+        if self.cp > 1:
+            # inside dp_shard, outside tp: torchtitan's order, cp's groups within a node
+            # when cp x tp fits one
+            dims.append(("cp", self.cp))
         if self.tp > 1:
             dims.append(("tp", self.tp))
         return MeshSpec.from_pairs(dims or [("dp_shard", 1)])
 
-    def plugins(self, dtype: str, sequence_parallel: bool) -> list[tuple[str, dict[str, Any]]]:
-        """(registry name, options) in use() order."""
+    def plugins(self, dtype: str, sequence_parallel: bool, seq: int | None = None
+                ) -> list[tuple[str, dict[str, Any]]]:
+        """(registry name, options) in use() order; ``seq``: the sequence length CP
+        checks before launch."""
         mesh = self.mesh()
         out: list[tuple[str, dict[str, Any]]] = []
         if self.pp > 1:
@@ -114,6 +130,8 @@ class Candidate:
             # TP's sequence parallelism does not run under a pipeline yet (docs/pp.md)
             out.append(("tp", {"sequence_parallel": True}
                         if sequence_parallel and self.pp == 1 else {}))
+        if self.cp > 1:
+            out.append(("cp", {"mode": self.cp_mode, **({"seq_len": seq} if seq else {})}))
         if self.ac != "none":
             out.append(("activation_checkpoint", {"mode": self.ac}))
         if "dp_replicate" in mesh:
@@ -222,6 +240,38 @@ def candidates(topology: Topology, model: ModelShape, *, max_tp: int | None = No
     return out
 
 
+def cp_candidates(topology: Topology, model: ModelShape, seq: int, *,
+                  max_tp: int | None = None, allow_tp: bool = True,
+                  within_node: bool = True) -> list[Candidate]:
+    """The context-parallel layouts suggest considers: for each TP size as
+    :func:`candidates` takes it, cp sizes that divide the devices of a node TP leaves
+    (``within_node``; else the multiples of them that cross nodes) and whose ``2 x cp``
+    divides ``seq``; ``allgather`` mode, and ``alltoall`` where cp divides the head and
+    K/V-head counts of a tp rank."""
+    world, per_node = topology.world_size, topology.devices_per_node
+    out = []
+    for tp in _divisors(per_node):
+        if (tp > 1 and not allow_tp) or (max_tp is not None and tp > max_tp) or world % tp:
+            continue
+        if tp > 1 and any(h and h % tp for h in (model.heads, model.kv_heads)):
+            continue
+        node_share = per_node // tp
+        sizes = [c for c in _divisors(world // tp) if c > 1 and seq % (2 * c) == 0
+                 and (node_share % c == 0) == within_node
+                 and (within_node or c % node_share == 0)]
+        for cp in sizes:
+            modes = ["allgather"]
+            if all(h and (h // tp) % cp == 0 for h in (model.heads, model.kv_heads)):
+                modes.append("alltoall")
+            data = world // (tp * cp)
+            for replicate in _divisors(data):
+                for mode in modes:
+                    for ac in AC_MODES:
+                        out.append(Candidate(replicate, data // replicate, tp, ac, cp=cp,
+                                             cp_mode=mode))
+    return out
+
+
 def pipeline_sizes(topology: Topology, model: ModelShape) -> list[int]:
     """The pp sizes suggest tries: divisors of the world that divide the node count or
     that it divides (each stage on whole nodes, or each node holding whole stages), at
@@ -235,8 +285,8 @@ def layout_of(candidate: Candidate, topology: Topology, dtype: str,
               sequence_parallel: bool) -> Layout:
     mesh = candidate.mesh()
     roles = {"pp": Role.OTHER, "dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD,
-             "tp": Role.MODEL_PARALLEL}
-    owners = {"pp": "pp", "dp_replicate": "hsdp", "dp_shard": "fsdp2", "tp": "tp"}
+             "cp": Role.MODEL_PARALLEL, "tp": Role.MODEL_PARALLEL}
+    owners = {"pp": "pp", "dp_replicate": "hsdp", "dp_shard": "fsdp2", "cp": "cp", "tp": "tp"}
     mixed = dtype in ("bfloat16", "float16")
     return Layout.build(
         mesh, topology, {n: roles[n] for n in mesh.names}, {n: owners[n] for n in mesh.names},
@@ -245,6 +295,10 @@ def layout_of(candidate: Candidate, topology: Topology, dtype: str,
         reduce_dtype="float32" if mixed else None,
         sequence_parallel=sequence_parallel and candidate.tp > 1 and candidate.pp == 1,
         activation_checkpoint=candidate.ac,
+        # data parallelism folds cp in (FSDP2 shards over dp_shard x cp); a cp rank's
+        # activations are those of seq / cp tokens
+        folded_dims=("cp",) if candidate.cp > 1 else (),
+        sequence_split=candidate.cp,
     )
 
 
@@ -309,6 +363,10 @@ def suggest(
         results.append(Ranked(candidate, est))
     if not results:
         raise EstimateError(f"no layout to consider on {topology.describe()}")
+    results += _context_parallel(model, topology, device_memory, results, notes, registry,
+                                 installed, seq=seq, micro_batch=micro_batch, dtype=dtype,
+                                 optimizer=optimizer, max_tp=max_tp, allow_tp=allow_tp,
+                                 attention=attention, sequence_parallel=sequence_parallel)
     results += _pipelines(model, topology, device_memory, results, notes, registry,
                           installed, seq=seq, micro_batch=micro_batch, dtype=dtype,
                           optimizer=optimizer, max_tp=max_tp, allow_tp=allow_tp,
@@ -338,6 +396,61 @@ def suggest(
                       Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
                                optimizer=optimizer, attention=attention),
                       ranked, plan_toml, tuple(why), tuple(notes), report)
+
+
+def _activations_lead(est: Estimate) -> bool:
+    """Whether activations are the largest part of an estimate's memory."""
+    mem = est.memory
+    return mem.activations >= max(mem.params, mem.grads, mem.optimizer, mem.comm_buffers)
+
+
+def _context_parallel(
+    model: ModelShape, topology: Topology, device_memory: int, results: Sequence[Ranked],
+    notes: list[str], registry: Registry | None, installed: dict[str, tuple[str, ...]], *,
+    seq: int, micro_batch: int, dtype: str, optimizer: str, max_tp: int | None,
+    allow_tp: bool, attention: str, sequence_parallel: bool,
+) -> list[Ranked]:
+    """The context-parallel layouts, estimated through the installed ``cp`` plugin's own
+    terms (its attention collectives and K/V buffers), when no layout without CP fits or
+    the activations lead the memory of every one that does."""
+    fits = [r for r in results if r.fits]
+    if fits and not all(_activations_lead(r.estimate) for r in fits):
+        return []
+    if not model.heads:
+        return []
+    if "cp" not in installed:
+        notes.append("the cp plugin is not installed: context-parallel layouts not "
+                     "considered")
+        return []
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin.registry import Registry
+
+    cp_class: Any = (registry or Registry()).get("cp")  # options are the plugin's own
+    why = ("nothing without CP fits" if not fits else
+           "activations are the largest part of every layout without CP that fits")
+    mixed = dtype in ("bfloat16", "float16")
+    out: list[Ranked] = []
+    for within_node in (True, False):
+        found = cp_candidates(topology, model, seq, max_tp=max_tp, allow_tp=allow_tp,
+                              within_node=within_node)
+        for candidate in found:
+            workload = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
+                                reduce_dtype="float32" if mixed else None,
+                                optimizer=optimizer, activation_checkpoint=candidate.ac,
+                                grad_accum=candidate.tp * candidate.cp, sync="every",
+                                attention=attention)
+            layout = layout_of(candidate, topology, dtype, sequence_parallel)
+            plan = ParallelPlan(candidate.mesh()).use(
+                cp_class(mode=candidate.cp_mode, seq_len=seq))
+            est = estimate(layout, model, workload, plan=plan, device_memory=device_memory)
+            out.append(Ranked(candidate, est))
+        if any(r.fits for r in out):
+            break
+    if out:
+        notes.append(f"context-parallel layouts considered ({why}): cp sizes that divide "
+                     "the devices of a node left by TP first; every layout still processes "
+                     "the same sequences per step (cp x tp micro-batches accumulated)")
+    return out
 
 
 def _pipelines(
@@ -492,6 +605,35 @@ def _why_pipeline(best: Ranked, results: Sequence[Ranked]) -> list[str]:
             f"{format_seconds(best.seconds)} vs {format_seconds(fastest.seconds)} per step"]
 
 
+def _same_cp(a: Candidate, b: Candidate) -> bool:
+    return (a.cp, a.cp_mode) == (b.cp, b.cp_mode)
+
+
+def _why_context_parallel(best: Ranked, results: Sequence[Ranked],
+                          device_memory: int) -> list[str]:
+    """Why the best layout has CP: what the layouts without it need or cost."""
+    c, est = best.candidate, best.estimate
+    without = [r for r in results if r.candidate.cp == 1 and r.candidate.pp == 1]
+    ours = (f"each rank holds {est.workload.seq // c.cp} of every sequence's "
+            f"{est.workload.seq} tokens (activations "
+            f"{format_bytes(est.memory.activations)}), attention across the cp ranks in "
+            f"{c.cp_mode} mode")
+    fitting = [r for r in without if r.fits]
+    if not fitting and without:
+        smallest = min(without, key=lambda r: r.estimate.memory.total)
+        return [f"CP {c.cp}: no layout without CP fits; the smallest "
+                f"({smallest.candidate.label()}) needs "
+                f"{format_bytes(smallest.estimate.memory.total)} > "
+                f"{format_bytes(device_memory)} ({_largest_memory(smallest.estimate)}); "
+                + ours]
+    if not fitting:
+        return [f"CP {c.cp}: {ours}"]
+    fastest = min(fitting, key=_rank_key)
+    return [f"CP {c.cp}: faster than the best layout without CP ({fastest.candidate.label()}: "
+            f"{format_seconds(fastest.seconds)} per step, activations "
+            f"{format_bytes(fastest.estimate.memory.activations)}); " + ours]
+
+
 def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[str]:
     """Why the best layout has PP, TP, HSDP, activation checkpointing (or not)."""
     c, est = best.candidate, best.estimate
@@ -500,6 +642,8 @@ def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[st
            f"step ({format_bytes(est.inter_bytes)} across nodes per rank)"]
     if est.pipeline is not None:
         out += _why_pipeline(best, results)
+    if c.cp > 1:
+        out += _why_context_parallel(best, results, device_memory)
     # the other choices against layouts with the same pipeline size
     results = [r for r in results if r.candidate.pp == c.pp]
     if c.tp > 1:
@@ -519,7 +663,7 @@ def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[st
                            f"{format_seconds(fastest.estimate.seconds)})")
     if c.replicate > 1 and c.shard > 1:
         fsdp = [r for r in results if r.candidate.tp == c.tp and r.candidate.replicate == 1
-                and r.candidate.ac == c.ac]
+                and r.candidate.ac == c.ac and _same_cp(r.candidate, c)]
         if fsdp:
             f = fsdp[0].estimate
             out.append(f"HSDP {c.replicate}x{c.shard}: all-gathers and reduce-scatters stay in "
@@ -529,7 +673,7 @@ def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[st
                        f"{c.data_parallel}: {format_seconds(f.seconds)})")
     elif c.replicate == 1 and c.shard > 1:
         hsdp = [r for r in results if r.candidate.tp == c.tp and r.candidate.replicate > 1
-                and r.candidate.ac == c.ac]
+                and r.candidate.ac == c.ac and _same_cp(r.candidate, c)]
         if hsdp:
             if all(not r.fits for r in hsdp):
                 out.append(f"FSDP {c.shard}: no HSDP split fits (a replica group would hold "
@@ -564,7 +708,7 @@ def plan_file(candidate: Candidate, topology: Topology, dtype: str, sequence_par
     lines += [f"{toml_key(n)} = {s}" for n, s in candidate.mesh().dims]
     lines += ["", "[topology]"]
     lines += [f"{k} = {toml_value(v)}" for k, v in topology.to_dict().items()]
-    for name, options in candidate.plugins(dtype, sequence_parallel):
+    for name, options in candidate.plugins(dtype, sequence_parallel, seq):
         lines += ["", "[[plugins]]", f"name = {toml_value(name)}"]
         lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in options.items()]
     return "\n".join(lines) + "\n"
@@ -599,7 +743,8 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
              f"workload: seq {s.workload.seq}, micro-batch {s.workload.micro_batch} per "
              f"data-parallel rank, {s.workload.dtype}, {s.workload.optimizer}; every layout "
              f"processes {s.workload.micro_batch * s.topology.world_size} sequences per step "
-             "(TP layouts accumulate tp micro-batches, pipelines run pp x tp microbatches)",
+             "(TP layouts accumulate tp micro-batches, CP layouts cp x tp, pipelines run "
+             "pp x tp microbatches)",
              f"considered {len(s.ranked)} layouts, {sum(r.fits for r in s.ranked)} fit"]
     if s.best is not None:
         lines += ["", paint("best plan:", "ok")] + [f"  {w}" for w in s.why]
@@ -632,5 +777,5 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
 
 
 __all__ = ["DEFAULT_DEVICE_TFLOPS", "Candidate", "Ranked", "Suggestion", "candidates",
-           "compute_seconds", "crosses_with_collectives", "format_suggestion", "pipeline_sizes",
-           "plan_file", "suggest"]
+           "compute_seconds", "cp_candidates", "crosses_with_collectives", "format_suggestion",
+           "pipeline_sizes", "plan_file", "suggest"]
