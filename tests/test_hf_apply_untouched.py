@@ -60,6 +60,10 @@ ELSEWHERE = {
     "CP505": "a plan file's unknown plugin option: reading the file refuses it",
     "CP506": "a plan file's value of the wrong type: reading the file refuses it",
     "CP604": "a pipeline training step's batch, known only when the step runs",
+    "CP901": "a source config composer-par import cannot read: no plan is made",
+    "CP902": "a source config's value its own tool refuses: no plan is made",
+    "CP913": "a source config whose layout needs a node count: no plan is made",
+    "CP955": "an optimizer offload cannot stream: known when it is wrapped, after apply",
 }
 
 
@@ -543,6 +547,83 @@ def _cp611(tmp: Path, world: World) -> Any:
     model = qwen2_sliding(4)
     model.model = NamedLayers(model.model)  # its layers keyed by name, not number
     return _pp(world, 2), model
+
+
+# -- the cases: expert and context parallelism, offload -----------------------------------
+
+
+@case("CP801")
+def _cp801(tmp: Path, world: World) -> Any:
+    from composer_par import EP
+
+    world(8)  # mixtral's 4 experts among 8 ep ranks
+    return ParallelPlan(MeshSpec(ep=8)).use(EP()), hf_workers.build("mixtral", meta=False)
+
+
+@case("CP802")
+def _cp802(tmp: Path, world: World) -> Any:
+    from composer_par import EP
+
+    world(2)
+    return ParallelPlan(MeshSpec(ep=2)).use(EP()), llama()  # a dense model
+
+
+def _cp(world: World, size: int = 2, **options: Any) -> ParallelPlan:
+    from composer_par import CP
+
+    world(size)
+    return ParallelPlan(MeshSpec(cp=size)).use(CP(**options))
+
+
+@case("CP821")
+def _cp821(tmp: Path, world: World) -> Any:
+    return _cp(world, 2, seq_len=30), llama()
+
+
+@case("CP822")
+def _cp822(tmp: Path, world: World) -> Any:
+    return _cp(world, 4, mode="alltoall"), llama()  # 2 KV heads
+
+
+@case("CP823")
+def _cp823(tmp: Path, world: World) -> Any:
+    model = llama(attn_implementation="eager")
+    model.config._attn_implementation = "eager"
+    return _cp(world), model
+
+
+@case("CP824")
+def _cp824(tmp: Path, world: World) -> Any:
+    model = hf_workers.build("bert", meta=False)
+    model.config._attn_implementation = "sdpa"
+    return _cp(world), model  # bidirectional attention
+
+
+def _offload(world: World, **options: Any) -> ParallelPlan:
+    from composer_par import Offload
+
+    world(2)
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Offload(**options))
+
+
+@case("CP951")
+def _cp951(tmp: Path, world: World) -> Any:
+    return _offload(world), llama()  # optimizer state to NVMe, no path
+
+
+@case("CP952")
+def _cp952(tmp: Path, world: World) -> Any:
+    return _offload(world, path=str(tmp / "missing")), llama()
+
+
+@case("CP953")
+def _cp953(tmp: Path, world: World) -> Any:
+    return _offload(world, path="/proc/sys"), llama()  # root ignores modes; /proc does not
+
+
+@case("CP954")
+def _cp954(tmp: Path, world: World) -> Any:
+    return _offload(world, optimizer="cpu", path=str(tmp)), llama()
 
 
 # -- what "untouched" compares ------------------------------------------------------------
