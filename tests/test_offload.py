@@ -21,6 +21,7 @@ from composer_par.plugins.offload.store import OffloadStorageError
 from composer_par import FSDP2, MeshSpec, Offload, ParallelPlan
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ParityCase, parity_result
+from tests.test_fsdp2_parity import fsdp_plan
 
 LLAMA = "composer_par.testing.tasks:llama"
 
@@ -197,18 +198,7 @@ def test_state_outside_the_unit_is_refused(tmp_path: Path) -> None:
 
 def _plan(world: int, path: str | None, fsdp_options: str = "") -> str:
     offload = f'\n[[plugins]]\nname = "offload"\npath = "{path}"\n' if path else ""
-    return f"""
-[mesh]
-dp_shard = {world}
-
-[[plugins]]
-name = "fsdp2"
-{fsdp_options}
-
-[[plugins]]
-name = "meta_init"
-seed = 7
-{offload}"""
+    return fsdp_plan(world, fsdp_options) + offload
 
 
 @pytest.mark.distributed
