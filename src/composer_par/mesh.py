@@ -305,11 +305,13 @@ def _new_group_for_whole_world() -> bool:
 
 
 def _options_with_timeout(device_type: str, wait: timedelta) -> Any:
-    """Backend options carrying ``wait``, of the class the device's backend accepts. A
-    fresh object per mesh dim: torch writes the group's name and ranks into it."""
+    """Backend options carrying ``wait``, of the class the device's backend accepts (the
+    default group's: a CUDA mesh over a gloo-only group keeps gloo). A fresh object per
+    mesh dim: torch writes the group's name and ranks into it."""
     import torch.distributed as dist
 
-    if device_type == "cuda" and dist.is_nccl_available():
+    if (device_type == "cuda" and dist.is_nccl_available()
+            and "nccl" in str(dist.get_backend())):
         options: Any = dist.ProcessGroupNCCL.Options()
     else:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
