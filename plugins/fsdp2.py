@@ -654,6 +654,8 @@ class FSDP2(Plugin):
         if self.offload == "cpu":
             # Pinned host memory needs an accelerator; without one, pinning fails.
             offload: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            # fully_shard with CPU offload wants its parameters materialized on the host.
+            ctx.parameter_device = torch.device("cpu")
         else:
             offload = OffloadPolicy()
         mp = self.mixed_precision or MixedPrecision()

@@ -147,7 +147,15 @@ class MetaInit(Plugin):
 
         from composer_par.plugin.initialize import materialize
 
-        device = torch.device(self.device) if self.device else ctx.device
+        device = (torch.device(self.device) if self.device
+                  else ctx.parameter_device or ctx.device)
         count, peak = materialize(ctx.model, device, self.seed, self.init_fn)
+        if not self.device and ctx.parameter_device not in (None, ctx.device):
+            # Parameters stay where the data-parallel plugin keeps them; buffers (rotary
+            # tables) are the forward's own and go to the device it runs on.
+            for module in ctx.model.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(ctx.device)
         ctx.notes["meta_init_peak_full_bytes"] = peak
         return f"to_empty on {device}; initialized {count} module(s) with seed {self.seed}"

@@ -318,7 +318,9 @@ class ParallelPlan:
                 device_mesh = mesh.build(timeout=as_timeout(self.timeout))
         if self.device is not None:
             device = torch.device(self.device)
-        elif device_mesh is not None and device_mesh.device_type == "cuda":
+        elif (device_mesh.device_type == "cuda" if device_mesh is not None
+              else torch.cuda.is_available()):
+            # One process with no mesh takes the GPU a mesh would (mesh.build's default).
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")

@@ -41,6 +41,10 @@ class ApplyContext:
     blocks: list[Block]
     hooks: HookCaller  # the plan's one hook caller
     applied: list[AppliedStep] = attrs.Factory(list)
+    # Where parameters are materialized when a data-parallel plugin keeps them off
+    # ``device`` (FSDP2's CPU offload: torch's fully_shard wants them on the host); None:
+    # on ``device``. Set before the materialize stage, read by whoever materializes.
+    parameter_device: torch.device | None = None
     # Every module a data-parallel plugin made an FSDP module (``fully_shard`` or torch's
     # ``replicate``), each block before the root. Whoever shards or replicates appends
     # here (built-in or not); finalize-stage plugins read it to call FSDPModule setters
