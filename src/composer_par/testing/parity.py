@@ -250,9 +250,11 @@ def train_model(case: ParityCase) -> tuple[list[float], nn.Module]:
     return losses, model
 
 
-def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_reference(case: ParityCase, device: str = "cpu"
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference: same init (MetaInit is layout invariant), same
-    global batch; with ``param_dtype`` it emulates FSDP2's mixed precision."""
+    global batch; with ``param_dtype`` it emulates FSDP2's mixed precision. ``device``:
+    where it runs (a CUDA device initializes from CUDA's generator, as ranks on CUDA do)."""
     import torch
 
     # One thread, as each rank has (run_ranks' threads_per_rank): on a small shared machine
@@ -261,12 +263,13 @@ def train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tens
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train_reference(case)
+        return _train_reference(case, device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train_reference(case: ParityCase, device: str
+                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     import torch
 
     from composer_par import MeshSpec, ParallelPlan
@@ -279,7 +282,7 @@ def _train_reference(case: ParityCase) -> tuple[list[float], dict[str, torch.Ten
         raise ValueError("parity needs a plan that materializes with MetaInit")
     with torch.device("meta"):
         model = task.build()
-    model = ParallelPlan(MeshSpec()).use(attrs.evolve(meta_init, device="cpu")).apply(model)
+    model = ParallelPlan(MeshSpec()).use(attrs.evolve(meta_init, device=device)).apply(model)
     _, shards = plan.data_shard(0, case.world_size)
     optimizer = _optimizer(case, model.parameters())
     losses = []
@@ -337,17 +340,18 @@ def check_parity(
 
 
 def parity_result(
-    case: ParityCase, rank_results: Sequence[tuple[list[float], dict[str, torch.Tensor]]]
+    case: ParityCase, rank_results: Sequence[tuple[list[float], dict[str, torch.Tensor]]],
+    reference: tuple[list[float], dict[str, torch.Tensor]] | None = None,
 ) -> ParityResult:
     """Every rank's ``(losses, full parameters)``, in rank order as a rank function like
-    :func:`train_case` returns them, with the reference trained here. The losses are
-    rank 0's, once every rank's are found equal to them (all-reduced means: one value on
-    every rank)."""
+    :func:`train_case` returns them, with the reference trained here (or ``reference``,
+    :func:`train_reference`'s result made elsewhere). The losses are rank 0's, once every
+    rank's are found equal to them (all-reduced means: one value on every rank)."""
     rank_params = [params for _, params in rank_results]
     assert len(rank_params) == case.world_size, (len(rank_params), case.world_size)
     assert_every_rank([losses for losses, _ in rank_results], lambda losses: _same_losses(
         losses, rank_results[0][0]))
-    ref_losses, ref_params = train_reference(case)
+    ref_losses, ref_params = reference if reference is not None else train_reference(case)
     return ParityResult(rank_results[0][0], ref_losses, rank_params[0], ref_params, rank_params)
 
 
