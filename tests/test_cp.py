@@ -125,7 +125,29 @@ def test_cp825_cp_across_nodes_warns() -> None:
 
 def test_mode_option_is_checked() -> None:
     with pytest.raises(ValueError, match="mode"):
-        CP(mode="ring")
+        CP(mode="rings")
+
+
+def test_cp823_ring_cannot_mask_a_sliding_window() -> None:
+    from tests import hf_workers
+
+    for family, windowed in (("mistral", True), ("gemma3", True), ("qwen3", False),
+                             ("llama", False)):
+        model = hf_workers.build(family, meta=True)
+        model.config._attn_implementation = "sdpa"
+        found = codes(cp_plan(CP(mode="ring")).validate(model, world_size=2))
+        assert ("CP823" in found) == windowed, (family, found)
+        assert "CP823" not in codes(cp_plan(CP()).validate(model, world_size=2)), family
+
+
+def test_cp826_ring_on_ranks_without_cuda(fake_world: Any) -> None:
+    # Validated away from the ranks (no process group): the devices are not known.
+    assert "CP826" not in codes(cp_plan(CP(mode="ring")).validate(meta_llama(),
+                                                                   world_size=2))
+    fake_world(2)
+    report = cp_plan(CP(mode="ring")).validate(meta_llama(), world_size=2)
+    assert ("CP826" in codes(report)) == (not torch.cuda.is_available()), report.format()
+    assert "CP826" not in codes(cp_plan(CP()).validate(meta_llama(), world_size=2))
 
 
 def test_cp_ranks_read_the_same_samples() -> None:
@@ -402,3 +424,23 @@ def test_fsdp2_with_cp_estimate_equals_a_real_steps_bytes() -> None:
         slot["bytes"] += c.payload
     for rank in range(4):
         assert measured.summary[rank]["dp_shard+cp"] == predicted, (rank, measured.summary)
+
+
+def test_ring_estimate_gathers_kv_twice_and_passes_fp32_gradients() -> None:
+    """``ring`` (torch's, counted for its default rotation): K/V repeated to the query
+    heads, gathered in forward and again in backward; cp passes of the fp32 K/V
+    gradients in backward."""
+    from composer_par.plugins.cp.estimate import attention_collectives, kv_buffer_bytes
+
+    shape = {"size": 4, "layers": 3, "batch": 2, "seq": 64, "heads": 8, "kv_heads": 2,
+             "head_dim": 16, "dtype_bytes": 2}
+    gather, passes = attention_collectives("cp", "ring", **shape)
+    [allgather, _] = attention_collectives("cp", "allgather", **{**shape, "kv_heads": 8})
+    assert (gather.kind, gather.calls) == ("all_gather", 2 * 3)
+    assert gather.payload == 2 * allgather.payload
+    local_kv_fp32 = 2 * 8 * 2 * 64 // 4 * 16 * 4
+    assert (passes.kind, passes.calls, passes.payload) == ("all_to_all", 3 * 4,
+                                                         3 * 4 * local_kv_fp32)
+    buffer = {k: v for k, v in shape.items() if k != "layers"}
+    assert kv_buffer_bytes("ring", **buffer) == kv_buffer_bytes(
+        "allgather", **{**buffer, "kv_heads": 8})

@@ -592,6 +592,13 @@ def _cp823(tmp: Path, world: World) -> Any:
     return _cp(world), model
 
 
+@case("CP826")
+def _cp826(tmp: Path, world: World) -> Any:
+    if torch.cuda.is_available():
+        pytest.skip("CP826 is what a rank without CUDA gives")
+    return _cp(world, mode="ring"), llama()
+
+
 @case("CP824")
 def _cp824(tmp: Path, world: World) -> Any:
     model = hf_workers.build("bert", meta=False)

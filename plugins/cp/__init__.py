@@ -15,7 +15,8 @@ each gradient is accumulated).
 This package imports torch only inside functions: the static path must not. Its modules:
 ``layout`` (the load-balanced split and its inverse), ``comm`` (autograd-aware
 collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
-``hf`` (Hugging Face's attention interface), ``runtime`` (what a training loop uses),
+``hf`` (Hugging Face's attention interface), ``ring`` (torch's ring attention, on
+CUDA), ``runtime`` (what a training loop uses),
 ``grads`` (gradient averaging without data parallelism), ``findings`` (rule codes).
 """
 
@@ -47,6 +48,7 @@ from .findings import (
     head_findings,
     kv_bytes_per_layer,
     node_findings,
+    ring_findings,
     sequence_findings,
 )
 from .layout import (
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
 
     from composer_par.plugin import ApplyContext, MeshSpec, PlanView, Topology
 
-MODES = ("allgather", "alltoall")
+MODES = ("allgather", "alltoall", "ring")
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
@@ -79,7 +81,8 @@ class CP(Plugin):
 
     Options: ``dim`` (default ``cp``); ``mode`` (``"allgather"``: every rank gathers each
     layer's K/V, any head count; ``"alltoall"``: Ulysses, heads traded for sequence, head
-    counts divisible by cp); ``seq_len`` (the training sequence length, checked against
+    counts divisible by cp; ``"ring"``: torch's own ring attention, CUDA only, no sliding
+    windows); ``seq_len`` (the training sequence length, checked against
     cp before launch, optional); ``after`` / ``before``.
     """
 
@@ -125,6 +128,8 @@ class CP(Plugin):
         out = drive_findings(found)
         if self.mode == "alltoall":
             out += head_findings(found, size, _tp_size(plan, mesh))
+        if self.mode == "ring":
+            out += ring_findings(found, _cuda_where_it_runs())
         return out
 
     @hookimpl
@@ -159,8 +164,9 @@ class CP(Plugin):
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
         size = plan.mesh.size(self.dim) if self.dim in plan.mesh else "?"
-        what = ("each layer's K/V all-gathered" if self.mode == "allgather"
-                else "heads traded for sequence by all-to-all (Ulysses)")
+        what = {"allgather": "each layer's K/V all-gathered",
+                "alltoall": "heads traded for sequence by all-to-all (Ulysses)",
+                "ring": "torch's ring attention (CUDA)"}[self.mode]
         return [("tensor_parallel", f"sequence split over {self.dim}({size}), load-balanced "
                  f"(rank r holds chunks r and 2*cp-1-r); attention across ranks: {what}")]
 
@@ -172,10 +178,15 @@ class CP(Plugin):
         if size == 1:
             return f"{self.dim}(1): nothing to split"
         found = find_attention(ctx.model)
-        group = ctx.submesh(self.dim).get_group()
+        mesh = ctx.submesh(self.dim)
+        group = mesh.get_group()
         import torch.distributed as dist
 
-        shard = ContextShard(group, size, dist.get_rank(group), self.mode)
+        if self.mode == "ring":
+            from .ring import enable_ring_attention
+
+            enable_ring_attention(group)
+        shard = ContextShard(group, size, dist.get_rank(group), self.mode, mesh)
         if found.kind == "llama":
             driven = _swap_llama_cores(ctx.model, found, shard)
         else:
@@ -196,6 +207,17 @@ class CP(Plugin):
         count = average_over(ctx.model, ctx.submesh(self.dim).get_group())
         return (f"no data-parallel plugin: {count} parameter gradient(s) averaged over "
                 f"{self.dim} after each backward")
+
+
+def _cuda_where_it_runs() -> bool | None:
+    """Whether this rank has CUDA; None off the ranks (no process group: the plan is
+    validated on another machine than the one it will run on)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return torch.cuda.is_available()
 
 
 def _has_data_parallel(plan: PlanView) -> bool:
@@ -219,7 +241,8 @@ def _swap_llama_cores(model: nn.Module, found: Drivable, shard: ContextShard) ->
     for path in found.modules:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        parent.register_module(attr, ContextAttention(shard.group, shard.mode))
+        parent.register_module(attr, ContextAttention(shard.group, shard.mode,
+                                                      mesh=shard.mesh))
     return len(found.modules)
 
 

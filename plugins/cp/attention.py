@@ -1,7 +1,7 @@
 """Attention across the cp ranks: each rank holds a load-balanced part of the sequence
 (:mod:`.layout`) and computes the attention of its own queries over the whole sequence.
 
-Two modes, both calling ``scaled_dot_product_attention``, the math a single process runs:
+Three modes, each calling ``scaled_dot_product_attention``, the math a single process runs:
 
 * ``allgather``: each rank gathers every rank's keys and values and attends with each of
   its two chunks of queries to the keys up to the chunk's end (:mod:`.blockwise`, on
@@ -12,6 +12,8 @@ Two modes, both calling ``scaled_dot_product_attention``, the math a single proc
   ``heads / cp`` heads of the whole sequence, put back in global order; plain causal
   attention on them; the inverse all-to-all. Needs the head and K/V-head counts divisible
   by cp.
+* ``ring`` (CUDA): torch's own ring attention (:mod:`.ring`), K/V passed around the cp
+  ranks inside the fused SDPA kernels.
 
 ``window`` (sliding-window layers: Mistral, Gemma 3's local layers) keeps the keys at most
 ``window - 1`` places before the query, as Hugging Face's sliding-window mask does.
@@ -29,7 +31,7 @@ from .blockwise import chunk_attention, supported
 from .comm import gather_sequence, heads_to_sequence, sequence_to_heads
 from .layout import chunks_of_rank, gathered_positions, rank_positions
 
-MODES = ("allgather", "alltoall")
+MODES = ("allgather", "alltoall", "ring")
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -41,11 +43,18 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any,
-                      mode: str, window: int | None = None, scale: float | None = None
-                      ) -> torch.Tensor:
+                      mode: str, window: int | None = None, scale: float | None = None,
+                      mesh: Any = None) -> torch.Tensor:
     """Causal attention of this rank's queries ``(batch, heads, local_seq, head_dim)`` over
     the whole sequence; ``k``/``v`` may have fewer (grouped) heads. Returns this rank's
-    output, shaped as ``q``."""
+    output, shaped as ``q``. ``mesh`` (the 1-D cp mesh of ``group``) is ``ring``'s."""
+    if mode == "ring":
+        if window is not None:
+            raise ValueError("mode = \"ring\" cannot mask a sliding window (rule CP823): "
+                             "use mode = \"allgather\" for this model")
+        from .ring import ring_attention
+
+        return ring_attention(q, k, v, mesh=mesh, scale=scale)
     size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     seq_len = q.shape[2] * size
     gqa = k.shape[1] != q.shape[1]
@@ -96,12 +105,14 @@ class ContextAttention(nn.Module):
     """Stands in for a model's causal attention module (``forward(q, k, v)`` on
     ``(batch, heads, seq, head_dim)``), running it across the cp ranks."""
 
-    def __init__(self, group: Any, mode: str, window: int | None = None) -> None:
+    def __init__(self, group: Any, mode: str, window: int | None = None,
+                 mesh: Any = None) -> None:
         super().__init__()
-        self.group, self.mode, self.window = group, mode, window
+        self.group, self.mode, self.window, self.mesh = group, mode, window, mesh
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_attention(q, k, v, group=self.group, mode=self.mode, window=self.window)
+        return context_attention(q, k, v, group=self.group, mode=self.mode, window=self.window,
+                                 mesh=self.mesh)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}" + (f", window={self.window}" if self.window else "")

@@ -30,14 +30,15 @@ _ATTENTION_HINTS = ("Attention", "SelfAttn", "MultiheadAttention")
 @attrs.frozen
 class Drivable:
     """What CP found: the modules it swaps or points at its attention function, the head
-    counts their queries and keys have where the math sees them, and the modules it
-    cannot drive, each with why."""
+    counts their queries and keys have where the math sees them, the modules it cannot
+    drive, each with why, and whether some layers attend within a sliding window."""
 
     kind: str  # "llama", "hf" or "none"
     modules: tuple[str, ...] = ()
     heads: int | None = None
     kv_heads: int | None = None
     refused: tuple[tuple[str, str], ...] = ()
+    sliding_window: bool = False
 
 
 def _is_llama_core(module: Any) -> bool:
@@ -84,7 +85,17 @@ def _hf_attention(model: Any, config: Any) -> Drivable:
                         "'sdpa' exactly") for p, _ in attention[:1]]
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return Drivable("hf", tuple(p for p, _ in attention), heads, kv_heads, tuple(refused))
+    return Drivable("hf", tuple(p for p, _ in attention), heads, kv_heads, tuple(refused),
+                    _has_sliding_window(text))
+
+
+def _has_sliding_window(config: Any) -> bool:
+    """Whether some layers mask keys beyond a window: per layer where the config lists
+    layer types (Gemma 3, Qwen 3), else wherever a window is set (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(config, "sliding_window", None) is not None
 
 
 __all__ = ["HF_IMPLEMENTATIONS", "LLAMA_CORE", "Drivable", "find_attention"]

@@ -1,5 +1,5 @@
 """What can be wrong with a CP plan: the rule catalog (:data:`RULES`), the static checks
-(CP821, CP825) and the model-aware ones (CP822, CP823, CP824)."""
+(CP821, CP825) and the model-aware ones (CP822, CP823, CP824, CP826)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ RULES = (
          "accept the inter-node K/V traffic the message gives",
          '[mesh]\ncp = 8\n\n[topology]\nnodes = 2\ndevices_per_node = 4\n\n'
          '[[plugins]]\nname = "cp"\n'),
+    Rule("CP826", Severity.ERROR, "ring mode needs CUDA devices",
+         "run the plan on CUDA devices, or use mode = \"allgather\" or \"alltoall\" (any "
+         "device)",
+         "ParallelPlan(MeshSpec(cp=2)).use(CP(mode=\"ring\")).use(MetaInit())"
+         ".apply(model)  # on ranks with no CUDA device (gloo on CPU)"),
 )
 
 
@@ -118,5 +123,24 @@ def drive_findings(found: Drivable) -> list[Finding]:
     return out
 
 
+def ring_findings(found: Drivable, cuda: bool | None) -> list[Finding]:
+    """``ring`` mode: torch's ring masks causally only (CP823 for sliding-window layers),
+    and its kernels are CUDA's (CP826; ``cuda`` is None where the plan is validated away
+    from the ranks that run it, which may have the devices this machine lacks)."""
+    out = []
+    if found.sliding_window:
+        out.append(Finding(
+            "CP823", "mode = \"ring\" cannot drive the model's sliding-window attention "
+            "layers: torch's ring attention masks causally and nothing else",
+            fix="use mode = \"allgather\" (sliding windows are masked by global position)"))
+    if cuda is False:
+        out.append(Finding(
+            "CP826", "mode = \"ring\" runs torch's ring attention, whose kernels (flash, "
+            "memory-efficient, cuDNN SDPA) are CUDA's, and this rank has no CUDA device",
+            fix="run the plan on CUDA devices, or use mode = \"allgather\" (exact, any "
+            "device)"))
+    return out
+
+
 __all__ = ["RULES", "drive_findings", "head_findings", "kv_bytes_per_layer", "node_findings",
-           "sequence_findings"]
+           "ring_findings", "sequence_findings"]

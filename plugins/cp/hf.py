@@ -45,7 +45,7 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         raise ValueError("attention logit soft-capping: scaled_dot_product_attention has "
                          "none, so CP cannot run this model (rule CP823)")
     out = context_attention(query, key, value, group=shard.group, mode=shard.mode,
-                            window=sliding_window, scale=scaling)
+                            window=sliding_window, scale=scaling, mesh=shard.mesh)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -28,12 +28,14 @@ ATTRIBUTE = "_composer_par_context"
 
 @attrs.frozen
 class ContextShard:
-    """This rank's place among the cp ranks: ``rank`` of ``size``, the cp process group."""
+    """This rank's place among the cp ranks: ``rank`` of ``size``, the cp process group
+    (and its 1-D device mesh, which torch's ring attention takes)."""
 
     group: Any = attrs.field(repr=False)
     size: int
     rank: int
     mode: str
+    mesh: Any = attrs.field(default=None, repr=False)
 
     def shard(self, tensor: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
         """This rank's part of ``tensor`` (inputs, labels, positions, a mask of the whole
