@@ -1,16 +1,63 @@
-"""Rank functions of the gpu tier (tests/test_gpu.py): NCCL ranks, one CUDA device each."""
+"""Rank functions and tasks of the gpu tier (tests/test_gpu.py): NCCL ranks, one CUDA
+device each, or gloo ranks sharing the devices there are (CUDA tensors through gloo) where
+a test needs more ranks than devices."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from tests.cp_workers import ContextLlama
+
 
 def _device() -> Any:
     import torch
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Set before the DeviceMesh is built, which then keeps it: with more ranks than
+    # devices (gloo), ranks share them.
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+class OnDevice:
+    """A parity task (``"module:name"``) whose batches go to the device of the model's
+    parameters, with that device the default for what the loss makes (positions): the
+    same task runs the CUDA ranks and the CPU reference."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+
+    @property
+    def task(self) -> Any:
+        import importlib
+
+        module, _, name = self.spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def build(self) -> Any:
+        return self.task.build()
+
+    def batch(self, step: int) -> Any:
+        return self.task.batch(step)
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        import torch
+
+        device = next(model.parameters()).device
+        with torch.device(device):
+            return self.task.loss(model, batch.to(device))
+
+
+llama = OnDevice("composer_par.testing.tasks:llama")
+# torch's ring in fp32 (the memory-efficient kernel) takes chunks of 32 tokens or more.
+ring_llama = ContextLlama(seq_len=128)
+ring_llama_kv4 = ContextLlama(seq_len=128, n_kv_heads=4)
+cp_ring_llama = OnDevice("tests.gpu_workers:ring_llama")
+cp_ring_llama_kv4 = OnDevice("tests.gpu_workers:ring_llama_kv4")
+cp_llama = OnDevice("tests.cp_workers:llama")
+cp_llama_kv4 = OnDevice("tests.cp_workers:llama_kv4")
+cp_hf_llama = OnDevice("tests.cp_workers:hf_llama")
+cp_hf_qwen3 = OnDevice("tests.cp_workers:hf_qwen3")
 
 
 def train_on_cuda(case: Any) -> tuple[list[float], dict[str, Any]]:
@@ -21,6 +68,24 @@ def train_on_cuda(case: Any) -> tuple[list[float], dict[str, Any]]:
     _device()
     losses, params = train_case(case)
     return losses, {k: v.cpu() for k, v in params.items()}
+
+
+def references_on_cuda(cases: list[Any]) -> list[tuple[list[float], dict[str, Any]]]:
+    """Each case's single-process reference on this CUDA device: initialized from CUDA's
+    generator, as the ranks on CUDA are (the CPU's draws other numbers)."""
+    from composer_par.testing.parity import train_reference
+
+    device = _device()
+    out = []
+    for case in cases:
+        losses, params = train_reference(case, device=str(device))
+        out.append((losses, {k: v.cpu() for k, v in params.items()}))
+    return out
+
+
+def train_many_on_cuda(cases: list[Any]) -> list[tuple[list[float], dict[str, Any]]]:
+    """:func:`train_on_cuda` for several cases in one run of the ranks."""
+    return [train_on_cuda(case) for case in cases]
 
 
 def offload_state(plan_text: str) -> dict[str, Any]:
@@ -48,7 +113,9 @@ def offload_state(plan_text: str) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)  # the global batch's mean, as the reference's
+        losses.append(float(total) / torch.distributed.get_world_size())
     return {"devices": sorted({str(t.device) for t in local}),
             "pinned": all(t.is_pinned() for t in local), "losses": losses}
 

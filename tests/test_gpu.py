@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,15 @@ pytestmark = [
     pytest.mark.skipif(not CUDA, reason="needs CUDA: the gpu tier (./dev gpu) runs it on a "
                        "machine with GPUs"),
 ]
-LLAMA = "composer_par.testing.tasks:llama"
+LLAMA = "tests.gpu_workers:llama"
+
+
+def cuda_parity(cases: list[ParityCase], results: list[Any]) -> list[Any]:
+    """Each case's parity result against its single-process reference run on CUDA (one
+    rank), initialized as the ranks on CUDA are; ``results[r][i]`` is rank r's of case i."""
+    [references] = run_ranks(gpu_workers.references_on_cuda, 1, args=(cases,), timeout=300)
+    return [parity_result(case, [per_rank[i] for per_rank in results], reference=references[i])
+            for i, case in enumerate(cases)]
 
 
 def fsdp_plan(options: str = "", world: int = GPUS) -> str:
@@ -36,11 +45,11 @@ def test_fsdp2_bf16_mixed_precision_on_cuda() -> None:
     plan = fsdp_plan('mixed_precision = { param_dtype = "bfloat16", reduce_dtype = "float32" }')
     case = ParityCase(task=LLAMA, plan=plan, world_size=GPUS, optimizer="adamw", lr=0.01,
                       param_dtype="bfloat16", steps=5)
-    results = run_ranks(gpu_workers.train_on_cuda, GPUS, args=(case,), backend="nccl",
-                        timeout=300)
-    result = parity_result(case, results)
-    # bf16 on CUDA against bf16 emulated on the CPU: the kernels differ, so the bound is
-    # bf16's (8 bits of mantissa), not fp32's.
+    results = run_ranks(gpu_workers.train_many_on_cuda, GPUS, args=([case],),
+                        backend="nccl", timeout=300)
+    [result] = cuda_parity([case], results)
+    # bf16 compute against one process emulating it (a bf16 copy per micro-batch): the
+    # bound is bf16's (8 bits of mantissa), not fp32's.
     result.assert_close(rtol=2e-2, atol=2e-2)
     assert result.losses[-1] < result.losses[0], result.losses
 
@@ -53,7 +62,13 @@ def test_fsdp2_offload_keeps_pinned_cpu_shards() -> None:
     [plain, *_] = run_ranks(gpu_workers.offload_state, GPUS, args=(fsdp_plan(),),
                             backend="nccl", timeout=300)
     assert plain["devices"] == [f"cuda:{0}"]
-    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(plain["losses"]),
+    # Offloaded parameters are initialized on the host, from the CPU's generator (the
+    # plain run's on the GPU, from CUDA's): against the one-process reference on the CPU.
+    from composer_par.testing.parity import train_reference
+
+    reference, _ = train_reference(ParityCase(task=LLAMA, plan=plan, world_size=GPUS,
+                                              steps=2, lr=0.05))
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(reference),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -64,11 +79,51 @@ def test_nccl_comm_hook_of_the_compression_plugin() -> None:
             'name = "compress"\nmethod = "bf16"\n'
             'min_compress_numel = 0\n[[plugins]]\nname = "meta_init"\nseed = 7\n')
     case = ParityCase(task=LLAMA, plan=plan, world_size=2, steps=5)
-    results = run_ranks(gpu_workers.train_on_cuda, 2, args=(case,), backend="nccl",
+    results = run_ranks(gpu_workers.train_many_on_cuda, 2, args=([case],), backend="nccl",
                         timeout=300)
-    result = parity_result(case, results)
+    [result] = cuda_parity([case], results)
     # bf16 compression of the replicate all-reduce: bf16's bound.
     result.assert_close(rtol=2e-2, atol=2e-2)
+
+
+def _cp_plan(mode: str, dims: str = "cp = 2") -> str:
+    return (f'[mesh]\n{dims}\n' + ('[[plugins]]\nname = "fsdp2"\n' if "dp_shard" in dims
+                                   else "")
+            + f'[[plugins]]\nname = "cp"\nmode = "{mode}"\n[[plugins]]\nname = "meta_init"\n')
+
+
+def _cp_ranks(world: int) -> tuple[str, int]:
+    """NCCL with a device per rank; else gloo ranks sharing the devices (CUDA tensors
+    through gloo; CP's ring rotates K/V by all-to-all there)."""
+    return ("nccl", world) if torch.cuda.device_count() >= world else ("gloo", world)
+
+
+@pytest.mark.parametrize(("plan", "world", "modes", "tasks"), [
+    (_cp_plan("{mode}"), 2, ("ring", "allgather", "alltoall"), ["cp_ring_llama"]),
+    (_cp_plan("{mode}"), 2, ("allgather", "alltoall"), ["cp_hf_llama", "cp_hf_qwen3"]),
+    pytest.param(_cp_plan("{mode}", "dp_shard = 2\ncp = 2"), 4, ("ring", "allgather"),
+                 ["cp_ring_llama_kv4"], marks=pytest.mark.skipif(
+                     CUDA and torch.cuda.device_count() < 4,
+                     reason="needs 4 GPUs: gloo ranks sharing fewer crash in the "
+                     "asynchronous all-gather of CUDA tensors that FSDP2's full_tensor runs")),
+], ids=["cp2", "cp2_hf", "fsdp2_cp2"])
+def test_context_parallel_modes_at_parity_on_cuda(plan: str, world: int, modes: tuple[str, ...],
+                                                  tasks: list[str]) -> None:
+    """CP modes on CUDA, torch's ring attention among them (the mode CPU runs cannot
+    take), against one process: losses and every rank's parameters."""
+    cases = [ParityCase(task=f"tests.gpu_workers:{task}", plan=plan.format(mode=mode),
+                        world_size=world, steps=4)
+             for task in tasks for mode in modes]
+    backend, ranks = _cp_ranks(world)
+    results = run_ranks(gpu_workers.train_many_on_cuda, ranks, args=(cases,),
+                        backend=backend, timeout=400)
+    for case, result in zip(cases, cuda_parity(cases, results), strict=True):
+        try:
+            # CUDA's fused attention and matmul kernels against the CPU's: fp32 sums in
+            # another order, so a bound above the CPU tests' 1e-5.
+            result.assert_close(rtol=1e-4, atol=1e-4)
+        except AssertionError as exc:
+            raise AssertionError(f"{case.task} {case.plan!r}: {exc}") from None
 
 
 def test_cuda_peak_memory_against_the_estimate() -> None:
