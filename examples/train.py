@@ -26,7 +26,7 @@ from composer_par.hangs import name_stuck_ranks
 from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
 from composer_par.plugins.cp import context_of, next_token_labels
 from composer_par.teardown import run_rank
-from composer_par.tools.demo import corpus_bytes
+from composer_par.tools.demo import corpus_tokens
 
 log = get_logger("train")
 
@@ -170,7 +170,7 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
 
     # Ranks that differ only in TP or CP read the same samples; data-parallel ranks differ.
     shard, shards = plan.data_shard()
-    data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    data = corpus_tokens(4 * args.seq_len)  # at least a few windows
     batches = StepBatches(ByteWindows(data, args.seq_len), shards, shard, args.micro_batch)
     freeze = os.environ.get(FREEZE_ENV, "")
     if step >= args.steps:

@@ -96,3 +96,27 @@ def test_a_finished_demo_exits_0_on_every_rank_with_no_thread_left(tmp_path: Pat
     assert json.loads(result.stdout)["ok"] is True
     assert "still running at exit" not in result.stderr, result.stderr[-4000:]
     assert "terminate called" not in result.stderr
+
+
+def test_corpus_tokens_repeat_the_corpus_for_sequences_longer_than_it() -> None:
+    from composer_par.tools.demo import corpus_bytes, corpus_tokens
+
+    size = len(corpus_bytes())
+    assert len(corpus_tokens()) == size
+    long = corpus_tokens(2 * size + 1)
+    assert len(long) == 3 * size and bool((long[size:2 * size] == long[:size]).all())
+
+
+def test_a_context_parallel_plan_trains_a_sequence_longer_than_the_corpus(
+        tmp_path: Path) -> None:
+    from composer_par.tools.demo import corpus_bytes
+
+    seq_len = (len(corpus_bytes()) // 8 + 1) * 8  # longer than the corpus, 2 * cp divides
+    plan = Path(__file__).parents[1] / "examples" / "plans" / "fsdp_cp.toml"
+    long = subprocess.run(
+        [sys.executable, "-m", "composer_par.cli", "demo", "--json", "--checkpoint-dir",
+         str(tmp_path / "long"), "--plan", str(plan), "--nproc", "4", "--steps", "1",
+         "--batch", "2", "--seq-len", str(seq_len)],
+        capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    assert long.returncode == 0, long.stderr[-3000:]
+    assert json.loads(long.stdout)["ok"]

@@ -55,9 +55,18 @@ def corpus_bytes() -> bytes:
     return resources.files("composer_par").joinpath("data/corpus.txt").read_bytes()
 
 
+def corpus_tokens(at_least: int = 0) -> Any:
+    """The corpus as byte tokens, repeated end to end until it holds ``at_least`` of them
+    (sequences longer than the corpus: context parallelism's long runs)."""
+    import torch
+
+    data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+    return data.repeat(-(-at_least // len(data))) if at_least > len(data) else data
+
+
 # Bounds of the options: a small model on a small corpus, on one machine's processes.
 MAX_NPROC = 256
-MAX_SEQ_LEN = 1024
+MAX_SEQ_LEN = 131072  # long sequences are what context parallelism is for
 MAX_BATCH = 4096
 MAX_TIMEOUT_S = 24 * 3600.0
 DEFAULT_NPROC = 4  # DEFAULT_PLAN's world size
@@ -413,7 +422,7 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         model = plan.apply(built)
         device = next(model.parameters()).device
         index, count = plan.data_shard()
-        data = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
+        data = corpus_tokens(2 * seq_len)
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
         # The same loop for every plan: with a pipeline the step runs its schedule.
         # Under context parallelism (a cp plugin) each rank takes its part of every
@@ -459,8 +468,9 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
                 "checkpoint": str(saved)}
 
 
-def demo_model(max_seq_len: int = MAX_SEQ_LEN) -> Any:
-    """The demo's Llama (``--model composer_par.tools.demo:demo_model`` for selfcheck)."""
+def demo_model(max_seq_len: int = 1024) -> Any:
+    """The demo's Llama (``--model composer_par.tools.demo:demo_model`` for selfcheck,
+    whose ``--seq-len`` stops at the default ``max_seq_len``)."""
     from composer_par.models.llama import Llama, LlamaConfig
 
     return Llama(LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,

@@ -99,6 +99,8 @@ def _train(settings: dict[str, Any]) -> dict[str, Any]:
         trainer = plan.training_step(model, causal_lm_loss)
         total = settings["warmup"] + settings["steps"]
         batch_ids = sample_ids(settings, index, count, total)
+        from composer_par.tools.demo import corpus_tokens
+
         data = corpus_tokens()
         losses, times = [], []
         comm: dict[str, Any] = {}
@@ -230,14 +232,6 @@ def _estimate(plan: ParallelPlan, built: nn.Module, settings: dict[str, Any],
 
 
 # -- data: a function of the sample id, so every layout reads the same global batch ------
-
-
-def corpus_tokens() -> torch.Tensor:
-    import torch
-
-    from composer_par.tools.demo import corpus_bytes
-
-    return torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
 
 
 def sample(data: torch.Tensor, sample_id: int, seq_len: int, vocab: int) -> torch.Tensor:
