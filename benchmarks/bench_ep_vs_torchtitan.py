@@ -54,7 +54,10 @@ from pathlib import Path
 from typing import Any
 
 RANKS = 4
-# composer_par's FSDP2 units beside the blocks (see by_plan); () for the model's own plan.
+# composer_par's FSDP2 units beside the blocks as torchtitan's apply_fsdp_to_decoder makes
+# them: the embedding alone, the final norm with the head (kept unsharded from forward to
+# backward, which starts there). Under transformers' own FSDP plan, composer_par's default,
+# the norm is a unit of its own: one all-gather and one reduce-scatter more per step.
 UNITS: tuple[Any, ...] = ("model.embed_tokens", ("model.norm", "lm_head"))
 
 # name -> (composer_par mesh, outermost first; torchtitan dp_shard, ep). Both put ep
@@ -274,25 +277,24 @@ def by_torchtitan(cfg: Any, world: int, degrees: tuple[int, int],
     return model, (batch.get_local_rank(), batch.size())
 
 
-def by_plan(cfg: Any, mesh: dict[str, int], weights: dict[str, Any]
-            ) -> tuple[Any, tuple[int, int]]:
-    """transformers' Qwen3-MoE with the same weights under composer_par's FSDP2 + EP."""
+def by_plan(hf_config: Any, mesh: dict[str, int], hf_weights: dict[str, Any],
+            units: tuple[Any, ...] = ()) -> tuple[Any, tuple[int, int]]:
+    """transformers' Qwen3-MoE from ``hf_config`` with ``hf_weights`` under composer_par's
+    FSDP2 + EP on ``mesh``; ``units``: FSDP2's units beside the blocks, the one holding
+    ``lm_head`` kept unsharded from forward to backward, or () for the model's own FSDP
+    plan (transformers')."""
     from transformers import Qwen3MoeForCausalLM
 
     from composer_par import EP, FSDP2, MeshSpec, ParallelPlan
 
-    model = Qwen3MoeForCausalLM(_hf_config(cfg))
-    missing, unexpected = model.load_state_dict(to_hf(weights), strict=False)
+    model = Qwen3MoeForCausalLM(hf_config)
+    missing, unexpected = model.load_state_dict(hf_weights, strict=False)
     if unexpected or [m for m in missing if not m.endswith("inv_freq")]:
         raise AssertionError(f"weights do not map: missing {missing}, unexpected "
                              f"{unexpected}")
     # FSDP2's default: gradients averaged over the data shards (a gradient divide factor
     # is refused beside EP's experts, which FSDP2 shards apart with their own divisor).
-    # Units as torchtitan's apply_fsdp_to_decoder makes them: the embedding alone, the
-    # final norm with the head, kept unsharded from forward to backward (backward starts
-    # there). Left to transformers' own FSDP plan (the default), the norm is a unit of
-    # its own: one all-gather and one reduce-scatter more per step.
-    fsdp = (FSDP2(units=UNITS, reshard_units={"lm_head": False}) if UNITS else FSDP2())
+    fsdp = (FSDP2(units=units, reshard_units={"lm_head": False}) if units else FSDP2())
     plan = ParallelPlan(MeshSpec(**mesh)).use(fsdp).use(EP())
     model = plan.apply(model)
     model.train()
@@ -408,7 +410,7 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
     for layout in layouts:
         mesh, degrees = LAYOUTS[layout]
         tt_model, tt_shard = by_torchtitan(cfg, world, degrees, weights)
-        cp_model, cp_shard = by_plan(cfg, mesh, weights)
+        cp_model, cp_shard = by_plan(_hf_config(cfg), mesh, to_hf(weights), UNITS)
         if tuple(tt_shard) != tuple(cp_shard):
             raise AssertionError(f"{layout}: torchtitan reads data shard {tt_shard}, "
                                  f"composer_par {cp_shard}")
@@ -441,14 +443,15 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
     return out
 
 
-def summarize(results: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], repeats: int,
+              sides: tuple[str, str] = ("torchtitan", "composer_par")) -> dict[str, Any]:
     """Per layout: each side's slowest-rank step times, the largest rank's collective
     counts by kind, the losses' and parameters' largest differences, the ratios."""
     report: dict[str, Any] = {}
     for layout in results[0]:
         rows = [r[layout] for r in results]
         entry: dict[str, Any] = {"sides": {}}
-        for side in ("torchtitan", "composer_par"):
+        for side in sides:
             worst = [max(r["times"][side][i] for r in rows) for i in range(repeats)]
             counts = [r["counts"][side] for r in rows]
             kinds = {}
@@ -465,7 +468,7 @@ def summarize(results: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
                 "kinds": kinds,
                 "losses": rows[0]["losses"][side],
             }
-        theirs, ours = entry["sides"]["torchtitan"], entry["sides"]["composer_par"]
+        theirs, ours = entry["sides"][sides[0]], entry["sides"][sides[1]]
         if repeats:
             entry["ratio_median"] = ours["median_ms"] / theirs["median_ms"]
             entry["ratio_min"] = ours["min_ms"] / theirs["min_ms"]
@@ -473,12 +476,10 @@ def summarize(results: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
         entry["ratio_bytes"] = ours["bytes"] / theirs["bytes"]
         entry["loss_max_diff"] = max(
             abs(a - b) for r in rows
-            for a, b in zip(r["losses"]["torchtitan"], r["losses"]["composer_par"],
-                            strict=True))
+            for a, b in zip(r["losses"][sides[0]], r["losses"][sides[1]], strict=True))
         entry["loss_max_rel_diff"] = max(
             abs(a - b) / abs(a) for r in rows
-            for a, b in zip(r["losses"]["torchtitan"], r["losses"]["composer_par"],
-                            strict=True))
+            for a, b in zip(r["losses"][sides[0]], r["losses"][sides[1]], strict=True))
         entry["param_max_diff"] = max(r["param_diff"] for r in rows)
         entry["changed"] = min(r["changed"] for r in rows)
         report[layout] = entry
