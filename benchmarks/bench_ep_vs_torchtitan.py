@@ -33,11 +33,15 @@ matmuls), collectives and bytes no more than torchtitan's, step time ratio <= 1.
 
 A CPU run needs stand-ins for torchtitan's accelerator-only pieces; they live in this
 file and ``bench_vs_torchtitan._standins`` alone, each with its reason, printed with the
-figures (``STANDINS``). torch's ``_grouped_mm`` itself runs on CPU (forward and backward,
-float32 and bfloat16): torchtitan's expert path runs here as on a GPU, in float32.
+figures (``STANDINS``). Nothing in torchtitan's expert path itself needs CUDA: torch's
+``_grouped_mm`` has a CPU kernel (forward and backward, float32 and bfloat16), the
+dispatcher's ``_permute`` is plain torch ops, its count and token exchanges are
+functional ``all_to_all_single`` (gloo runs them), and its deterministic scatter-add is
+``scatter_add`` on CPU. Only its bfloat16 casts are replaced, so that the losses compare;
+``--bf16-experts`` keeps them (torchtitan's experts exactly as shipped).
 
     .venv/bin/python benchmarks/bench_ep_vs_torchtitan.py [--layouts ep2,ep4] [--steps 3]
-        [--repeats 10] [--layers 2] [--dim 64] [--json]
+        [--repeats 10] [--layers 2] [--dim 64] [--bf16-experts] [--json]
 
 Needs torchtitan (``./dev`` installs it) and transformers.
 """
@@ -106,18 +110,19 @@ def _dense_bench() -> Any:
 _EXPERTS_STANDIN_DONE = False
 
 
-def _standins() -> None:
-    """bench_vs_torchtitan's stand-ins, and float32 experts (see STANDINS)."""
+def _standins(float32_experts: bool = True) -> None:
+    """bench_vs_torchtitan's stand-ins, and float32 experts unless told otherwise (see
+    STANDINS)."""
     global _EXPERTS_STANDIN_DONE
     _dense_bench()._standins()
-    if _EXPERTS_STANDIN_DONE:
+    if _EXPERTS_STANDIN_DONE or not float32_experts:
         return
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
     from torchtitan.models.common.moe import GroupedExperts
 
-    def float32_experts(self: Any, x_RD: Any, num_tokens_per_expert_E: Any) -> Any:
+    def experts_forward(self: Any, x_RD: Any, num_tokens_per_expert_E: Any) -> Any:
         # torchtitan's forward less its .bfloat16() casts (it has no spmd_types checks
         # on the partial_dtensor backend used here).
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
@@ -127,7 +132,7 @@ def _standins() -> None:
         h = h * self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offsets)
         return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offsets).type_as(x_RD)
 
-    GroupedExperts.forward = float32_experts  # type: ignore[method-assign]
+    GroupedExperts.forward = experts_forward  # type: ignore[method-assign]
     _EXPERTS_STANDIN_DONE = True
 
 
@@ -388,8 +393,8 @@ def _full_params(model: Any, hf_names: bool) -> dict[str, Any]:
 
 
 def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: int,
-               seq: int, batch: int, steps: int, repeats: int, warmup: int
-               ) -> dict[str, Any]:
+               seq: int, batch: int, steps: int, repeats: int, warmup: int,
+               float32_experts: bool = True) -> dict[str, Any]:
     import logging
 
     import structlog
@@ -398,7 +403,7 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
 
     structlog.configure(logger_factory=structlog.ReturnLoggerFactory())
     logging.getLogger("torchtitan").setLevel(logging.WARNING)
-    _standins()
+    _standins(float32_experts)
     world = dist.get_world_size()
     vocab = 256
     gen = torch.Generator().manual_seed(1)
@@ -500,7 +505,7 @@ def _print(report: dict[str, Any], args: argparse.Namespace,
           f"interleaved timed repeats ({os.cpu_count()} cores; load average "
           f"{load[0]:.1f} before, {load[1]:.1f} after). Times: the slowest rank's step.")
     print("  stand-ins on torchtitan's side (CPU):")
-    for what, why in STANDINS:
+    for what, why in STANDINS if not args.bf16_experts else STANDINS[:-1]:
         print(f"    {what}: {why}")
     for layout, e in report.items():
         tt, cp = e["sides"]["torchtitan"], e["sides"]["composer_par"]
@@ -544,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--bf16-experts", action="store_true",
+                        help="torchtitan's experts as it ships them (bfloat16 grouped-mm on "
+                        "CPU too): the losses then differ by bfloat16 rounding")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     layouts = [x for x in args.layouts.split(",") if x]
@@ -569,12 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     results = run_ranks("bench_ep_vs_torchtitan:_rank_main", RANKS,
                         args=(layouts, args.layers, args.dim, args.experts, args.top_k,
-                              args.seq, args.batch, args.steps, args.repeats, args.warmup),
+                              args.seq, args.batch, args.steps, args.repeats, args.warmup,
+                              not args.bf16_experts),
                         timeout=3600)
     load = (load_before[0], os.getloadavg()[0])
     report = summarize(results, args.repeats)
     if args.json:
-        print(json.dumps({"ranks": RANKS, "standins": dict(STANDINS), "layouts": report,
+        standins = STANDINS[:-1] if args.bf16_experts else STANDINS
+        print(json.dumps({"ranks": RANKS, "standins": dict(standins), "layouts": report,
                           "load_average": list(load)}, indent=2))
     else:
         _print(report, args, load)
