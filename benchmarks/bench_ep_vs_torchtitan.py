@@ -28,8 +28,9 @@ difference after the last step, collectives and payload bytes per training step 
 (``composer_par.testing.comm_count.CommCounter``, the rank with the most), the step time
 (median of the slowest rank over interleaved repeats) and the ratios composer_par /
 torchtitan. Targets: losses equal within float32 rounding (the two model codes round
-differently: fused RMSNorm against transformers' own, grouped-mm against per-expert
-matmuls), collectives and bytes no more than torchtitan's, step time ratio <= 1.00.
+differently: grouped-mm over sorted pairs and a scatter-add against per-expert matmuls
+and an index-add, summed against averaged gradients), collectives and bytes no more than
+torchtitan's, step time ratio <= 1.00.
 
 A CPU run needs stand-ins for torchtitan's accelerator-only pieces; they live in this
 file and ``bench_vs_torchtitan._standins`` alone, each with its reason, printed with the
