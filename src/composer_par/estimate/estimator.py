@@ -9,6 +9,7 @@ import attrs
 from composer_par.estimate.accumulation import SyncCost, sync_costs
 from composer_par.estimate.collectives import communication
 from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.experts import experts_apart
 from composer_par.estimate.layout import Layout
 from composer_par.estimate.memory import Memory, memory_per_rank
 from composer_par.estimate.model_shape import ModelShape
@@ -179,6 +180,8 @@ def estimate(
     shard = layout.shard_size()
     # Modules that are data-parallel units of their own leave the root's group.
     grouped, unfound = model.with_units(layout.units)
+    # Expert parallelism's experts: num_experts / ep per rank, sharded apart from ep.
+    grouped = experts_apart(grouped, layout)
     if unfound:
         notes.append(f"units {', '.join(unfound)}: no parameter of the model's root group "
                      "lies under them (give --model to measure the model); counted in the "

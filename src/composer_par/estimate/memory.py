@@ -196,7 +196,11 @@ def memory_per_rank(
     pbytes, abytes = bytes_of(dtype), bytes_of(dtype)
     ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
     every = layout.checkpoint_every
-    local = sum(g.local_numel(tp, shard) * g.count for g in model.groups)
+    # a group sharded apart (expert parallelism's experts) over the shard dims without
+    # the dims it differs along
+    shards = {g.name: shard if not g.apart else layout.shard_size(g.apart)
+              for g in model.groups}
+    local = sum(g.local_numel(tp, shards[g.name]) * g.count for g in model.groups)
     params_b = local * (2 if mixed else pbytes)
     grads_b = local * (2 if mixed else pbytes)
     if shard > 1 and workload.grad_accum > 1 and workload.sync == "last":
@@ -209,7 +213,7 @@ def memory_per_rank(
                for m in AC_MODES}
     buffers = 0
     blocks = [g for g in model.groups if g.block and g.numel]
-    largest = max((g.padded_numel(tp, shard) for g in blocks), default=0)
+    largest = max((g.padded_numel(tp, shards[g.name]) for g in blocks), default=0)
     if shard > 1:
         # the unsharded parameters of the current and the prefetched group, and the
         # unsharded gradients of one group before its reduce-scatter

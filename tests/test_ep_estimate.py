@@ -1,0 +1,215 @@
+"""The estimate of a plan with expert parallelism: the all-to-alls and FSDP2's
+collectives a real step issues on gloo ranks equal the estimate's; the MoE fields of a
+model shape, from Hugging Face configs and the presets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from composer_par import ParallelPlan
+from composer_par.testing.parity import ParityCase
+
+WORKERS = "tests.ep_estimate_workers"
+
+
+def _plan(mesh: str, fsdp2: bool) -> str:
+    return (f"[mesh]\n{mesh}\n\n" + ('[[plugins]]\nname = "fsdp2"\n\n' if fsdp2 else "")
+            + '[[plugins]]\nname = "ep"\n\n[[plugins]]\nname = "meta_init"\nseed = 7\n')
+
+
+FSDP2_EP = _plan("dp_shard = 2\nep = 2", fsdp2=True)
+EP4 = _plan("ep = 4", fsdp2=False)
+
+
+def _measure(task: str, plan: str) -> Any:
+    from composer_par.testing.parity import measure_comm
+
+    case = ParityCase(task=f"{WORKERS}:{task}", plan=plan, world_size=4, steps=1,
+                      reference="accumulate")
+    return measure_comm(case, timeout=200)
+
+
+def _estimate(task: str, plan_toml: str) -> Any:
+    import torch
+
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+    from tests import ep_estimate_workers
+
+    built = getattr(ep_estimate_workers, task)
+    plan = ParallelPlan.from_toml(plan_toml)
+    _, shards = plan.data_shard(0, 4)
+    with torch.device("meta"):
+        shape = ModelShape.from_module(built.build())
+    return estimate_plan(plan, shape, Workload(seq=built.seq_len,
+                                               micro_batch=built.global_batch // shards),
+                         world_size=4)
+
+
+def _totals(collectives: Any, group_size: int | None = None) -> dict[str, dict[str, int]]:
+    """``{kind: {"calls", "bytes"}}`` of the estimate's collectives (those over groups of
+    ``group_size`` ranks, when given), as CommCounter.summary gives them."""
+    out: dict[str, dict[str, int]] = {}
+    for c in collectives:
+        if group_size is not None and (c.group_size or 0) != group_size:
+            continue
+        slot = out.setdefault(c.kind, {"calls": 0, "bytes": 0})
+        slot["calls"] += c.calls
+        slot["bytes"] += c.payload
+    return out
+
+
+def _dim(est: Any, name: str) -> Any:
+    return next(t for t in est.traffic if t.dim.name == name)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("plan", [FSDP2_EP, EP4], ids=["dp_shard2_x_ep2", "ep4"])
+def test_all_to_all_bytes_of_a_real_step_equal_the_estimate(plan: str) -> None:
+    """Uniform routing (each rank's pairs spread evenly over the experts, so every ep
+    rank receives as many pairs as it sends, the estimate's assumption): on every rank
+    the all-to-alls of one step over ep (dispatch and combine, forward and backward,
+    and the counts exchanged before each dispatch) equal the estimate, calls and bytes;
+    and so do FSDP2's all-gathers and reduce-scatters, the dense groups' over dp_shard
+    x ep and the experts' over dp_shard alone."""
+    measured = _measure("uniform", plan)
+    est = _estimate("uniform", plan)
+    predicted = _totals(_dim(est, "ep").collectives)
+    # EP alone also averages the dense gradients over ep, an all-reduce per parameter
+    assert set(predicted) == ({"all_to_all"} if "dp_shard" in plan
+                              else {"all_to_all", "all_reduce"})
+    for rank in range(4):
+        assert measured.summary[rank]["ep"] == predicted, (rank, measured.summary[rank])
+    if "dp_shard" not in plan:
+        return
+    dp = _dim(est, "dp_shard")
+    dense, experts = _totals(dp.collectives, 4), _totals(dp.collectives, 0)
+    assert dense and experts
+    for rank in range(4):
+        assert measured.summary[rank]["dp_shard+ep"] == dense, (rank, measured.summary)
+        assert measured.summary[rank]["dp_shard"] == experts, (rank, measured.summary)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_all_to_all_bytes_of_the_router_sum_to_the_estimate_over_the_ep_ranks() -> None:
+    """The router's own choice: a rank receives what the routing sends it, so its
+    combine (forward) and dispatch (backward) bytes differ from the estimate's; but every
+    pair one rank sends another receives, so over the ep ranks the all-to-all bytes sum
+    to the estimate's times the ranks, exactly."""
+    measured = _measure("routed", EP4)
+    est = _estimate("routed", EP4)
+    predicted = _totals(_dim(est, "ep").collectives)["all_to_all"]
+    per_rank = [measured.summary[r]["ep"]["all_to_all"] for r in range(4)]
+    assert all(m["calls"] == predicted["calls"] for m in per_rank), per_rank
+    assert sum(m["bytes"] for m in per_rank) == 4 * predicted["bytes"], per_rank
+    # the routing is uneven: not every rank moves the estimate's bytes (else the test
+    # could not tell the sum from the parts)
+    assert {m["bytes"] for m in per_rank} != {predicted["bytes"]}, per_rank
+
+
+# -- the MoE fields of a model shape ----------------------------------------------------
+
+
+def _hf_shape(config_class: str, model_class: str, **fields: Any) -> Any:
+    import torch
+    import transformers
+
+    from composer_par.estimate import ModelShape
+    from tests import hf_workers
+
+    config = getattr(transformers, config_class)(**{**hf_workers.COMMON, **fields})
+    with torch.device("meta"):
+        model = getattr(transformers, model_class)(config)
+    return ModelShape.from_module(model), model
+
+
+@pytest.mark.parametrize(("config", "model", "fields", "expected"), [
+    ("MixtralConfig", "MixtralForCausalLM",
+     {"num_local_experts": 4, "num_experts_per_tok": 2}, (4, 2, 128, (0, 1), 0)),
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+     {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "mlp_only_layers": [0]}, (4, 2, 32, (1,), 0)),
+    ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+     {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "shared_expert_intermediate_size": 48}, (4, 2, 32, (0, 1), 48)),
+    ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+     {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+      "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+      "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8}, (4, 2, 32, (1,), 64)),
+    ("OlmoeConfig", "OlmoeForCausalLM",
+     {"num_experts": 4, "num_experts_per_tok": 2}, (4, 2, 128, (0, 1), 0)),
+    ("GptOssConfig", "GptOssForCausalLM",
+     {"num_local_experts": 4, "num_experts_per_tok": 2}, (4, 2, 128, (0, 1), 0)),
+])
+def test_moe_fields_from_hugging_face_configs(config: str, model: str,
+                                              fields: dict[str, Any],
+                                              expected: tuple[Any, ...]) -> None:
+    """Experts, top-k, the expert's width, the MoE blocks (Qwen's mlp_only_layers,
+    DeepSeek's first_k_dense_replace) and the shared expert's width; the experts tensors
+    measured are the model's own fused [num_experts, ...] parameters."""
+    shape, built = _hf_shape(config, model, **fields)
+    moe = shape.moe
+    assert moe is not None
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn, moe.layers, moe.shared_ffn) == expected
+    fused = sum(p.numel() for name, p in built.named_parameters()
+                if p.dim() >= 2 and p.shape[0] == moe.num_experts and ".experts." in name)
+    assert shape.experts_params == fused > 0
+    assert moe.expert_numel == fused // (moe.num_experts * moe.moe_layers)
+    routed_out = fused * (moe.num_experts - moe.top_k) // moe.num_experts
+    assert shape.active_params == shape.params - routed_out
+
+
+def test_dense_models_have_no_moe_fields() -> None:
+    shape, _ = _hf_shape("LlamaConfig", "LlamaForCausalLM")
+    assert shape.moe is None and shape.experts_params == 0
+    assert shape.active_params == shape.params
+
+
+def test_moe_fields_of_the_project_moe_llama() -> None:
+    import torch
+
+    from composer_par.estimate import ModelShape
+    from composer_par.models.moe_llama import MoELlama, MoELlamaConfig
+
+    with torch.device("meta"):
+        model = MoELlama(MoELlamaConfig(dim=32, n_layers=2, ffn_hidden=64, num_experts=8,
+                                        top_k=2, expert_hidden=16, shared_expert=True))
+    moe = ModelShape.from_module(model).moe
+    assert moe is not None
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn, moe.layers, moe.shared_ffn,
+            moe.expert_numel) == (8, 2, 16, (0, 1), 64, 3 * 16 * 32)
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [
+    ("mixtral-8x7b", 46.7e9, 12.9e9),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+    ("deepseek-v3", 671e9, 37e9),
+])
+def test_presets_have_the_published_parameter_counts(name: str, total: float,
+                                                     active: float) -> None:
+    """Within 2% of the published totals (their model cards round them)."""
+    from composer_par.estimate.presets import preset
+
+    shape = preset(name)
+    assert shape.params == pytest.approx(total, rel=0.02)
+    assert shape.active_params == pytest.approx(active, rel=0.02)
+
+
+def test_deepseek_v3_preset_has_three_dense_blocks_and_a_shared_expert() -> None:
+    from composer_par.estimate.presets import preset
+
+    moe = preset("deepseek-v3").moe
+    assert moe is not None
+    assert moe.layers == tuple(range(3, 61)) and moe.shared_ffn == 2048
+
+
+def test_an_unknown_preset_names_the_known_ones() -> None:
+    from composer_par.estimate import EstimateError
+    from composer_par.estimate.presets import preset
+
+    with pytest.raises(EstimateError, match="mixtral-8x7b"):
+        preset("mixtral-8x22b-typo")
