@@ -213,3 +213,98 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
 
     with pytest.raises(EstimateError, match="mixtral-8x7b"):
         preset("mixtral-8x22b-typo")
+
+
+# -- the estimate of a plan with EP, analytic --------------------------------------------
+
+_TOPOLOGY = "[topology]\nnodes = {nodes}\ndevices_per_node = {per_node}\n\n"
+
+
+def _preset_estimate(mesh: str, nodes: int, per_node: int, name: str = "mixtral-8x7b",
+                     **workload: Any) -> Any:
+    from composer_par.estimate import Workload, estimate_plan
+    from composer_par.estimate.presets import preset
+
+    plan = ParallelPlan.from_toml(
+        f"[mesh]\n{mesh}\n\n" + _TOPOLOGY.format(nodes=nodes, per_node=per_node)
+        + '[[plugins]]\nname = "fsdp2"\nmixed_precision = "bf16"\n\n[[plugins]]\nname = "ep"\n')
+    return estimate_plan(plan, preset(name), Workload(seq=4096, **workload),
+                         world_size=nodes * per_node)
+
+
+def test_experts_per_rank_are_divided_by_ep_then_sharded_over_dp_shard() -> None:
+    """Qwen3-30B-A3B over dp_shard 4 x ep 8: each rank holds 16 of the 128 experts of
+    every block, sharded over dp_shard's 4 ranks; the dense parameters over all 32."""
+    est = _preset_estimate("dp_shard = 4\nep = 8", 4, 8, name="qwen3-30b-a3b")
+    shape = est.model
+    ex = est.experts
+    assert (ex.size, ex.experts_per_rank, ex.experts_shard) == (8, 16, 4)
+    assert ex.experts_params == shape.experts_params // 32
+    dense = shape.params - shape.experts_params
+    assert ex.dense_params == pytest.approx(dense / 32, rel=1e-2)  # FSDP2 pads rows
+    assert est.memory.local_params == ex.dense_params + ex.experts_params
+    # FSDP2's collectives: the experts' over dp_shard (4 ranks), the dense over 32
+    dp = _dim(est, "dp_shard")
+    groups = {(c.why.startswith("experts:"), c.group_size) for c in dp.collectives}
+    assert groups == {(True, None), (False, 32)}
+
+
+def test_one_expert_per_ep_rank_is_not_divided_by_dp_shard() -> None:
+    """Mixtral over dp_shard 4 x ep 8: one expert per ep rank, whose tensors FSDP2 cuts
+    on tensor dim 0 (the expert) padded to the 4 ranks: each rank holds a whole expert,
+    and the estimate says so."""
+    est = _preset_estimate("dp_shard = 4\nep = 8", 4, 8)
+    ex = est.experts
+    assert (ex.experts_per_rank, ex.experts_shard) == (1, 4)
+    assert ex.experts_params == est.model.experts_params // 8
+    assert "holds a whole expert" in est.format()
+
+
+def test_all_to_all_bytes_per_block_and_their_split_between_nodes() -> None:
+    """ep 8 inside a node: nothing leaves it; ep 8 over 2 nodes of 4: a rank sends 3/8 of
+    each all-to-all's input to its node and 4/8 to the other."""
+    inside = _preset_estimate("dp_shard = 4\nep = 8", 4, 8)
+    pairs = 4096 * 2  # tokens x top_k
+    row = 4096 * 2  # hidden x bf16
+    per_block = {r.why.split(":")[0]: r.per_block for r in inside.experts.all_to_all}
+    assert per_block == {"dispatch, forward": pairs * row, "combine, forward": pairs * row,
+                         "combine, backward": pairs * row, "dispatch, backward": pairs * row,
+                         "routing counts per expert, before each dispatch": 8 * 8}
+    total = inside.experts.all_to_all_bytes
+    assert total == 32 * (4 * pairs * row + 64)
+    ep = _dim(inside, "ep")
+    assert (ep.intra_bytes, ep.inter_bytes) == (total * 7 / 8, 0)
+    across = _preset_estimate("dp_shard = 4\nep = 8", 8, 4)
+    ep = _dim(across, "ep")
+    assert ep.dim.crosses_nodes
+    assert (ep.intra_bytes, ep.inter_bytes) == pytest.approx((total * 3 / 8, total * 4 / 8))
+
+
+def test_full_checkpointing_repeats_the_forward_all_to_alls() -> None:
+    plain = _preset_estimate("dp_shard = 4\nep = 8", 4, 8)
+    full = _preset_estimate("dp_shard = 4\nep = 8", 4, 8, activation_checkpoint="full")
+    forward = sum(r.payload for r in plain.experts.all_to_all if "forward" in r.why
+                  or "counts" in r.why)
+    assert full.experts.all_to_all_bytes == plain.experts.all_to_all_bytes + forward
+
+
+def test_estimate_cli_with_a_moe_preset(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    plan = tmp_path / "ep.toml"
+    plan.write_text("[mesh]\ndp_shard = 4\nep = 8\n\n" + _TOPOLOGY.format(nodes=4, per_node=8)
+                    + '[[plugins]]\nname = "fsdp2"\n\n[[plugins]]\nname = "ep"\n\n'
+                    '[[plugins]]\nname = "meta_init"\n')
+    run = [sys.executable, "-m", "composer_par.cli", "estimate", str(plan), "--preset",
+           "qwen3-30b-a3b", "--seq", "4096"]
+    text = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "expert parallelism over ep(8): 16 of 128 experts per rank" in text
+    assert "dispatch, forward" in text
+    data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True,
+                                     check=True).stdout)
+    assert data["model"]["moe"]["num_experts"] == 128
+    assert data["experts"]["experts_per_rank"] == 16
+    both = subprocess.run([*run, "--params", "1B"], capture_output=True, text=True)
+    assert both.returncode == 2 and "--preset or --params" in both.stderr

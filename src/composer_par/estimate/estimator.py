@@ -9,7 +9,7 @@ import attrs
 from composer_par.estimate.accumulation import SyncCost, sync_costs
 from composer_par.estimate.collectives import communication
 from composer_par.estimate.errors import EstimateError
-from composer_par.estimate.experts import experts_apart
+from composer_par.estimate.experts import ExpertsSummary, experts_apart, experts_summary
 from composer_par.estimate.layout import Layout
 from composer_par.estimate.memory import Memory, memory_per_rank
 from composer_par.estimate.model_shape import ModelShape
@@ -46,6 +46,8 @@ class Estimate:
     # Without a pipeline and with grad_accum > 1: every sync policy's gradient memory
     # and reductions per step, for comparison (the estimate above is workload.sync's).
     accumulation: tuple[SyncCost, ...] = ()
+    # With expert parallelism: what a rank holds of the experts and the all-to-alls.
+    experts: ExpertsSummary | None = None
 
     @property
     def fullest(self) -> RankEstimate | None:
@@ -92,6 +94,7 @@ class Estimate:
             "notes": list(self.notes),
             "pipeline": self._pipeline_dict(),
             "accumulation": self._accumulation_dict(),
+            "experts": self.experts.to_dict() if self.experts is not None else None,
         }
 
     def _accumulation_dict(self) -> dict[str, Any] | None:
@@ -210,9 +213,11 @@ def estimate(
     if layout.topology is None and any(d.size > 1 for d in layout.dims):
         notes.append("no topology: every mesh dim is counted as inside a node (give "
                      "--nodes/--devices-per-node)")
+    experts = (experts_summary(layout, model, grouped, memory.local_params, traffic,
+                               workload.grad_accum) if pipeline is None else None)
     return Estimate(layout, model, workload, dtype, reduce_dtype, mode, memory,
                     traffic, intra_gbps, inter_gbps, assumed, tuple(notes),
-                    device_memory, pipeline, ranks, accumulation)
+                    device_memory, pipeline, ranks, accumulation, experts)
 
 
 def estimate_plan(
