@@ -308,3 +308,88 @@ def test_estimate_cli_with_a_moe_preset(tmp_path: Any) -> None:
     assert data["experts"]["experts_per_rank"] == 16
     both = subprocess.run([*run, "--params", "1B"], capture_output=True, text=True)
     assert both.returncode == 2 and "--preset or --params" in both.stderr
+
+
+# -- suggest with a mixture-of-experts model ------------------------------------------------
+
+
+def _suggest(name: str, memory: str = "80GiB", nodes: int = 4) -> Any:
+    from composer_par.estimate import parse_bytes
+    from composer_par.estimate.presets import preset
+    from composer_par.tools.suggest import suggest
+    from composer_par.topology import Topology
+
+    return suggest(preset(name), Topology(nodes=nodes, devices_per_node=8),
+                   parse_bytes(memory), seq=4096)
+
+
+def test_suggest_places_ep_inside_a_node_for_a_moe_model() -> None:
+    """Qwen3-30B-A3B on 4 nodes x 8: the best layout has ep 8 innermost (inside a node,
+    dividing the 128 experts), beats every layout without EP, says why, and names the
+    imbalance of tokens per expert as its risk; its plan file lists the ep plugin and
+    validates without errors."""
+    import tomllib
+
+    result = _suggest("qwen3-30b-a3b")
+    best = result.best
+    assert best is not None and best.candidate.ep == 8
+    assert list(best.candidate.mesh().names)[-1] == "ep"
+    plan = tomllib.loads(result.plan_toml)
+    assert plan["mesh"]["ep"] == 8
+    assert "ep" in [p["name"] for p in plan["plugins"]]
+    assert result.report is not None and not result.report.errors
+    why = "\n".join(result.why)
+    assert "EP 8: faster than the best layout without EP" in why
+    assert "risk: tokens-per-expert imbalance" in why
+    without = [r for r in result.ranked if r.candidate.ep == 1 and r.fits]
+    assert without and all(r.seconds > best.seconds for r in without)
+    # every EP candidate keeps ep inside a node and divides the experts
+    sizes = {r.candidate.ep for r in result.ranked if r.candidate.ep > 1}
+    assert sizes == {2, 4, 8}
+    assert all(not d.crosses_nodes for r in result.ranked if r.candidate.ep > 1
+               for d in r.estimate.layout.dims if d.name == "ep")
+
+
+def test_imbalance_risk_prices_the_most_loaded_rank() -> None:
+    """At twice the mean pairs received, the combine (forward) and dispatch (backward)
+    all-to-alls, half of the bytes, double: the all-to-all time is 1.5x."""
+    from composer_par.tools.suggest import imbalance_risk
+
+    best = _suggest("qwen3-30b-a3b").best
+    ep = _dim(best.estimate, "ep")
+    text = imbalance_risk(best.estimate)
+    from composer_par.estimate import format_seconds
+
+    share = sum(r.payload for r in best.estimate.experts.all_to_all
+                if r.why.startswith(("combine, forward", "dispatch, backward")))
+    assert share / best.estimate.experts.all_to_all_bytes == pytest.approx(0.5, rel=1e-4)
+    assert f"take {format_seconds(ep.seconds * 1.5)} instead of" in text
+
+
+def test_suggest_for_a_dense_model_has_no_ep_layouts() -> None:
+    from composer_par.estimate import ModelShape, parse_bytes
+    from composer_par.tools.suggest import ep_candidates, suggest
+    from composer_par.topology import Topology
+
+    topology = Topology(nodes=2, devices_per_node=8)
+    shape = ModelShape.from_numbers(params=7_000_000_000, layers=32, hidden=4096)
+    assert ep_candidates(topology, shape) == []
+    result = suggest(shape, topology, parse_bytes("80GiB"), seq=4096)
+    assert all(r.candidate.ep == 1 for r in result.ranked)
+
+
+def test_suggest_with_a_moe_preset_never_imports_torch() -> None:
+    import json
+    import subprocess
+    import sys
+
+    probe = ("import json, sys\nfrom composer_par.cli.main import main\n"
+             "import contextlib, io\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n"
+             "    code = main(['suggest', '--preset', 'qwen3-30b-a3b', '--nodes', '4', "
+             "'--devices-per-node', '8', '--device-memory', '80GiB', '--seq', '4096'])\n"
+             "print(json.dumps({'code': code, 'torch': sorted(m for m in sys.modules "
+             "if m.split('.')[0] == 'torch')}))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert json.loads(done.stdout) == {"code": 0, "torch": []}
