@@ -94,6 +94,26 @@ def test_all_to_all_bytes_of_a_real_step_equal_the_estimate(plan: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_blocks_run_their_all_to_alls_again(mode: str) -> None:
+    """dp_shard 2 x ep 2 with activation checkpointing: each block's recomputation runs
+    the counts, dispatch and combine again, under selective checkpointing too (c10d's own
+    all-to-all is not among the functional collectives it saves); every rank's counts
+    equal the estimate."""
+    plan = FSDP2_EP.replace('[[plugins]]\nname = "meta_init"',
+                            f'[[plugins]]\nname = "activation_checkpoint"\nmode = "{mode}"'
+                            '\n\n[[plugins]]\nname = "meta_init"')
+    measured = _measure("uniform", plan)
+    est = _estimate("uniform", plan)
+    predicted = _totals(_dim(est, "ep").collectives)
+    plain = _totals(_dim(_estimate("uniform", FSDP2_EP), "ep").collectives)
+    assert predicted["all_to_all"]["calls"] == plain["all_to_all"]["calls"] + 3 * 2
+    for rank in range(4):
+        assert measured.summary[rank]["ep"] == predicted, (rank, measured.summary[rank])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
 def test_all_to_all_bytes_of_the_router_sum_to_the_estimate_over_the_ep_ranks() -> None:
     """The router's own choice: a rank receives what the routing sends it, so its
     combine (forward) and dispatch (backward) bytes differ from the estimate's; but every
@@ -280,12 +300,13 @@ def test_all_to_all_bytes_per_block_and_their_split_between_nodes() -> None:
     assert (ep.intra_bytes, ep.inter_bytes) == pytest.approx((total * 3 / 8, total * 4 / 8))
 
 
-def test_full_checkpointing_repeats_the_forward_all_to_alls() -> None:
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_repeats_the_forward_all_to_alls(mode: str) -> None:
     plain = _preset_estimate("dp_shard = 4\nep = 8", 4, 8)
-    full = _preset_estimate("dp_shard = 4\nep = 8", 4, 8, activation_checkpoint="full")
+    again = _preset_estimate("dp_shard = 4\nep = 8", 4, 8, activation_checkpoint=mode)
     forward = sum(r.payload for r in plain.experts.all_to_all if "forward" in r.why
                   or "counts" in r.why)
-    assert full.experts.all_to_all_bytes == plain.experts.all_to_all_bytes + forward
+    assert again.experts.all_to_all_bytes == plain.experts.all_to_all_bytes + forward
 
 
 def test_estimate_cli_with_a_moe_preset(tmp_path: Any) -> None:

@@ -139,8 +139,10 @@ class EP(Plugin):
         dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
         tokens = workload.seq // layout.sequence_split * workload.micro_batch
         mode = workload.activation_checkpoint or layout.activation_checkpoint or "none"
-        recomputed = (moe.moe_layers // layout.checkpoint_every
-                      if layout.reissue(mode) != "none" else 0)
+        # A checkpointed block's recomputation runs its all-to-alls again under selective
+        # checkpointing too: they are c10d's own ops, which a policy saving the functional
+        # collectives' outputs does not save.
+        recomputed = moe.moe_layers // layout.checkpoint_every if mode != "none" else 0
         collectives = all_to_all_collectives(
             self.dim, size=size, moe_layers=moe.moe_layers, tokens=tokens, top_k=moe.top_k,
             hidden=model.hidden, num_experts=moe.num_experts,
