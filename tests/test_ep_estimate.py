@@ -64,32 +64,45 @@ def _dim(est: Any, name: str) -> Any:
     return next(t for t in est.traffic if t.dim.name == name)
 
 
+# The process groups CommCounter labels, and where the estimate lists their collectives:
+# (mesh dim, group_size; 0 for the mesh dim's own group).
+GROUPS = {
+    "dp_shard2_x_ep2": {"dp_shard+ep": ("dp_shard", 4), "dp_shard": ("dp_shard", 0)},
+    "dp_replicate2_x_ep2": {"dp_replicate+ep": ("dp_replicate", 4),
+                            "dp_replicate": ("dp_replicate", 0)},
+    "ep4": {},
+}
+HSDP_EP = (_plan("dp_replicate = 2\nep = 2", fsdp2=False)
+           .replace('[[plugins]]\nname = "ep"', '[[plugins]]\nname = "hsdp"\n\n'
+                    '[[plugins]]\nname = "ep"'))
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("plan", [FSDP2_EP, EP4], ids=["dp_shard2_x_ep2", "ep4"])
-def test_all_to_all_bytes_of_a_real_step_equal_the_estimate(plan: str) -> None:
+@pytest.mark.parametrize(("layout", "plan"), [
+    ("dp_shard2_x_ep2", FSDP2_EP), ("dp_replicate2_x_ep2", HSDP_EP), ("ep4", EP4)])
+def test_all_to_all_bytes_of_a_real_step_equal_the_estimate(layout: str, plan: str) -> None:
     """Uniform routing (each rank's pairs spread evenly over the experts, so every ep
     rank receives as many pairs as it sends, the estimate's assumption): on every rank
     the all-to-alls of one step over ep (dispatch and combine, forward and backward,
     and the counts exchanged before each dispatch) equal the estimate, calls and bytes;
-    and so do FSDP2's all-gathers and reduce-scatters, the dense groups' over dp_shard
-    x ep and the experts' over dp_shard alone."""
+    and so do the data-parallel collectives, the dense groups' over the data-parallel
+    dims x ep and the experts' without ep: FSDP2's all-gathers and reduce-scatters,
+    HSDP alone's all-reduces, EP alone's all-reduces of the dense gradients."""
     measured = _measure("uniform", plan)
     est = _estimate("uniform", plan)
     predicted = _totals(_dim(est, "ep").collectives)
-    # EP alone also averages the dense gradients over ep, an all-reduce per parameter
-    assert set(predicted) == ({"all_to_all"} if "dp_shard" in plan
-                              else {"all_to_all", "all_reduce"})
+    assert set(predicted) == ({"all_to_all", "all_reduce"} if layout == "ep4"
+                              else {"all_to_all"})
     for rank in range(4):
         assert measured.summary[rank]["ep"] == predicted, (rank, measured.summary[rank])
-    if "dp_shard" not in plan:
-        return
-    dp = _dim(est, "dp_shard")
-    dense, experts = _totals(dp.collectives, 4), _totals(dp.collectives, 0)
-    assert dense and experts
+    for label, (dim, group) in GROUPS[layout].items():
+        expected = _totals(_dim(est, dim).collectives, group)
+        assert expected
+        for rank in range(4):
+            assert measured.summary[rank][label] == expected, (rank, label, measured.summary)
     for rank in range(4):
-        assert measured.summary[rank]["dp_shard+ep"] == dense, (rank, measured.summary)
-        assert measured.summary[rank]["dp_shard"] == experts, (rank, measured.summary)
+        assert set(measured.summary[rank]) == {"ep", *GROUPS[layout]}, measured.summary[rank]
 
 
 @pytest.mark.distributed
