@@ -427,3 +427,16 @@ def test_suggest_with_a_moe_preset_never_imports_torch() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, check=True)
     assert json.loads(done.stdout) == {"code": 0, "torch": []}
+
+
+def test_a_pipeline_with_ep_says_what_its_estimate_leaves_out() -> None:
+    from composer_par.estimate import Workload, estimate_plan
+    from composer_par.estimate.presets import preset
+
+    plan = ParallelPlan.from_toml(
+        "[mesh]\npp = 2\ndp_shard = 2\nep = 8\n\n" + _TOPOLOGY.format(nodes=4, per_node=8)
+        + '[[plugins]]\nname = "pp"\nschedule = "1F1B"\nmicrobatches = 4\n\n'
+        '[[plugins]]\nname = "fsdp2"\n\n[[plugins]]\nname = "ep"\n')
+    est = estimate_plan(plan, preset("qwen3-30b-a3b"), Workload(seq=4096), world_size=32)
+    assert est.experts is None
+    assert any("ep inside a pipeline" in n for n in est.notes)
