@@ -141,9 +141,22 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
     lines += ["", "accounting:"] + [f"  - {a}" for a in ACCOUNTING]
     if line is not None:
         lines += [f"  - {a}" for a in PIPELINE_ACCOUNTING]
+    if est.experts is not None:
+        lines += [f"  - {a}" for a in EXPERTS_ACCOUNTING]
     if est.notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in est.notes]
     return "\n".join(lines)
+
+
+EXPERTS_ACCOUNTING: tuple[str, ...] = (
+    "expert parallelism: each ep rank holds num_experts / ep experts of every MoE block, "
+    "sharded by the data-parallel plugin over its dims without ep (the dense parameters "
+    "over them and ep); per MoE block and micro-batch of T tokens a rank routes T*top_k "
+    "pairs of hidden*dtype bytes: all-to-all inputs dispatch forward and combine backward "
+    "its own pairs, combine forward and dispatch backward the pairs its experts receive "
+    "(as many under uniform routing), and num_experts int64 counts before each dispatch; "
+    "checkpointing (full or selective) runs the counts, dispatch and combine again",
+)
 
 
 PIPELINE_ACCOUNTING: tuple[str, ...] = (
