@@ -46,3 +46,30 @@ class UniformMoETask(MoELlamaTask):
 # 8 experts, top-2, 2 blocks, hidden 32; 8 sequences of 8 tokens per step.
 routed = MoELlamaTask(num_experts=8)
 uniform = UniformMoETask(num_experts=8)
+
+
+def activations(mesh: str, plugin: str, seq: int, batch: int,
+                **sizes: Any) -> dict[str, int]:
+    """This rank's activations held for backward at the end of one forward, by torch's
+    memory tracker, with each activation-checkpointing mode: the MoE Llama with uniform
+    routing, ``batch`` sequences of ``seq`` tokens per rank, the next-token loss, under
+    the plan of ``mesh`` and ``plugin``."""
+    import torch
+
+    from composer_par.models.llama import next_token_loss
+    from composer_par.testing.activation_memory import held_for_backward
+    from composer_par.testing.parity import apply_to_built, build_plan
+
+    task = attrs.evolve(uniform, seq_len=seq, **sizes)
+    out = {}
+    for mode in ("none", "selective", "full"):
+        ac = ("" if mode == "none" else
+              f'[[plugins]]\nname = "activation_checkpoint"\nmode = "{mode}"\n\n')
+        plan = (f'[mesh]\n{mesh}\n\n[[plugins]]\nname = "{plugin}"\n\n{ac}'
+                '[[plugins]]\nname = "meta_init"\nseed = 7\n')
+        model, _, _ = apply_to_built(task, build_plan(plan))
+        tokens = torch.randint(0, task.vocab_size, (batch, seq),
+                               generator=torch.Generator().manual_seed(0))
+        out[mode] = held_for_backward(
+            model, lambda m=model, t=tokens: next_token_loss(m(t), t))["activations"]
+    return out
