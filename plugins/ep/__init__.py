@@ -25,6 +25,9 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    Collective,
+    EstimatePart,
+    EstimateSettings,
     Finding,
     FoldedDim,
     OptionError,
@@ -38,6 +41,7 @@ from composer_par.plugin import (
 )
 
 from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
+from .estimate import all_to_all_collectives
 from .findings import (
     RULES,
     capacity_finding,
@@ -59,6 +63,9 @@ def _capacity_factor(value: Any) -> float | None:
         raise OptionError(f"capacity_factor must be a number > 0, or None for dropless; "
                           f"got {value!r}")
     return float(value)
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 def _has_data_parallel(plan: PlanView) -> bool:
@@ -108,6 +115,59 @@ class EP(Plugin):
             return []
         return [ShardApart(modules=tuple(s.module for s in sites),
                            paths=tuple(s.path for s in sites), without=(self.dim,))]
+
+    @hookimpl
+    def composer_par_estimate_settings(self, plan: PlanView) -> EstimateSettings:
+        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else 1
+        return EstimateSettings(experts_dim=self.dim if size != 1 else None)
+
+    @hookimpl
+    def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any,
+                              workload: Any) -> EstimatePart:
+        """The token all-to-alls over ep (uniform routing: each rank receives as many
+        pairs as it sends) and, with no data-parallel plugin, the dense gradients'
+        all-reduces over ep; the experts' memory and data-parallel terms are the
+        estimator's (``experts_dim``)."""
+        size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
+        moe = model.moe
+        if size < 2:
+            return EstimatePart(collectives=())
+        if moe is None:
+            return EstimatePart(collectives=(), notes=(
+                f"{self.dim}({size}): the model shape names no experts (give --model, or "
+                "a MoE --preset), so no all-to-all is counted",))
+        dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
+        tokens = workload.seq // layout.sequence_split * workload.micro_batch
+        mode = workload.activation_checkpoint or layout.activation_checkpoint or "none"
+        # A checkpointed block's recomputation runs its all-to-alls again under selective
+        # checkpointing too: they are c10d's own ops, which a policy saving the functional
+        # collectives' outputs does not save.
+        recomputed = moe.moe_layers // layout.checkpoint_every if mode != "none" else 0
+        collectives = all_to_all_collectives(
+            self.dim, size=size, moe_layers=moe.moe_layers, tokens=tokens, top_k=moe.top_k,
+            hidden=model.hidden, num_experts=moe.num_experts,
+            dtype_bytes=_DTYPE_BYTES.get(dtype, 4), passes=workload.grad_accum,
+            recomputed=recomputed)
+        if not _has_data_parallel(plan):
+            # average_over: each dense parameter's gradient all-reduced after each backward
+            dense = [t for g in model.groups for t in g.tensors if not t.experts
+                     for _ in range(g.count)]
+            collectives += (Collective(
+                self.dim, "all_reduce",
+                sum(t.numel for t in dense) * _DTYPE_BYTES.get(dtype, 4) * workload.grad_accum,
+                len(dense) * workload.grad_accum,
+                "dense gradients averaged over ep, per parameter and backward (no "
+                "data-parallel plugin)"),)
+        per_rank = moe.num_experts // size
+        notes = [f"{self.dim}({size}): each rank holds {per_rank} of the {moe.num_experts} "
+                 f"experts of each of {moe.moe_layers} MoE block(s) and routes "
+                 f"{tokens} x {moe.top_k} (token, slot) pairs per block and micro-batch; "
+                 "the all-to-alls assume uniform routing (each rank receives as many pairs "
+                 "as it sends): the rank whose experts receive the most sets the pace"]
+        if self.capacity_factor is not None:
+            notes.append(f"capacity factor {self.capacity_factor:g}: the pairs it drops are "
+                         "not subtracted")
+        return EstimatePart(collectives=collectives, notes=tuple(notes))
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

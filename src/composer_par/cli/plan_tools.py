@@ -202,10 +202,15 @@ def layout_picture(
 
 
 def _model_arguments(parser: argparse.ArgumentParser, *, required_seq: bool = True) -> None:
+    from composer_par.estimate.presets import PRESETS
+
     model = parser.add_argument_group(
-        "the model: --model, or --params with any of the sizes (the rest are derived)")
+        "the model: --model, --preset, or --params with any of the sizes (the rest are "
+        "derived)")
     model.add_argument("--model", metavar="MODULE:FACTORY",
                        help="measure this model, built on meta (imports torch)")
+    model.add_argument("--preset", choices=sorted(PRESETS), metavar="NAME",
+                       help="a published model's shape: " + ", ".join(sorted(PRESETS)))
     model.add_argument("--params", type=_count, metavar="N",
                        help="parameter count: 13e9, 1.3B, 350M")
     model.add_argument("--layers", type=_positive_int, metavar="L", help="number of blocks")
@@ -238,6 +243,15 @@ def model_shape(args: argparse.Namespace, plan: ParallelPlan | None) -> ModelSha
 
     sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
              "kv_heads": args.kv_heads, "ffn_hidden": args.ffn_hidden, "vocab": args.vocab}
+    if args.preset is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in
+                 (("model", args.model), ("params", args.params), *sizes.items())
+                 if v is not None]
+        if given:
+            raise InputError(f"give --preset or {', '.join(given)}, not both")
+        from composer_par.estimate.presets import preset
+
+        return preset(args.preset)
     if args.model is not None:
         if args.params is not None:
             raise InputError("give --model or --params, not both")
@@ -249,8 +263,8 @@ def model_shape(args: argparse.Namespace, plan: ParallelPlan | None) -> ModelSha
             model = build_on_meta(resolve_factory(args.model), args.model)
             return ModelShape.from_module(model, spec, source=args.model, **overrides)
     if args.params is None and (args.layers is None or args.hidden is None):
-        raise InputError("give the model: --model MODULE:FACTORY, or --params N (with "
-                           "--layers/--hidden/--heads if known)")
+        raise InputError("give the model: --model MODULE:FACTORY, --preset NAME, or --params "
+                           "N (with --layers/--hidden/--heads if known)")
     try:
         return ModelShape.from_numbers(params=args.params, **sizes)
     except EstimateError as exc:

@@ -48,7 +48,9 @@ runs and sends (:class:`EstimatePipeline`); each is then estimated on its own
 (:mod:`.pipeline`) and the fullest and slowest are reported.
 
 Its modules, one job each: ``units`` (parse and format counts, sizes, dtypes), ``errors``,
-``model_shape``, ``workload``, ``layout`` (mesh dims, roles, node crossing), ``memory``,
+``model_shape``, ``moe_shape`` (a mixture-of-experts model's routed experts), ``presets``
+(published model shapes), ``experts`` (the experts as expert parallelism holds them),
+``workload``, ``layout`` (mesh dims, roles, node crossing), ``memory``,
 ``collectives`` (the built-in estimator of each role), ``accumulation`` (the gradient
 memory and reductions of each sync policy under gradient accumulation), ``parts`` (what
 plugins state),
@@ -60,9 +62,11 @@ from composer_par.estimate.accumulation import SyncCost, sync_costs
 from composer_par.estimate.collectives import Collective
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.estimator import Estimate, estimate, estimate_plan
+from composer_par.estimate.experts import ExpertRow, ExpertsSummary
 from composer_par.estimate.layout import DimInfo, Layout
 from composer_par.estimate.memory import Memory, activation_bytes
 from composer_par.estimate.model_shape import ModelShape, ParamGroup, TensorShape
+from composer_par.estimate.moe_shape import MoEShape, moe_from_config
 from composer_par.estimate.parts import (
     EstimatePart,
     EstimatePipeline,
@@ -70,6 +74,7 @@ from composer_par.estimate.parts import (
     EstimateStage,
 )
 from composer_par.estimate.pipeline import RankEstimate
+from composer_par.estimate.presets import PRESETS, preset
 from composer_par.estimate.report import ACCOUNTING, format_estimate
 from composer_par.estimate.timing import (
     DEFAULT_INTER_NODE_GBPS,
@@ -96,6 +101,7 @@ __all__ = [
     "DEFAULT_INTRA_NODE_GBPS",
     "DTYPE_BYTES",
     "OPTIMIZERS",
+    "PRESETS",
     "Collective",
     "DimInfo",
     "DimTraffic",
@@ -105,8 +111,11 @@ __all__ = [
     "EstimatePipeline",
     "EstimateRank",
     "EstimateStage",
+    "ExpertRow",
+    "ExpertsSummary",
     "Layout",
     "Memory",
+    "MoEShape",
     "ModelShape",
     "ParamGroup",
     "RankEstimate",
@@ -121,8 +130,10 @@ __all__ = [
     "format_count",
     "format_estimate",
     "format_seconds",
+    "moe_from_config",
     "parse_bytes",
     "parse_count",
+    "preset",
     "split_bytes",
     "sync_costs",
 ]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.estimate.experts import split_apart
 from composer_par.estimate.layout import DimInfo, Layout, run_nodes
 from composer_par.estimate.model_shape import ModelShape
 from composer_par.estimate.units import bytes_of
@@ -71,9 +72,18 @@ def communication(
     for _, part in parts:
         if part.collectives is not None and stage is None:
             collectives.extend(part.collectives)
+    model, apart = split_apart(model)
     for dim in layout.dims:
         if dim.size <= 1 or dim.name in replaced:
             continue
+        if dim.role in (Role.SHARD, Role.REPLICATE) and apart.groups:
+            # the groups sharded apart (experts): over the data-parallel group without
+            # the dims they differ along
+            without = apart.groups[0].apart
+            found = _data_parallel(layout, apart, dim, tp, ag_bytes, rs_bytes, micro,
+                                   scatters, all_reduces, gathers,
+                                   layout.shard_size(without), without)
+            collectives += [attrs.evolve(c, why=f"experts: {c.why}") for c in found]
         # FSDP2 shards over the shard dim and the folded dims flattened (dp_shard x cp):
         # its collectives run over that group, each rank holding 1/(its size).
         group, nodes = layout.data_parallel_group(dim)
@@ -95,6 +105,26 @@ def communication(
         elif dim.role is Role.OTHER:
             notes.append(f"{dim.name}: {dim.plugin} states no estimate (role 'other')")
     return collectives, notes
+
+
+def _data_parallel(
+    layout: Layout, model: ModelShape, dim: DimInfo, tp: int, ag_bytes: int, rs_bytes: int,
+    micro: int, scatters: int, all_reduces: int, gathers: tuple[int | None, int | None],
+    shard: int, without: tuple[str, ...],
+) -> list[Collective]:
+    """The shard or replicate dim's collectives of ``model``'s groups, run over the
+    data-parallel group less ``without``."""
+    group, nodes = layout.data_parallel_group(dim, without)
+    if dim.role is Role.SHARD:
+        if gathers != (None, None):
+            found = _stage_fsdp_collectives(model, dim, tp, ag_bytes, rs_bytes, gathers,
+                                            scatters, group)
+        else:
+            found = _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes, micro,
+                                      scatters, group)
+        return _over(found, group, nodes)
+    return _over(_replicate_collectives(model, dim, tp, shard, rs_bytes, all_reduces,
+                                        with_shard=shard > 1), group, nodes)
 
 
 def _over(collectives: list[Collective], group: int, nodes: int | None) -> list[Collective]:

@@ -9,6 +9,7 @@ import attrs
 from composer_par.estimate.accumulation import SyncCost, sync_costs
 from composer_par.estimate.collectives import communication
 from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.experts import ExpertsSummary, experts_apart, experts_summary
 from composer_par.estimate.layout import Layout
 from composer_par.estimate.memory import Memory, memory_per_rank
 from composer_par.estimate.model_shape import ModelShape
@@ -45,6 +46,8 @@ class Estimate:
     # Without a pipeline and with grad_accum > 1: every sync policy's gradient memory
     # and reductions per step, for comparison (the estimate above is workload.sync's).
     accumulation: tuple[SyncCost, ...] = ()
+    # With expert parallelism: what a rank holds of the experts and the all-to-alls.
+    experts: ExpertsSummary | None = None
 
     @property
     def fullest(self) -> RankEstimate | None:
@@ -91,6 +94,7 @@ class Estimate:
             "notes": list(self.notes),
             "pipeline": self._pipeline_dict(),
             "accumulation": self._accumulation_dict(),
+            "experts": self.experts.to_dict() if self.experts is not None else None,
         }
 
     def _accumulation_dict(self) -> dict[str, Any] | None:
@@ -179,6 +183,8 @@ def estimate(
     shard = layout.shard_size()
     # Modules that are data-parallel units of their own leave the root's group.
     grouped, unfound = model.with_units(layout.units)
+    # Expert parallelism's experts: num_experts / ep per rank, sharded apart from ep.
+    grouped = experts_apart(grouped, layout)
     if unfound:
         notes.append(f"units {', '.join(unfound)}: no parameter of the model's root group "
                      "lies under them (give --model to measure the model); counted in the "
@@ -207,9 +213,15 @@ def estimate(
     if layout.topology is None and any(d.size > 1 for d in layout.dims):
         notes.append("no topology: every mesh dim is counted as inside a node (give "
                      "--nodes/--devices-per-node)")
+    experts = (experts_summary(layout, model, grouped, memory.local_params, traffic,
+                               workload.grad_accum) if pipeline is None else None)
+    if pipeline is not None and layout.experts_dim is not None and model.moe is not None:
+        notes.append(f"{layout.experts_dim} inside a pipeline: each stage's experts are "
+                     "counted whole (not num_experts / ep), and the all-to-alls as the "
+                     "whole model's for one pass of the step, not per stage and microbatch")
     return Estimate(layout, model, workload, dtype, reduce_dtype, mode, memory,
                     traffic, intra_gbps, inter_gbps, assumed, tuple(notes),
-                    device_memory, pipeline, ranks, accumulation)
+                    device_memory, pipeline, ranks, accumulation, experts)
 
 
 def estimate_plan(

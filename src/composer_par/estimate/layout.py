@@ -59,6 +59,9 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     sequence_split: int = 1  # context parallelism: tokens per rank are seq / this
+    # Expert parallelism: the mesh dim over which each rank holds num_experts / its size
+    # of every routed experts tensor (see EstimateSettings).
+    experts_dim: str | None = None
     # Model-parallel dims data parallelism folds in (composer_par_folded_dims): they split
     # no tensor, and a sharding plugin shards over them too.
     folded_dims: tuple[str, ...] = ()
@@ -150,20 +153,29 @@ class Layout:
         return math.prod(d.size for d in self.dims_with(Role.MODEL_PARALLEL)
                          if d.name not in self.folded_dims)
 
-    def shard_size(self) -> int:
+    def shard_size(self, without: tuple[str, ...] = ()) -> int:
         """The ranks a sharded parameter is cut over: the shard dims and, with any, the
-        folded dims."""
+        folded dims (less ``without``: a group sharded apart)."""
         if not self.dims_with(Role.SHARD):
             return 1
-        folded = math.prod(d.size for d in self.dims if d.name in self.folded_dims)
+        folded = math.prod(d.size for d in self.dims
+                           if d.name in self.folded_dims and d.name not in without)
         return self.size_of(Role.SHARD) * folded
 
-    def data_parallel_group(self, dim: DimInfo) -> tuple[int, int | None]:
+    def experts_size(self) -> int:
+        """The ranks the routed experts are divided among (1 without expert parallelism)."""
+        if self.experts_dim is None or self.experts_dim not in self.mesh:
+            return 1
+        return self.mesh.size(self.experts_dim)
+
+    def data_parallel_group(self, dim: DimInfo, without: tuple[str, ...] = ()
+                            ) -> tuple[int, int | None]:
         """(ranks, nodes spanned) of the group data parallelism runs its collectives over
         on ``dim``: the folded dims flattened in (FSDP2's ``dp_shard x cp``; a replicate
-        dim's only when no shard dim takes them, as HSDP alone), else the dim's own group
-        (nodes None: the dim's)."""
-        folded = [d.name for d in self.dims if d.name in self.folded_dims and d.size > 1]
+        dim's only when no shard dim takes them, as HSDP alone), less ``without`` (a group
+        sharded apart), else the dim's own group (nodes None: the dim's)."""
+        folded = [d.name for d in self.dims if d.name in self.folded_dims and d.size > 1
+                  and d.name not in without]
         takes = dim.role is Role.SHARD or (dim.role is Role.REPLICATE
                                            and not self.dims_with(Role.SHARD))
         if not folded or not takes:
@@ -204,6 +216,9 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
             if reissue is not None and reissue not in REISSUE:
                 raise EstimateError(f"checkpoint_reissue must be one of {list(REISSUE)}; got "
                                     f"{reissue!r}")
+            experts = fields.get("experts_dim")
+            if experts is not None and not isinstance(experts, str):
+                raise EstimateError(f"experts_dim must be a mesh dim name; got {experts!r}")
             split = fields.get("sequence_split")
             if split is not None and (isinstance(split, bool) or not isinstance(split, int)
                                       or split < 1):

@@ -49,16 +49,19 @@ class Memory:
 def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
+    expert_parallel: bool = False,
 ) -> int:
     """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
 
     ``recompute=False`` leaves out the one block that full checkpointing recomputes at a
-    time (a rank holding several microbatches' activations recomputes one block)."""
+    time (a rank holding several microbatches' activations recomputes one block).
+    ``expert_parallel``: a mixture-of-experts block's routed pairs travel by all-to-all
+    (one more hidden-sized tensor kept per pair)."""
     if _is_llama_like(model):
         return _llama_activation_bytes(model, workload, dtype, tp=tp,
                                        sequence_parallel=sequence_parallel,
                                        loss_parallel=loss_parallel, mode=mode, every=every,
-                                       recompute=recompute)
+                                       recompute=recompute, expert_parallel=expert_parallel)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -97,6 +100,8 @@ def _is_llama_like(model: ModelShape) -> bool:
     """A decoder block of a Llama's make (RMSNorm, attention with separate q/k/v/o
     projections, a gated MLP of ``ffn_hidden``): seven matrices per block when measured
     from a module, or an MLP size given with the numbers."""
+    if model.moe is not None and model.heads:
+        return True  # its MLP counted as the MoE blocks' (_moe_mlp)
     if not (model.ffn_hidden and model.heads):
         return False
     if model.source == "numbers":
@@ -104,9 +109,46 @@ def _is_llama_like(model: ModelShape) -> bool:
     return model.matrices_per_block == 7
 
 
+# Bytes per routed (token, slot) pair of the int64 indices a MoE block keeps for
+# backward (which token and slot each pair is, and, under expert parallelism, where it
+# was sent), and of one fp32 router probability per expert and token; measured on the
+# MoE Llama (tests/test_ep_estimate.py).
+_PAIR_INDEX_BYTES = 24
+_PAIR_INDEX_BYTES_EP = 44
+
+
+def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, expert_parallel: bool
+             ) -> tuple[float, float, float]:
+    """(full, selective, fixed bytes) per token of the feed-forward part of a block
+    averaged over the blocks: elements kept (without checkpointing; selective
+    checkpointing's matmul outputs) and bytes that do not scale with the dtype.
+
+    A MoE block keeps, per routed pair, the expert's input, its gate, activation, up and
+    product (``4 f_e``), its output and, under expert parallelism, the pair's hidden
+    state as it came back (``3h + 4 f_e``, ``4h + 4 f_e`` with EP); per token the
+    router's probabilities (fp32) and, for the shared expert, a gated MLP's ``4 f_s``.
+    A dense block of the same model keeps ``4f``. Measured on the MoE Llama."""
+    moe = model.moe
+    assert moe is not None
+    h, k, e = model.hidden, moe.top_k, moe.expert_ffn
+    c = 4 if expert_parallel else 3
+    routed = k * (c * h + 4 * e) + 4 * moe.shared_ffn / t
+    routed_selective = k * (2 * e + h) + moe.num_experts + (2 * moe.shared_ffn / t
+                                                           + h if moe.shared_ffn else 0)
+    fixed = (moe.num_experts * 4 + k * (_PAIR_INDEX_BYTES_EP if expert_parallel
+                                        else _PAIR_INDEX_BYTES)) / dtype_bytes
+    f = model.ffn_hidden or 4 * h
+    dense = model.layers - moe.moe_layers
+    layers = max(1, model.layers)
+    full = (dense * 4 * f / t + moe.moe_layers * (routed + fixed)) / layers
+    selective = (dense * (2 * f / t + h) + moe.moe_layers * (routed_selective + fixed)) / layers
+    return full, selective, fixed
+
+
 def _llama_activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int, recompute: bool,
+    expert_parallel: bool = False,
 ) -> int:
     """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
     autograd keeps for backward, counted from the block's structure (measured on the
@@ -135,6 +177,10 @@ def _llama_activation_bytes(
     eager = workload.attention == "eager"
     attention = (4 * h + a + (a * s if eager else 0)) / t
     mlp = 4 * f / t
+    # the matmul outputs selective checkpointing keeps of the MLP: gate, up, down
+    mlp_selective = 2 * f / t + h
+    if model.moe is not None:
+        mlp, mlp_selective, _ = _moe_mlp(model, t, bytes_of(dtype), expert_parallel)
     if t > 1 and sequence_parallel:
         norms = 2 * (2 * h / t + 1 / t + h)
         block_input = h / t
@@ -142,7 +188,7 @@ def _llama_activation_bytes(
         norms = 2 * (3 * h + 1)
         block_input = h
     full_block = norms + attention + mlp
-    matmul_outputs = (h + 2 * kv + 2 * f) / t + 2 * h
+    matmul_outputs = (h + 2 * kv) / t + h + mlp_selective
     # Selective checkpointing saves collective outputs too (the plugin's default): under
     # TP the row-parallel outputs' all-reduces (2h), or with sequence parallelism the
     # gathered inputs (2h) and the reduce-scattered outputs (2h/t). Derived, not measured.
@@ -196,7 +242,11 @@ def memory_per_rank(
     pbytes, abytes = bytes_of(dtype), bytes_of(dtype)
     ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
     every = layout.checkpoint_every
-    local = sum(g.local_numel(tp, shard) * g.count for g in model.groups)
+    # a group sharded apart (expert parallelism's experts) over the shard dims without
+    # the dims it differs along
+    shards = {g.name: shard if not g.apart else layout.shard_size(g.apart)
+              for g in model.groups}
+    local = sum(g.local_numel(tp, shards[g.name]) * g.count for g in model.groups)
     params_b = local * (2 if mixed else pbytes)
     grads_b = local * (2 if mixed else pbytes)
     if shard > 1 and workload.grad_accum > 1 and workload.sync == "last":
@@ -205,11 +255,12 @@ def memory_per_rank(
     by_mode = {m: activation_bytes(model, local_workload(layout, workload), dtype, tp=tp,
                                    sequence_parallel=layout.sequence_parallel,
                                    loss_parallel=layout.loss_parallel, mode=m,
-                                   every=every if m == mode else 1)
+                                   every=every if m == mode else 1,
+                                   expert_parallel=layout.experts_size() > 1)
                for m in AC_MODES}
     buffers = 0
     blocks = [g for g in model.groups if g.block and g.numel]
-    largest = max((g.padded_numel(tp, shard) for g in blocks), default=0)
+    largest = max((g.padded_numel(tp, shards[g.name]) for g in blocks), default=0)
     if shard > 1:
         # the unsharded parameters of the current and the prefetched group, and the
         # unsharded gradients of one group before its reduce-scatter

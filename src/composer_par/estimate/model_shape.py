@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.moe_shape import MoEShape, moe_from_config
 from composer_par.estimate.units import format_count
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ class TensorShape:
     # in the model's parameter order (0: before the first, e.g. the embedding; the block
     # count: after the last, e.g. the output head). None when not known.
     position: int | None = None
+    # Routed experts fused on tensor dim 0 ([num_experts, ...]): expert parallelism
+    # splits that dim, and TP leaves the tensor whole.
+    experts: bool = False
 
     @property
     def numel(self) -> int:
@@ -48,6 +52,8 @@ class TensorShape:
         out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "tp": self.tp}
         if self.position is not None:
             out["position"] = self.position
+        if self.experts:
+            out["experts"] = True
         return out
 
 
@@ -59,6 +65,9 @@ class ParamGroup:
     tensors: tuple[TensorShape, ...]
     block: bool = True
     count: int = 1  # identical groups (the blocks of an analytic model)
+    # Mesh dims the group's parameters differ along (expert parallelism's experts): data
+    # parallelism shards or replicates it over its dims without these.
+    apart: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -73,7 +82,12 @@ class ParamGroup:
 
     def untouched_numel(self) -> int:
         """Elements of tensors TP does not split (norm weights, biases of 1 tensor dim)."""
-        return sum(t.numel for t in self.tensors if not t.tp)
+        return sum(t.numel for t in self.tensors if not t.tp and not t.experts)
+
+    @property
+    def experts_numel(self) -> int:
+        """Elements of its routed experts' tensors."""
+        return sum(t.numel for t in self.tensors if t.experts)
 
 
 _CONFIG_KEYS = {
@@ -104,6 +118,22 @@ class ModelShape:
     # The attention kernel the model says it runs (a Hugging Face config's
     # _attn_implementation: "eager", "sdpa", "flash_attention_2", ...), when it says.
     attention: str | None = None
+    # A mixture-of-experts model's routed experts (None: a dense model).
+    moe: MoEShape | None = None
+
+    @property
+    def experts_params(self) -> int:
+        """Parameters of the routed experts, every MoE block's."""
+        return sum(g.experts_numel * g.count for g in self.groups)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: all but the routed experts it is not sent
+        to (``top_k`` of ``num_experts`` per MoE block)."""
+        if self.moe is None or not self.experts_params:
+            return self.params
+        experts = self.experts_params
+        return self.params - experts + experts * self.moe.top_k // self.moe.num_experts
 
     @property
     def attention_kind(self) -> str | None:
@@ -124,6 +154,9 @@ class ModelShape:
         kv_heads: int | None = None,
         ffn_hidden: int | None = None,
         vocab: int | None = None,
+        moe: MoEShape | None = None,
+        attention_params: int | None = None,
+        tied_embeddings: bool = False,
     ) -> ModelShape:
         """An analytic transformer: ``layers`` identical blocks plus the rest (embeddings,
         output head). Missing sizes are derived, and listed in ``assumed``:
@@ -132,6 +165,13 @@ class ModelShape:
         * heads = hidden / 128; per-block parameters 12 * hidden**2 (4 for attention, 8 for
           a 4x MLP) or, given heads / kv_heads / ffn_hidden, the Llama count;
         * params from the shape when not given.
+
+        ``attention_params``: one block's attention parameters when the count from the
+        heads is not theirs (a head dim other than hidden / heads, latent attention).
+        ``moe``: the blocks ``moe.layers`` hold a router, ``moe.num_experts`` routed
+        experts (fused as one ``[num_experts, ...]`` tensor) and the shared expert in
+        place of the dense MLP of ``ffn_hidden``; ``layers`` and ``hidden`` are then
+        required.
         """
         assumed: list[str] = []
         for name, value in (("params", params), ("layers", layers), ("hidden", hidden),
@@ -143,6 +183,14 @@ class ModelShape:
         if params is None and (layers is None or hidden is None):
             raise EstimateError("give the parameter count (--params), or the layers and the "
                                 "hidden size (--layers, --hidden)")
+        if moe is not None:
+            if layers is None or hidden is None:
+                raise EstimateError("a mixture-of-experts model needs its layers and hidden "
+                                    "size (--layers, --hidden)")
+            return cls._moe_numbers(layers=layers, hidden=hidden, heads=heads,
+                                    kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab,
+                                    moe=moe, attention_params=attention_params,
+                                    tied_embeddings=tied_embeddings)
         if hidden is None:
             assert params is not None  # checked above
             if layers is not None:
@@ -161,10 +209,11 @@ class ModelShape:
             raise EstimateError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         kv = kv_heads if kv_heads is not None else heads
         head_dim = hidden // heads
-        attention = hidden * head_dim * (2 * heads + 2 * kv)
+        attention = (attention_params if attention_params is not None
+                     else hidden * head_dim * (2 * heads + 2 * kv))
         mlp = 3 * hidden * ffn_hidden if ffn_hidden else 8 * hidden * hidden
         per_block = attention + mlp + 2 * hidden
-        embeddings = 2 * vocab * hidden + hidden if vocab else 0
+        embeddings = (1 if tied_embeddings else 2) * vocab * hidden + hidden if vocab else 0
         if params is None:
             params = layers * per_block + embeddings
         elif layers * per_block > params:
@@ -183,6 +232,52 @@ class ModelShape:
                    source="numbers", assumed=tuple(assumed))
 
     @classmethod
+    def _moe_numbers(
+        cls, *, layers: int, hidden: int, heads: int | None, kv_heads: int | None,
+        ffn_hidden: int | None, vocab: int | None, moe: MoEShape,
+        attention_params: int | None, tied_embeddings: bool,
+    ) -> ModelShape:
+        """:meth:`from_numbers` of a mixture-of-experts transformer: dense blocks (the
+        blocks not in ``moe.layers``) and MoE blocks as two groups of identical blocks."""
+        assumed: list[str] = []
+        if heads is None:
+            heads = max(1, hidden // 128)
+            assumed.append(f"heads {heads} (head dim 128)")
+        if hidden % heads:
+            raise EstimateError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        if any(i < 0 or i >= layers for i in moe.layers):
+            raise EstimateError(f"MoE blocks {list(moe.layers)} outside the {layers} blocks")
+        kv = kv_heads if kv_heads is not None else heads
+        attention = (attention_params if attention_params is not None
+                     else hidden * (hidden // heads) * (2 * heads + 2 * kv))
+        norms = TensorShape("block.norms", (2 * hidden,), tp=False)
+        groups = []
+        dense = layers - moe.moe_layers
+        if dense:
+            mlp = 3 * hidden * ffn_hidden if ffn_hidden else 8 * hidden * hidden
+            groups.append(ParamGroup("blocks", (
+                TensorShape("block.matrices", (-(-(attention + mlp) // hidden), hidden)),
+                norms), count=dense))
+        if moe.moe_layers:
+            # attention, the router and the shared expert: what TP may split
+            matrices = attention + moe.num_experts * hidden + 3 * hidden * moe.shared_ffn
+            per_expert = moe.expert_size(hidden)
+            experts = ((moe.num_experts, per_expert // hidden, hidden)
+                       if per_expert % hidden == 0 else (moe.num_experts, per_expert))
+            groups.append(ParamGroup("moe blocks", (
+                TensorShape("block.matrices", (-(-matrices // hidden), hidden)),
+                TensorShape("block.experts", experts, tp=False, experts=True),
+                norms), count=moe.moe_layers))
+        if vocab:
+            rows = (1 if tied_embeddings else 2) * vocab + 1
+            groups.append(ParamGroup("root", (TensorShape("root", (rows, hidden)),),
+                                     block=False))
+        params = sum(g.numel * g.count for g in groups)
+        return cls(params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
+                   ffn_hidden=ffn_hidden, vocab=vocab, groups=tuple(groups),
+                   source="numbers", assumed=tuple(assumed), moe=moe)
+
+    @classmethod
     def from_module(
         cls, model: nn.Module, block_spec: BlockSpec | None = None, *, source: str = "",
         **overrides: int | None,
@@ -195,6 +290,9 @@ class ModelShape:
         from composer_par.blocks import clean_name, find_blocks
 
         blocks = find_blocks(model, block_spec)
+        config = getattr(model, "config", None)
+        moe = moe_from_config(config, len(blocks)) if config is not None else None
+        experts = _experts_tensors(model, moe.num_experts) if moe is not None else set()
         seen: set[int] = set()
         groups: list[ParamGroup] = []
         for path, block in blocks:
@@ -202,8 +300,10 @@ class ModelShape:
             for name, p in block.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
+                    routed = id(p) in experts
                     tensors.append(TensorShape(clean_name(f"{path}.{name}"), tuple(p.shape),
-                                               tp=p.dim() >= 2))
+                                               tp=p.dim() >= 2 and not routed,
+                                               experts=routed))
             groups.append(ParamGroup(clean_name(path), tuple(tensors), block=True))
         block_of = {id(p): index for index, (_, block) in enumerate(blocks)
                     for p in block.parameters()}
@@ -218,7 +318,14 @@ class ModelShape:
                                         position=passed))
         if root:
             groups.append(ParamGroup("root", tuple(root), block=False))
-        config = getattr(model, "config", None)
+        if moe is not None:
+            # the blocks that hold routed experts, and one expert's elements, as measured
+            layers_with = tuple(i for i, g in enumerate(groups[:len(blocks)])
+                                if g.experts_numel)
+            per_expert = next((g.experts_numel // moe.num_experts for g in groups
+                               if g.experts_numel), None)
+            moe = (attrs.evolve(moe, layers=layers_with, expert_numel=per_expert)
+                   if layers_with else None)
         found: dict[str, int | None] = {}
         for key, names in _CONFIG_KEYS.items():
             found[key] = next((int(getattr(config, n)) for n in names
@@ -260,7 +367,8 @@ class ModelShape:
                    dtype=dtypes.pop() if len(dtypes) == 1 else None, matrices_per_block=matrices,
                    source=source or "model",
                    assumed=tuple(assumed),
-                   attention=implementation if isinstance(implementation, str) else None)
+                   attention=implementation if isinstance(implementation, str) else None,
+                   moe=moe)
 
     def with_units(self, entries: Sequence[str | tuple[str, ...]]
                    ) -> tuple[ModelShape, list[str]]:
@@ -301,6 +409,9 @@ class ModelShape:
             parts.append(f"vocab {self.vocab}")
         if self.attention:
             parts.append(f"attention {self.attention} (its config)")
+        if self.moe is not None:
+            parts.append(f"{self.moe.describe()}, {format_count(self.active_params)} active "
+                         "per token")
         text = ", ".join(parts)
         if self.assumed:
             text += f" (assumed: {', '.join(self.assumed)})"
@@ -312,7 +423,23 @@ class ModelShape:
             "heads": self.heads, "kv_heads": self.kv_heads, "ffn_hidden": self.ffn_hidden,
             "vocab": self.vocab, "dtype": self.dtype, "source": self.source,
             "attention": self.attention,
+            "moe": None if self.moe is None else {
+                **self.moe.to_dict(), "experts_params": self.experts_params,
+                "active_params": self.active_params},
             "assumed": list(self.assumed),
             "groups": [{"name": g.name, "params": g.numel, "count": g.count, "block": g.block}
                        for g in self.groups],
         }
+
+
+def _experts_tensors(model: nn.Module, num_experts: int) -> set[int]:
+    """The ids of the routed experts' tensors: the parameters of each module whose own
+    parameters all lead with the expert count (``[num_experts, ...]``), at least one of
+    them 3-D (transformers 5.x's and the MoE Llama's fused experts)."""
+    out: set[int] = set()
+    for module in model.modules():
+        own = [p for _, p in module.named_parameters(recurse=False)]
+        if (own and any(p.dim() == 3 for p in own)
+                and all(p.dim() >= 2 and p.shape[0] == num_experts for p in own)):
+            out.update(id(p) for p in own)
+    return out

@@ -132,6 +132,8 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
                  + (" (assumed)" if "intra_node" in assumed else "")
                  + f", inter-node {est.inter_node_gbps:g} Gbit/s"
                  + (" (assumed)" if "inter_node" in assumed else ""))
+    if est.experts is not None:
+        lines += ["", *format_experts(est)]
     if est.accumulation:
         lines += ["", *format_accumulation(est)]
     if line is not None:
@@ -139,9 +141,22 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
     lines += ["", "accounting:"] + [f"  - {a}" for a in ACCOUNTING]
     if line is not None:
         lines += [f"  - {a}" for a in PIPELINE_ACCOUNTING]
+    if est.experts is not None:
+        lines += [f"  - {a}" for a in EXPERTS_ACCOUNTING]
     if est.notes:
         lines += ["", "notes:"] + [f"  - {n}" for n in est.notes]
     return "\n".join(lines)
+
+
+EXPERTS_ACCOUNTING: tuple[str, ...] = (
+    "expert parallelism: each ep rank holds num_experts / ep experts of every MoE block, "
+    "sharded by the data-parallel plugin over its dims without ep (the dense parameters "
+    "over them and ep); per MoE block and micro-batch of T tokens a rank routes T*top_k "
+    "pairs of hidden*dtype bytes: all-to-all inputs dispatch forward and combine backward "
+    "its own pairs, combine forward and dispatch backward the pairs its experts receive "
+    "(as many under uniform routing), and num_experts int64 counts before each dispatch; "
+    "checkpointing (full or selective) runs the counts, dispatch and combine again",
+)
 
 
 PIPELINE_ACCOUNTING: tuple[str, ...] = (
@@ -156,6 +171,44 @@ PIPELINE_ACCOUNTING: tuple[str, ...] = (
     "one rank), each over the network when the peer is on another node; the bubble idles "
     "each rank and is not in the communication time",
 )
+
+
+def format_experts(est: Estimate) -> list[str]:
+    """The expert-parallel section: the experts a rank holds, its parameters (dense and
+    experts), and the all-to-alls per step, per MoE block and by where their bytes go."""
+    ex = est.experts
+    assert ex is not None and est.model.moe is not None
+    moe = est.model.moe
+    shards = " / ".join(f"{d.name}({d.size})" for d in est.layout.dims
+                        if d.role is Role.SHARD and d.size > 1)
+    further = (f", each sharded over {ex.experts_shard} rank(s) by {shards} (not {ex.dim})"
+               if ex.experts_shard > 1 else "")
+    lines = [f"expert parallelism over {ex.dim}({ex.size}): {ex.experts_per_rank} of "
+             f"{moe.num_experts} experts per rank in each of {moe.moe_layers} MoE "
+             f"block(s){further}",
+             f"  parameters per rank: {format_count(ex.dense_params)} dense + "
+             f"{format_count(ex.experts_params)} experts = "
+             f"{format_count(ex.dense_params + ex.experts_params)} (of "
+             f"{format_count(est.model.params)}); {format_count(ex.active_params)} active "
+             f"per token (top-{moe.top_k} of {moe.num_experts})"]
+    if ex.experts_shard > 1 and ex.experts_per_rank % ex.experts_shard:
+        lines.append(f"  the {ex.experts_per_rank} expert(s) per rank do not divide among the "
+                     f"{ex.experts_shard} ranks sharding them: FSDP2 cuts tensor dim 0 (the "
+                     "expert) padded to a multiple of them, so each rank holds a whole "
+                     "expert's rows, not a share of every expert")
+    rows = [(r.why, str(r.calls), format_bytes(r.payload), format_bytes(round(r.per_block)),
+             format_bytes(r.intra_bytes), format_bytes(r.inter_bytes)) for r in ex.all_to_all]
+    rows.append(("total", str(sum(r.calls for r in ex.all_to_all)),
+                 format_bytes(ex.all_to_all_bytes),
+                 format_bytes(round(sum(r.per_block for r in ex.all_to_all))),
+                 format_bytes(sum(r.intra_bytes for r in ex.all_to_all)),
+                 format_bytes(sum(r.inter_bytes for r in ex.all_to_all))))
+    lines.append(table(rows, ("ALL-TO-ALL", "CALLS", "PAYLOAD", "PER BLOCK", "INTRA-NODE",
+                              "INTER-NODE"), right=(1, 2, 3, 4, 5), indent="  "))
+    lines.append("  (uniform routing: each rank receives as many pairs as it sends; under "
+                 "uneven routing the rank whose experts receive the most moves and computes "
+                 "the most, and sets the pace of every rank)")
+    return lines
 
 
 def format_accumulation(est: Estimate) -> list[str]:

@@ -134,6 +134,10 @@ class EstimateSettings:
     # Context parallelism: each rank holds 1 / sequence_split of every sequence's tokens
     # (its activations are those of seq / sequence_split tokens).
     sequence_split: int | None = None
+    # Expert parallelism: the mesh dim whose ranks each hold num_experts / its size of
+    # every routed experts tensor (tensor dim 0), which a sharding plugin then shards
+    # over its dims without this one (composer_par_shard_apart's ``without``).
+    experts_dim: str | None = None
     # Activation checkpointing: "none", "selective" or "full", on every N-th block.
     activation_checkpoint: str | None = None
     checkpoint_every: int | None = None

@@ -307,7 +307,8 @@ def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | Non
     ``reshard_after_forward`` and mixed-precision ``param_dtype`` / ``reduce_dtype``
     (dtype names), a model-parallel one ``sequence_parallel`` / ``loss_parallel``, a
     context-parallel one ``sequence_split`` (each rank holds 1 / sequence_split of every
-    sequence's tokens), an
+    sequence's tokens), an expert-parallel one ``experts_dim`` (the mesh dim whose ranks
+    each hold num_experts / its size of every routed experts tensor), an
     activation-checkpointing one ``activation_checkpoint`` (``"none"``, ``"selective"``
     or ``"full"``) and ``checkpoint_every``. Or None. The answers are merged in plan
     order, a later plugin's set field over an earlier one's; what no plugin sets keeps

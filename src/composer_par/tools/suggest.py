@@ -13,6 +13,11 @@ Candidates, on ``nodes x devices_per_node`` ranks (mesh dims outermost first:
   ``alltoall`` mode too where cp divides the head counts each tp rank holds; considered
   only when no layout without CP fits or the activations are the largest part of every
   one that does;
+* expert-parallel layouts of a mixture-of-experts model (``ep`` innermost, the ``ep``
+  plugin): ep sizes that divide the devices of a node and the expert count, with every
+  data-parallel split of the remaining ranks (FSDP2 over ``dp_shard x ep``, HSDP, EP
+  alone) and checkpointing mode; the best says why it has ep, against the best layout
+  without, and prices the imbalance of tokens per expert as its risk;
 * pipeline layouts (``pp`` outermost, the ``pp`` plugin's 1F1B schedule, ``pp x tp``
   microbatches per step) over each of the above on the remaining ranks, with pp sizes
   that divide the node count or that it divides — considered only when no layout
@@ -46,6 +51,7 @@ from composer_par.estimate import (
     Workload,
     estimate,
     format_bytes,
+    format_count,
     format_seconds,
 )
 from composer_par.mesh import MeshSpec
@@ -73,6 +79,7 @@ class Candidate:
     pp: int = 1
     cp: int = 1
     cp_mode: str = "allgather"
+    ep: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -94,6 +101,8 @@ class Candidate:
             parts.append(f"FSDP {self.shard}")
         if self.cp > 1:
             parts.append(f"CP {self.cp}" + (" alltoall" if self.cp_mode == "alltoall" else ""))
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}")
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
         if self.ac != "none":
@@ -113,6 +122,9 @@ class Candidate:
             # inside dp_shard, outside tp: torchtitan's order, cp's groups within a node
             # when cp x tp fits one
             dims.append(("cp", self.cp))
+        if self.ep > 1:
+            # innermost with FSDP2's dp_shard: its all-to-alls inside a node (CP803)
+            dims.append(("ep", self.ep))
         if self.tp > 1:
             dims.append(("tp", self.tp))
         return MeshSpec.from_pairs(dims or [("dp_shard", 1)])
@@ -132,6 +144,8 @@ class Candidate:
                         if sequence_parallel and self.pp == 1 else {}))
         if self.cp > 1:
             out.append(("cp", {"mode": self.cp_mode, **({"seq_len": seq} if seq else {})}))
+        if self.ep > 1:
+            out.append(("ep", {}))
         if self.ac != "none":
             out.append(("activation_checkpoint", {"mode": self.ac}))
         if "dp_replicate" in mesh:
@@ -272,6 +286,25 @@ def cp_candidates(topology: Topology, model: ModelShape, seq: int, *,
     return out
 
 
+def ep_candidates(topology: Topology, model: ModelShape) -> list[Candidate]:
+    """The expert-parallel layouts suggest considers for a mixture-of-experts model: ep
+    sizes that divide the devices of a node (its all-to-alls inside it) and the expert
+    count, ``ep`` innermost, each with every data-parallel split of the remaining ranks
+    (FSDP2 over ``dp_shard x ep``, HSDP, or EP alone) and checkpointing mode; no TP."""
+    if model.moe is None:
+        return []
+    world, per_node = topology.world_size, topology.devices_per_node
+    out = []
+    for ep in _divisors(per_node):
+        if ep < 2 or world % ep or model.moe.num_experts % ep:
+            continue
+        data = world // ep
+        for replicate in _divisors(data):
+            for ac in AC_MODES:
+                out.append(Candidate(replicate, data // replicate, 1, ac, ep=ep))
+    return out
+
+
 def pipeline_sizes(topology: Topology, model: ModelShape) -> list[int]:
     """The pp sizes suggest tries: divisors of the world that divide the node count or
     that it divides (each stage on whole nodes, or each node holding whole stages), at
@@ -285,8 +318,9 @@ def layout_of(candidate: Candidate, topology: Topology, dtype: str,
               sequence_parallel: bool) -> Layout:
     mesh = candidate.mesh()
     roles = {"pp": Role.OTHER, "dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD,
-             "cp": Role.MODEL_PARALLEL, "tp": Role.MODEL_PARALLEL}
-    owners = {"pp": "pp", "dp_replicate": "hsdp", "dp_shard": "fsdp2", "cp": "cp", "tp": "tp"}
+             "cp": Role.MODEL_PARALLEL, "ep": Role.MODEL_PARALLEL, "tp": Role.MODEL_PARALLEL}
+    owners = {"pp": "pp", "dp_replicate": "hsdp", "dp_shard": "fsdp2", "cp": "cp", "ep": "ep",
+              "tp": "tp"}
     mixed = dtype in ("bfloat16", "float16")
     return Layout.build(
         mesh, topology, {n: roles[n] for n in mesh.names}, {n: owners[n] for n in mesh.names},
@@ -295,10 +329,12 @@ def layout_of(candidate: Candidate, topology: Topology, dtype: str,
         reduce_dtype="float32" if mixed else None,
         sequence_parallel=sequence_parallel and candidate.tp > 1 and candidate.pp == 1,
         activation_checkpoint=candidate.ac,
-        # data parallelism folds cp in (FSDP2 shards over dp_shard x cp); a cp rank's
-        # activations are those of seq / cp tokens
-        folded_dims=("cp",) if candidate.cp > 1 else (),
+        # data parallelism folds cp and ep in (FSDP2 shards over dp_shard x cp x ep); a
+        # cp rank's activations are those of seq / cp tokens; an ep rank holds
+        # num_experts / ep experts, sharded over the data-parallel dims without ep
+        folded_dims=tuple(d for d, n in (("cp", candidate.cp), ("ep", candidate.ep)) if n > 1),
         sequence_split=candidate.cp,
+        experts_dim="ep" if candidate.ep > 1 else None,
     )
 
 
@@ -367,6 +403,10 @@ def suggest(
                                  installed, seq=seq, micro_batch=micro_batch, dtype=dtype,
                                  optimizer=optimizer, max_tp=max_tp, allow_tp=allow_tp,
                                  attention=attention, sequence_parallel=sequence_parallel)
+    results += _expert_parallel(model, topology, device_memory, notes, registry, installed,
+                                seq=seq, micro_batch=micro_batch, dtype=dtype,
+                                optimizer=optimizer, attention=attention,
+                                sequence_parallel=sequence_parallel)
     results += _pipelines(model, topology, device_memory, results, notes, registry,
                           installed, seq=seq, micro_batch=micro_batch, dtype=dtype,
                           optimizer=optimizer, max_tp=max_tp, allow_tp=allow_tp,
@@ -450,6 +490,44 @@ def _context_parallel(
         notes.append(f"context-parallel layouts considered ({why}): cp sizes that divide "
                      "the devices of a node left by TP first; every layout still processes "
                      "the same sequences per step (cp x tp micro-batches accumulated)")
+    return out
+
+
+def _expert_parallel(
+    model: ModelShape, topology: Topology, device_memory: int, notes: list[str],
+    registry: Registry | None, installed: dict[str, tuple[str, ...]], *, seq: int,
+    micro_batch: int, dtype: str, optimizer: str, attention: str, sequence_parallel: bool,
+) -> list[Ranked]:
+    """The expert-parallel layouts of a mixture-of-experts model, estimated through the
+    installed ``ep`` plugin's own terms (its all-to-alls) and the experts it holds."""
+    found = ep_candidates(topology, model)
+    if not found:
+        return []
+    if "ep" not in installed:
+        notes.append("the ep plugin is not installed: expert-parallel layouts not considered")
+        return []
+    from composer_par.plan import ParallelPlan
+    from composer_par.plugin.registry import Registry
+
+    reg = registry or Registry()
+    mixed = dtype in ("bfloat16", "float16")
+    out = []
+    for candidate in found:
+        workload = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype,
+                            reduce_dtype="float32" if mixed else None, optimizer=optimizer,
+                            activation_checkpoint=candidate.ac, attention=attention)
+        layout = layout_of(candidate, topology, dtype, sequence_parallel)
+        plan = ParallelPlan(candidate.mesh())
+        for name, options in candidate.plugins(dtype, sequence_parallel, seq):
+            if name in ("ep", "fsdp2", "hsdp"):  # the plugins whose terms the estimate asks
+                plan.use(reg.get(name)(**options))
+        est = estimate(layout, model, workload, plan=plan, device_memory=device_memory)
+        out.append(Ranked(candidate, est))
+    moe = model.moe
+    assert moe is not None
+    notes.append(f"expert-parallel layouts considered (top-{moe.top_k} of {moe.num_experts} "
+                 "experts): ep sizes that divide the devices of a node and the expert count, "
+                 "innermost; their all-to-alls are estimated for uniform routing")
     return out
 
 
@@ -606,7 +684,7 @@ def _why_pipeline(best: Ranked, results: Sequence[Ranked]) -> list[str]:
 
 
 def _same_cp(a: Candidate, b: Candidate) -> bool:
-    return (a.cp, a.cp_mode) == (b.cp, b.cp_mode)
+    return (a.cp, a.cp_mode, a.ep) == (b.cp, b.cp_mode, b.ep)
 
 
 def _why_context_parallel(best: Ranked, results: Sequence[Ranked],
@@ -634,6 +712,63 @@ def _why_context_parallel(best: Ranked, results: Sequence[Ranked],
             f"{format_bytes(fastest.estimate.memory.activations)}); " + ours]
 
 
+#: The ratio of the most loaded ep rank's routed pairs to the mean that suggest prices
+#: as the imbalance risk of an expert-parallel layout.
+IMBALANCE = 2.0
+
+
+def imbalance_risk(est: Estimate, factor: float = IMBALANCE) -> str:
+    """What tokens-per-expert imbalance costs an expert-parallel estimate: the rank whose
+    experts receive ``factor`` times the mean pairs moves that many in its combine
+    (forward) and dispatch (backward) and computes that many, and every rank waits."""
+    ex = est.experts
+    if ex is None:
+        return ""
+    ep = next(t for t in est.traffic if t.dim.name == ex.dim)
+    received = sum(r.payload for r in ex.all_to_all
+                   if r.why.startswith(("combine, forward", "dispatch, backward")))
+    share = received / ex.all_to_all_bytes if ex.all_to_all_bytes else 0.0
+    slower = ep.seconds * (1 + share * (factor - 1))
+    return (f"risk: tokens-per-expert imbalance. The estimate assumes uniform routing; the "
+            f"ep rank whose experts receive the most pairs sets the pace of every rank: at "
+            f"{factor:g}x the mean, its all-to-alls take {format_seconds(slower)} instead of "
+            f"{format_seconds(ep.seconds)} per step and its expert compute {factor:g}x; "
+            "watch routing_stats (rank_max / rank_mean) and the router's balancing loss")
+
+
+def _why_expert_parallel(best: Ranked, results: Sequence[Ranked],
+                         device_memory: int) -> list[str]:
+    """Why the best layout has EP (against FSDP2 alone), and its imbalance risk."""
+    c, est = best.candidate, best.estimate
+    ex = est.experts
+    if ex is None:
+        return []
+    shard = (f", sharded over the {ex.experts_shard} data-parallel rank(s) without ep"
+             if ex.experts_shard > 1 else "")
+    ep = next(t for t in est.traffic if t.dim.name == ex.dim)
+    ours = (f"each rank holds {ex.experts_per_rank} of every MoE block's "
+            f"{est.model.moe.num_experts if est.model.moe else '?'} experts{shard}, "
+            f"{format_count(ex.dense_params + ex.experts_params)} parameters in all; the "
+            f"all-to-alls move {format_bytes(ex.all_to_all_bytes)} per step inside a node "
+            f"({format_seconds(ep.seconds)})")
+    without = [r for r in results if r.candidate.ep == 1 and r.candidate.pp == 1]
+    fitting = [r for r in without if r.fits]
+    if not fitting:
+        smallest = min(without, key=lambda r: r.estimate.memory.total, default=None)
+        lead = (f"EP {c.ep}: no layout without EP fits; the smallest "
+                f"({smallest.candidate.label()}) needs "
+                f"{format_bytes(smallest.estimate.memory.total)} > "
+                f"{format_bytes(device_memory)}; " if smallest else f"EP {c.ep}: ")
+        out = [lead + ours]
+    else:
+        fastest = min(fitting, key=_rank_key)
+        out = [f"EP {c.ep}: faster than the best layout without EP "
+               f"({fastest.candidate.label()}: {format_seconds(fastest.seconds)} per step, "
+               f"{format_bytes(fastest.estimate.inter_bytes)} across nodes per rank, where "
+               "every rank gathers every expert); " + ours]
+    return [*out, imbalance_risk(est)]
+
+
 def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[str]:
     """Why the best layout has PP, TP, HSDP, activation checkpointing (or not)."""
     c, est = best.candidate, best.estimate
@@ -644,6 +779,8 @@ def _why(best: Ranked, results: Sequence[Ranked], device_memory: int) -> list[st
         out += _why_pipeline(best, results)
     if c.cp > 1:
         out += _why_context_parallel(best, results, device_memory)
+    if c.ep > 1:
+        out += _why_expert_parallel(best, results, device_memory)
     # the other choices against layouts with the same pipeline size
     results = [r for r in results if r.candidate.pp == c.pp]
     if c.tp > 1:
@@ -777,5 +914,5 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
 
 
 __all__ = ["DEFAULT_DEVICE_TFLOPS", "Candidate", "Ranked", "Suggestion", "candidates",
-           "compute_seconds", "cp_candidates", "crosses_with_collectives", "format_suggestion",
-           "pipeline_sizes", "plan_file", "suggest"]
+           "compute_seconds", "cp_candidates", "crosses_with_collectives", "ep_candidates",
+           "format_suggestion", "imbalance_risk", "pipeline_sizes", "plan_file", "suggest"]
