@@ -583,7 +583,7 @@ BAD_DEMO_ARGUMENTS = [
     (["--steps", "-3"], "argument --steps: expected an int >= 1"),
     (["--nproc", "0"], "argument --nproc: expected an int from 1 to 256"),
     (["--nproc", "-1"], "argument --nproc: expected an int from 1 to 256"),
-    (["--seq-len", "1"], "argument --seq-len: expected an int from 2 to 1024"),
+    (["--seq-len", "1"], "argument --seq-len: expected an int from 2 to 131072"),
     (["--batch", "0"], "argument --batch: expected an int from 1 to 4096"),
     (["--batch", "1"], "--batch 1 is smaller than the plan's 2 data-parallel ranks"),
     (["--lr", "0"], "argument --lr: expected a finite number > 0"),
