@@ -27,6 +27,12 @@ def shard_experts(site: ExpertsSite, mesh: DeviceMesh) -> None:
     per_rank = site.num_experts // size
     for name in site.names:
         param = getattr(site.module, name)
+        if isinstance(param, DTensor):
+            raise RuntimeError(
+                f"{site.path}.{name} is a DTensor over {param.device_mesh.mesh_dim_names} "
+                "already: a plugin earlier in the tensor_parallel stage distributed it. List "
+                "ep before the other model-parallel plugins in the plan (or give it before = "
+                "[...] naming them): EP places the experts, and TP leaves them as they are")
         local = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                      shape=param.shape, stride=param.stride())
