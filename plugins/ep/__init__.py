@@ -12,9 +12,13 @@ EP answers ``composer_par_folded_dims`` with its dim, so data parallelism folds 
 With no data-parallel plugin in the plan, EP itself averages the dense gradients over
 ep and divides the experts' (which sum every shard's tokens) by the ep size.
 
+With ``expert_tp``, each expert is also split over the tp mesh dim (expert tensor
+parallelism): gate and up column-wise, down row-wise, the partial outputs summed over tp.
+
 Modules: ``discovery`` (which modules are experts, no torch), ``findings`` (the rule
-catalog and checks, no torch), ``dispatch`` (the all-to-all forward) and ``apply`` (the
-changes to the model). The plugin class is here.
+catalog and checks, no torch), ``expert_tp`` (how an expert splits over tp, no torch),
+``dispatch`` (the all-to-all forward) and ``apply`` (the changes to the model). The
+plugin class is here.
 """
 
 from __future__ import annotations
