@@ -120,8 +120,8 @@ def test_ep_with_activation_checkpointing_matches_single_process() -> None:
 @pytest.mark.timeout(300)
 def test_ep_with_tp_matches_single_process() -> None:
     """ep(2) x tp(2): attention split over tp, experts over ep (whole on both tp ranks,
-    which read the same samples). replicate_rest=false: a router weight replicated as a
-    DTensor would make the routing DTensors (no bincount for those)."""
+    which read the same samples). replicate_rest=false: the norms and the router stay
+    plain tensors (with it on, its default: tests/test_ep_tp.py)."""
     plan = ep_plan(2, plugins='[[plugins]]\nname = "tp"\nreplicate_rest = false')
     _parity("moe_llama", plan.replace("ep = 2", "ep = 2\ntp = 2"), 4)
 

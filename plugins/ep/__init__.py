@@ -12,9 +12,13 @@ EP answers ``composer_par_folded_dims`` with its dim, so data parallelism folds 
 With no data-parallel plugin in the plan, EP itself averages the dense gradients over
 ep and divides the experts' (which sum every shard's tokens) by the ep size.
 
+With ``expert_tp``, each expert is also split over the tp mesh dim (expert tensor
+parallelism): gate and up column-wise, down row-wise, the partial outputs summed over tp.
+
 Modules: ``discovery`` (which modules are experts, no torch), ``findings`` (the rule
-catalog and checks, no torch), ``dispatch`` (the all-to-all forward) and ``apply`` (the
-changes to the model). The plugin class is here.
+catalog and checks, no torch), ``expert_tp`` (how an expert splits over tp, no torch),
+``dispatch`` (the all-to-all forward) and ``apply`` (the changes to the model). The
+plugin class is here.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from .findings import (
     capacity_finding,
     crossing_finding,
     divisibility_findings,
+    expert_tp_findings,
     no_experts_finding,
 )
 
@@ -68,6 +73,17 @@ def _capacity_factor(value: Any) -> float | None:
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
+def _expert_tp(value: Any) -> str | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "tp"
+    if isinstance(value, str) and value.isidentifier():
+        return value
+    raise OptionError(f"expert_tp must be true (the tp mesh dim), a mesh dim name, or "
+                      f"false; got {value!r}")
+
+
 def _has_data_parallel(plan: PlanView) -> bool:
     return any("data_parallel" in d.provides for d in plan.declarations())
 
@@ -78,7 +94,11 @@ class EP(Plugin):
 
     Options: ``dim`` (default ``ep``); ``capacity_factor`` (None: dropless, the
     default; a number > 0: each rank sends each expert at most ``ceil(capacity_factor *
-    routed pairs / num_experts)`` pairs, dropping the rest: CP804); ``after`` /
+    routed pairs / num_experts)`` pairs, dropping the rest: CP804); ``expert_tp``
+    (None, the default: each ep rank's experts whole on every rank of the other dims;
+    ``True`` or a mesh dim name (``True`` is ``"tp"``): expert tensor parallelism, each
+    expert's gate and up projections split column-wise and its down projection row-wise
+    over that dim, the partial outputs summed over it: CP805, CP806); ``after`` /
     ``before``.
     """
 
@@ -89,6 +109,7 @@ class EP(Plugin):
 
     dim: str = dim_option("ep")
     capacity_factor: float | None = attrs.field(default=None, converter=_capacity_factor)
+    expert_tp: str | None = attrs.field(default=None, converter=_expert_tp)
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
@@ -177,7 +198,9 @@ class EP(Plugin):
                   "their experts' ranks and back by all-to-all ("
                   + ("dropless" if self.capacity_factor is None else
                      f"capacity factor {self.capacity_factor:g}: pairs beyond it dropped")
-                  + ")")]
+                  + ")" + ("" if self.expert_tp is None else
+                           f"; each expert split over {self.expert_tp} (gate/up column-wise,"
+                           f" down row-wise), partial outputs summed over {self.expert_tp}"))]
         if not _has_data_parallel(plan):
             steps.append(("finalize", f"average the dense gradients over {self.dim}; divide "
                           f"the experts' by {self.dim}'s size"))
@@ -197,6 +220,8 @@ class EP(Plugin):
         if size < 1:
             return []  # not known without a world size
         found = divisibility_findings(sites, size, self.dim)
+        if self.expert_tp is not None:
+            found += expert_tp_findings(sites, mesh, self.expert_tp)
         topology = plan.topology
         if topology is not None and size > 1:
             crossing = crossing_finding(mesh, topology, self.dim, sites)
@@ -208,27 +233,39 @@ class EP(Plugin):
 
     @hookimpl
     def composer_par_tensor_parallel(self, ctx: ApplyContext) -> str:
-        from .apply import install_dispatch, shard_experts
+        from .apply import install_dispatch, shard_experts, split_experts
 
         size = ctx.mesh.size(self.dim)
         sites = find_experts(ctx.model)
-        if size == 1:
+        tp = self.expert_tp if self.expert_tp is not None and \
+            ctx.mesh.size(self.expert_tp) > 1 else None
+        if size == 1 and tp is None:
             return f"{self.dim}(1): every rank holds all experts of {len(sites)} module(s)"
         errors = divisibility_findings(sites, size, self.dim)
+        if self.expert_tp is not None:
+            errors += expert_tp_findings(sites, ctx.mesh, self.expert_tp)
         if errors:  # validate() ran already; the model changed since (a convert stage)
             raise RuntimeError("EP no longer fits the model:\n" +
                                "\n".join(f.format() for f in errors))
         mesh = ctx.submesh(self.dim)
         group = mesh.get_group()
+        tp_mesh = ctx.submesh(tp) if tp is not None else None
         for site in sites:
-            shard_experts(site, mesh)
-            install_dispatch(site, group, self.capacity_factor)
+            if tp is None:
+                shard_experts(site, mesh)
+            else:
+                # Both dims in the mesh's order (outermost first), as DeviceMesh slices.
+                dims = tuple(d for d in ctx.mesh.names if d in (self.dim, tp))
+                split_experts(site, ctx.submesh(*dims), self.dim, tp)
+            install_dispatch(site, group, self.capacity_factor, tp_mesh)
         ctx.notes["ep_experts"] = [(s.path, s.num_experts) for s in sites]
         counts = sorted({s.num_experts for s in sites})
         return (f"{len(sites)} experts module(s) of {'/'.join(map(str, counts))} experts: "
                 f"{counts[0] // size} per rank over {self.dim}({size}); token all-to-all "
                 + ("(dropless)" if self.capacity_factor is None else
-                   f"(capacity factor {self.capacity_factor:g})"))
+                   f"(capacity factor {self.capacity_factor:g})")
+                + ("" if tp is None else
+                   f"; each expert split over {tp}({ctx.mesh.size(tp)})"))
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:

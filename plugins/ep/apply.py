@@ -6,7 +6,7 @@ data-parallel plugin, gradients are averaged over the ep ranks."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ def shard_experts(site: ExpertsSite, mesh: DeviceMesh) -> None:
     per_rank = site.num_experts // size
     for name in site.names:
         param = getattr(site.module, name)
+        _refuse_distributed(site, name, param)
         local = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                      shape=param.shape, stride=param.stride())
@@ -34,12 +35,55 @@ def shard_experts(site: ExpertsSite, mesh: DeviceMesh) -> None:
             name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
+def split_experts(site: ExpertsSite, mesh: DeviceMesh, ep_dim: str, tp_dim: str) -> None:
+    """Expert tensor parallelism: replace the site's expert parameters by DTensors over
+    ``mesh`` (its dims ``ep_dim`` and ``tp_dim``), ``Shard(0)`` over ep and each one's
+    :func:`~.expert_tp.expert_splits` over tp (the output projection's bias whole)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from .expert_tp import expert_splits
+
+    splits = expert_splits(site)
+    assert splits is not None, site.path  # CP806 refused it
+    names = mesh.mesh_dim_names or ()
+    assert set(names) == {ep_dim, tp_dim}, names
+    for split in splits:
+        param = getattr(site.module, split.name)
+        _refuse_distributed(site, split.name, param)
+        over_tp: Any = Replicate()
+        if split.tensor_dim is not None:
+            # [gate; up] concatenated: each rank keeps its part of both halves.
+            over_tp = (_StridedShard(split.tensor_dim, split_factor=2) if split.packed
+                       else Shard(split.tensor_dim))
+        placements = [Shard(0) if name == ep_dim else over_tp for name in names]
+        site.module.register_parameter(split.name, nn.Parameter(
+            distribute_tensor(param.detach(), mesh, placements, src_data_rank=None),
+            requires_grad=param.requires_grad))
+
+
+def _refuse_distributed(site: ExpertsSite, name: str, param: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        raise RuntimeError(
+            f"{site.path}.{name} is a DTensor over {param.device_mesh.mesh_dim_names} "
+            "already: a plugin earlier in the tensor_parallel stage distributed it. List "
+            "ep before the other model-parallel plugins in the plan (or give it before = "
+            "[...] naming them): EP places the experts, and TP leaves them as they are")
+
+
 def install_dispatch(site: ExpertsSite, group: dist.ProcessGroup,
-                     capacity_factor: float | None = None) -> ExpertDispatch:
-    """Make the site's forward the all-to-all dispatch around its own forward."""
+                     capacity_factor: float | None = None,
+                     tp_mesh: DeviceMesh | None = None) -> ExpertDispatch:
+    """Make the site's forward the all-to-all dispatch around its own forward; with
+    ``tp_mesh`` (expert tensor parallelism), partial outputs summed over it."""
+    from .expert_tp import expert_splits
+
     module = site.module
+    whole: tuple[str, ...] = ()
+    if tp_mesh is not None:
+        whole = tuple(s.name for s in expert_splits(site) or () if s.tensor_dim is None)
     dispatch = ExpertDispatch(module, type(module).forward, site.names, site.num_experts,
-                              group, capacity_factor)
+                              group, capacity_factor, tp_mesh, whole)
     module.forward = dispatch  # type: ignore[method-assign]
     return dispatch
 

@@ -31,7 +31,8 @@ class ExpertsSite:
     num_experts: int
     names: tuple[str, ...]
     # The width of the hidden states it takes (the last tensor dim of its first weight,
-    # [num_experts, out, hidden]) and the bytes of one element: what a token moves.
+    # [num_experts, out, hidden], or its second if stored transposed) and the bytes of
+    # one element: what a token moves.
     hidden: int = 0
     element_bytes: int = 4
 
@@ -59,7 +60,9 @@ def experts_site(path: str, module: nn.Module) -> ExpertsSite | None:
     if len(names) != len(params) or count < 2:
         return None
     first = params[0][1]
-    return ExpertsSite(clean_name(path), module, count, names, hidden=int(first.shape[-1]),
+    # transformers marks experts stored [num_experts, in, out] (gpt-oss) as transposed.
+    hidden = first.shape[1] if getattr(module, "is_transposed", False) is True else first.shape[-1]
+    return ExpertsSite(clean_name(path), module, count, names, hidden=int(hidden),
                        element_bytes=first.element_size())
 
 

@@ -40,6 +40,37 @@ class _AllToAll(torch.autograd.Function):
             None, None, None
 
 
+class _SumOver(torch.autograd.Function):
+    """Forward: the sum over ``group`` of each rank's partial tensor; backward: the
+    identity (each partial gets the whole sum's gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad, None
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Forward: the identity; backward: the gradient summed over ``group``. For a tensor
+    equal on every rank of ``group`` of which each rank's computation used a part."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int],
                group: dist.ProcessGroup) -> torch.Tensor:
     """Rows ``in_splits[r]`` of ``tensor`` to rank r; ``out_splits[r]`` rows from it."""
@@ -73,13 +104,20 @@ class ExpertDispatch:
     ``capacity_factor``: None (dropless), or the factor of a capacity: each rank sends
     each expert at most ``ceil(capacity_factor * pairs / num_experts)`` of its routed
     pairs (the first in token order), the rest dropped (they add nothing to the output;
-    the token keeps its residual), as GShard and Switch Transformer do.
+    the token keeps its residual), as GShard and Switch Transformer do; ``tp_mesh``:
+    None, or the mesh dim of expert tensor parallelism, over which each expert's weights
+    are split and the pairs' partial outputs summed (``whole``: the parameters kept whole
+    on its ranks, counted on its first rank only: the output projection's bias).
     """
 
     def __init__(self, module: nn.Module, forward: Any, names: tuple[str, ...],
                  num_experts: int, group: dist.ProcessGroup,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, tp_mesh: Any = None,
+                 whole: tuple[str, ...] = ()) -> None:
         self.module = module
+        self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        self.tp_first = tp_mesh is None or tp_mesh.get_local_rank() == 0
+        self.whole = whole
         self.capacity_factor = capacity_factor
         # Pairs the capacity dropped in the last forward, on this rank.
         self.dropped = 0
@@ -98,6 +136,10 @@ class ExpertDispatch:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         top_k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)
+        if self.tp_group is not None:
+            # Each tp rank's experts see the same tokens through its part of their
+            # weights: the tokens' gradient is the sum of the parts'.
+            hidden_states = _SumGradOver.apply(hidden_states, self.tp_group)
         # The pairs sorted by expert, so each destination rank's pairs are contiguous and
         # within them each local expert's; stable, so the order is deterministic.
         order = torch.argsort(experts, stable=True)
@@ -125,6 +167,11 @@ class ExpertDispatch:
             tensors = [t for t in local.values() if isinstance(t, torch.Tensor)]
             computed = arrived + sum((0 * t.sum() for t in tensors), arrived.new_zeros(()))
         returned = all_to_all(computed, send_splits, recv_splits, self.group)
+        if self.tp_group is not None:
+            # Each tp rank computed a partial sum of every pair's output (its part of the
+            # intermediate features): summed before the router weights, so that their
+            # gradient is whole on every tp rank.
+            returned = _SumOver.apply(returned, self.tp_group)
         router_weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, returned * router_weights[:, None])
@@ -148,4 +195,9 @@ class ExpertDispatch:
         for name in self.names:
             value = getattr(self.module, name)
             tensors[name] = value.to_local() if isinstance(value, DTensor) else value
+            if name in self.whole:
+                # Added once to the sum of the partial outputs: on the first tp rank only
+                # (zero elsewhere, still in the graph), its gradient summed over tp.
+                local = _SumGradOver.apply(tensors[name], self.tp_group)
+                tensors[name] = local if self.tp_first else local * 0
         return tensors

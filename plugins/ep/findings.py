@@ -32,6 +32,19 @@ RULES = (
          "process does), or keep it to bound each expert's work",
          "[mesh]\nep = 2\n\n[[plugins]]\nname = \"ep\"\ncapacity_factor = 1.25\n\n"
          "[[plugins]]\nname = \"meta_init\"\n"),
+    Rule("CP805", Severity.ERROR, "the experts' intermediate size does not divide among "
+         "the expert-tp ranks",
+         "make the expert_tp mesh dim's size a divisor of each expert's intermediate size "
+         "(expert tensor parallelism splits it), or leave expert_tp unset (whole experts "
+         "on every tp rank)",
+         "ParallelPlan(MeshSpec(ep=2, tp=2)).use(EP(expert_tp=True)).use(TP()).use(MetaInit())"
+         ".validate(moe_llama_with_expert_hidden_33, world_size=4)"),
+    Rule("CP806", Severity.ERROR, "expert tensor parallelism cannot split the experts",
+         "give expert_tp a mesh dim the mesh has (the tp dim); expert tensor parallelism "
+         "splits experts whose parameters it knows by name (w1/w3/w2, gate_up_proj/"
+         "up_proj/down_proj and their _bias): for others leave expert_tp unset",
+         "ParallelPlan(MeshSpec(ep=2)).use(EP(expert_tp=True)).use(MetaInit())"
+         ".validate(moe_llama, world_size=2)"),
 )
 
 #: Logical all-to-all passes per routed (token, slot) pair and MoE block in a training
@@ -95,3 +108,37 @@ def capacity_finding(factor: float) -> Finding:
         "routing is that uneven (routing_stats counts the drops)",
         fix="leave capacity_factor unset for dropless expert parallelism, or keep it to "
         "bound each expert's work")
+
+
+def expert_tp_findings(sites: list[ExpertsSite], mesh: MeshSpec, dim: str) -> list[Finding]:
+    """CP806 when the mesh lacks ``dim`` or a site's parameters are not ones expert
+    tensor parallelism knows; CP805 when ``dim``'s size does not divide a site's
+    intermediate size."""
+    from .expert_tp import expert_splits, intermediate_size
+
+    if dim not in mesh:
+        return [Finding(
+            "CP806", f"expert_tp names mesh dim {dim!r}, which the mesh "
+            f"({', '.join(mesh.names) or 'empty'}) lacks: nothing to split the experts over",
+            fix=f"add {dim} to the mesh (the tp dim TP claims), or leave expert_tp unset")]
+    size = mesh.size(dim)
+    found = []
+    for site in sites:
+        splits = expert_splits(site)
+        width = intermediate_size(site, splits) if splits is not None else None
+        if splits is None or width is None:
+            found.append(Finding(
+                "CP806", f"{site.path} ({type(site.module).__name__}) holds "
+                f"{', '.join(site.names)}: expert tensor parallelism knows which to split "
+                "column-wise and which row-wise only for w1/w3/w2 and gate_up_proj/up_proj/"
+                "down_proj (and their _bias)",
+                fix="leave expert_tp unset: each ep rank's experts then stay whole on every "
+                f"{dim} rank"))
+        elif size > 0 and width % size:
+            near = [d for d in range(1, width + 1) if width % d == 0 and d <= 64]
+            found.append(Finding(
+                "CP805", f"{site.path}'s experts have intermediate size {width}, which "
+                f"{dim}({size}) does not divide: expert tensor parallelism gives each {dim} "
+                "rank an equal part of every expert",
+                fix=f"make {dim} one of {near}, or leave expert_tp unset"))
+    return found

@@ -47,6 +47,7 @@ from composer_par.plugin import (
 
 from .apply import (
     apply_resolution,
+    leave_distributed,
     replicate_rest,
     replicate_style,
     retie,
@@ -213,6 +214,7 @@ class TP(Plugin):
         if errors:  # validate() ran already; the model changed since (a convert stage)
             raise RuntimeError("TP plan no longer fits the model:\n" +
                                "\n".join(f.format() for f in errors))
+        left = leave_distributed(resolution)
         mesh = ctx.submesh(self.dim)
         apply_resolution(resolution, mesh)
         localized = set_local_head_counts(resolution.local_heads)
@@ -233,6 +235,8 @@ class TP(Plugin):
                 m for f in resolution.fallbacks for m in f.modules)
         if localized:
             text += f"; head counts made local in {localized} attention module(s)"
+        if left:
+            text += f"; {len(left)} module(s) already distributed left as they are"
         if self.sequence_parallel:
             text += "; sequence parallel"
         if self.loss_parallel:

@@ -106,6 +106,28 @@ def parameter_placement(style: str, ndim: int, split_factor: int | None = None) 
     return Shard(dim)
 
 
+def distributed_elsewhere(module: Any) -> bool:
+    """Whether every parameter the module owns is a DTensor already: another model-parallel
+    transform earlier in the stage (expert parallelism's experts) placed them and wrapped
+    the module's forward around them. TP leaves such a module whole: no style, and not
+    replicated (its inputs wrapped as DTensors would reach that forward)."""
+    from torch.distributed.tensor import DTensor
+
+    own = [p for p in module._parameters.values() if p is not None]
+    return bool(own) and all(isinstance(p, DTensor) for p in own)
+
+
+def leave_distributed(resolution: Resolution) -> list[str]:
+    """Drop from ``resolution`` the module entries, rest modules and parameter entries
+    (of owners) that :func:`distributed_elsewhere`; the modules' paths."""
+    left = [path for path, module, _ in resolution.entries if distributed_elsewhere(module)]
+    left += [path for path, module in resolution.rest if distributed_elsewhere(module)]
+    resolution.entries = [e for e in resolution.entries if e[0] not in left]
+    resolution.rest = [r for r in resolution.rest if r[0] not in left]
+    resolution.params = [p for p in resolution.params if not distributed_elsewhere(p[1])]
+    return left
+
+
 def apply_resolution(resolution: Resolution, mesh: DeviceMesh) -> None:
     import torch.nn as nn
     from torch.distributed.tensor import DTensor, distribute_tensor
