@@ -568,6 +568,24 @@ def _cp802(tmp: Path, world: World) -> Any:
     return ParallelPlan(MeshSpec(ep=2)).use(EP()), llama()  # a dense model
 
 
+@case("CP805")
+def _cp805(tmp: Path, world: World) -> Any:
+    from composer_par import EP
+
+    world(4)  # each expert's 33 columns over tp(2)
+    return (ParallelPlan(MeshSpec(ep=2, tp=2)).use(EP(expert_tp=True)).use(TP()),
+            hf_workers.build("mixtral", meta=False, intermediate_size=33))
+
+
+@case("CP806")
+def _cp806(tmp: Path, world: World) -> Any:
+    from composer_par import EP
+
+    world(2)  # expert_tp names a tp dim the mesh lacks
+    return (ParallelPlan(MeshSpec(ep=2)).use(EP(expert_tp=True)),
+            hf_workers.build("mixtral", meta=False))
+
+
 def _cp(world: World, size: int = 2, **options: Any) -> ParallelPlan:
     from composer_par import CP
 
