@@ -21,6 +21,7 @@ mesh without the dims they name, their gradients divided by all data shards.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -741,12 +742,26 @@ def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
     for answer in answers:
         mesh = ctx.data_parallel_mesh([d for d in replicate if d not in answer.without],
                                       [d for d in shard if d not in answer.without])
+        place = functools.partial(_apart_placement, mesh.size(mesh.ndim - 1))
         for module in answer.modules:
-            fully_shard(module, **dict(options, mesh=mesh))
+            fully_shard(module, **dict(options, mesh=mesh, shard_placement_fn=place))
             done.append(module)
     set_gradient_divide_factor(done, data_shards, sum_only=not premul_sum_supported(ctx),
                                owner="fsdp2")
     return done
+
+
+def _apart_placement(shard_size: int, param: Any) -> Any:
+    """Where a module sharded apart splits a parameter: on its leading dim (the experts)
+    unless this rank holds fewer of them than there are shard ranks, when some ranks
+    would hold whole experts and others none; then on the next dim (each expert's rows),
+    as torchtitan does."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.ndim > 1 and local.shape[0] < shard_size:
+        return Shard(1)
+    return None
 
 
 def _units_text(units: list[OwnUnit]) -> str:

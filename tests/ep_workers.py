@@ -150,7 +150,14 @@ def layouts(plan_toml: str, task: str = "moe_llama") -> dict[str, tuple[Any, ...
 
     from composer_par.testing.parity import apply_to_built, build_plan
 
-    model, _, _ = apply_to_built(globals()[task], build_plan(plan_toml))
+    if ":" in task:  # another module's task
+        import importlib
+
+        module, _, task = task.partition(":")
+        tasks = vars(importlib.import_module(module))
+    else:
+        tasks = globals()
+    model, _, _ = apply_to_built(tasks[task], build_plan(plan_toml))
     out = {}
     for name, param in model.named_parameters():
         if name.endswith(("moe.experts.w1", "attention.wq.weight")) and ".0." in name:
