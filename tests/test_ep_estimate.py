@@ -283,15 +283,15 @@ def test_experts_per_rank_are_divided_by_ep_then_sharded_over_dp_shard() -> None
     assert groups == {(True, None), (False, 32)}
 
 
-def test_one_expert_per_ep_rank_is_not_divided_by_dp_shard() -> None:
-    """Mixtral over dp_shard 4 x ep 8: one expert per ep rank, whose tensors FSDP2 cuts
-    on tensor dim 0 (the expert) padded to the 4 ranks: each rank holds a whole expert,
-    and the estimate says so."""
+def test_one_expert_per_ep_rank_is_split_on_its_rows_over_dp_shard() -> None:
+    """Mixtral over dp_shard 4 x ep 8: one expert per ep rank, fewer than the 4 ranks
+    sharding it, so FSDP2 splits its rows (tensor dim 1): each rank holds a quarter of
+    its expert, and the estimate says how."""
     est = _preset_estimate("dp_shard = 4\nep = 8", 4, 8)
     ex = est.experts
     assert (ex.experts_per_rank, ex.experts_shard) == (1, 4)
-    assert ex.experts_params == est.model.experts_params // 8
-    assert "holds a whole expert" in est.format()
+    assert ex.experts_params == est.model.experts_params // 8 // 4
+    assert "splits each expert's rows" in est.format()
 
 
 def test_all_to_all_bytes_per_block_and_their_split_between_nodes() -> None:

@@ -191,11 +191,14 @@ def format_experts(est: Estimate) -> list[str]:
              f"{format_count(ex.dense_params + ex.experts_params)} (of "
              f"{format_count(est.model.params)}); {format_count(ex.active_params)} active "
              f"per token (top-{moe.top_k} of {moe.num_experts})"]
-    if ex.experts_shard > 1 and ex.experts_per_rank % ex.experts_shard:
+    if ex.experts_shard > ex.experts_per_rank:
+        lines.append(f"  fewer experts per rank ({ex.experts_per_rank}) than ranks sharding "
+                     f"them ({ex.experts_shard}): FSDP2 splits each expert's rows (tensor "
+                     "dim 1) instead")
+    elif ex.experts_shard > 1 and ex.experts_per_rank % ex.experts_shard:
         lines.append(f"  the {ex.experts_per_rank} expert(s) per rank do not divide among the "
                      f"{ex.experts_shard} ranks sharding them: FSDP2 cuts tensor dim 0 (the "
-                     "expert) padded to a multiple of them, so each rank holds a whole "
-                     "expert's rows, not a share of every expert")
+                     "expert) padded to a multiple of them")
     rows = [(r.why, str(r.calls), format_bytes(r.payload), format_bytes(round(r.per_block)),
              format_bytes(r.intra_bytes), format_bytes(r.inter_bytes)) for r in ex.all_to_all]
     rows.append(("total", str(sum(r.calls for r in ex.all_to_all)),
