@@ -671,7 +671,7 @@ class FSDP2(Plugin):
         apart_options = dict(common, mp_policy=block_policy)
         if self.reshard_after_forward is not None:
             apart_options["reshard_after_forward"] = self.reshard_after_forward
-        apart = _shard_apart(ctx, replicate, shard, apart_options)
+        apart = _shard_apart(ctx, replicate, shard, apart_options, self.gradient_divide_factor)
         # Bottom-up: each block, then the other units, then the root (whose unit holds
         # whatever no other unit took).
         for unit in units:
@@ -727,9 +727,10 @@ class FSDP2(Plugin):
 
 
 def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
-                 options: dict[str, Any]) -> list[Any]:
+                 options: dict[str, Any], factor: float | None = None) -> list[Any]:
     """``fully_shard`` the modules plugins ask to be sharded apart, each over the
-    data-parallel dims less its ``without``, dividing gradients by all data shards."""
+    data-parallel dims less its ``without``, dividing gradients by all data shards, or by
+    ``factor`` (the plan's gradient_divide_factor, which every FSDP module takes)."""
     from torch.distributed.fsdp import fully_shard
 
     answers = ctx.shard_apart()
@@ -746,8 +747,8 @@ def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
         for module in answer.modules:
             fully_shard(module, **dict(options, mesh=mesh, shard_placement_fn=place))
             done.append(module)
-    set_gradient_divide_factor(done, data_shards, sum_only=not premul_sum_supported(ctx),
-                               owner="fsdp2")
+    set_gradient_divide_factor(done, factor or data_shards,
+                               sum_only=not premul_sum_supported(ctx), owner="fsdp2")
     return done
 
 

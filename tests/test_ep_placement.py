@@ -1,6 +1,7 @@
 """FSDP2 over the experts EP shards apart: with fewer experts on an ep rank than
 data-parallel shard ranks, each expert is split on its rows (dim 1) rather than whole
-experts on some ranks and nothing on the others."""
+experts on some ranks and nothing on the others; the plan's gradient divide factor
+reaches them as it reaches every FSDP module."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def test_one_expert_per_ep_rank_is_split_on_its_rows_at_parity() -> None:
     result = check_parity(case)
     result.assert_close()
     assert result.losses[-1] < result.losses[0], result.losses
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_fsdp2_gradient_divide_factor_reaches_the_experts_too() -> None:
+    """FSDP2(gradient_divide_factor=1.0) (sum, torchtitan's convention) with EP: the
+    experts sharded apart take the plan's factor like every other FSDP module."""
+    from composer_par.testing import run_ranks
+
+    plan = FSDP2_EP.replace('name = "fsdp2"', 'name = "fsdp2"\ngradient_divide_factor = 1.0')
+    for factors in run_ranks(f"{WORKERS}:divide_factors", 4, args=(plan,)):
+        assert factors == [1.0], factors
