@@ -149,6 +149,7 @@ class EP(Plugin):
     @hookimpl
     def composer_par_tensor_parallel(self, ctx: ApplyContext) -> str:
         from .apply import install_dispatch, shard_experts
+        from .stats import routing_summary
 
         size = ctx.mesh.size(self.dim)
         sites = find_experts(ctx.model)
@@ -164,6 +165,8 @@ class EP(Plugin):
             shard_experts(site, mesh)
             install_dispatch(site, group, self.capacity_factor)
         ctx.notes["ep_experts"] = [(s.path, s.num_experts) for s in sites]
+        # For trainers that read the routing without importing EP (the demo).
+        ctx.notes["ep_routing"] = routing_summary
         counts = sorted({s.num_experts for s in sites})
         return (f"{len(sites)} experts module(s) of {'/'.join(map(str, counts))} experts: "
                 f"{counts[0] // size} per rank over {self.dim}({size}); token all-to-all "
