@@ -112,3 +112,30 @@ def test_routing_summary_folds_the_modules_of_a_step() -> None:
     assert summary.as_dict()["modules"][1] == stats[1].as_dict()
     with pytest.raises(ValueError, match="no experts module was dispatched"):
         RoutingSummary.of([])
+
+
+def test_the_moe_llama_hands_its_aux_loss_out_once_and_keeps_none_from_a_recompute(
+        ) -> None:
+    """A block that kept its loss past the step kept the loss's autograd graph, and under
+    FSDP2 the model and its process groups through it (the thread checks above)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from composer_par.models.moe_llama import MoE, MoELlama, moe_loss
+    from tests.ep_workers import moe_llama
+
+    torch.manual_seed(0)
+    model: MoELlama = moe_llama.build()
+    moe_loss(model, moe_llama.batch(0)).backward()
+    assert all(m.aux_loss is None for m in model.modules() if isinstance(m, MoE))
+    with pytest.raises(RuntimeError, match="no router run since the last aux_loss"):
+        model.aux_loss()
+    # Recomputed inside backward, a block computes its loss (recomputation must save
+    # what the forward saved) and keeps none of it.
+    block = model.layers[0]
+    out = checkpoint(block, torch.randn(2, 8, 32, requires_grad=True), use_reentrant=False)
+    loss = block.moe.aux_loss
+    assert loss is not None
+    block.moe.aux_loss = None
+    (out.sum() + loss).backward()
+    assert block.moe.aux_loss is None
