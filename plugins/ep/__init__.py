@@ -149,7 +149,6 @@ class EP(Plugin):
     @hookimpl
     def composer_par_tensor_parallel(self, ctx: ApplyContext) -> str:
         from .apply import install_dispatch, shard_experts
-        from .stats import routing_summary
 
         size = ctx.mesh.size(self.dim)
         sites = find_experts(ctx.model)
@@ -165,6 +164,8 @@ class EP(Plugin):
             shard_experts(site, mesh)
             install_dispatch(site, group, self.capacity_factor)
         ctx.notes["ep_experts"] = [(s.path, s.num_experts) for s in sites]
+        from .stats import routing_summary
+
         # For trainers that read the routing without importing EP (the demo).
         ctx.notes["ep_routing"] = routing_summary
         counts = sorted({s.num_experts for s in sites})

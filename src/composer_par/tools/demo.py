@@ -517,7 +517,7 @@ def demo_model(max_seq_len: int = MAX_SEQ_LEN) -> Any:
                              max_seq_len=max_seq_len))
 
 
-def demo_moe_model(max_seq_len: int = MAX_SEQ_LEN) -> Any:
+def demo_moe_model(max_seq_len: int = 1024) -> Any:
     """The demo's mixture-of-experts Llama: the Llama's attention, each block's
     feed-forward top-2 of 8 experts."""
     from composer_par.models.moe_llama import MoELlama, MoELlamaConfig
@@ -527,7 +527,7 @@ def demo_moe_model(max_seq_len: int = MAX_SEQ_LEN) -> Any:
                                    top_k=2, expert_hidden=128))
 
 
-def build_model(name: str, max_seq_len: int = MAX_SEQ_LEN) -> Any:
+def build_model(name: str, max_seq_len: int = 1024) -> Any:
     """The demo model ``name`` (one of :data:`MODELS`)."""
     return demo_moe_model(max_seq_len) if name == "moe-llama" else demo_model(max_seq_len)
 
