@@ -1,12 +1,15 @@
 """A trainer driven by a plan file, for torchrun:
 
     torchrun --nproc-per-node 4 examples/train.py examples/plans/fsdp_tp.toml --steps 50
+    torchrun --nproc-per-node 4 examples/train.py examples/plans/fsdp_ep.toml --model moe-llama
 
 The plan says how the model is parallelized; this file only builds the model on meta,
 applies the plan, reads its data shard, trains, and checkpoints. The batch of a step
 depends only on the step, so a run resumed with --resume from its last committed
 checkpoint (by hand, or by torchrun's --max-restarts after a lost node) ends with the
-parameters an uninterrupted run would have had, bit for bit.
+parameters an uninterrupted run would have had, bit for bit. With ``--model moe-llama``
+(a mixture-of-experts Llama) and an expert-parallel plan, each step logs its routing:
+tokens per expert and per ep rank (min/mean/max) and the tokens dropped.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
 from composer_par.hangs import name_stuck_ranks
-from composer_par.models.llama import Llama, LlamaConfig, next_token_loss
+from composer_par.models.llama import next_token_loss
+from composer_par.models.moe_llama import MoELlama, with_aux_loss
 from composer_par.plugins.cp import context_of, next_token_labels
+from composer_par.plugins.ep.stats import RoutingSummary, routing_summary
 from composer_par.teardown import run_rank
-from composer_par.tools.demo import corpus_tokens
+from composer_par.tools.demo import MODELS, build_model, corpus_tokens
 
 log = get_logger("train")
 
@@ -79,6 +84,9 @@ class StepBatches:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plan", type=Path)
+    parser.add_argument("--model", choices=MODELS, default="llama",
+                        help="the small Llama, or a mixture-of-experts Llama (8 experts, "
+                        "top-2; give it an expert-parallel plan such as plans/fsdp_ep.toml)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per data shard")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -148,8 +156,7 @@ def _show_threads() -> None:
 
 def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) -> None:
     with torch.device("meta"):
-        built = Llama(LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4,
-                                  ffn_hidden=256, max_seq_len=args.seq_len))
+        built = build_model(args.model, args.seq_len)
     model = plan.apply(built)  # validated first: a PlanError lists every problem
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # One loop for every plan: with a pipeline (a [[plugins]] name = "pp") the step runs
@@ -158,7 +165,10 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
     # every sequence: tokens, labels (shifted on the whole sequence first) and positions,
     # and its loss averages, over the cp ranks, to the mean over every token.
     cp = context_of(model)
-    trainer = plan.training_step(model, next_token_loss if cp is None else cp.cross_entropy)
+    loss_fn = next_token_loss if cp is None else cp.cross_entropy
+    if isinstance(model, MoELlama):  # the router's load-balancing loss counts too
+        loss_fn = with_aux_loss(model, loss_fn)
+    trainer = plan.training_step(model, loss_fn)
 
     step = 0
     if args.resume and _has_steps(args.checkpoint_dir, args.run_id):
@@ -191,6 +201,10 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
             trainer.clip_grad_norm_(args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+        # The routing of the step's forward under EP (a collective over the ep ranks).
+        routing = routing_summary(model, step)
+        if routing is not None:
+            _log_routing(routing, every_module=step % 10 == 0 or step == args.steps)
         if step % 10 == 0 or step == args.steps:
             log.info("step", step=step, loss=round(float(loss), 4))
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
@@ -201,6 +215,16 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
     if args.final_weights is not None:
         checkpoint.export_safetensors(model, args.final_weights)
         log.info("exported", path=str(args.final_weights))
+
+
+def _log_routing(routing: RoutingSummary, every_module: bool) -> None:
+    """The step's routing over all experts modules; with ``every_module`` each module's
+    tokens per expert too."""
+    fields = routing.as_dict()
+    modules = fields.pop("modules")
+    log.info("ep routing", **fields)
+    for module in modules if every_module else ():
+        log.info("ep routing", step=routing.step, **module)
 
 
 def _has_steps(root: Path, run: str | None) -> bool:

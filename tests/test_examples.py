@@ -23,6 +23,7 @@ LAUNCHES = {
     "hsdp.toml": ["--nodes", "2", "--devices-per-node", "4"],
     "fsdp_tp.toml": ["--world-size", "4"],
     "fsdp_cp.toml": ["--world-size", "4"],
+    "fsdp_ep.toml": ["--world-size", "4"],
     "hsdp_fsdp_tp.toml": [],  # its [topology] says 2 x 4
     "hsdp_two_nodes.toml": ["--nodes", "2", "--devices-per-node", "2"],
 }

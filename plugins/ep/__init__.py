@@ -259,6 +259,10 @@ class EP(Plugin):
                 split_experts(site, ctx.submesh(*dims), self.dim, tp)
             install_dispatch(site, group, self.capacity_factor, tp_mesh)
         ctx.notes["ep_experts"] = [(s.path, s.num_experts) for s in sites]
+        from .stats import routing_summary
+
+        # For trainers that read the routing without importing EP (the demo).
+        ctx.notes["ep_routing"] = routing_summary
         counts = sorted({s.num_experts for s in sites})
         return (f"{len(sites)} experts module(s) of {'/'.join(map(str, counts))} experts: "
                 f"{counts[0] // size} per rank over {self.dim}({size}); token all-to-all "

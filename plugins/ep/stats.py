@@ -4,7 +4,10 @@ Each experts module's dispatch keeps the counts of its last forward (no gradient
 extra collective in the step); :func:`routing_stats` sums them over the ep group, a
 collective every ep rank calls, and :func:`log_routing` logs them as one event per
 experts module on a structlog logger (``composer_par.logging.get_logger``: JSON when the
-log is).
+log is). :func:`routing_summary` folds a step's modules into one
+:class:`RoutingSummary` (min/mean/max per expert and per ep rank, and the drops) for a
+progress line or a ``--json`` result; EP notes it as ``plan.notes["ep_routing"]``, so a
+trainer reads it without importing EP.
 """
 
 from __future__ import annotations
@@ -60,6 +63,52 @@ def routing_stats(model: nn.Module) -> list[RoutingStats]:
     return out
 
 
+@attrs.frozen
+class RoutingSummary:
+    """One step's routing over every experts module: the routed pairs an expert received
+    (min/mean/max over the experts of all modules), the pairs an ep rank computed in one
+    module (min/mean/max over the ranks and the modules), the pairs dropped, and each
+    module's :class:`RoutingStats`."""
+
+    step: int | None
+    expert_min: int
+    expert_mean: float
+    expert_max: int
+    rank_min: int
+    rank_mean: float
+    rank_max: int
+    dropped: int
+    modules: tuple[RoutingStats, ...]
+
+    @classmethod
+    def of(cls, stats: list[RoutingStats], step: int | None = None) -> RoutingSummary:
+        if not stats:
+            raise ValueError("no experts module was dispatched: nothing to summarize")
+        counts = [n for entry in stats for n in entry.tokens_per_expert]
+        return cls(step, min(counts), sum(counts) / len(counts), max(counts),
+                   min(e.rank_min for e in stats),
+                   sum(e.rank_mean for e in stats) / len(stats),
+                   max(e.rank_max for e in stats), sum(e.dropped for e in stats),
+                   tuple(stats))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self, recurse=False),
+                "modules": [entry.as_dict() for entry in self.modules]}
+
+    def format(self) -> str:
+        """``tokens per expert min/mean/max 9/16.0/25, per ep rank 58/64.0/70, dropped 0``."""
+        return (f"tokens per expert min/mean/max {self.expert_min}/{self.expert_mean:.1f}/"
+                f"{self.expert_max}, per ep rank {self.rank_min}/{self.rank_mean:.1f}/"
+                f"{self.rank_max}, dropped {self.dropped}")
+
+
+def routing_summary(model: nn.Module, step: int | None = None) -> RoutingSummary | None:
+    """:func:`routing_stats` of the last forward folded into one summary (a collective:
+    every rank calls it); None when no experts module was dispatched."""
+    stats = routing_stats(model)
+    return RoutingSummary.of(stats, step) if stats else None
+
+
 def log_routing(model: nn.Module, log: Any, step: int | None = None) -> list[RoutingStats]:
     """:func:`routing_stats`, logged on ``log`` (a structlog logger) as one ``ep routing``
     event per experts module."""
@@ -69,4 +118,4 @@ def log_routing(model: nn.Module, log: Any, step: int | None = None) -> list[Rou
     return stats
 
 
-__all__ = ["RoutingStats", "log_routing", "routing_stats"]
+__all__ = ["RoutingStats", "RoutingSummary", "log_routing", "routing_stats", "routing_summary"]

@@ -21,6 +21,7 @@ whatever the layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -126,7 +127,13 @@ class MoE(nn.Module):
         counts = torch.bincount(index.flatten(), minlength=probs.shape[-1])
         self.tokens_per_expert = counts.detach()
         fraction = counts.to(probs.dtype) / index.numel()
-        self.aux_loss = probs.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+        aux_loss = probs.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+        # Kept unless activation checkpointing recomputes this forward inside backward
+        # (which must still compute it: recomputation saves what the forward saved): the
+        # step's loss was taken already, and a loss kept past the step keeps the model
+        # alive (see MoELlama.aux_loss). torch's own checkpoint asks autograd the same way.
+        if torch._C._current_graph_task_id() == -1:
+            self.aux_loss = aux_loss
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
@@ -163,12 +170,19 @@ class MoELlama(nn.Module):
         return self.output(self.norm(h))
 
     def aux_loss(self) -> torch.Tensor:
-        """The sum over blocks of the last forward's load-balancing loss."""
-        losses = [m.aux_loss for m in self.modules()
-                  if isinstance(m, MoE) and m.aux_loss is not None]
-        if not losses:
-            raise RuntimeError("aux_loss() before a forward: no router has run")
-        return torch.stack(losses).sum()
+        """The sum over blocks of the last forward's load-balancing loss, handed out once:
+        the blocks let go of theirs. Kept on a block past the step, a loss's autograd
+        graph would hold the model's backward hooks (FSDP2's hold the model) in a
+        reference cycle through autograd's C++ nodes, which Python's collector cannot
+        break: the model and its process groups would outlive the run."""
+        blocks = [m for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+        if not blocks:
+            raise RuntimeError("aux_loss() with no router run since the last aux_loss() "
+                               "(call it once after each forward)")
+        losses = [m.aux_loss for m in blocks]
+        for block in blocks:
+            block.aux_loss = None
+        return torch.stack(losses).sum()  # type: ignore[arg-type]
 
 
 def moe_loss(model: MoELlama, tokens: torch.Tensor) -> torch.Tensor:
@@ -177,4 +191,18 @@ def moe_loss(model: MoELlama, tokens: torch.Tensor) -> torch.Tensor:
     return loss + model.config.aux_loss_coef * model.aux_loss()
 
 
-__all__ = ["GroupedExperts", "MoE", "MoELlama", "MoELlamaConfig", "Router", "moe_loss"]
+def with_aux_loss(model: MoELlama, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn(outputs, targets)`` plus the config's coefficient times the
+    load-balancing loss of the forward that made ``outputs``: a ``loss_fn`` for
+    ``plan.training_step`` (called right after the model's forward)."""
+    coef = model.config.aux_loss_coef
+
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(outputs, targets) + coef * model.aux_loss()
+
+    return loss
+
+
+__all__ = ["GroupedExperts", "MoE", "MoELlama", "MoELlamaConfig", "Router", "moe_loss",
+           "with_aux_loss"]

@@ -1,7 +1,10 @@
 """``composer-par demo``: validate, explain and apply a plan, then train a small Llama on
 local processes started by torch's elastic launcher (CPU/gloo; CUDA/NCCL with GPUs).
 
-The default plan is FSDP2 x TP on 2 x 2 with activation checkpointing and MetaInit. Tokens
+The default plan is FSDP2 x TP on 2 x 2 with activation checkpointing and MetaInit.
+``--model moe-llama`` trains a mixture-of-experts Llama instead (default plan: FSDP2 x EP
+on 2 x 2) and reports each step's routing: tokens per expert and per ep rank
+(min/mean/max) and the tokens dropped. Tokens
 are the bytes of a small text shipped in the package, so the run needs no download. The
 batch of step ``s`` depends only on ``s``, and the checkpoint holds the model, the
 optimizer and the step, so ``--resume`` continues with the losses an uninterrupted run
@@ -42,6 +45,25 @@ name = "meta_init"
 seed = 0
 """
 
+# --model moe-llama without --plan: its experts over ep, everything else FSDP2 over all four.
+DEFAULT_MOE_PLAN = """\
+[mesh]
+dp_shard = 2
+ep = 2
+
+[[plugins]]
+name = "fsdp2"
+
+[[plugins]]
+name = "ep"
+
+[[plugins]]
+name = "meta_init"
+seed = 0
+"""
+
+MODELS = ("llama", "moe-llama")
+
 # The CPU build of torch warns at import when NumPy is absent; nothing here needs it.
 _QUIET_NUMPY = "ignore:Failed to initialize NumPy"
 # Set to "RANK:STEP" to make that rank raise at that step (shows the failure path).
@@ -78,7 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from composer_par.cli.common import bounded_float, bounded_int
 
     parser.add_argument("--plan", type=_plan_file, help="a plan file (default: FSDP2 x TP 2x2 "
-                        "+ activation checkpointing + MetaInit)")
+                        "+ activation checkpointing + MetaInit; with --model moe-llama "
+                        "FSDP2 x EP 2x2 + MetaInit)")
+    parser.add_argument("--model", choices=MODELS, default="llama",
+                        help="the small Llama, or a mixture-of-experts Llama (8 experts, "
+                        "top-2) whose routing each step reports (default llama)")
     parser.add_argument("--nproc", type=bounded_int(1, MAX_NPROC), default=None,
                         help="local processes (default: the plan's world size, else 4)")
     parser.add_argument("--steps", type=bounded_int(1), default=40,
@@ -136,7 +162,7 @@ def check_arguments(args: argparse.Namespace) -> str:
     from composer_par.planfile import PlanFileError
 
     try:
-        plan = ParallelPlan.from_toml(args.plan.read_text() if args.plan else DEFAULT_PLAN)
+        plan = ParallelPlan.from_toml(plan_text(args))
     except (PlanFileError, OSError, UnicodeDecodeError):
         return ""
     nproc = args.nproc or (plan.mesh.world_size if plan.mesh.is_resolved else DEFAULT_NPROC)
@@ -154,6 +180,13 @@ def check_arguments(args: argparse.Namespace) -> str:
             return (f"--batch {args.batch} is smaller than the plan's {shards} data-parallel "
                     "ranks: each needs at least one sequence")
     return ""
+
+
+def plan_text(args: argparse.Namespace) -> str:
+    """The plan file's text, or the default plan of the model."""
+    if args.plan:
+        return str(args.plan.read_text())
+    return DEFAULT_MOE_PLAN if getattr(args, "model", "llama") == "moe-llama" else DEFAULT_PLAN
 
 
 def _quiet_numpy_warning() -> None:
@@ -176,7 +209,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    text = args.plan.read_text() if args.plan else DEFAULT_PLAN
+    text = plan_text(args)
+    model_name = getattr(args, "model", "llama")
     try:
         plan = ParallelPlan.from_toml(text)
     except PlanFileError as exc:
@@ -184,7 +218,10 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         return 2
     nproc = args.nproc or (plan.mesh.world_size if plan.mesh.is_resolved else 4)
     plan.topology = Topology.single_node(nproc)
-    report = plan.validate(world_size=nproc)
+    import torch
+
+    with torch.device("meta"):  # the model too: an ep plan for the dense Llama is CP802
+        report = plan.validate(build_model(model_name, args.seq_len), world_size=nproc)
     say(report.format())
     if not report.ok:
         return 1
@@ -212,6 +249,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                 ("steps", "resume", "seq_len", "batch", "lr", "timeout", "fail")}
     settings["checkpoint_dir"] = str(args.checkpoint_dir)
     settings["freeze"] = freeze
+    settings["model"] = model_name
     started = time.perf_counter()
     try:
         results = elastic_launch(config, train_rank)(text, settings)
@@ -250,6 +288,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         "peak memory per rank: " + ", ".join(
             f"rank {r} {m / 2**20:.0f} MiB" for r, m in enumerate(result["peak_bytes"])),
         f"checkpoint: {result['checkpoint']}",
+        *(f"step {r['step']} routing: {r['text']}" for r in result.get("routing", [])),
     ]
     data = {"ok": True, "nproc": nproc, "seconds": round(seconds, 2), **result,
             "plan": plan.to_toml()}
@@ -408,6 +447,7 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     from composer_par import checkpoint
     from composer_par.hangs import name_stuck_ranks
     from composer_par.models.llama import next_token_loss
+    from composer_par.models.moe_llama import MoELlama, with_aux_loss
     from composer_par.plan import ParallelPlan
 
     with name_stuck_ranks(settings["timeout"]):
@@ -418,7 +458,7 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         freeze_rank, _, freeze_step = (settings.get("freeze") or "-1:-1").partition(":")
         seq_len, batch = settings["seq_len"], settings["batch"]
         with torch.device("meta"):
-            built = demo_model(seq_len)
+            built = build_model(settings.get("model", "llama"), seq_len)
         model = plan.apply(built)
         device = next(model.parameters()).device
         index, count = plan.data_shard()
@@ -428,8 +468,14 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         # Under context parallelism (a cp plugin) each rank takes its part of every
         # sequence through the ContextShard the plan notes (see docs/cp.md).
         context = plan.notes.get("cp")
-        trainer = plan.training_step(model, next_token_loss if context is None
-                                     else context.cross_entropy)
+        loss_fn = next_token_loss if context is None else context.cross_entropy
+        if isinstance(model, MoELlama):  # the router's load-balancing loss counts too
+            loss_fn = with_aux_loss(model, loss_fn)
+        trainer = plan.training_step(model, loss_fn)
+        # EP's routing of each step's forward (a collective over the ep ranks; absent
+        # without EP), read through the plan's notes: the demo imports no plugin.
+        routing_of = plan.notes.get("ep_routing")
+        routing: list[dict[str, Any]] = []
         first = 0
         if settings["resume"]:
             # A pipeline rank's model holds its stages' keys only: the checkpoint's
@@ -455,6 +501,9 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss))
+            summary = routing_of(model, step) if routing_of is not None else None
+            if summary is not None:
+                routing.append({**summary.as_dict(), "text": summary.format()})
             if rank == 0:
                 tokens_per_s = batch * seq_len / (time.perf_counter() - started)
                 progress.update(step, losses[-1], tokens_per_s)
@@ -464,8 +513,9 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
                                     step=settings["steps"], plan=plan, keep_last=2)
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, _peak_bytes(device))
-        return {"first_step": first, "losses": losses, "peak_bytes": peaks,
-                "checkpoint": str(saved)}
+        result = {"first_step": first, "losses": losses, "peak_bytes": peaks,
+                  "checkpoint": str(saved)}
+        return {**result, "routing": routing} if routing_of is not None else result
 
 
 def demo_model(max_seq_len: int = 1024) -> Any:
@@ -475,6 +525,21 @@ def demo_model(max_seq_len: int = 1024) -> Any:
 
     return Llama(LlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=256,
                              max_seq_len=max_seq_len))
+
+
+def demo_moe_model(max_seq_len: int = 1024) -> Any:
+    """The demo's mixture-of-experts Llama: the Llama's attention, each block's
+    feed-forward top-2 of 8 experts."""
+    from composer_par.models.moe_llama import MoELlama, MoELlamaConfig
+
+    return MoELlama(MoELlamaConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4,
+                                   ffn_hidden=256, max_seq_len=max_seq_len, num_experts=8,
+                                   top_k=2, expert_hidden=128))
+
+
+def build_model(name: str, max_seq_len: int = 1024) -> Any:
+    """The demo model ``name`` (one of :data:`MODELS`)."""
+    return demo_moe_model(max_seq_len) if name == "moe-llama" else demo_model(max_seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:
