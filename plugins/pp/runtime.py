@@ -66,7 +66,11 @@ class _Stage(PipelineStage):
         return sent
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
-        out = super()._compute_outputs(*args, module=module, **kwargs)
+        from composer_par.plugin.pipeline import aux_losses_paused
+
+        # Shape inference on placeholder inputs: no microbatch, so no auxiliary loss.
+        with aux_losses_paused():
+            out = super()._compute_outputs(*args, module=module, **kwargs)
         sent = stage_output(out)
         # The metadata inference calls the loss too, on a lone output taken out of its
         # tuple.

@@ -11,7 +11,11 @@ The router's auxiliary load-balancing loss (Switch Transformer's ``num_experts *
 sum_e(f_e * P_e)``: ``f_e`` the fraction of routed slots that chose expert ``e``, ``P_e``
 its mean router probability) of the last forward is kept on each MoE module;
 :meth:`MoELlama.aux_loss` sums it over the blocks, and :func:`moe_loss` adds it to the
-next-token loss with the config's coefficient.
+next-token loss with the config's coefficient. Under ``plan.training_step`` each MoE
+module hands its weighted loss to :func:`composer_par.aux_loss.add_aux_loss` instead (a
+side gradient in backward, added to the step's reported loss), so that a pipeline stage
+without the loss function still trains its routers: the step's ``loss_fn`` is then the
+next-token loss alone.
 
 Every module that owns tensors has ``reset_parameters()`` initializing its full tensors,
 which MetaInit runs on full-size scratch tensors: the same seed gives the same experts
@@ -27,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from composer_par.aux_loss import add_aux_loss, in_step
 from composer_par.models.llama import (
     Attention,
     FeedForward,
@@ -115,6 +120,7 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_hidden)
         self.shared_expert = FeedForward(cfg) if cfg.shared_expert else None
+        self.aux_loss_coef = cfg.aux_loss_coef
         self.aux_loss = None
         # Tokens routed to each expert by the last forward (observability, not training).
         self.tokens_per_expert: torch.Tensor | None = None
@@ -130,7 +136,7 @@ class MoE(nn.Module):
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
-        return out.reshape(shape)
+        return add_aux_loss(out.reshape(shape), self.aux_loss_coef * self.aux_loss)
 
 
 class MoEDecoderLayer(nn.Module):
@@ -164,6 +170,11 @@ class MoELlama(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """The sum over blocks of the last forward's load-balancing loss."""
+        if in_step():
+            raise RuntimeError(
+                "aux_loss() inside plan.training_step: the step adds the load-balancing "
+                "loss itself (a side gradient on every pipeline stage); give the step the "
+                "next-token loss alone (composer_par.models.llama.next_token_loss)")
         losses = [m.aux_loss for m in self.modules()
                   if isinstance(m, MoE) and m.aux_loss is not None]
         if not losses:

@@ -8,6 +8,9 @@ plan exposes the same object as ``plan.pipeline``, and the training step
 (:mod:`composer_par.training`) runs the pipeline schedule through it.
 
 These are plain value types: no torch import, no knowledge of any plugin.
+:func:`aux_losses_paused` (from :mod:`composer_par.aux_loss`) is for a splitter's stage
+runtime: a forward it runs that is no microbatch of the step (torch's shape inference)
+must add no auxiliary loss to the step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from composer_par.aux_loss import aux_losses_paused
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -123,4 +128,4 @@ class Timeline:
                     for label, row in zip(self.rows, self.actions, strict=True)]}
 
 
-__all__ = ["Pipeline", "StagePart", "Timeline", "TimelineAction"]
+__all__ = ["Pipeline", "StagePart", "Timeline", "TimelineAction", "aux_losses_paused"]

@@ -1,0 +1,107 @@
+"""Expert parallelism under a pipeline (EP x PP, and FSDP2 x PP x EP) trains as one
+process does, with the MoE Llama's load-balancing loss made on every stage.
+
+Each case trains with ``plan.training_step`` given the next-token loss alone: every
+MoE block adds its load-balancing loss as a side gradient (composer_par.aux_loss), so a
+stage without the loss function still trains its routers on it, and the step reports
+``next-token + aux``. The reference is one process accumulating the same microbatches
+(tests/ep_pp_workers.py says why); compared are the losses and every rank's full
+parameters (its stages', experts gathered over ep), whose union must be the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from composer_par.testing.distributed import run_ranks
+from composer_par.testing.parity import assert_every_rank, assert_params_close
+from tests.ep_pp_workers import Case, reference, train_all
+
+pytestmark = pytest.mark.distributed
+
+
+def plan_toml(mesh: str, *plugins: str) -> str:
+    tables = "\n".join(f"[[plugins]]\n{p}\n" for p in plugins)
+    return f"[mesh]\n{mesh}\n\n{tables}\n[[plugins]]\nname = \"meta_init\"\nseed = 7\n"
+
+
+def pp(schedule: str, extra: str = "") -> str:
+    return f'name = "pp"\nschedule = "{schedule}"\nmicrobatches = 4{extra}'
+
+
+EP, FSDP2 = 'name = "ep"', 'name = "fsdp2"'
+
+
+def _held_part_close(reference: dict[str, Any]) -> Any:
+    """A rank's check: the parameters it holds (its stages') equal the reference's."""
+    return lambda params: assert_params_close(
+        params, {k: v for k, v in reference.items() if k in params})
+
+
+def check(cases: dict[str, Case]) -> None:
+    """Run the cases (one world size) in one launch and compare each with its
+    reference; the losses must fall (or, where they need not, move)."""
+    world = {c.world_size for c in cases.values()}.pop()
+    results = run_ranks(train_all, world, args=(list(cases.values()),), timeout=400)
+    for i, (name, case) in enumerate(cases.items()):
+        ranks: list[tuple[list[float], dict[str, Any]]] = [r[i] for r in results]
+        shards = world // 2 if "pp =" in case.plan else world
+        ref_losses, ref_params = reference(case, shards)
+        losses = ranks[0][0]
+        try:
+            assert len(losses) == len(ref_losses)
+            for ours, theirs in zip(losses, ref_losses, strict=True):
+                assert abs(ours - theirs) <= 1e-5 + 1.3e-6 * abs(theirs), (losses, ref_losses)
+            assert_every_rank([params for _, params in ranks], _held_part_close(ref_params))
+            held = {name for _, params in ranks for name in params}
+            assert held == set(ref_params), sorted(set(ref_params) ^ held)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+        assert len(set(losses)) == len(losses), (name, losses)
+        if case.task == "moe_llama":
+            assert losses[-1] < losses[0], (name, losses)
+
+
+@pytest.mark.timeout(400)
+def test_ep_pp_on_four_ranks_matches_one_process() -> None:
+    """pp(2) x ep(2): each stage's experts over its two ep ranks, which read different
+    samples; the load-balancing loss of stage 0's blocks reaches its routers only as a
+    side gradient. Also, without a pipeline, the same step accumulating microbatches
+    (each aux loss's gradient scaled by 1/k), and Mixtral without its router loss."""
+    mesh = "pp = 2\nep = 2"
+    check({
+        "1F1B": Case("moe_llama", plan_toml(mesh, pp("1F1B"), EP), 4, 4),
+        "GPipe": Case("moe_llama", plan_toml(mesh, pp("GPipe"), EP), 4, 4),
+        "Interleaved1F1B, two stages per rank": Case(
+            "moe_llama", plan_toml(mesh, pp("Interleaved1F1B", "\nstages_per_rank = 2"), EP),
+            4, 4),
+        # The recomputation runs in backward: the aux loss counted and given its
+        # gradient once.
+        "1F1B, full activation checkpointing": Case(
+            "moe_llama", plan_toml(mesh, pp("1F1B"), EP,
+                                   'name = "activation_checkpoint"\nmode = "full"'), 4, 4),
+        "dp_shard(2) x ep(2), no pipeline, accumulate=2": Case(
+            "moe_llama", plan_toml("dp_shard = 2\nep = 2", FSDP2, EP), 4, 2, accumulate=2),
+        "Mixtral, 1F1B, next-token loss only": Case(
+            "mixtral", plan_toml(mesh, pp("1F1B"), EP), 4, 4, lr=0.1),
+    })
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_pp_ep_on_eight_ranks_matches_one_process() -> None:
+    """pp(2) x dp_shard(2) x ep(2): FSDP2 shards each stage's dense layers over
+    dp_shard x ep and its experts over dp_shard, and reduces once per step."""
+    check({"FSDP2 x PP x EP, 1F1B": Case(
+        "moe_llama", plan_toml("pp = 2\ndp_shard = 2\nep = 2", pp("1F1B"), FSDP2, EP), 8, 4)})
+
+
+def test_the_aux_loss_changes_training_enough_to_be_seen() -> None:
+    """Not vacuous: dropping the load-balancing loss moves the reference's parameters
+    far beyond the tolerance the cases are held to."""
+    case = Case("moe_llama", plan_toml("pp = 2\nep = 2", pp("1F1B"), EP), 4, 4)
+    _, with_aux = reference(case, 2)
+    _, without = reference(case, 2, with_aux=False)
+    router = "layers.0.moe.router.weight"  # on stage 0, far from the loss function
+    assert float((with_aux[router] - without[router]).abs().max()) > 1e-3
