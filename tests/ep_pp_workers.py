@@ -3,11 +3,13 @@ trained with the plan's training step and compared with one process.
 
 The MoE Llama's load-balancing loss is made in every block; under a pipeline only the
 last stage calls the loss function, so each block adds its part as a side gradient
-(:mod:`composer_par.aux_loss`) and the step reports ``next-token + aux``. A
+(:mod:`composer_par.aux_loss`) and the step reports ``next-token + aux``. A Hugging Face
+model's router loss pools all layers: its statistics travel from stage to stage. A
 load-balancing loss of a batch is not the mean of its halves', so the reference is one
 process accumulating gradients over the same microbatches the ranks run: the global
 batch cut into the data shards, each shard into the pipeline's microbatches, in order,
-each microbatch's ``moe_loss`` backpropagated and the gradients averaged.
+each microbatch's loss with its aux loss (``moe_loss``, transformers' own) backpropagated
+and the gradients averaged.
 """
 
 from __future__ import annotations
@@ -21,19 +23,6 @@ from tests.ep_workers import HFMoETask, MoELlamaTask
 # Four blocks (two per stage, four stages under Interleaved1F1B), a shared expert, and
 # a batch that gives each of 2 data shards 4 microbatches of 2 sequences.
 moe_llama = MoELlamaTask(n_layers=4, num_experts=4, shared_expert=True, global_batch=16)
-
-
-@attrs.frozen
-class MixtralNoAuxTask(HFMoETask):
-    """Mixtral trained on its next-token loss from the logits (no router loss: its
-    load-balancing loss pools every layer's router logits, which no pipeline stage
-    holds; see docs/ep.md)."""
-
-    def loss(self, model: Any, batch: Any) -> Any:
-        return next_token_from_logits(model(input_ids=batch), batch)
-
-
-mixtral = MixtralNoAuxTask("mixtral", global_batch=8)
 
 
 def next_token_from_logits(outputs: Any, tokens: Any) -> Any:
@@ -51,6 +40,25 @@ def step_loss(task: Any) -> Any:
 
         return next_token_loss
     return next_token_from_logits
+
+
+@attrs.frozen
+class HFRouterLossTask(HFMoETask):
+    """A Hugging Face MoE family whose router loss the training step adds
+    (composer_par.models.hf_router_loss: pooled over every layer, carried from stage to
+    stage). The reference is transformers' own loss with ``output_router_logits=True``
+    (HFMoETask.loss); outside a step the hooks change nothing."""
+
+    def build(self) -> Any:
+        from composer_par.models.hf_router_loss import add_router_loss
+
+        model = super().build()
+        assert add_router_loss(model) > 0
+        return model
+
+
+mixtral = HFRouterLossTask("mixtral", global_batch=8)
+qwen3_moe = HFRouterLossTask("qwen3_moe", global_batch=8)
 
 
 @attrs.frozen
@@ -100,7 +108,7 @@ def reference(case: Case, shards: int, with_aux: bool = True
               ) -> tuple[list[float], dict[str, Any]]:
     """One process, the same MetaInit weights and batches: each step accumulates the
     gradients of ``shards x case.microbatches`` microbatches (``with_aux=False``: the
-    MoE Llama's next-token loss alone, to show the aux loss matters)."""
+    next-token loss alone, to show the aux loss matters)."""
     import torch
 
     from composer_par import MeshSpec, ParallelPlan
@@ -122,10 +130,12 @@ def reference(case: Case, shards: int, with_aux: bool = True
         for n in range(case.steps):
             total = 0.0
             for tokens in task.batch(n).chunk(pieces):
-                if with_aux or not isinstance(task, MoELlamaTask):
+                if with_aux:
                     loss = task.loss(model, tokens)
-                else:
+                elif isinstance(task, MoELlamaTask):
                     loss = next_token_loss(model(tokens), tokens)
+                else:
+                    loss = next_token_from_logits(model(input_ids=tokens), tokens)
                 loss.backward()
                 total += float(loss.detach())
             for param in model.parameters():

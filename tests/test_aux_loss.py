@@ -79,3 +79,28 @@ def test_the_moe_llama_refuses_to_add_its_aux_loss_twice_in_a_step() -> None:
     with collect_aux_losses(1.0), pytest.raises(RuntimeError, match="next-token loss alone"):
         model(tokens)
         model.aux_loss()
+
+
+def test_a_hugging_face_router_loss_is_transformers_own() -> None:
+    """add_router_loss pools the routers' statistics as load_balancing_loss_func does:
+    inside a step it records router_aux_loss_coef times transformers' aux_loss (split
+    over pipeline stages: tests/test_ep_pp.py)."""
+    from composer_par.models.hf_router_loss import add_router_loss
+    from tests import hf_workers
+
+    model = hf_workers.build("mixtral", meta=False, router_aux_loss_coef=0.1)
+    assert add_router_loss(model) == model.config.num_hidden_layers
+    tokens = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=tokens, output_router_logits=True).aux_loss
+    with collect_aux_losses(1.0) as record:
+        model(input_ids=tokens)
+    total = record.total()
+    assert total is not None
+    torch.testing.assert_close(total, 0.1 * expected)
+
+
+def test_add_router_loss_names_a_model_without_routers() -> None:
+    from composer_par.models.hf_router_loss import add_router_loss
+
+    with pytest.raises(ValueError, match="Linear records no router_logits"):
+        add_router_loss(torch.nn.Linear(2, 2))

@@ -26,6 +26,15 @@ its auxiliary losses reach neither the report nor a gradient. The recomputation 
 activation-checkpointed block runs inside backward: it records nothing again, and the
 gradient reaches the auxiliary loss once, through whichever graph backward runs.
 
+Some auxiliary losses do not split into per-block parts: a Hugging Face router loss
+pools every layer's routing before multiplying. Under a pipeline such a model carries
+its running statistics from stage to stage as one more tensor: a stage runs its
+forward inside :func:`stage_carry` (what the previous stage sent, and whether this is
+the last stage), the model adds its layers to what came in and leaves the sum in
+``outgoing`` for the next stage, and the last stage turns it into the loss. Backward
+then returns each stage its share of the gradient through the pipeline's own sends. A
+model marks itself with :func:`mark_carrying` so that the stages know to carry.
+
 No torch import at module level: the plugin package re-exports from here.
 """
 
@@ -117,6 +126,47 @@ def add_aux_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return _side_gradient().apply(output, loss, record.scale)  # type: ignore[no-any-return]
 
 
+@attrs.define
+class StageCarry:
+    """One pipeline stage's forward: ``incoming`` is what the previous stage carried
+    (None on the first), ``last`` whether no stage follows; the model sets ``outgoing``
+    to what the next stage is to receive."""
+
+    incoming: torch.Tensor | None
+    last: bool
+    outgoing: torch.Tensor | None = None
+
+
+_carry: StageCarry | None = None
+CARRY_MARK = "_composer_par_carries"
+
+
+def mark_carrying(model: Any) -> None:
+    """Say that ``model``'s forward carries statistics between pipeline stages."""
+    setattr(model, CARRY_MARK, True)
+
+
+def carries(module: Any) -> bool:
+    """Whether ``module`` (a pipeline stage's root) carries statistics between stages."""
+    return bool(getattr(module, CARRY_MARK, False))
+
+
+@contextlib.contextmanager
+def stage_carry(incoming: torch.Tensor | None, last: bool) -> Iterator[StageCarry]:
+    """The scope of one pipeline stage's forward of a carrying model."""
+    global _carry
+    before, _carry = _carry, StageCarry(incoming, last)
+    try:
+        yield _carry
+    finally:
+        _carry = before
+
+
+def current_carry() -> StageCarry | None:
+    """The running stage's carry, or None outside a pipeline stage's forward."""
+    return _carry
+
+
 @functools.cache
 def _side_gradient() -> Any:
     import torch
@@ -139,5 +189,5 @@ def _side_gradient() -> Any:
     return SideGradient
 
 
-__all__ = ["AuxLossRecord", "add_aux_loss", "aux_losses_paused", "collect_aux_losses",
-           "in_step"]
+__all__ = ["AuxLossRecord", "StageCarry", "add_aux_loss", "aux_losses_paused", "carries",
+           "collect_aux_losses", "current_carry", "in_step", "mark_carrying", "stage_carry"]
