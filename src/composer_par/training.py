@@ -27,11 +27,13 @@ for the model (``outputs.logits`` of a Hugging Face causal LM, the logits tensor
 fills per layer (``hidden_states``, ``attentions``) hold only the last stage's layers.
 
 Auxiliary losses a model makes inside its forward through
-:func:`composer_par.aux_loss.add_aux_loss` (the MoE Llama's load-balancing loss) are the
-step's business, not ``loss_fn``'s: each reaches backward as a side gradient where it
-was made (on whichever pipeline stage holds its block), and the step adds their mean
-over its microbatches to the loss it returns. So ``loss_fn`` gives the main loss only,
-under every plan.
+:func:`composer_par.aux_loss.add_aux_loss` (the MoE Llama's load-balancing loss; a Hugging
+Face MoE model's router loss after ``add_router_loss`` of
+:mod:`composer_par.models.hf_router_loss`, whose statistics pipeline stages carry to the
+last one) are the step's business, not ``loss_fn``'s: each reaches backward as a side
+gradient where it was made (on whichever pipeline stage holds its block), and the step
+adds their mean over its microbatches to the loss it returns. So ``loss_fn`` gives the
+main loss only, under every plan.
 
 ``clip_grad_norm_`` computes the norm over every parameter of the whole model, whatever
 mesh each lives on: plain tensors, DTensors sharded over some mesh dims and replicated
