@@ -82,6 +82,11 @@ def test_ep_pp_on_four_ranks_matches_one_process() -> None:
         "1F1B, full activation checkpointing": Case(
             "moe_llama", plan_toml(mesh, pp("1F1B"), EP,
                                    'name = "activation_checkpoint"\nmode = "full"'), 4, 4),
+        # Split backward: torch's weight pass writes .grad itself, so FSDP2 (over ep
+        # alone here) must average; EP's own gradient hooks would not run (CP606).
+        "ZBVZeroBubble, FSDP2 over ep": Case(
+            "moe_llama", plan_toml("pp = 2\ndp_shard = 1\nep = 2", pp("ZBVZeroBubble"),
+                                   FSDP2, EP), 4, 4),
         "dp_shard(2) x ep(2), no pipeline, accumulate=2": Case(
             "moe_llama", plan_toml("dp_shard = 2\nep = 2", FSDP2, EP), 4, 2, accumulate=2),
     })
@@ -122,3 +127,25 @@ def test_the_aux_loss_changes_training_enough_to_be_seen(task: str, router: str,
     _, with_aux = reference(case, 2)
     _, without = reference(case, 2, with_aux=False)
     assert float((with_aux[router] - without[router]).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize(("mesh", "plugins", "refused"), [
+    ({"pp": 2, "ep": 2}, ("ep",), True),
+    ({"pp": 2, "dp_shard": 1, "ep": 2}, ("fsdp2", "ep"), False),
+])
+def test_split_backward_without_data_parallelism_is_refused(
+        mesh: dict[str, int], plugins: tuple[str, ...], refused: bool) -> None:
+    """ZBVZeroBubble writes weight gradients itself: EP's gradient hooks (its averaging
+    over ep without FSDP2 or HSDP) would never run, so the plan refuses (CP606); with
+    FSDP2 it is at parity (the case above)."""
+    from composer_par import EP, FSDP2, PP, MeshSpec, MetaInit, ParallelPlan
+
+    plan = ParallelPlan(MeshSpec(**mesh)).use(PP(schedule="ZBVZeroBubble"))
+    for name in plugins:
+        plan.use({"ep": EP(), "fsdp2": FSDP2()}[name])
+    report = plan.use(MetaInit()).validate(world_size=4)
+    codes = [f.code for f in report.findings]
+    assert codes == (["CP606"] if refused else []), report.format()
+    if refused:
+        assert "gradient hooks of the ep plugin" in report.findings[0].message
+        assert "add fsdp2" in report.findings[0].fix
