@@ -35,7 +35,7 @@ the last stage), the model adds its layers to what came in and leaves the sum in
 then returns each stage its share of the gradient through the pipeline's own sends. A
 model marks itself with :func:`mark_carrying` so that the stages know to carry.
 
-No torch import at module level: the plugin package re-exports from here.
+No torch import at module level: composer_par.plugin.pipeline re-exports from here.
 """
 
 from __future__ import annotations
