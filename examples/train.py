@@ -27,7 +27,6 @@ from torch.utils.data import Dataset, DistributedSampler
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
 from composer_par.hangs import name_stuck_ranks
 from composer_par.models.llama import next_token_loss
-from composer_par.models.moe_llama import MoELlama, with_aux_loss
 from composer_par.plugins.cp import context_of, next_token_labels
 from composer_par.plugins.ep.stats import RoutingSummary, routing_summary
 from composer_par.teardown import run_rank
@@ -165,9 +164,8 @@ def train(args: argparse.Namespace, plan: ParallelPlan, device: torch.device) ->
     # every sequence: tokens, labels (shifted on the whole sequence first) and positions,
     # and its loss averages, over the cp ranks, to the mean over every token.
     cp = context_of(model)
+    # The MoE Llama's router loss: the step adds it (composer_par.aux_loss).
     loss_fn = next_token_loss if cp is None else cp.cross_entropy
-    if isinstance(model, MoELlama):  # the router's load-balancing loss counts too
-        loss_fn = with_aux_loss(model, loss_fn)
     trainer = plan.training_step(model, loss_fn)
 
     step = 0

@@ -242,8 +242,29 @@ class PP(Plugin):
         if info.split_backward and compilers:
             found.append(self._compiled_refusal(info.name, f"{', '.join(compilers)} compiles "
                                                 "the blocks"))
+        if info.split_backward:
+            found += self._hooked_averaging(info.name, plan, mesh)
         found += self._topology(plan, mesh, topology)
         return found
+
+    def _hooked_averaging(self, schedule: str, plan: PlanView, mesh: MeshSpec
+                          ) -> list[Finding]:
+        """A folded dim (ep, cp) with no data-parallel plugin: its plugin averages the
+        gradients over it by parameter hooks, which torch's weight backward bypasses (it
+        writes ``.grad`` itself), so the gradients would stay per-rank, silently."""
+        if any("data_parallel" in d.provides for d in plan.declarations()):
+            return []
+        folded = [f.dim for f in plan.folded_dims()
+                  if f.dim in mesh and mesh.size(f.dim) != 1]
+        owners = {c.dim: d.plugin for d in plan.declarations() for c in d.claims}
+        return [Finding(
+            "CP606", f"{schedule} writes weight gradients apart from the autograd engine, "
+            f"so the gradient hooks of the {owners.get(dim, '?')} plugin, which average "
+            f"over {dim} when no data-parallel plugin does, never run: each {dim} rank "
+            "would keep its own gradients",
+            fix=f"add fsdp2 (it averages over {dim} itself; dp_shard = 1 is enough), or "
+            "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS", plugin=self.name)
+            for dim in folded]
 
     def _compiled_refusal(self, schedule: str, what: str) -> Finding:
         # torch refuses torch.compile wrappers for these schedules itself; blocks compiled

@@ -43,6 +43,13 @@ def stage_output(out: Any) -> Any:
         f"a pipeline stage's forward must return tensors; it returned {type(out).__name__}")
 
 
+def _with_carried(sent: Any, carried: torch.Tensor | None) -> Any:
+    """What a stage sends, with a carrying model's statistics after it."""
+    if carried is None:
+        return sent
+    return (*(sent if isinstance(sent, tuple) else (sent,)), carried)
+
+
 class _Stage(PipelineStage):
     """torch's stage with the model's output turned into what a stage sends.
 
@@ -60,18 +67,41 @@ class _Stage(PipelineStage):
         super().__init__(*args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().forward_maybe_with_nosync(*args, **kwargs)
-        sent = stage_output(out)
+        out, carried = self._carrying(super().forward_maybe_with_nosync, args, kwargs)
+        sent = _with_carried(stage_output(out), carried)
         self._keep(sent, out)
         return sent
 
     def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
-        out = super()._compute_outputs(*args, module=module, **kwargs)
-        sent = stage_output(out)
+        from composer_par.plugin.pipeline import aux_losses_paused
+
+        # Shape inference on placeholder inputs: no microbatch, so no auxiliary loss.
+        with aux_losses_paused():
+            out, carried = self._carrying(
+                lambda *a, **k: super(_Stage, self)._compute_outputs(*a, module=module, **k),
+                args, kwargs)
+        sent = _with_carried(stage_output(out), carried)
         # The metadata inference calls the loss too, on a lone output taken out of its
         # tuple.
         self._keep(sent[0] if isinstance(sent, tuple) and len(sent) == 1 else sent, out)
         return sent
+
+    def _carrying(self, forward: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[Any, torch.Tensor | None]:
+        """``forward(*args, **kwargs)`` and what a carrying model leaves for the next
+        stage (composer_par.aux_loss: pooled loss statistics, received as the last
+        argument after the first stage)."""
+        from composer_par.plugin.pipeline import carries, stage_carry
+
+        if not carries(self.submod):
+            return forward(*args, **kwargs), None
+        incoming = None
+        if not self.is_first:
+            *rest, incoming = args
+            args = tuple(rest)
+        with stage_carry(incoming, self.is_last) as carry:
+            out = forward(*args, **kwargs)
+        return out, None if self.is_last else carry.outgoing
 
     def _keep(self, given: Any, out: Any) -> None:
         if self.is_last:

@@ -26,6 +26,15 @@ for the model (``outputs.logits`` of a Hugging Face causal LM, the logits tensor
 :class:`composer_par.models.llama.Llama`) runs unchanged under every plan. Fields a model
 fills per layer (``hidden_states``, ``attentions``) hold only the last stage's layers.
 
+Auxiliary losses a model makes inside its forward through
+:func:`composer_par.aux_loss.add_aux_loss` (the MoE Llama's load-balancing loss; a Hugging
+Face MoE model's router loss after ``add_router_loss`` of
+:mod:`composer_par.models.hf_router_loss`, whose statistics pipeline stages carry to the
+last one) are the step's business, not ``loss_fn``'s: each reaches backward as a side
+gradient where it was made (on whichever pipeline stage holds its block), and the step
+adds their mean over its microbatches to the loss it returns. So ``loss_fn`` gives the
+main loss only, under every plan.
+
 ``clip_grad_norm_`` computes the norm over every parameter of the whole model, whatever
 mesh each lives on: plain tensors, DTensors sharded over some mesh dims and replicated
 over others, and parameters that live on other pipeline stages. ``torch.nn.utils.
@@ -164,20 +173,33 @@ class TrainingStep:
         checks the replicas (:meth:`check_replicas`). With ``accumulate=k`` the batch runs
         as ``k`` microbatches under the ``sync`` policy (see the module).
         """
+        from composer_par.aux_loss import collect_aux_losses
+
         every = self.check_replicas_every
         if every is not None and self.steps % every == 0:
             self.check_replicas()
         self.steps += 1
-        if self.pipeline is not None:
-            local, count = self._pipeline_step(inputs, targets, kwargs)
-        elif self.accumulate > 1:
-            local, count = self._accumulated_step(inputs, targets, kwargs)
-        else:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            loss = self.loss_fn(self.model(*args, **kwargs), targets)
-            loss.backward()
-            local, count = loss.detach().float().clone(), 1.0
-        return self._global_mean(local, count)
+        # The gradient an auxiliary loss gets is the one its microbatch's loss gets: a
+        # pipeline's schedule divides by its count after the pass, accumulation before.
+        scale = 1.0 if self.pipeline is not None else 1.0 / self.accumulate
+        with collect_aux_losses(scale) as aux:
+            if self.pipeline is not None:
+                local, count = self._pipeline_step(inputs, targets, kwargs)
+                microbatches = self.pipeline.microbatches * self.accumulate
+            elif self.accumulate > 1:
+                local, count = self._accumulated_step(inputs, targets, kwargs)
+                microbatches = self.accumulate
+            else:
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+                loss = self.loss_fn(self.model(*args, **kwargs), targets)
+                loss.backward()
+                local, count = loss.detach().float().clone(), 1.0
+                microbatches = 1
+        aux_total = aux.total()
+        # Each rank's forwards recorded the auxiliary losses of its own blocks (with a
+        # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
+        extra = None if aux_total is None else aux_total.to(local.device) / microbatches
+        return self._global_mean(local, count, extra)
 
     def _accumulated_step(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
                           ) -> tuple[torch.Tensor, float]:
@@ -251,15 +273,19 @@ class TrainingStep:
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         return torch.zeros((), dtype=torch.float32, device=device), 0.0
 
-    def _global_mean(self, local: torch.Tensor, count: float) -> torch.Tensor:
+    def _global_mean(self, local: torch.Tensor, count: float,
+                     extra: torch.Tensor | None = None) -> torch.Tensor:
         """The mean over the ranks that computed a loss (with a pipeline: those holding
-        the last stage); each data-parallel shard weighs the same."""
+        the last stage); each data-parallel shard weighs the same. ``extra``: this rank's
+        auxiliary losses, which every stage adds (as many ranks hold each stage as hold
+        the last one, so the same count divides them)."""
         import torch
 
         dist = _dist()
         if dist is None:
-            return local
-        both = torch.stack([local * count, torch.tensor(count, device=local.device)])
+            return local if extra is None else local + extra
+        numerator = local * count if extra is None else local * count + extra
+        both = torch.stack([numerator, torch.tensor(count, device=local.device)])
         dist.all_reduce(both)
         return both[0] / both[1]
 

@@ -11,7 +11,11 @@ The router's auxiliary load-balancing loss (Switch Transformer's ``num_experts *
 sum_e(f_e * P_e)``: ``f_e`` the fraction of routed slots that chose expert ``e``, ``P_e``
 its mean router probability) of the last forward is kept on each MoE module;
 :meth:`MoELlama.aux_loss` sums it over the blocks, and :func:`moe_loss` adds it to the
-next-token loss with the config's coefficient.
+next-token loss with the config's coefficient. Under ``plan.training_step`` each MoE
+module hands its weighted loss to :func:`composer_par.aux_loss.add_aux_loss` instead (a
+side gradient in backward, added to the step's reported loss), so that a pipeline stage
+without the loss function still trains its routers: the step's ``loss_fn`` is then the
+next-token loss alone.
 
 Every module that owns tensors has ``reset_parameters()`` initializing its full tensors,
 which MetaInit runs on full-size scratch tensors: the same seed gives the same experts
@@ -21,13 +25,13 @@ whatever the layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import attrs
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from composer_par.aux_loss import add_aux_loss, in_step
 from composer_par.models.llama import (
     Attention,
     FeedForward,
@@ -116,6 +120,7 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.expert_hidden)
         self.shared_expert = FeedForward(cfg) if cfg.shared_expert else None
+        self.aux_loss_coef = cfg.aux_loss_coef
         self.aux_loss = None
         # Tokens routed to each expert by the last forward (observability, not training).
         self.tokens_per_expert: torch.Tensor | None = None
@@ -128,16 +133,18 @@ class MoE(nn.Module):
         self.tokens_per_expert = counts.detach()
         fraction = counts.to(probs.dtype) / index.numel()
         aux_loss = probs.shape[-1] * (fraction * probs.mean(dim=0)).sum()
-        # Kept unless activation checkpointing recomputes this forward inside backward
-        # (which must still compute it: recomputation saves what the forward saved): the
-        # step's loss was taken already, and a loss kept past the step keeps the model
-        # alive (see MoELlama.aux_loss). torch's own checkpoint asks autograd the same way.
-        if torch._C._current_graph_task_id() == -1:
+        # Kept for aux_loss() (moe_loss) outside a training step, unless activation
+        # checkpointing recomputes this forward inside backward (which must still
+        # compute it: recomputation saves what the forward saved): that loss was taken
+        # already, and a loss kept past the step keeps the model alive (see
+        # MoELlama.aux_loss). torch's own checkpoint asks autograd the same way. Inside a
+        # step, add_aux_loss hands it to the step and nothing is kept.
+        if not in_step() and torch._C._current_graph_task_id() == -1:
             self.aux_loss = aux_loss
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
-        return out.reshape(shape)
+        return add_aux_loss(out.reshape(shape), self.aux_loss_coef * aux_loss)
 
 
 class MoEDecoderLayer(nn.Module):
@@ -175,6 +182,11 @@ class MoELlama(nn.Module):
         graph would hold the model's backward hooks (FSDP2's hold the model) in a
         reference cycle through autograd's C++ nodes, which Python's collector cannot
         break: the model and its process groups would outlive the run."""
+        if in_step():
+            raise RuntimeError(
+                "aux_loss() inside plan.training_step: the step adds the load-balancing "
+                "loss itself (a side gradient on every pipeline stage); give the step the "
+                "next-token loss alone (composer_par.models.llama.next_token_loss)")
         blocks = [m for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
         if not blocks:
             raise RuntimeError("aux_loss() with no router run since the last aux_loss() "
@@ -191,18 +203,4 @@ def moe_loss(model: MoELlama, tokens: torch.Tensor) -> torch.Tensor:
     return loss + model.config.aux_loss_coef * model.aux_loss()
 
 
-def with_aux_loss(model: MoELlama, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss_fn(outputs, targets)`` plus the config's coefficient times the
-    load-balancing loss of the forward that made ``outputs``: a ``loss_fn`` for
-    ``plan.training_step`` (called right after the model's forward)."""
-    coef = model.config.aux_loss_coef
-
-    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(outputs, targets) + coef * model.aux_loss()
-
-    return loss
-
-
-__all__ = ["GroupedExperts", "MoE", "MoELlama", "MoELlamaConfig", "Router", "moe_loss",
-           "with_aux_loss"]
+__all__ = ["GroupedExperts", "MoE", "MoELlama", "MoELlamaConfig", "Router", "moe_loss"]

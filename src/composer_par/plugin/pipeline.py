@@ -8,6 +8,11 @@ plan exposes the same object as ``plan.pipeline``, and the training step
 (:mod:`composer_par.training`) runs the pipeline schedule through it.
 
 These are plain value types: no torch import, no knowledge of any plugin.
+:func:`aux_losses_paused`, :func:`carries` and :func:`stage_carry` (from
+:mod:`composer_par.aux_loss`) are for a splitter's stage runtime: a forward it runs that
+is no microbatch of the step (torch's shape inference) must add no auxiliary loss to the
+step, and a model that carries loss statistics between stages is given what the
+previous stage sent and sends on what it leaves.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from composer_par.aux_loss import aux_losses_paused, carries, stage_carry
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -123,4 +130,5 @@ class Timeline:
                     for label, row in zip(self.rows, self.actions, strict=True)]}
 
 
-__all__ = ["Pipeline", "StagePart", "Timeline", "TimelineAction"]
+__all__ = ["Pipeline", "StagePart", "Timeline", "TimelineAction", "aux_losses_paused", "carries",
+           "stage_carry"]

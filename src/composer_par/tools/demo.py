@@ -447,7 +447,6 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
     from composer_par import checkpoint
     from composer_par.hangs import name_stuck_ranks
     from composer_par.models.llama import next_token_loss
-    from composer_par.models.moe_llama import MoELlama, with_aux_loss
     from composer_par.plan import ParallelPlan
 
     with name_stuck_ranks(settings["timeout"]):
@@ -468,9 +467,8 @@ def _train(plan_text: str, settings: dict[str, Any]) -> dict[str, Any]:
         # Under context parallelism (a cp plugin) each rank takes its part of every
         # sequence through the ContextShard the plan notes (see docs/cp.md).
         context = plan.notes.get("cp")
+        # The MoE Llama's router loss: the step adds it (composer_par.aux_loss).
         loss_fn = next_token_loss if context is None else context.cross_entropy
-        if isinstance(model, MoELlama):  # the router's load-balancing loss counts too
-            loss_fn = with_aux_loss(model, loss_fn)
         trainer = plan.training_step(model, loss_fn)
         # EP's routing of each step's forward (a collective over the ep ranks; absent
         # without EP), read through the plan's notes: the demo imports no plugin.
