@@ -84,21 +84,11 @@ def communication(
                                    scatters, all_reduces, gathers,
                                    layout.shard_size(without), without)
             collectives += [attrs.evolve(c, why=f"experts: {c.why}") for c in found]
-        # FSDP2 shards over the shard dim and the folded dims flattened (dp_shard x cp):
-        # its collectives run over that group, each rank holding 1/(its size).
-        group, nodes = layout.data_parallel_group(dim)
-        if dim.role is Role.SHARD:
-            if gathers != (None, None):
-                found = _stage_fsdp_collectives(model, dim, tp, ag_bytes, rs_bytes, gathers,
-                                                scatters, group)
-            else:
-                found = _fsdp_collectives(layout, model, dim, tp, ag_bytes, rs_bytes, micro,
-                                          scatters, group)
-            collectives += _over(found, group, nodes)
-        elif dim.role is Role.REPLICATE:
-            collectives += _over(_replicate_collectives(model, dim, tp, shard, rs_bytes,
-                                                        all_reduces, with_shard=shard > 1),
-                                 group, nodes)
+        if dim.role in (Role.SHARD, Role.REPLICATE):
+            # FSDP2 shards over the shard dim and the folded dims flattened (dp_shard x
+            # cp): its collectives run over that group, each rank holding 1/(its size).
+            collectives += _data_parallel(layout, model, dim, tp, ag_bytes, rs_bytes, micro,
+                                          scatters, all_reduces, gathers, shard, ())
         elif dim.role is Role.MODEL_PARALLEL:
             collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
                                            mode, micro, shard)
