@@ -4,23 +4,13 @@ package) at its smallest configuration, without timed repeats."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ep_vs_torchtitan.py"
+from tests.benchmark_modules import benchmark
 
 
 def bench() -> Any:
-    name = "bench_ep_vs_torchtitan"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark("bench_ep_vs_torchtitan")
 
 
 def side_by_side(layout: str, steps: int) -> dict[str, Any]:
