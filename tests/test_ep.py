@@ -111,9 +111,10 @@ def test_a_checkpoint_saved_under_ep_x_fsdp2_loads_into_ep_and_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_ep_with_activation_checkpointing_matches_single_process() -> None:
+@pytest.mark.parametrize("task", ["moe_llama", "mixtral", "qwen3_moe"])
+def test_ep_with_activation_checkpointing_matches_single_process(task: str) -> None:
     """Recomputation in backward issues the block's all-to-alls again, on every rank."""
-    _parity("moe_llama", ep_plan(2, plugins='[[plugins]]\nname = "activation_checkpoint"'), 2)
+    _parity(task, ep_plan(2, plugins='[[plugins]]\nname = "activation_checkpoint"'), 2)
 
 
 @pytest.mark.distributed
@@ -128,11 +129,12 @@ def test_ep_with_tp_matches_single_process() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_ep_with_hsdp_alone_matches_single_process() -> None:
+@pytest.mark.parametrize("task", ["moe_llama", "mixtral", "qwen3_moe"])
+def test_ep_with_hsdp_alone_matches_single_process(task: str) -> None:
     """dp_replicate(2) x ep(2), HSDP alone: the dense layers replicated over both dims,
     the experts (shard apart) over dp_replicate only, their gradients divided by four."""
     plan = ep_plan(2, mesh="dp_replicate = 2", plugins='[[plugins]]\nname = "hsdp"')
-    _parity("moe_llama", plan, 4)
+    _parity(task, plan, 4)
 
 
 @pytest.mark.distributed

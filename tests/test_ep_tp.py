@@ -36,7 +36,7 @@ def _parity(task: str, plan: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("task", ["moe_llama_shared", "mixtral"])
+@pytest.mark.parametrize("task", ["moe_llama_shared", "mixtral", "qwen3_moe"])
 def test_ep_with_tp_and_its_replicated_rest_matches_single_process(task: str) -> None:
     """Experts whole on both tp ranks of their ep rank; attention split over tp."""
     _parity(f"{EP_WORKERS}:{task}", ep_tp_plan())
