@@ -498,7 +498,6 @@ def _verdict(ok: bool) -> str:
 
 def _print(report: dict[str, Any], args: argparse.Namespace,
            load: tuple[float, float]) -> None:
-    target = _dense_bench().TIME_TARGET
     print(f"Qwen3-MoE ({args.layers} blocks, dim {args.dim}, {args.experts} experts top-"
           f"{args.top_k}): torchtitan's model and EP vs transformers' model with the same "
           f"weights under composer_par's FSDP2 + EP, {RANKS} gloo ranks, seq {args.seq}, "
@@ -509,37 +508,45 @@ def _print(report: dict[str, Any], args: argparse.Namespace,
     for what, why in STANDINS if not args.bf16_experts else STANDINS[:-1]:
         print(f"    {what}: {why}")
     for layout, e in report.items():
-        tt, cp = e["sides"]["torchtitan"], e["sides"]["composer_par"]
         mesh, (shard, ep) = LAYOUTS[layout]
         print(f"  {layout}: torchtitan dp_shard {shard} x ep {ep}; composer_par "
               + " x ".join(f"{k} {v}" for k, v in mesh.items()))
-        for label, side in (("torchtitan", tt), ("composer_par", cp)):
-            print(f"    {label:12s} rank 0's losses " + ", ".join(f"{x:.7f}"
-                                                            for x in side["losses"]))
-        print(f"    losses differ by up to {e['loss_max_diff']:.2e} (relative "
-              f"{e['loss_max_rel_diff']:.2e}); parameters after the last step by up to "
-              f"{e['param_max_diff']:.2e} (training moved them by {e['changed']:.2e})")
-        for label, side in (("torchtitan", tt), ("composer_par", cp)):
-            kinds = ", ".join(f"{k} {v['calls']} / {v['bytes'] / 1024:.1f} KiB"
-                              for k, v in side["kinds"].items())
-            print(f"    {label:12s} {side['calls']:4d} collectives ({side['forward_calls']} "
-                  f"forward, {side['backward_calls']} backward), "
-                  f"{side['bytes'] / 1024:9.1f} KiB per step: {kinds}")
-        print(f"    collectives {_verdict(cp['calls'] <= tt['calls'])} ratio "
-              f"{e['ratio_calls']:.3f}, bytes {_verdict(cp['bytes'] <= tt['bytes'])} ratio "
-              f"{e['ratio_bytes']:.3f}")
-        if "ratio_median" in e:
-            print(f"    step   torchtitan median {tt['median_ms']:7.1f} ms (min "
-                  f"{tt['min_ms']:7.1f}), composer_par median {cp['median_ms']:7.1f} ms "
-                  f"(min {cp['min_ms']:7.1f}): ratio of medians {e['ratio_median']:.3f} "
-                  f"{_verdict(e['ratio_median'] <= target)} (<= {target:.2f}), of minima "
-                  f"{e['ratio_min']:.3f}")
+        print_layout(e, "torchtitan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all)")
+def print_layout(e: dict[str, Any], other: str) -> None:
+    """One layout's report lines: each side's losses and how far apart they end, each
+    side's collectives and bytes per step, and the step-time ratio when timed."""
+    target = _dense_bench().TIME_TARGET
+    them, cp = e["sides"][other], e["sides"]["composer_par"]
+    for label, side in ((other, them), ("composer_par", cp)):
+        print(f"    {label:12s} rank 0's losses " + ", ".join(f"{x:.7f}"
+                                                        for x in side["losses"]))
+    print(f"    losses differ by up to {e['loss_max_diff']:.2e} (relative "
+          f"{e['loss_max_rel_diff']:.2e}); parameters after the last step by up to "
+          f"{e['param_max_diff']:.2e} (training moved them by {e['changed']:.2e})")
+    for label, side in ((other, them), ("composer_par", cp)):
+        kinds = ", ".join(f"{k} {v['calls']} / {v['bytes'] / 1024:.1f} KiB"
+                          for k, v in side["kinds"].items())
+        print(f"    {label:12s} {side['calls']:4d} collectives ({side['forward_calls']} "
+              f"forward, {side['backward_calls']} backward), "
+              f"{side['bytes'] / 1024:9.1f} KiB per step: {kinds}")
+    print(f"    collectives {_verdict(cp['calls'] <= them['calls'])} ratio "
+          f"{e['ratio_calls']:.3f}, bytes {_verdict(cp['bytes'] <= them['bytes'])} ratio "
+          f"{e['ratio_bytes']:.3f}")
+    if "ratio_median" in e:
+        print(f"    step   {other} median {them['median_ms']:7.1f} ms (min "
+              f"{them['min_ms']:7.1f}), composer_par median {cp['median_ms']:7.1f} ms "
+              f"(min {cp['min_ms']:7.1f}): ratio of medians {e['ratio_median']:.3f} "
+              f"{_verdict(e['ratio_median'] <= target)} (<= {target:.2f}), of minima "
+              f"{e['ratio_min']:.3f}")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, layouts: Any) -> None:
+    """The options both EP side-by-side benchmarks share: which of ``layouts`` to
+    compare, the model's shape and the batch."""
+    parser.add_argument("--layouts", default=",".join(layouts),
+                        help=f"comma-separated, of {', '.join(layouts)} (default: all)")
     parser.add_argument("--steps", type=int, default=3, help="compared steps (default 3)")
     parser.add_argument("--repeats", type=int, default=10,
                         help="timed steps per side, interleaved (default 10)")
@@ -550,16 +557,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--bf16-experts", action="store_true",
-                        help="torchtitan's experts as it ships them (bfloat16 grouped-mm on "
-                        "CPU too): the losses then differ by bfloat16 rounding")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = parser.parse_args(argv)
+
+
+def checked_layouts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    known: Any) -> list[str]:
+    """The layouts asked for, after refusing (through ``parser.error``) any model
+    option the ranks could not run."""
     layouts = [x for x in args.layouts.split(",") if x]
-    unknown = [x for x in layouts if x not in LAYOUTS]
+    unknown = [x for x in layouts if x not in known]
     if unknown:
         parser.error(f"--layouts: unknown {', '.join(unknown)}; choose from "
-                     f"{', '.join(LAYOUTS)}")
+                     f"{', '.join(known)}")
     if args.dim % 32:
         parser.error(f"--dim {args.dim}: a multiple of 32 (heads of 16, half as many kv)")
     if args.experts % RANKS:
@@ -568,6 +577,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch {args.batch}: must divide over {RANKS} data shards")
     if args.layers < 2:
         parser.error("--layers: at least 2 (composer_par finds blocks as repeated layers)")
+    return layouts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_model_arguments(parser, LAYOUTS)
+    parser.add_argument("--bf16-experts", action="store_true",
+                        help="torchtitan's experts as it ships them (bfloat16 grouped-mm on "
+                        "CPU too): the losses then differ by bfloat16 rounding")
+    args = parser.parse_args(argv)
+    layouts = checked_layouts(parser, args, LAYOUTS)
     missing = _dense_bench()._missing_torchtitan()
     if missing:
         print(missing, file=sys.stderr)

@@ -199,8 +199,6 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
 
 def _print(report: dict[str, Any], args: argparse.Namespace,
            load: tuple[float, float]) -> None:
-    target = _shared()._dense_bench().TIME_TARGET
-    verdict = _shared()._verdict
     print(f"Qwen3-MoE ({args.layers} blocks, dim {args.dim}, {args.experts} experts top-"
           f"{args.top_k}), the same weights: transformers' FSDP + expert parallelism "
           f"(DistributedConfig fsdp_size, ep_size) vs composer_par's FSDP2 + EP, {RANKS} "
@@ -209,62 +207,18 @@ def _print(report: dict[str, Any], args: argparse.Namespace,
           f"average {load[0]:.1f} before, {load[1]:.1f} after). Times: the slowest rank's "
           "step. No stand-ins.")
     for layout, e in report.items():
-        hf, cp = e["sides"]["transformers"], e["sides"]["composer_par"]
         mesh, ep = LAYOUTS[layout]
         print(f"  {layout}: transformers fsdp_size {RANKS}, ep_size {ep}; composer_par "
               + " x ".join(f"{k} {v}" for k, v in mesh.items()))
-        for label, side in (("transformers", hf), ("composer_par", cp)):
-            print(f"    {label:12s} rank 0's losses " + ", ".join(f"{x:.7f}"
-                                                            for x in side["losses"]))
-        print(f"    losses differ by up to {e['loss_max_diff']:.2e} (relative "
-              f"{e['loss_max_rel_diff']:.2e}); parameters after the last step by up to "
-              f"{e['param_max_diff']:.2e} (training moved them by {e['changed']:.2e})")
-        for label, side in (("transformers", hf), ("composer_par", cp)):
-            kinds = ", ".join(f"{k} {v['calls']} / {v['bytes'] / 1024:.1f} KiB"
-                              for k, v in side["kinds"].items())
-            print(f"    {label:12s} {side['calls']:4d} collectives ({side['forward_calls']} "
-                  f"forward, {side['backward_calls']} backward), "
-                  f"{side['bytes'] / 1024:9.1f} KiB per step: {kinds}")
-        print(f"    collectives {verdict(cp['calls'] <= hf['calls'])} ratio "
-              f"{e['ratio_calls']:.3f}, bytes {verdict(cp['bytes'] <= hf['bytes'])} ratio "
-              f"{e['ratio_bytes']:.3f}")
-        if "ratio_median" in e:
-            print(f"    step   transformers median {hf['median_ms']:7.1f} ms (min "
-                  f"{hf['min_ms']:7.1f}), composer_par median {cp['median_ms']:7.1f} ms "
-                  f"(min {cp['min_ms']:7.1f}): ratio of medians {e['ratio_median']:.3f} "
-                  f"{verdict(e['ratio_median'] <= target)} (<= {target:.2f}), of minima "
-                  f"{e['ratio_min']:.3f}")
+        _shared().print_layout(e, "transformers")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all)")
-    parser.add_argument("--steps", type=int, default=3, help="compared steps (default 3)")
-    parser.add_argument("--repeats", type=int, default=10,
-                        help="timed steps per side, interleaved (default 10)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=64, help="a multiple of 32")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    shared = _shared()
+    shared.add_model_arguments(parser, LAYOUTS)
     args = parser.parse_args(argv)
-    layouts = [x for x in args.layouts.split(",") if x]
-    unknown = [x for x in layouts if x not in LAYOUTS]
-    if unknown:
-        parser.error(f"--layouts: unknown {', '.join(unknown)}; choose from "
-                     f"{', '.join(LAYOUTS)}")
-    if args.dim % 32:
-        parser.error(f"--dim {args.dim}: a multiple of 32 (heads of 16, half as many kv)")
-    if args.experts % RANKS:
-        parser.error(f"--experts {args.experts}: must divide over {RANKS} ep ranks")
-    if args.batch % RANKS:
-        parser.error(f"--batch {args.batch}: must divide over {RANKS} data shards")
-    if args.layers < 2:
-        parser.error("--layers: at least 2 (composer_par finds blocks as repeated layers)")
+    layouts = shared.checked_layouts(parser, args, LAYOUTS)
 
     from composer_par.testing.distributed import run_ranks
 
@@ -274,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                               args.seq, args.batch, args.steps, args.repeats, args.warmup),
                         timeout=3600)
     load = (load_before[0], os.getloadavg()[0])
-    report = _shared().summarize(results, args.repeats, SIDES)
+    report = shared.summarize(results, args.repeats, SIDES)
     if args.json:
         print(json.dumps({"ranks": RANKS, "layouts": report, "load_average": list(load)},
                          indent=2))
