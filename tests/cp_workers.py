@@ -115,3 +115,72 @@ def train_with_training_step(case: Any) -> tuple[list[float], dict[str, Any]]:
 def train_many_with_training_step(cases: list[Any]) -> list[tuple[list[float], dict[str, Any]]]:
     """:func:`train_with_training_step` for several cases in one run of the ranks."""
     return [train_with_training_step(case) for case in cases]
+
+
+class ContextMoELlama:
+    """The MoE Llama task of tests/ep_workers.py with the cp cut of
+    :class:`ContextLlama`, plus the routers' load-balancing loss: without CP (the
+    reference) of whole sequences, under CP totalled over the cp ranks' parts."""
+
+    def __init__(self, **options: Any) -> None:
+        from tests.ep_workers import MoELlamaTask
+
+        self.inner = MoELlamaTask(**options)
+
+    def build(self) -> Any:
+        return self.inner.build()
+
+    def batch(self, step: int) -> Any:
+        return self.inner.batch(step)
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        from composer_par.plugins.cp import context_of, next_token_labels
+
+        from composer_par.models.moe_llama import moe_loss
+
+        cp = context_of(model)
+        if cp is None:
+            return moe_loss(model, batch)
+        logits = model(cp.shard(batch), cp.positions(batch.shape[1]))
+        loss = cp.cross_entropy(logits, cp.shard(next_token_labels(batch)))
+        return loss + model.config.aux_loss_coef * model.aux_loss()
+
+
+# Sequences of 16: each of 2 cp ranks holds two chunks of 4.
+moe_llama = ContextMoELlama(seq_len=16)
+
+
+def _router_loss_task(family: str) -> Any:
+    from tests.ep_pp_workers import HFRouterLossTask
+
+    return HFRouterLossTask(family, global_batch=4, seq_len=16)
+
+
+# Hugging Face MoE families whose router loss plan.training_step adds (add_router_loss);
+# the reference is transformers' own loss of whole sequences.
+hf_mixtral_router = _router_loss_task("mixtral")
+hf_qwen3_moe_router = _router_loss_task("qwen3_moe")
+
+
+def train_router_loss_with_training_step(case: Any) -> tuple[list[float], dict[str, Any]]:
+    """The rank side of a parity case on a Hugging Face MoE model through
+    ``plan.training_step``: this rank's tokens, labels and ``position_ids``, the
+    next-token loss given, the router loss added by the step."""
+    from composer_par.plugins.cp import next_token_labels
+
+    from composer_par.testing.parity import full_parameters, start_rank
+
+    task, plan, model, index, count, optimizer = start_rank(case)
+    cp = plan.notes["cp"]
+    trainer = plan.training_step(model, lambda out, labels: cp.cross_entropy(out.logits,
+                                                                            labels))
+    losses = []
+    for step in range(case.steps):
+        tokens = task.batch(step).chunk(count)[index]
+        positions = cp.positions(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+        loss = trainer.step(cp.shard(tokens), cp.shard(next_token_labels(tokens)),
+                            position_ids=positions)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, full_parameters(model)

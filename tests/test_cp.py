@@ -108,6 +108,24 @@ def test_cp824_attention_that_is_not_causal_self_attention() -> None:
     assert "not causal" in next(f for f in report.findings if f.code == "CP824").message
 
 
+def test_cp827_transformers_router_loss_under_cp_is_refused() -> None:
+    """Mixtral set to add its router loss itself would pool each rank's part of the
+    sequences; with add_router_loss (which totals over cp) the plan is accepted."""
+    from composer_par.models.hf_router_loss import add_router_loss
+    from tests import hf_workers
+
+    model = hf_workers.build("mixtral", output_router_logits=True)
+    model.config._attn_implementation = "sdpa"
+    report = cp_plan(CP()).validate(model, world_size=2)
+    assert codes(report) == ["CP827"], report.format()
+    assert "add_router_loss" in report.errors[0].fix
+    add_router_loss(model)
+    assert cp_plan(CP()).validate(model, world_size=2).ok
+    plain = hf_workers.build("mixtral")
+    plain.config._attn_implementation = "sdpa"
+    assert cp_plan(CP()).validate(plain, world_size=2).ok
+
+
 def test_cp825_cp_across_nodes_warns() -> None:
     # cp is folded into data parallelism: the core's CP302 (a tensor-parallel dim across
     # nodes is an error) leaves it to CP825, which says what cp would move there.

@@ -617,6 +617,13 @@ def _cp826(tmp: Path, world: World) -> Any:
     return _cp(world, mode="ring"), llama()
 
 
+@case("CP827")
+def _cp827(tmp: Path, world: World) -> Any:
+    model = hf_workers.build("mixtral", meta=False, output_router_logits=True)
+    model.config._attn_implementation = "sdpa"
+    return _cp(world), model  # its router loss would be of each rank's part
+
+
 @case("CP824")
 def _cp824(tmp: Path, world: World) -> Any:
     model = hf_workers.build("bert", meta=False)

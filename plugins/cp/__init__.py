@@ -38,6 +38,7 @@ from composer_par.plugin import (
     dim_option,
     hookimpl,
     ordering_option,
+    split_sequence,
 )
 
 from .drivable import Drivable, find_attention
@@ -49,6 +50,7 @@ from .findings import (
     kv_bytes_per_layer,
     node_findings,
     ring_findings,
+    router_loss_findings,
     sequence_findings,
 )
 from .layout import (
@@ -125,7 +127,7 @@ class CP(Plugin):
         if size < 2:
             return []
         found = find_attention(model)
-        out = drive_findings(found)
+        out = drive_findings(found) + router_loss_findings(model)
         if self.mode == "alltoall":
             out += head_findings(found, size, _tp_size(plan, mesh))
         if self.mode == "ring":
@@ -194,6 +196,8 @@ class CP(Plugin):
 
             driven = drive_hf_attention(ctx.model, shard)
         setattr(ctx.model, ATTRIBUTE, shard)
+        # Load-balancing losses of whole sequences (aux_loss.sequence_total).
+        split_sequence(ctx.model, group)
         ctx.notes["cp"] = shard
         return (f"sequence split over {self.dim}({size}); {self.mode} attention in "
                 f"{driven} module(s)")

@@ -1,11 +1,11 @@
 """What can be wrong with a CP plan: the rule catalog (:data:`RULES`), the static checks
-(CP821, CP825) and the model-aware ones (CP822, CP823, CP824, CP826)."""
+(CP821, CP825) and the model-aware ones (CP822, CP823, CP824, CP826, CP827)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from composer_par.plugin import Finding, Rule, Severity
+from composer_par.plugin import Finding, Rule, Severity, carries
 
 if TYPE_CHECKING:
     from composer_par.plugin import MeshSpec, Topology
@@ -42,6 +42,13 @@ RULES = (
          "device)",
          "ParallelPlan(MeshSpec(cp=2)).use(CP(mode=\"ring\")).use(MetaInit())"
          ".apply(model)  # on ranks with no CUDA device (gloo on CPU)"),
+    Rule("CP827", Severity.ERROR, "transformers would make the router loss of each cp "
+         "rank's part of the sequences",
+         "set config.output_router_logits = False and call "
+         "composer_par.models.hf_router_loss.add_router_loss(model) before apply: "
+         "plan.training_step then adds the router loss of whole sequences",
+         "ParallelPlan(MeshSpec(cp=2)).use(CP()).use(MetaInit())"
+         ".validate(mixtral_with_output_router_logits)"),
 )
 
 
@@ -54,6 +61,23 @@ def sequence_findings(seq_len: int | None, size: int) -> list[Finding]:
         f"(rank r holds chunks r and {2 * size - 1} - r)",
         fix=f"use a sequence length that {2 * size} divides (e.g. "
         f"{(seq_len // (2 * size) + 1) * 2 * size}), or a cp size that fits it")]
+
+
+def router_loss_findings(model: object) -> list[Finding]:
+    """CP827: a Hugging Face MoE model set to add its router loss itself
+    (``config.output_router_logits``) pools the routing of the tokens it sees, which under
+    CP is this rank's part of every sequence: a load-balancing loss of parts, not of the
+    sequences, and nothing says so. ``add_router_loss`` totals the routing over cp."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or carries(model):
+        return []
+    return [Finding(
+        "CP827", f"{type(model).__name__} has config.output_router_logits = True: "
+        "transformers pools the routing of the tokens each rank holds, so under cp its "
+        "router loss is that of each rank's part of the sequences, not of the sequences",
+        fix="set config.output_router_logits = False and call "
+        "composer_par.models.hf_router_loss.add_router_loss(model) before apply, then "
+        "train with plan.training_step: it adds the router loss, totalled over cp")]
 
 
 def kv_bytes_per_layer(kv_width: int | None, seq_len: int | None, size: int,

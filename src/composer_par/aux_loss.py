@@ -167,6 +167,31 @@ def current_carry() -> StageCarry | None:
     return _carry
 
 
+SEQUENCE_MARK = "_composer_par_sequence_group"
+
+
+def split_sequence(model: Any, group: Any) -> None:
+    """Say that the ranks of ``group`` (a process group) each hold a part of every
+    sequence ``model`` reads: :func:`sequence_total` in any of its modules then sums
+    over ``group``."""
+    for module in model.modules():
+        setattr(module, SEQUENCE_MARK, group)
+
+
+def sequence_total(module: Any, sums: torch.Tensor) -> torch.Tensor:
+    """``sums`` (sums over the tokens this rank holds) totalled over the ranks holding
+    the other parts of the same sequences, or as they are when ``module`` reads whole
+    sequences. Backward sums the gradients over those ranks: averaged over them, as data
+    parallelism averages, each rank's tokens get the gradient of the whole sequences'
+    loss."""
+    group = getattr(module, SEQUENCE_MARK, None)
+    if group is None:
+        return sums
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(sums, group=group)  # type: ignore[no-any-return]
+
+
 @functools.cache
 def _side_gradient() -> Any:
     import torch
@@ -190,4 +215,5 @@ def _side_gradient() -> Any:
 
 
 __all__ = ["AuxLossRecord", "StageCarry", "add_aux_loss", "aux_losses_paused", "carries",
-           "collect_aux_losses", "current_carry", "in_step", "mark_carrying", "stage_carry"]
+           "collect_aux_losses", "current_carry", "in_step", "mark_carrying",
+           "sequence_total", "split_sequence", "stage_carry"]

@@ -10,7 +10,9 @@ to stage (:mod:`composer_par.aux_loss`), each router adding its layer in the mod
 layer order, and the last stage's forward turn the totals into ``router_aux_loss_coef``
 times the loss, a side gradient on its logits. The gradient of ``P`` flows back to every
 stage through the pipeline's own sends; ``C`` and ``R`` take none, as in transformers.
-Without a pipeline the model's one forward does all of it.
+Without a pipeline the model's one forward does all of it. Under context parallelism
+each rank routes its part of every sequence, and the totals are summed over the cp
+ranks before they multiply (:func:`composer_par.aux_loss.sequence_total`).
 
 The step then adds the loss itself: give it the next-token loss from ``outputs.logits``
 and leave ``output_router_logits`` off (transformers would add its own copy to
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from composer_par.aux_loss import add_aux_loss, current_carry, mark_carrying
+from composer_par.aux_loss import add_aux_loss, current_carry, mark_carrying, sequence_total
 
 
 class _RouterLoss:
@@ -75,7 +77,11 @@ class _RouterLoss:
             return output
         if counts is None or probs is None or rows is None:
             return output
-        loss = torch.sum((counts / rows) * (probs / rows)) * self.num_experts
+        n = self.num_experts
+        # Under context parallelism, the totals of the whole sequences.
+        totals = sequence_total(module, torch.cat([counts, probs, rows.reshape(1)]))
+        counts, probs, rows = totals[:n], totals[n:2 * n], totals[2 * n]
+        loss = torch.sum((counts / rows) * (probs / rows)) * n
         output.logits = add_aux_loss(output.logits, self.coef * loss)
         return output
 

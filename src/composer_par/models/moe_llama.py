@@ -9,7 +9,8 @@ so expert parallelism treats this model and Hugging Face's the same way.
 
 The router's auxiliary load-balancing loss (Switch Transformer's ``num_experts *
 sum_e(f_e * P_e)``: ``f_e`` the fraction of routed slots that chose expert ``e``, ``P_e``
-its mean router probability) of the last forward is kept on each MoE module;
+its mean router probability, both over whole sequences: under context parallelism
+totalled over the cp ranks) of the last forward is kept on each MoE module;
 :meth:`MoELlama.aux_loss` sums it over the blocks, and :func:`moe_loss` adds it to the
 next-token loss with the config's coefficient. Under ``plan.training_step`` each MoE
 module hands its weighted loss to :func:`composer_par.aux_loss.add_aux_loss` instead (a
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composer_par.aux_loss import add_aux_loss, in_step
+from composer_par.aux_loss import add_aux_loss, in_step, sequence_total
 from composer_par.models.llama import (
     Attention,
     FeedForward,
@@ -129,10 +130,16 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs, weights, index = self.router(flat)
-        counts = torch.bincount(index.flatten(), minlength=probs.shape[-1])
+        num_experts = probs.shape[-1]
+        counts = torch.bincount(index.flatten(), minlength=num_experts)
         self.tokens_per_expert = counts.detach()
-        fraction = counts.to(probs.dtype) / index.numel()
-        aux_loss = probs.shape[-1] * (fraction * probs.mean(dim=0)).sum()
+        # Sums over this rank's tokens, and over the other parts of its sequences under
+        # context parallelism: the loss is that of whole sequences.
+        sums = sequence_total(self, torch.cat([
+            counts.to(probs.dtype), probs.sum(dim=0), probs.new_tensor([flat.shape[0]])]))
+        slots, prob_sums, rows = sums[:num_experts], sums[num_experts:-1], sums[-1]
+        fraction = slots / (rows * index.shape[-1])
+        aux_loss = num_experts * (fraction * prob_sums / rows).sum()
         # Kept for aux_loss() (moe_loss) outside a training step, unless activation
         # checkpointing recomputes this forward inside backward (which must still
         # compute it: recomputation saves what the forward saved): that loss was taken
@@ -156,8 +163,8 @@ class MoEDecoderLayer(nn.Module):
         self.moe = MoE(cfg)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), self.rotary)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), self.rotary, positions=positions)
         return x + self.moe(self.ffn_norm(x))
 
 
@@ -170,10 +177,13 @@ class MoELlama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits of ``tokens`` (batch, seq); ``positions`` as :class:`Rotary` takes them
+        (context parallelism gives each rank's global positions)."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions)
         return self.output(self.norm(h))
 
     def aux_loss(self) -> torch.Tensor:

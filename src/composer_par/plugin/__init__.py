@@ -67,7 +67,11 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
   :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
-  stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`).
+  stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`);
+  auxiliary losses (:func:`split_sequence`: a plugin that gives each rank part of every
+  sequence says so, and load-balancing losses total their statistics over its ranks;
+  :func:`carries`: whether a model makes its router loss through
+  ``add_router_loss``, see :mod:`composer_par.aux_loss`).
 * **Blocks already wrapped**: :data:`ALREADY_WRAPPED`, :data:`CHECKPOINT_MARK`,
   :func:`already_wrapped`, :func:`wrapped_block_findings`.
 
@@ -85,6 +89,7 @@ never import another plugin or read its options. docs/writing-plugins.md is the 
 form, starting from the plugin above.
 """
 
+from composer_par.aux_loss import carries, split_sequence
 from composer_par.blocks import (
     Block,
     clean_name,
@@ -181,6 +186,7 @@ __all__ = [
     "already_wrapped",
     "blocks_option",
     "bool_option",
+    "carries",
     "clean_name",
     "did_you_mean",
     "dim_option",
@@ -193,6 +199,7 @@ __all__ = [
     "names_near",
     "ordering_option",
     "path_matches",
+    "split_sequence",
     "tied_outside",
     "wrapped_block_findings",
 ]
