@@ -47,6 +47,7 @@ from composer_par.plugin import (
     tied_outside,
 )
 from composer_par.plugin.fsdp_state import (
+    apart_divide_factor,
     install_all_reduce,
     install_shard_comms,
     premul_sum_supported,
@@ -729,16 +730,14 @@ class FSDP2(Plugin):
 def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
                  options: dict[str, Any], factor: float | None = None) -> list[Any]:
     """``fully_shard`` the modules plugins ask to be sharded apart, each over the
-    data-parallel dims less its ``without``, dividing gradients by all data shards, or by
+    data-parallel dims less its ``without``, dividing gradients by all data shards (cp
+    ranks included: :func:`apart_divide_factor`), or by
     ``factor`` (the plan's gradient_divide_factor, which every FSDP module takes)."""
     from torch.distributed.fsdp import fully_shard
 
     answers = ctx.shard_apart()
     if not answers:
         return []
-    data_shards = 1
-    for name in ctx.plan.data_parallel_dims():
-        data_shards *= ctx.mesh.size(name)
     done = []
     for answer in answers:
         mesh = ctx.data_parallel_mesh([d for d in replicate if d not in answer.without],
@@ -747,7 +746,7 @@ def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
         for module in answer.modules:
             fully_shard(module, **dict(options, mesh=mesh, shard_placement_fn=place))
             done.append(module)
-    set_gradient_divide_factor(done, factor or data_shards,
+    set_gradient_divide_factor(done, factor or apart_divide_factor(ctx),
                                sum_only=not premul_sum_supported(ctx), owner="fsdp2")
     return done
 

@@ -45,6 +45,7 @@ from composer_par.plugin import (
     ordering_option,
 )
 from composer_par.plugin.fsdp_state import (
+    apart_divide_factor,
     install_all_reduce,
     premul_sum_supported,
     set_gradient_divide_factor,
@@ -148,7 +149,8 @@ class HSDP(Plugin):
         replicated: list[nn.Module] = []
         # Modules other plugins ask to keep apart (expert parallelism's experts): each
         # replicated over the dims without the answer's, before the blocks holding them;
-        # their gradients already sum over those dims, so they divide by all data shards.
+        # their gradients already sum over those dims, so they divide by all data shards
+        # (and cp ranks: apart_divide_factor).
         apart: list[nn.Module] = []
         for answer in ctx.shard_apart():
             apart_mesh = ctx.data_parallel_mesh([], [d for d in over
@@ -157,10 +159,8 @@ class HSDP(Plugin):
                 replicate(module, mesh=apart_mesh)
                 apart.append(module)
         if apart:
-            shards = 1
-            for name in ctx.plan.data_parallel_dims():
-                shards *= ctx.mesh.size(name)
-            set_gradient_divide_factor(apart, shards, sum_only=not premul_sum_supported(ctx),
+            set_gradient_divide_factor(apart, apart_divide_factor(ctx),
+                                       sum_only=not premul_sum_supported(ctx),
                                        owner=self.name)
             replicated.extend(apart)
         for _, block in ctx.blocks:

@@ -1,10 +1,12 @@
-"""Context parallelism on mixture-of-experts models at parity with one process: the
-losses (with the routers' load-balancing loss) and every rank's parameters.
+"""Context parallelism on mixture-of-experts models, alone and beside expert
+parallelism, at parity with one process: the losses (with the routers' load-balancing
+loss) and every rank's parameters.
 
 A load-balancing loss multiplies two averages over the tokens (the share of routed slots
 each expert got, its mean router probability), so the loss of a whole sequence is not
 the mean of its parts' losses: each cp rank routes its part of every sequence, and the
-statistics are totalled over the cp ranks before they multiply.
+statistics are totalled over the cp ranks before they multiply. The experts under EP
+and FSDP2 then take their gradients from the tokens of every cp rank too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ def test_cp_on_the_moe_llama_matches_single_process() -> None:
     """cp 2: each rank routes half of every sequence; the load-balancing loss is that of
     the whole sequences."""
     _parity(cp_plan("cp = 2"), 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mesh", "plugins"), [
+    pytest.param("cp = 2\nep = 2", ("ep",), id="ep"),
+    # FSDP2 shards the dense layers over cp x ep, the experts over cp.
+    pytest.param("dp_shard = 1\ncp = 2\nep = 2", ("fsdp2", "ep"), id="fsdp2_ep"),
+    # HSDP alone replicates the dense layers over cp x ep, the experts over cp.
+    pytest.param("dp_replicate = 1\ncp = 2\nep = 2", ("hsdp", "ep"), id="hsdp_ep"),
+])
+def test_cp_beside_ep_matches_single_process(mesh: str, plugins: tuple[str, ...]) -> None:
+    """cp 2 x ep 2: the ep ranks read different samples, the cp ranks parts of the same;
+    the experts' gradients gather the tokens of all four ranks."""
+    _parity(cp_plan(mesh, *plugins), 4, reference="accumulate")
 
 
 @pytest.mark.distributed

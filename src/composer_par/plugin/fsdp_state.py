@@ -243,6 +243,18 @@ def reduce_scatters(module: Any) -> bool:
     )
 
 
+def apart_divide_factor(ctx: ApplyContext) -> int:
+    """What the gradients of modules sharded or replicated apart (expert parallelism's
+    experts) divide by: they sum the loss terms of every rank whose tokens reach them,
+    each data shard's and each cp rank's part of its sequences, so the number of those
+    ranks (``plan.data_parallel_dims()`` and the folded dims)."""
+    dims = set(ctx.plan.data_parallel_dims()) | {f.dim for f in ctx.folded_dims()}
+    factor = 1
+    for name in dims:
+        factor *= ctx.mesh.size(name)
+    return factor
+
+
 def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_only: bool,
                                owner: str = "") -> int:
     """Set ``factor`` on every FSDP module; returns how many were switched to SUM-only.

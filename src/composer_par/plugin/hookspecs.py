@@ -130,8 +130,8 @@ def composer_par_shard_apart(plan: ParallelPlan, model: nn.Module) -> list[Shard
     blocks. The data-parallel plugin shards each answer's modules as units of their own
     (bottom-up: before the blocks that hold them) over its mesh less ``without``, and
     divides their summed gradients by the number of all data shards (the product of
-    ``plan.data_parallel_dims()``'s sizes), since the modules' gradients already sum over
-    ``without``.
+    ``plan.data_parallel_dims()``'s sizes, times the cp ranks', each holding part of the
+    sequences), since the modules' gradients already sum over ``without``.
     Returns: :class:`~composer_par.plugin.ShardApart` values, or None.
     """
 
