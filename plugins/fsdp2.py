@@ -755,10 +755,20 @@ def _apart_placement(shard_size: int, param: Any) -> Any:
     """Where a module sharded apart splits a parameter: on its leading dim (the experts)
     unless this rank holds fewer of them than there are shard ranks, when some ranks
     would hold whole experts and others none; then on the next dim (each expert's rows),
-    as torchtitan does."""
+    as torchtitan does. A parameter whose halves expert tensor parallelism splits apart
+    (a packed ``[gate; up]``, ``_StridedShard`` over tp) is split on a dim nothing else
+    splits: on the experts' dim it would take a second strided placement, which torch
+    cannot gather back (``full_tensor``, checkpoints)."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     local = param.to_local() if isinstance(param, DTensor) else param
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard)
+                                          for p in param.placements):
+        split = {p.dim for p in param.placements if isinstance(p, Shard)}
+        free = [d for d in range(local.ndim) if d not in split]
+        if free:
+            return Shard(free[-1])
     if local.ndim > 1 and local.shape[0] < shard_size:
         return Shard(1)
     return None
