@@ -182,3 +182,18 @@ def test_fsdp2_splits_packed_expert_tp_halves_on_a_dim_of_their_own() -> None:
                                         ("S(2)", "S(0)", "_S(1, 2)"), (2, 128, 32))
         assert view["down_proj"] == (("dp_shard", "ep", "tp"),
                                      ("_S(0, 2)", "S(0)", "S(2)"), (1, 64, 64))
+
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_sequence_parallelism_beside_ep_is_refused_naming_the_experts() -> None:
+    """With sequence_parallel the experts would receive sequence-split DTensors: TP
+    refuses at apply, naming the modules EP distributed, rather than fail in the first
+    forward inside DTensor's dispatch."""
+    from composer_par.testing import RankFailure, run_ranks
+
+    plan = ep_tp_plan().replace('name = "tp"\n', 'name = "tp"\nsequence_parallel = true\n')
+    with pytest.raises(RankFailure, match=r"sequence_parallel = true with module\(s\) "
+                       r"another plugin distributed already \(layers\.0\.moe\.experts"):
+        run_ranks("tests.ep_tp_workers:apply_plan", 4, args=(plan, "moe_llama"), timeout=100)

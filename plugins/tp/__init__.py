@@ -215,6 +215,15 @@ class TP(Plugin):
             raise RuntimeError("TP plan no longer fits the model:\n" +
                                "\n".join(f.format() for f in errors))
         left = leave_distributed(resolution)
+        if self.sequence_parallel and left:
+            # Their inputs would arrive split on the sequence, as DTensors they were not
+            # distributed to take (expert parallelism's all-to-all dispatch).
+            raise RuntimeError(
+                f"sequence_parallel = true with module(s) another plugin distributed "
+                f"already ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): "
+                "sequence parallelism would hand them activations split on the sequence, "
+                "which they do not take. Set sequence_parallel = false (TP still splits "
+                "attention and the dense layers)")
         mesh = ctx.submesh(self.dim)
         apply_resolution(resolution, mesh)
         localized = set_local_head_counts(resolution.local_heads)
