@@ -666,6 +666,7 @@ class FSDP2(Plugin):
         if problems:  # validation refuses these first; a model changed since then
             raise ValueError(problems[0].message)
         reshard = self.reshard_values(units)[0]
+        place = functools.partial(_shard_placement, mesh.size(mesh.ndim - 1))
         sharded = []
         block_policy, root_policy = mp.policy(root=False), mp.policy(root=True)
         # Modules sharded apart (expert parallelism's experts), inside the blocks: first.
@@ -682,7 +683,7 @@ class FSDP2(Plugin):
             modules = list(unit.modules)
             fully_shard(modules if len(modules) > 1 else modules[0],
                         mp_policy=root_policy if unit.kind == "root" else block_policy,
-                        **options)
+                        shard_placement_fn=place, **options)
             sharded.extend(modules)
         ctx.data_parallel_modules.extend([*apart, *sharded])
         dims = ", ".join([*(f"{d}({ctx.mesh.size(d)})" for d in replicate),
@@ -742,7 +743,7 @@ def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
     for answer in answers:
         mesh = ctx.data_parallel_mesh([d for d in replicate if d not in answer.without],
                                       [d for d in shard if d not in answer.without])
-        place = functools.partial(_apart_placement, mesh.size(mesh.ndim - 1))
+        place = functools.partial(_shard_placement, mesh.size(mesh.ndim - 1))
         for module in answer.modules:
             fully_shard(module, **dict(options, mesh=mesh, shard_placement_fn=place))
             done.append(module)
@@ -751,14 +752,17 @@ def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],
     return done
 
 
-def _apart_placement(shard_size: int, param: Any) -> Any:
-    """Where a module sharded apart splits a parameter: on its leading dim (the experts)
-    unless this rank holds fewer of them than there are shard ranks, when some ranks
-    would hold whole experts and others none; then on the next dim (each expert's rows),
-    as torchtitan does. A parameter whose halves expert tensor parallelism splits apart
-    (a packed ``[gate; up]``, ``_StridedShard`` over tp) is split on a dim nothing else
-    splits: on the experts' dim it would take a second strided placement, which torch
-    cannot gather back (``full_tensor``, checkpoints)."""
+def _shard_placement(shard_size: int, param: Any) -> Any:
+    """Where FSDP2 splits a parameter: on its leading dim (torch's default) unless this
+    rank holds fewer rows than there are shard ranks, when FSDP2 would pad that dim to
+    the shard size (a fused [experts, ...] tensor of 8 experts over 32 ranks: four times
+    its bytes on every rank, and in every all-gather); then on the next dim (each
+    expert's rows), as torchtitan does for its experts, where that dim splits evenly
+    (FSDP2 pads tensor dim 0 only and refuses an uneven split of any other). A parameter
+    whose halves expert tensor parallelism splits apart (a packed ``[gate; up]``,
+    ``_StridedShard`` over tp) is split on a dim nothing else splits: on the experts' dim
+    it would take a second strided placement, which torch cannot gather back
+    (``full_tensor``, checkpoints)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -766,10 +770,11 @@ def _apart_placement(shard_size: int, param: Any) -> Any:
     if isinstance(param, DTensor) and any(isinstance(p, _StridedShard)
                                           for p in param.placements):
         split = {p.dim for p in param.placements if isinstance(p, Shard)}
-        free = [d for d in range(local.ndim) if d not in split]
+        free = [d for d in range(local.ndim)
+                if d not in split and (d == 0 or local.shape[d] % shard_size == 0)]
         if free:
             return Shard(free[-1])
-    if local.ndim > 1 and local.shape[0] < shard_size:
+    if local.ndim > 1 and local.shape[0] < shard_size and local.shape[1] % shard_size == 0:
         return Shard(1)
     return None
 

@@ -785,3 +785,17 @@ def test_group_labels_name_mesh_dims() -> None:
     assert group_label(mesh, rank, [0, 1]) == "other"  # not a group of this rank
     assert group_label(mesh, rank, []) == "none"
     assert group_label(MeshSpec(dp_shard=8), 0, [0, 1]) == "dp_shard (subgroup)"
+
+
+def test_tensors_with_fewer_rows_than_shards_split_on_their_second_dim() -> None:
+    """As the fsdp2 plugin has FSDP2 do: Mixtral's 8 fused experts over 32 shard ranks
+    are split on each expert's rows, not padded to 32 experts (four times the bytes)."""
+    from composer_par.estimate.model_shape import TensorShape
+
+    experts = TensorShape("experts.w1", (8, 64, 32), tp=False, experts=True)
+    assert experts.local_numel(1, 32) == 8 * 2 * 32
+    assert experts.local_numel(1, 8) == 64 * 32  # one expert a rank: dim 0 as before
+    # FSDP2 splits no dim but the first unevenly: 30 rows per expert stay on dim 0.
+    uneven = TensorShape("experts.w1", (8, 30, 32), tp=False, experts=True)
+    assert uneven.local_numel(1, 32) == 30 * 32
+    assert TensorShape("norm.weight", (16,), tp=False).local_numel(1, 32) == 1  # padded

@@ -38,19 +38,18 @@ class TensorShape:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def local_numel(self, tp: int, shard: int, apart: bool = False) -> int:
+    def local_numel(self, tp: int, shard: int) -> int:
         """Elements one rank holds: split by ``tp`` (on tensor dim 0, for TP tensors), then
-        by ``shard`` with tensor dim 0 padded to a multiple of it (as FSDP2 pads). Sharded
-        apart (``apart``: expert parallelism's experts), a tensor with fewer rows than
-        shards is split on tensor dim 1 instead, as FSDP2 does then."""
+        by ``shard`` with tensor dim 0 padded to a multiple of it (as FSDP2 pads); a
+        tensor with fewer rows than shards is split on tensor dim 1 instead where that
+        splits evenly, as the fsdp2 plugin has FSDP2 do then."""
         if not self.shape:
             return 1  # a scalar: every rank holds it (FSDP2 pads it to one element each)
         rows, rest = self.shape[0], math.prod(self.shape[1:])
         if self.tp and tp > 1:
             rows = -(-rows // tp)
-        if apart and rows < shard and len(self.shape) > 1:
-            columns = self.shape[1]
-            return rows * -(-columns // shard) * (rest // columns)
+        if rows < shard and len(self.shape) > 1 and self.shape[1] % shard == 0:
+            return rows * rest // shard
         return -(-rows // shard) * rest
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,7 +78,7 @@ class ParamGroup:
         return sum(t.numel for t in self.tensors)
 
     def local_numel(self, tp: int, shard: int) -> int:
-        return sum(t.local_numel(tp, shard, bool(self.apart)) for t in self.tensors)
+        return sum(t.local_numel(tp, shard) for t in self.tensors)
 
     def padded_numel(self, tp: int, shard: int) -> int:
         """Elements of the group's all-gather output on one TP rank (padding included)."""
