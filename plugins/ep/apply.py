@@ -97,6 +97,13 @@ def average_over(params: Iterable[nn.Parameter], group: dist.ProcessGroup,
         grad = param.grad
         if grad is None:
             return
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) \
+                and grad.placements != param.placements:
+            # torch's backward of a vocabulary-split embedding (TP's rowwise) gives a
+            # replicated gradient of the whole table: this rank's rows are all it needs,
+            # and a slice of a replicated tensor moves nothing.
+            grad = grad.redistribute(param.device_mesh, param.placements)
+            param.grad = grad
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         dist.all_reduce(local, group=group)  # SUM: gloo has no AVG
         local.div_(size)
