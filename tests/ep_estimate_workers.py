@@ -1,7 +1,7 @@
 """Tasks of tests/test_ep_estimate.py: the MoE Llama of tests/ep_workers.py with its
 router's choice of experts, and with a uniform choice that spreads every rank's routed
 (token, slot) pairs evenly over the experts, so that each ep rank receives exactly as
-many pairs as it sends (the estimate's routing)."""
+many pairs as it sends (the estimate's routing); and what a rank holds of the experts."""
 
 from __future__ import annotations
 
@@ -23,11 +23,14 @@ class _UniformRouter:
     def __call__(self, x: Any) -> Any:
         import torch
         import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor
 
         probs = F.softmax(F.linear(x, self.router.weight).float(), dim=-1)
         k, experts = self.router.top_k, self.router.num_experts
         slots = torch.arange(x.shape[0] * k, device=x.device).view(-1, k)
         index = slots % experts
+        if isinstance(probs, DTensor):  # TP's replicate_rest: the router's weight replicated
+            index = DTensor.from_local(index, probs.device_mesh, probs.placements)
         weights = probs.gather(1, index)
         return probs, weights.to(x.dtype), index
 
@@ -46,6 +49,20 @@ class UniformMoETask(MoELlamaTask):
 # 8 experts, top-2, 2 blocks, hidden 32; 8 sequences of 8 tokens per step.
 routed = MoELlamaTask(num_experts=8)
 uniform = UniformMoETask(num_experts=8)
+uniform_shared = UniformMoETask(num_experts=8, shared_expert=True)
+
+
+def held_elements(plan_toml: str, task: str = "uniform") -> tuple[int, int]:
+    """After apply on this rank: the elements it holds of every parameter, and of the
+    routed experts' tensors (a pipeline stage's: its part of the model)."""
+    from torch.distributed.tensor import DTensor
+
+    from composer_par.testing.parity import apply_to_built, build_plan
+
+    model, _, _ = apply_to_built(globals()[task], build_plan(plan_toml))
+    held = {name: (p.to_local() if isinstance(p, DTensor) else p).numel()
+            for name, p in model.named_parameters()}
+    return sum(held.values()), sum(n for name, n in held.items() if ".experts." in name)
 
 
 def activations(mesh: str, plugin: str, seq: int, batch: int,

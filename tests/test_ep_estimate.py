@@ -24,21 +24,28 @@ FSDP2_EP = _plan("dp_shard = 2\nep = 2", fsdp2=True)
 EP4 = _plan("ep = 4", fsdp2=False)
 
 
+def _task_path(task: str) -> str:
+    """A task of this module's workers by name, or of another module as ``module:name``."""
+    return task if ":" in task else f"{WORKERS}:{task}"
+
+
 def _measure(task: str, plan: str) -> Any:
     from composer_par.testing.parity import measure_comm
 
-    case = ParityCase(task=f"{WORKERS}:{task}", plan=plan, world_size=4, steps=1,
+    case = ParityCase(task=_task_path(task), plan=plan, world_size=4, steps=1,
                       reference="accumulate")
     return measure_comm(case, timeout=200)
 
 
 def _estimate(task: str, plan_toml: str) -> Any:
+    import importlib
+
     import torch
 
     from composer_par.estimate import ModelShape, Workload, estimate_plan
-    from tests import ep_estimate_workers
 
-    built = getattr(ep_estimate_workers, task)
+    module, _, name = _task_path(task).partition(":")
+    built = getattr(importlib.import_module(module), name)
     plan = ParallelPlan.from_toml(plan_toml)
     _, shards = plan.data_shard(0, 4)
     with torch.device("meta"):
@@ -142,6 +149,80 @@ def test_all_to_all_bytes_of_the_router_sum_to_the_estimate_over_the_ep_ranks() 
     # the routing is uneven: not every rank moves the estimate's bytes (else the test
     # could not tell the sum from the parts)
     assert {m["bytes"] for m in per_rank} != {predicted["bytes"]}, per_rank
+
+
+# -- EP beside TP: the tp dim's collectives too -------------------------------------------
+
+
+def _ep_tp(ep_options: str = "", plugins: str = "") -> str:
+    """ep 2 x tp 2, EP (with ``ep_options``) before TP, then ``plugins``."""
+    return (_plan("ep = 2\ntp = 2", fsdp2=False)
+            .replace('name = "ep"\n', f'name = "ep"\n{ep_options}\n[[plugins]]\nname = "tp"\n'
+                     f"{plugins}"))
+
+
+AC = '\n[[plugins]]\nname = "activation_checkpoint"\nmode = "{}"\n'
+EP_TP = _ep_tp()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("task", "plan"), [
+    ("uniform", EP_TP),
+    ("uniform_shared", EP_TP),
+    ("uniform", _ep_tp("expert_tp = true", AC.format("full"))),
+    ("uniform_shared", _ep_tp("expert_tp = true", AC.format("selective"))),
+], ids=["ep_tp", "ep_tp_shared_expert", "expert_tp_full_ac", "expert_tp_shared_selective_ac"])
+def test_ep_x_tp_collectives_of_a_real_step_equal_the_estimate(task: str, plan: str) -> None:
+    """ep 2 x tp 2 with uniform routing, on every rank, calls and bytes: over ep the
+    all-to-alls and EP's averaging of the dense gradients (each rank's TP part); over tp
+    TP's collectives, where a MoE block's experts are EP's (its attention's, and its
+    shared expert's, are TP's), and with expert_tp EP's all-reduces of each routed pair's
+    partial outputs (again where recomputed) and of the tokens' input gradients."""
+    measured = _measure(task, plan)
+    est = _estimate(task, plan)
+    for rank in range(4):
+        assert set(measured.summary[rank]) == {"ep", "tp"}, measured.summary[rank]
+        for dim in ("ep", "tp"):
+            expected = _totals(_dim(est, dim).collectives)
+            assert measured.summary[rank][dim] == expected, (rank, dim, measured.summary[rank])
+    experts_tp = [c for c in _dim(est, "tp").collectives if c.why.startswith("experts")]
+    assert bool(experts_tp) == ("expert_tp" in plan)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_expert_tp_all_reduces_of_gpt_oss_equal_the_estimate() -> None:
+    """gpt-oss, its own router: what expert_tp adds over tp does not depend on the routing
+    (each rank sums its own pairs' outputs and its own tokens' gradients), so the measured
+    difference between ep 2 x tp 2 with and without expert_tp equals EP's terms over tp,
+    the gradient of each block's down-projection bias, kept whole on both tp ranks,
+    among them."""
+    task = "tests.ep_gpt_oss_workers:gpt_oss"
+    split, whole = _measure(task, _ep_tp("expert_tp = true")), _measure(task, EP_TP)
+    terms = [c for c in _dim(_estimate(task, _ep_tp("expert_tp = true")), "tp").collectives
+             if c.why.startswith("experts")]
+    assert any("bias" in c.why for c in terms)
+    expected = {"calls": sum(c.calls for c in terms), "bytes": sum(c.payload for c in terms)}
+    for rank in range(4):
+        with_tp, without = (m.summary[rank]["tp"]["all_reduce"] for m in (split, whole))
+        assert {k: with_tp[k] - without[k] for k in expected} == expected, (rank, with_tp)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("plan", [EP_TP, _ep_tp("expert_tp = true")], ids=["whole", "split"])
+def test_the_experts_a_rank_holds_equal_the_estimate(plan: str) -> None:
+    """ep 2 x tp 2: each rank holds 4 of the 8 experts, whole on both tp ranks, or with
+    expert_tp half of each."""
+    from composer_par.testing import run_ranks
+
+    held = [experts for _, experts in run_ranks(f"{WORKERS}:held_elements", 4, args=(plan,))]
+    est = _estimate("uniform", plan)
+    assert est.experts is not None
+    assert held == [est.experts.experts_params] * 4, (held, est.experts.experts_params)
+    assert est.experts.experts_params == 2 * 4 * 3 * 32 * 32 // (2 if "expert_tp" in plan
+                                                                  else 1)
 
 
 # -- the MoE fields of a model shape ----------------------------------------------------

@@ -45,7 +45,8 @@ from composer_par.plugin import (
 )
 
 from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
-from .estimate import all_to_all_collectives
+from .estimate import all_to_all_collectives, expert_tp_collectives
+from .expert_tp import OUTPUT_PROJECTIONS
 from .findings import (
     RULES,
     capacity_finding,
@@ -140,15 +141,19 @@ class EP(Plugin):
     @hookimpl
     def composer_par_estimate_settings(self, plan: PlanView) -> EstimateSettings:
         size = plan.mesh.size(self.dim) if self.dim in plan.mesh else 1
-        return EstimateSettings(experts_dim=self.dim if size != 1 else None)
+        split = self.expert_tp if self.expert_tp is not None and self.expert_tp in plan.mesh \
+            else None
+        return EstimateSettings(experts_dim=self.dim if size != 1 else None,
+                                experts_split=split if size != 1 else None)
 
     @hookimpl
     def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any,
                               workload: Any) -> EstimatePart:
         """The token all-to-alls over ep (uniform routing: each rank receives as many
-        pairs as it sends) and, with no data-parallel plugin, the dense gradients'
-        all-reduces over ep; the experts' memory and data-parallel terms are the
-        estimator's (``experts_dim``)."""
+        pairs as it sends), with ``expert_tp`` the all-reduces over that dim, and, with no
+        data-parallel plugin, the dense gradients' all-reduces over ep; the experts'
+        memory and data-parallel terms are the estimator's (``experts_dim``,
+        ``experts_split``)."""
         size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
         moe = model.moe
         if size < 2:
@@ -169,13 +174,26 @@ class EP(Plugin):
             hidden=model.hidden, num_experts=moe.num_experts,
             dtype_bytes=_DTYPE_BYTES.get(dtype, 4), passes=workload.grad_accum,
             recomputed=recomputed)
+        split = layout.experts_split_size()
+        if split > 1:
+            whole_bias = tuple(
+                t.numel // size for g in model.groups for t in g.tensors if t.experts
+                and t.name.rsplit(".", 1)[-1] in {f"{p}_bias" for p in OUTPUT_PROJECTIONS}
+                for _ in range(g.count))
+            collectives += expert_tp_collectives(
+                str(self.expert_tp), size=split, moe_layers=moe.moe_layers, tokens=tokens,
+                top_k=moe.top_k, hidden=model.hidden, dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
+                passes=workload.grad_accum, recomputed=recomputed, whole_bias=whole_bias)
         if not _has_data_parallel(plan):
-            # average_over: each dense parameter's gradient all-reduced after each backward
+            # average_over: each dense parameter's gradient (this rank's part of it, under
+            # TP as the estimate splits it) all-reduced after each backward
+            tp = layout.tensor_parallel_size()
             dense = [t for g in model.groups for t in g.tensors if not t.experts
                      for _ in range(g.count)]
             collectives += (Collective(
                 self.dim, "all_reduce",
-                sum(t.numel for t in dense) * _DTYPE_BYTES.get(dtype, 4) * workload.grad_accum,
+                sum(t.local_numel(tp, 1) for t in dense) * _DTYPE_BYTES.get(dtype, 4)
+                * workload.grad_accum,
                 len(dense) * workload.grad_accum,
                 "dense gradients averaged over ep, per parameter and backward (no "
                 "data-parallel plugin)"),)

@@ -9,7 +9,13 @@ the pairs it received for its experts (``R``); backward runs their transposes, t
 combine's with input ``S`` and the dispatch's with input ``R``. Routing decides ``R``;
 summed over the ep ranks it equals the sum of ``S``, and under uniform routing each
 rank receives ``S`` on average: the estimate counts ``R = S``. Before each dispatch the
-counts per expert are exchanged (one int64 per expert)."""
+counts per expert are exchanged (one int64 per expert).
+
+With expert tensor parallelism each tp rank computes its part of every pair's output,
+so per MoE block and micro-batch the tp ranks all-reduce the ``S`` pairs' partial outputs
+(forward, and again where the block is recomputed) and the ``T`` tokens' input gradient
+(backward), and the gradient of an output-projection bias kept whole on every tp rank
+(this rank's experts' rows)."""
 
 from __future__ import annotations
 
@@ -60,4 +66,31 @@ def all_to_all_collectives(
     return tuple(out)
 
 
-__all__ = ["COUNT_BYTES", "all_to_all_collectives", "pair_bytes"]
+def expert_tp_collectives(
+    dim: str, *, size: int, moe_layers: int, tokens: int, top_k: int, hidden: int,
+    dtype_bytes: int, passes: int = 1, recomputed: int = 0, whole_bias: tuple[int, ...] = (),
+) -> tuple[Collective, ...]:
+    """One step's all-reduces over ``dim`` (expert tensor parallelism over ``size``
+    ranks) on one rank; ``whole_bias``: the elements this rank holds of each output
+    projection bias kept whole over ``dim``, one entry per MoE block."""
+    if size < 2 or moe_layers < 1:
+        return ()
+    row = pair_bytes(hidden, dtype_bytes)
+    forwards = (moe_layers + recomputed) * passes
+    out = [
+        Collective(dim, "all_reduce", forwards * tokens * top_k * row, forwards,
+                   "experts split over tp, forward: each routed pair's partial outputs "
+                   "summed" + (" (recomputation included)" if recomputed else "")),
+        Collective(dim, "all_reduce", moe_layers * passes * tokens * row,
+                   moe_layers * passes,
+                   "experts split over tp, backward: the tokens' input gradients summed"),
+    ]
+    if whole_bias:
+        out.append(Collective(dim, "all_reduce", sum(whole_bias) * dtype_bytes * passes,
+                              len(whole_bias) * passes,
+                              "experts split over tp, backward: the gradient of the output "
+                              "projection's bias, kept whole on every tp rank"))
+    return tuple(out)
+
+
+__all__ = ["COUNT_BYTES", "all_to_all_collectives", "expert_tp_collectives", "pair_bytes"]

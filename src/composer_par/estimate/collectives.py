@@ -91,7 +91,7 @@ def communication(
                                           scatters, all_reduces, gathers, shard, ())
         elif dim.role is Role.MODEL_PARALLEL:
             collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
-                                           mode, micro, shard)
+                                           mode, micro, shard, _moe_blocks(model, apart))
         elif dim.role is Role.OTHER:
             notes.append(f"{dim.name}: {dim.plugin} states no estimate (role 'other')")
     return collectives, notes
@@ -220,9 +220,41 @@ def _replicate_collectives(
     return [Collective(dim.name, "all_reduce", payload * times, calls * times, why)]
 
 
+def _moe_blocks(model: ModelShape, apart: ModelShape) -> dict[str, int]:
+    """``{block group: its row-parallel Linears}`` of the MoE blocks whose routed experts
+    a plugin sets apart (EP): TP splits their attention and shared expert, not their
+    experts."""
+    if model.moe is None:
+        return {}
+    rowwise = 1 + (1 if model.moe.shared_ffn else 0)
+    return {g.name.removesuffix(" experts"): rowwise for g in apart.groups}
+
+
+def _block_linears(model: ModelShape, moe_blocks: dict[str, int]) -> tuple[int, int, int]:
+    """(row-parallel, column-parallel, MLP row-parallel) Linears of every block: a dense
+    block has two row-parallel outputs (attention's, the MLP's) and the column-parallel
+    rest of its matrices; a MoE block of ``moe_blocks`` its attention's output (and its
+    shared expert's) and its matrices less the router (``[num_experts, hidden]``)."""
+    colwise_dense = max(2, model.matrices_per_block - 2) if model.matrices_per_block else 2
+    rows, cols, mlp = 2 * model.layers, colwise_dense * model.layers, model.layers
+    for g in model.groups:
+        if g.name not in moe_blocks or not g.block:
+            continue
+        rowwise = moe_blocks[g.name]
+        experts = model.moe.num_experts if model.moe is not None else 0
+        matrices = sum(1 for t in g.tensors
+                       if t.tp and t.shape[:1] != (experts,) and len(t.shape) >= 2)
+        measured = len(g.tensors) > 1 or g.tensors[0].name != "block.matrices"
+        colwise = max(0, matrices - rowwise) if measured else colwise_dense
+        rows += (rowwise - 2) * g.count
+        cols += (colwise - colwise_dense) * g.count
+        mlp += (rowwise - 2) * g.count
+    return rows, cols, mlp
+
+
 def _tp_collectives(
     layout: Layout, model: ModelShape, workload: Workload, dim: DimInfo, act_bytes: int,
-    grad_bytes: int, mode: str, micro: int, shard: int,
+    grad_bytes: int, mode: str, micro: int, shard: int, moe_blocks: dict[str, int],
 ) -> list[Collective]:
     x = workload.seq * workload.micro_batch * model.hidden * act_bytes
     layers = model.layers
@@ -257,15 +289,24 @@ def _tp_collectives(
                 out.append(Collective(dim.name, "all_reduce", norms * grad_bytes * micro,
                                       count * micro, "gradients of sequence-parallel norms"))
     else:
-        # forward: the row-parallel outputs (2 per block) and the embedding; backward: the
-        # input gradient of every column-parallel Linear that takes a replicated input
-        # (torch's ColwiseParallel reduces each separately) and of the output head
-        colwise = max(2, model.matrices_per_block - 2) if model.matrices_per_block else 2
-        calls = (2 * layers + root + recomputed + outputs_again) + (colwise * layers + root)
+        # forward: the row-parallel outputs (2 per dense block) and the embedding;
+        # backward: the input gradient of every column-parallel Linear that takes a
+        # replicated input (torch's ColwiseParallel reduces each separately) and of the
+        # output head. A recomputed block issues its forward's again but the MLP's
+        # output (the last: early stop), or all of them.
+        rowwise, colwise, mlp = _block_linears(model, moe_blocks)
+        if recomputed:
+            again = rowwise if reissue == "all" else rowwise - mlp
+            recomputed = again * recomputed // max(1, layers)
+        calls = rowwise + root + recomputed + colwise + root
+        per_block = (f"forward {rowwise // layers}, backward {colwise // layers} per block"
+                     if layers and not rowwise % layers and not colwise % layers else
+                     f"forward {rowwise}, backward {colwise} over {layers} blocks")
         out.append(Collective(dim.name, "all_reduce", calls * x * micro, calls * micro,
-                              f"activations: forward 2 per block, backward {colwise} per block "
-                              "(one per column-parallel input), +1 each way at the "
-                              "embedding / output head"))
+                              f"activations: {per_block} (one per column-parallel input), "
+                              "+1 each way at the embedding / output head"
+                              + ("; MoE blocks: attention and shared expert only"
+                                 if moe_blocks else "")))
     if model.vocab and has_root and not layout.loss_parallel:
         logits = workload.seq * workload.micro_batch * model.vocab * act_bytes
         out.append(Collective(dim.name, "all_gather", logits * micro, micro,

@@ -25,7 +25,7 @@ def experts_apart(model: ModelShape, layout: Layout) -> ModelShape:
     dim = layout.experts_dim
     if dim is None or not model.experts_params:
         return model
-    ep = layout.experts_size()
+    ep, split = layout.experts_size(), layout.experts_split_size()
     groups: list[ParamGroup] = []
     for group in model.groups:
         routed = [t for t in group.tensors if t.experts]
@@ -35,11 +35,22 @@ def experts_apart(model: ModelShape, layout: Layout) -> ModelShape:
         rest = tuple(t for t in group.tensors if not t.experts)
         if rest:
             groups.append(attrs.evolve(group, tensors=rest))
-        held = tuple(attrs.evolve(t, shape=(-(-t.shape[0] // ep), *t.shape[1:]))
-                     for t in routed)
+        held = tuple(attrs.evolve(t, shape=_held_shape(t.shape, ep, split)) for t in routed)
         groups.append(ParamGroup(f"{group.name} experts", held, block=group.block,
                                  count=group.count, apart=(dim,)))
     return attrs.evolve(model, groups=tuple(groups))
+
+
+def _held_shape(shape: tuple[int, ...], ep: int, split: int) -> tuple[int, ...]:
+    """One rank's part of a routed experts tensor: ``1/ep`` of its experts (tensor dim 0)
+    and, split over ``split`` ranks (expert tensor parallelism), ``1/split`` of each
+    expert's weights (tensors of three or more tensor dims; counted on the last dim). A
+    bias (two tensor dims) is counted whole: only the input projections' are split, and
+    they are one row per expert."""
+    held = (-(-shape[0] // ep), *shape[1:])
+    if split > 1 and len(held) >= 3:
+        held = (*held[:-1], -(-held[-1] // split))
+    return held
 
 
 def split_apart(model: ModelShape) -> tuple[ModelShape, ModelShape]:

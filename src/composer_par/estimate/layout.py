@@ -62,6 +62,8 @@ class Layout:
     # Expert parallelism: the mesh dim over which each rank holds num_experts / its size
     # of every routed experts tensor (see EstimateSettings).
     experts_dim: str | None = None
+    # Expert tensor parallelism: the mesh dim that splits each expert's weights further.
+    experts_split: str | None = None
     # Model-parallel dims data parallelism folds in (composer_par_folded_dims): they split
     # no tensor, and a sharding plugin shards over them too.
     folded_dims: tuple[str, ...] = ()
@@ -168,6 +170,14 @@ class Layout:
             return 1
         return self.mesh.size(self.experts_dim)
 
+    def experts_split_size(self) -> int:
+        """The ranks each expert's weights are split over (expert tensor parallelism; 1
+        without it or without expert parallelism)."""
+        if self.experts_size() == 1 or self.experts_split is None \
+                or self.experts_split not in self.mesh:
+            return 1
+        return self.mesh.size(self.experts_split)
+
     def data_parallel_group(self, dim: DimInfo, without: tuple[str, ...] = ()
                             ) -> tuple[int, int | None]:
         """(ranks, nodes spanned) of the group data parallelism runs its collectives over
@@ -216,9 +226,10 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
             if reissue is not None and reissue not in REISSUE:
                 raise EstimateError(f"checkpoint_reissue must be one of {list(REISSUE)}; got "
                                     f"{reissue!r}")
-            experts = fields.get("experts_dim")
-            if experts is not None and not isinstance(experts, str):
-                raise EstimateError(f"experts_dim must be a mesh dim name; got {experts!r}")
+            for key in ("experts_dim", "experts_split"):
+                name = fields.get(key)
+                if name is not None and not isinstance(name, str):
+                    raise EstimateError(f"{key} must be a mesh dim name; got {name!r}")
             split = fields.get("sequence_split")
             if split is not None and (isinstance(split, bool) or not isinstance(split, int)
                                       or split < 1):

@@ -301,12 +301,16 @@ class ModelShape:
         groups: list[ParamGroup] = []
         for path, block in blocks:
             tensors = []
+            moe_block = any(id(p) in experts for p in block.parameters())
             for name, p in block.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     routed = id(p) in experts
+                    # A MoE block's router ([num_experts, hidden]): no TP plan splits it.
+                    router = (moe_block and not routed and p.dim() == 2 and moe is not None
+                              and p.shape[0] == moe.num_experts)
                     tensors.append(TensorShape(clean_name(f"{path}.{name}"), tuple(p.shape),
-                                               tp=p.dim() >= 2 and not routed,
+                                               tp=p.dim() >= 2 and not routed and not router,
                                                experts=routed))
             groups.append(ParamGroup(clean_name(path), tuple(tensors), block=True))
         block_of = {id(p): index for index, (_, block) in enumerate(blocks)

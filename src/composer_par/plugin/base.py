@@ -138,6 +138,9 @@ class EstimateSettings:
     # every routed experts tensor (tensor dim 0), which a sharding plugin then shards
     # over its dims without this one (composer_par_shard_apart's ``without``).
     experts_dim: str | None = None
+    # Expert tensor parallelism: the mesh dim over which each routed expert's weights
+    # (its tensors of three or more tensor dims) are split further.
+    experts_split: str | None = None
     # Activation checkpointing: "none", "selective" or "full", on every N-th block.
     activation_checkpoint: str | None = None
     checkpoint_every: int | None = None

@@ -308,7 +308,8 @@ def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | Non
     (dtype names), a model-parallel one ``sequence_parallel`` / ``loss_parallel``, a
     context-parallel one ``sequence_split`` (each rank holds 1 / sequence_split of every
     sequence's tokens), an expert-parallel one ``experts_dim`` (the mesh dim whose ranks
-    each hold num_experts / its size of every routed experts tensor), an
+    each hold num_experts / its size of every routed experts tensor) and
+    ``experts_split`` (the mesh dim that splits each expert's weights further), an
     activation-checkpointing one ``activation_checkpoint`` (``"none"``, ``"selective"``
     or ``"full"``) and ``checkpoint_every``. Or None. The answers are merged in plan
     order, a later plugin's set field over an earlier one's; what no plugin sets keeps
