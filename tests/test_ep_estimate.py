@@ -225,6 +225,25 @@ def test_the_experts_a_rank_holds_equal_the_estimate(plan: str) -> None:
                                                                   else 1)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_each_pipeline_stage_holds_its_share_of_its_experts_as_estimated() -> None:
+    """pp 2 x ep 2: each pp coordinate's parameters per rank, its stage's dense ones
+    whole and num_experts / ep of its blocks' experts, equal the estimate's."""
+    from composer_par.testing import run_ranks
+
+    plan = _plan("pp = 2\nep = 2", fsdp2=False).replace(
+        '[[plugins]]\nname = "ep"',
+        '[[plugins]]\nname = "pp"\nschedule = "1F1B"\nmicrobatches = 4\n\n'
+        '[[plugins]]\nname = "ep"')
+    held = run_ranks(f"{WORKERS}:held_elements", 4, args=(plan,))
+    est = _estimate("uniform", plan)
+    per_coordinate = {r.coordinate: r.memory.local_params for r in est.ranks}
+    # pp outermost: ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1
+    assert [per_coordinate[rank // 2] for rank in range(4)] == [total for total, _ in held]
+    assert {experts for _, experts in held} == {4 * 3 * 32 * 32}  # 4 of 8, one block
+
+
 # -- the MoE fields of a model shape ----------------------------------------------------
 
 

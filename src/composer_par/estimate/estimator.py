@@ -216,9 +216,10 @@ def estimate(
     experts = (experts_summary(layout, model, grouped, memory.local_params, traffic,
                                workload.grad_accum) if pipeline is None else None)
     if pipeline is not None and layout.experts_dim is not None and model.moe is not None:
-        notes.append(f"{layout.experts_dim} inside a pipeline: each stage's experts are "
-                     "counted whole (not num_experts / ep), and the all-to-alls as the "
-                     "whole model's for one pass of the step, not per stage and microbatch")
+        notes.append(f"{layout.experts_dim} inside a pipeline: each stage holds "
+                     "num_experts / ep of its blocks' experts, but the all-to-alls are "
+                     "counted as the whole model's for one pass of the step, not per "
+                     "stage and microbatch")
     return Estimate(layout, model, workload, dtype, reduce_dtype, mode, memory,
                     traffic, intra_gbps, inter_gbps, assumed, tuple(notes),
                     device_memory, pipeline, ranks, accumulation, experts)

@@ -26,6 +26,7 @@ import attrs
 
 from composer_par.estimate.collectives import Collective, communication
 from composer_par.estimate.errors import EstimateError
+from composer_par.estimate.experts import experts_apart
 from composer_par.estimate.layout import local_workload
 from composer_par.estimate.memory import Memory, activation_bytes, memory_per_rank
 from composer_par.estimate.timing import DimTraffic, dim_traffic
@@ -119,6 +120,9 @@ def rank_estimate(
         if len(moment) != len(rank.stages):
             raise EstimateError(f"pipeline rank {rank.coordinate}: a held moment lists "
                                 f"{len(moment)} stage(s) of {len(rank.stages)}")
+    # Expert parallelism's experts: num_experts / ep of each of the stage's blocks.
+    rank = attrs.evolve(rank, stages=tuple(attrs.evolve(s, model=experts_apart(s.model, layout))
+                                           for s in rank.stages))
     model = merged_model(whole, rank.stages)
     base = memory_per_rank(layout, model, workload, parts, dtype=dtype,
                            reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard)
