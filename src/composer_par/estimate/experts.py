@@ -45,8 +45,8 @@ def _held_shape(shape: tuple[int, ...], ep: int, split: int) -> tuple[int, ...]:
     """One rank's part of a routed experts tensor: ``1/ep`` of its experts (tensor dim 0)
     and, split over ``split`` ranks (expert tensor parallelism), ``1/split`` of each
     expert's weights (tensors of three or more tensor dims; counted on the last dim). A
-    bias (two tensor dims) is counted whole: only the input projections' are split, and
-    they are one row per expert."""
+    bias (two tensor dims, one row per expert) is counted whole: the down projection's
+    is, and the gate/up one's split share is too small to matter."""
     held = (-(-shape[0] // ep), *shape[1:])
     if split > 1 and len(held) >= 3:
         held = (*held[:-1], -(-held[-1] // split))
