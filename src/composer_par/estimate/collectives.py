@@ -91,7 +91,9 @@ def communication(
                                           scatters, all_reduces, gathers, shard, ())
         elif dim.role is Role.MODEL_PARALLEL:
             collectives += _tp_collectives(layout, model, workload, dim, abytes, ag_bytes,
-                                           mode, micro, shard, _moe_blocks(model, apart))
+                                           mode, micro, shard,
+                                           {g.name.removesuffix(" experts")
+                                            for g in apart.groups})
         elif dim.role is Role.OTHER:
             notes.append(f"{dim.name}: {dim.plugin} states no estimate (role 'other')")
     return collectives, notes
@@ -220,32 +222,23 @@ def _replicate_collectives(
     return [Collective(dim.name, "all_reduce", payload * times, calls * times, why)]
 
 
-def _moe_blocks(model: ModelShape, apart: ModelShape) -> dict[str, int]:
-    """``{block group: its row-parallel Linears}`` of the MoE blocks whose routed experts
-    a plugin sets apart (EP): TP splits their attention and shared expert, not their
-    experts."""
-    if model.moe is None:
-        return {}
-    rowwise = 1 + (1 if model.moe.shared_ffn else 0)
-    return {g.name.removesuffix(" experts"): rowwise for g in apart.groups}
-
-
-def _block_linears(model: ModelShape, moe_blocks: dict[str, int]) -> tuple[int, int, int]:
+def _block_linears(model: ModelShape, moe_blocks: set[str]) -> tuple[int, int, int]:
     """(row-parallel, column-parallel, MLP row-parallel) Linears of every block: a dense
     block has two row-parallel outputs (attention's, the MLP's) and the column-parallel
-    rest of its matrices; a MoE block of ``moe_blocks`` its attention's output (and its
-    shared expert's) and its matrices less the router (``[num_experts, hidden]``)."""
+    rest of its matrices; a MoE block whose routed experts a plugin sets apart (EP,
+    ``moe_blocks``) its attention's output and its shared expert's, and the rest of the
+    matrices TP splits (the router is not among them) column-parallel. A shape from
+    numbers counts no matrices: its MoE blocks keep the dense blocks' column count."""
     colwise_dense = max(2, model.matrices_per_block - 2) if model.matrices_per_block else 2
     rows, cols, mlp = 2 * model.layers, colwise_dense * model.layers, model.layers
+    if model.moe is None:
+        return rows, cols, mlp
+    rowwise = 1 + (1 if model.moe.shared_ffn else 0)
     for g in model.groups:
         if g.name not in moe_blocks or not g.block:
             continue
-        rowwise = moe_blocks[g.name]
-        experts = model.moe.num_experts if model.moe is not None else 0
-        matrices = sum(1 for t in g.tensors
-                       if t.tp and t.shape[:1] != (experts,) and len(t.shape) >= 2)
-        measured = len(g.tensors) > 1 or g.tensors[0].name != "block.matrices"
-        colwise = max(0, matrices - rowwise) if measured else colwise_dense
+        colwise = (max(0, sum(1 for t in g.tensors if t.tp) - rowwise)
+                   if model.matrices_per_block else colwise_dense)
         rows += (rowwise - 2) * g.count
         cols += (colwise - colwise_dense) * g.count
         mlp += (rowwise - 2) * g.count
@@ -254,7 +247,7 @@ def _block_linears(model: ModelShape, moe_blocks: dict[str, int]) -> tuple[int, 
 
 def _tp_collectives(
     layout: Layout, model: ModelShape, workload: Workload, dim: DimInfo, act_bytes: int,
-    grad_bytes: int, mode: str, micro: int, shard: int, moe_blocks: dict[str, int],
+    grad_bytes: int, mode: str, micro: int, shard: int, moe_blocks: set[str],
 ) -> list[Collective]:
     x = workload.seq * workload.micro_batch * model.hidden * act_bytes
     layers = model.layers
