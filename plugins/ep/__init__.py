@@ -46,7 +46,7 @@ from composer_par.plugin import (
 
 from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
 from .estimate import all_to_all_collectives, expert_tp_collectives
-from .expert_tp import OUTPUT_PROJECTIONS
+from .expert_tp import kept_whole
 from .findings import (
     RULES,
     capacity_finding,
@@ -176,10 +176,9 @@ class EP(Plugin):
             recomputed=recomputed)
         split = layout.experts_split_size()
         if split > 1:
-            whole_bias = tuple(
-                t.numel // size for g in model.groups for t in g.tensors if t.experts
-                and t.name.rsplit(".", 1)[-1] in {f"{p}_bias" for p in OUTPUT_PROJECTIONS}
-                for _ in range(g.count))
+            whole_bias = tuple(t.numel // size for g in model.groups for t in g.tensors
+                               if t.experts and kept_whole(t.name.rsplit(".", 1)[-1])
+                               for _ in range(g.count))
             collectives += expert_tp_collectives(
                 str(self.expert_tp), size=split, moe_layers=moe.moe_layers, tokens=tokens,
                 top_k=moe.top_k, hidden=model.hidden, dtype_bytes=_DTYPE_BYTES.get(dtype, 4),

@@ -51,10 +51,17 @@ def expert_splits(site: ExpertsSite) -> list[ExpertSplit] | None:
             dim = 1 if bias or not transposed else 2
             splits.append(ExpertSplit(name, dim, packed=base == PACKED and concatenated))
         elif base in OUTPUT_PROJECTIONS:
-            splits.append(ExpertSplit(name, None if bias else (1 if transposed else 2)))
+            splits.append(ExpertSplit(name, None if kept_whole(name) else
+                                      (1 if transposed else 2)))
         else:
             return None
     return splits
+
+
+def kept_whole(name: str) -> bool:
+    """Whether an expert parameter stays whole on every tp rank: the output projection's
+    bias, added once to the sum of the partial outputs."""
+    return name.endswith("_bias") and name[: -len("_bias")] in OUTPUT_PROJECTIONS
 
 
 def intermediate_size(site: ExpertsSite, splits: list[ExpertSplit]) -> int | None:
