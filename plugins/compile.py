@@ -73,7 +73,7 @@ RULES = (
          '[mesh]\ndp_shard = 2\ntp = 2\n\n[[plugins]]\nname = "tp"\n\n[[plugins]]\n'
          'name = "fsdp2"\n\n[[plugins]]\nname = "compile"\nbackend = "aot_eager"\n'),
     Rule("CP410", Severity.ERROR, "the compile backend is not registered with torch",
-         "use a registered backend (torch._dynamo.list_backends(exclude_tags=()) lists "
+         "use a registered backend (torch.compiler.list_backends(exclude_tags=()) lists "
          "them), or register yours before validating",
          'ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Compile(backend="inductr"))'
          ".use(MetaInit()).validate(model)"),
@@ -160,17 +160,17 @@ class Compile(Plugin):
         found = wrapped_block_findings(blocks) if not policies else []
         name = backend_name(self.backend)
         if isinstance(self.backend, str):
-            import torch._dynamo
+            import torch.compiler
 
-            known = torch._dynamo.list_backends(exclude_tags=())
+            known = torch.compiler.list_backends(exclude_tags=())
             if name not in known:
-                usual = sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})
+                usual = sorted({*torch.compiler.list_backends(), "aot_eager", "eager"})
                 found.append(Finding(
                     "CP410",
                     f"compile backend {name!r} is not registered with torch"
                     f"{did_you_mean(name, known)}",
                     fix=f"use a registered backend, e.g. one of {usual} (all: "
-                    "torch._dynamo.list_backends(exclude_tags=()))",
+                    "torch.compiler.list_backends(exclude_tags=()))",
                 ))
             elif name == "inductor" and not _is_cuda(plan) and _missing_cxx() is not None:
                 found.append(Finding(
@@ -222,12 +222,10 @@ def _is_cuda(plan: PlanView) -> bool:
 
 def _missing_cxx() -> str | None:
     """Why inductor's C++ compiler cannot be found, or None when it can."""
-    try:
-        from torch._inductor import config
+    from composer_par.plugin import torch_private
 
-        candidates = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (
-            config.cpp.cxx,)
-    except Exception:  # an inductor without this config: let torch report it
+    candidates = torch_private.inductor_cxx()
+    if candidates is None:  # an inductor without this config: let torch report it
         return None
     names = [c for c in candidates if c]
     if any(shutil.which(c) for c in names):

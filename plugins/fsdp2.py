@@ -764,10 +764,12 @@ def _shard_placement(shard_size: int, param: Any) -> Any:
     it would take a second strided placement, which torch cannot gather back
     (``full_tensor``, checkpoints)."""
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from composer_par.plugin import torch_private
 
     local = param.to_local() if isinstance(param, DTensor) else param
-    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard)
+    strided_shard = torch_private.strided_shard()
+    if isinstance(param, DTensor) and any(isinstance(p, strided_shard)
                                           for p in param.placements):
         split = {p.dim for p in param.placements if isinstance(p, Shard)}
         free = [d for d in range(local.ndim)

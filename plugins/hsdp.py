@@ -133,7 +133,9 @@ class HSDP(Plugin):
             if hook is not None and hook.all_reduce:
                 return f"replicate over {size}: all-reduce by {hook.plugin}'s comm hook"
             return f"replicate over {size} through {sharders[0][0]}'s 2-D mesh"
-        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from composer_par.plugin import torch_private
+
+        replicate = torch_private.replicate()
 
         # Alone, HSDP also averages over the dims model-parallel plugins fold in (cp, ep).
         folded = {f.dim for f in ctx.folded_dims()}

@@ -11,11 +11,11 @@ one_expert_per_rank = MoELlamaTask(num_experts=2, top_k=1)
 
 def divide_factors(plan_toml: str) -> list[float]:
     """After apply on this rank: the gradient divide factor of every FSDP module."""
-    from composer_par.plugin.fsdp_state import fsdp_state
+    from composer_par.plugin import torch_private
     from composer_par.testing.parity import apply_to_built, build_plan
     from tests.ep_workers import moe_llama
 
     model, _, _ = apply_to_built(moe_llama, build_plan(plan_toml))
-    return sorted({group.gradient_divide_factor for module in model.modules()
+    return sorted({torch_private.divide_factor(group) for module in model.modules()
                    if hasattr(module, "_get_fsdp_state")
-                   for group in fsdp_state(module)._fsdp_param_groups})
+                   for group in torch_private.fsdp_param_groups(module)})

@@ -55,7 +55,7 @@ def unit_settings(plan_text: str, task: str = "composer_par.testing.tasks:llama"
     path ("" the root), whether it reshards after forward (True, False, or the int group
     size), its parameters' names, and its gradient divide factor; and the apply log."""
     from composer_par.blocks import clean_name
-    from composer_par.plugin.fsdp_state import fsdp_state
+    from composer_par.plugin import torch_private
 
     # One forward: the root's lazy init decides torch's default for the root.
     plan, model = _after_one_step(plan_text, task)
@@ -64,7 +64,7 @@ def unit_settings(plan_text: str, task: str = "composer_par.testing.tasks:llama"
         state = getattr(module, "_get_fsdp_state", None)
         if state is None:
             continue
-        groups = fsdp_state(module)._fsdp_param_groups
+        groups = torch_private.fsdp_param_groups(module)
         if not groups:
             continue
         group = groups[0]

@@ -17,7 +17,8 @@ PLUGINS = ROOT / "plugins"  # installed as composer_par.plugins
 CONTRIB = ROOT / "contrib" / "composer-par-compress" / "src"
 # The modules composer_par.plugin's docstring names as advanced: imported on their own.
 ADVANCED = ("composer_par.plugin.initialize", "composer_par.plugin.loader",
-            "composer_par.plugin.fsdp_state", "composer_par.plugin.pipeline")
+            "composer_par.plugin.fsdp_state", "composer_par.plugin.pipeline",
+            "composer_par.plugin.torch_private")
 
 
 

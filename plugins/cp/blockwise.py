@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from composer_par.plugin import torch_private
+
+_FORWARD, _BACKWARD = torch_private.cpu_flash_attention()
 
 
 def supported(q: torch.Tensor) -> bool:

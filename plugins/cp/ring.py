@@ -31,12 +31,11 @@ def enable_ring_attention(group: Any) -> None:
     rotate by all-to-all: gloo's asynchronous all-gather of CUDA tensors, torch's default
     rotation, crashes the process."""
     import torch.distributed as dist
-    from torch.distributed.tensor.experimental import _attention
 
-    _attention._cp_options.enable_load_balance = True
-    if "gloo" in str(dist.get_backend(group)):
-        _attention.set_rotate_method("alltoall")
-    _attention._enable_context_parallel_dispatcher()
+    from composer_par.plugin import torch_private
+
+    rotate = "alltoall" if "gloo" in str(dist.get_backend(group)) else None
+    torch_private.enable_ring_dispatch(load_balance=True, rotate=rotate)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any,

@@ -40,7 +40,8 @@ def split_experts(site: ExpertsSite, mesh: DeviceMesh, ep_dim: str, tp_dim: str)
     ``mesh`` (its dims ``ep_dim`` and ``tp_dim``), ``Shard(0)`` over ep and each one's
     :func:`~.expert_tp.expert_splits` over tp (the output projection's bias whole)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from composer_par.plugin import torch_private
 
     from .expert_tp import expert_splits
 
@@ -54,7 +55,8 @@ def split_experts(site: ExpertsSite, mesh: DeviceMesh, ep_dim: str, tp_dim: str)
         over_tp: Any = Replicate()
         if split.tensor_dim is not None:
             # [gate; up] concatenated: each rank keeps its part of both halves.
-            over_tp = (_StridedShard(split.tensor_dim, split_factor=2) if split.packed
+            over_tp = (torch_private.strided_shard()(split.tensor_dim, split_factor=2)
+                       if split.packed
                        else Shard(split.tensor_dim))
         placements = [Shard(0) if name == ep_dim else over_tp for name in names]
         site.module.register_parameter(split.name, nn.Parameter(

@@ -46,6 +46,7 @@ from composer_par.plugin import (
     EstimateStage,
     Role,
     dtype_name,
+    torch_private,
 )
 
 from .schedules import SCHEDULES, microbatch_problem, placement
@@ -247,17 +248,8 @@ def lowered_order(schedule: str, pp: int, per_rank: int, microbatches: int
     layout = placement(pp, num_stages, info.style)
     stand_ins: Any = [_Stand(s, num_stages, pp) for s in layout[0]]
     built = get_schedule_class(schedule)(stand_ins, microbatches)
-    out = []
-    for rank in range(pp):
-        steps: list[tuple[str, int]] = []
-        for action in built.pipeline_order_with_comms[rank]:
-            if action is None:
-                continue
-            for sub in getattr(action, "sub_actions", None) or (action,):
-                kind = getattr(sub.computation_type, "name", str(sub.computation_type))
-                steps.append((kind, sub.stage_index))
-        out.append(tuple(steps))
-    return tuple(out)
+    return tuple(tuple((kind, stage) for action in actions for kind, stage, _ in action)
+                 for actions in torch_private.schedule_actions(built, lowered=True))
 
 
 _KIND = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}

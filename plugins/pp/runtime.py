@@ -15,12 +15,14 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from composer_par.plugin import torch_private
+
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
     # The split-backward schedules detach a stage's outputs in place after the input
     # backward, which torch refuses for a view: a stage without the output head returns
     # what the head would have been given, e.g. Hugging Face's hidden_states[:, -k:, :].
-    return tensor.clone() if tensor._is_view() else tensor
+    return tensor.clone() if torch_private.is_view(tensor) else tensor
 
 
 def stage_output(out: Any) -> Any:
@@ -133,13 +135,10 @@ def model_output_loss(stage: _Stage, loss_fn: Callable[..., torch.Tensor]
 
 def compiled_modules(parts: Sequence[nn.Module]) -> list[str]:
     """Modules compiled in place (``Module.compile()``) or wrapped by ``torch.compile``."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
     out = []
     for part in parts:
         for name, module in part.named_modules():
-            if isinstance(module, OptimizedModule) or getattr(
-                    module, "_compiled_call_impl", None) is not None:
+            if torch_private.is_compiled(module):
                 out.append(name or "<root>")
     return out
 
@@ -152,14 +151,13 @@ def keep_unsharded_until_backward(part: nn.Module, modules: Sequence[nn.Module])
     reshard after forward train on wrong weight gradients from the first step, silently;
     kept unsharded until their backward, they are at parity.
     """
-    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
     from torch.distributed.fsdp import FSDPModule
 
     inside = {id(m) for m in part.modules()}
     count = 0
     for module in modules:
         # Replicated modules (HSDP alone) never reshard: nothing to keep.
-        if (isinstance(module, FSDPModule) and not isinstance(module, ReplicateModule)
+        if (isinstance(module, FSDPModule) and not torch_private.is_replicated(module)
                 and id(module) in inside):
             module.set_reshard_after_forward(False, recurse=False)
             count += 1

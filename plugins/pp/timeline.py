@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from composer_par.plugin import torch_private
 from composer_par.plugin.pipeline import Timeline, TimelineAction
 
 from .schedules import SCHEDULES, placement
@@ -65,26 +66,22 @@ def _multi_stage_orders(schedule: str, pp: int, per_rank: int, microbatches: int
     stand_ins: Any = [_Stand(s, num_stages, pp) for s in layout[0]]
     built = get_schedule_class(schedule)(stand_ins, microbatches)
     orders: list[list[Step]] = []
-    for rank in range(pp):
+    for actions in torch_private.schedule_actions(built, lowered=False):
         steps: list[Step] = []
-        for action in built.pipeline_order[rank]:
-            if action is None:
-                continue
-            subs = getattr(action, "sub_actions", None) or (action,)
-            step = tuple(s for s in (_kind(a) for a in subs) if s is not None)
+        for action in actions:
+            step = tuple(s for s in (_kind(*part) for part in action) if s is not None)
             if step:
                 steps.append(step)
         orders.append(steps)
     return orders
 
 
-def _kind(action: Any) -> tuple[str, int, int] | None:
-    name = getattr(action.computation_type, "name", str(action.computation_type))
+def _kind(name: str, stage: int, microbatch: int | None) -> tuple[str, int, int] | None:
     kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
             "BACKWARD_WEIGHT": "W"}.get(name)
-    if kind is None or action.microbatch_index is None:
+    if kind is None or microbatch is None:
         return None  # communication, gradient reduction, resharding
-    return kind, action.stage_index, action.microbatch_index
+    return kind, stage, microbatch
 
 
 def rank_orders(schedule: str, pp: int, per_rank: int, microbatches: int

@@ -88,7 +88,8 @@ def parameter_placement(style: str, ndim: int, split_factor: int | None = None) 
     dim its style splits (the last for rowwise, the one before for colwise), strided for
     packed weights so that each rank holds its slice of every packed part."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from composer_par.plugin import torch_private
 
     back = PARAMETER_STYLES.get(style)
     if back is None:
@@ -102,7 +103,7 @@ def parameter_placement(style: str, ndim: int, split_factor: int | None = None) 
     else:
         dim = ndim + back
     if style.endswith("packed_colwise") or style.endswith("packed_rowwise"):
-        return _StridedShard(dim, split_factor=split_factor or 2)
+        return torch_private.strided_shard()(dim, split_factor=split_factor or 2)
     return Shard(dim)
 
 
@@ -210,7 +211,8 @@ def _make_replicate_style() -> type:
     import torch.nn as nn
     from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
-    from torch.utils._pytree import tree_map
+
+    from composer_par.plugin.torch_private import tree_map
 
     class ReplicateParallel(ParallelStyle):
         def _partition(self, name: str, module: nn.Module, mesh: Any) -> None:
@@ -273,7 +275,8 @@ def _make_local_style() -> type:
     import torch.nn as nn
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
-    from torch.utils._pytree import tree_map
+
+    from composer_par.plugin.torch_private import tree_map
 
     def grad_sum(t: Any, mesh: Any) -> Any:
         """Identity forward; backward sums the gradient over tp (a replicated input that

@@ -115,11 +115,13 @@ def add_aux_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     ``output``, and is added to the step's reported loss."""
     import torch
 
+    from composer_par.plugin import torch_private
+
     record = _active
     if record is None or record.paused:
         return output
     # Recomputation of a checkpointed block runs inside backward: recorded once already.
-    if torch._C._current_graph_task_id() == -1:
+    if not torch_private.in_backward():
         record.values.append(loss.detach())
     if not (torch.is_grad_enabled() and loss.requires_grad):
         return output

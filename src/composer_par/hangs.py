@@ -91,10 +91,10 @@ def _store() -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from torch.distributed.distributed_c10d import _get_default_store
+    from composer_par.plugin import torch_private
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"{_PREFIX}{restart}/", _get_default_store())
+    return dist.PrefixStore(f"{_PREFIX}{restart}/", torch_private.default_store())
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -277,7 +277,9 @@ class MeshSpec:
         mesh = init_device_mesh(device_type, resolved.sizes, mesh_dim_names=resolved.names,
                                 backend_override=override or None)
         if wait is not None:
-            default = dist.distributed_c10d._get_default_group()
+            from composer_par.plugin import torch_private
+
+            default = torch_private.default_group()
             for name in resolved.names:
                 group = mesh.get_group(name)
                 if group is default:
@@ -310,22 +312,12 @@ def _options_with_timeout(device_type: str, wait: timedelta) -> Any:
     mesh dim: torch writes the group's name and ranks into it."""
     import torch.distributed as dist
 
+    from composer_par.plugin import torch_private
+
     if (device_type == "cuda" and dist.is_nccl_available()
             and "nccl" in str(dist.get_backend())):
-        options: Any = dist.ProcessGroupNCCL.Options()
-    else:
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = wait
-    return options
-
-
-def _group_timeout(group: Any, device_type: str) -> timedelta | None:
-    import torch
-
-    try:
-        return group._get_backend(torch.device(device_type)).options._timeout  # type: ignore[no-any-return]
-    except (AttributeError, RuntimeError):
-        return None
+        return torch_private.set_options_timeout(dist.ProcessGroupNCCL.Options(), wait)
+    return torch_private.gloo_options(wait)
 
 
 # The (default group, plan) timeouts this process has warned about: every apply builds a
@@ -338,7 +330,9 @@ def _warn_if_longer(group: Any, device_type: str, wait: timedelta, name: str) ->
     timeouts), that the default group waits longer than the plan says."""
     import torch.distributed as dist
 
-    current = _group_timeout(group, device_type)
+    from composer_par.plugin import torch_private
+
+    current = torch_private.group_timeout(group, device_type)
     if current is None or current <= wait or dist.get_rank() != 0:
         return
     said = (current.total_seconds(), wait.total_seconds())

@@ -63,12 +63,9 @@ def _clear_dtensor_caches() -> None:
     hold device meshes, and a mesh holds its process groups."""
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor was made
         return
-    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    from composer_par.plugin import torch_private
 
-    debug._clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    torch_private.clear_dtensor_caches()
 
 
 def run_rank(main: Callable[[], object]) -> int:

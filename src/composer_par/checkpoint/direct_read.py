@@ -51,13 +51,6 @@ class _NotRecognised(Exception):
     pass
 
 
-def _storage_dtypes() -> dict[str, Any]:
-    """Storage type name in a pickle -> dtype: torch.save's own table, read backwards."""
-    import torch
-
-    return {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-
-
 _DTYPES: dict[str, Any] | None = None
 
 
@@ -112,7 +105,9 @@ class _Unpickler(pickle.Unpickler):
             return ("dtype", torch.uint8)
         if module == "torch":
             if _DTYPES is None:
-                _DTYPES = _storage_dtypes()
+                from composer_par.plugin import torch_private
+
+                _DTYPES = torch_private.storage_dtypes()
             if name in _DTYPES:
                 return ("dtype", _DTYPES[name])
             if isinstance(getattr(torch, name, None), torch.dtype):

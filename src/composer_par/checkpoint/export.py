@@ -55,7 +55,7 @@ def local_chunk(tensor: Any) -> tuple[Any, tuple[int, ...]] | None:
 
     if not isinstance(tensor, DTensor):
         return tensor, (0,) * tensor.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from composer_par.plugin import torch_private
 
     if tensor.device_mesh.get_coordinate() is None:
         return None
@@ -63,12 +63,12 @@ def local_chunk(tensor: Any) -> tuple[Any, tuple[int, ...]] | None:
         raise CheckpointError("a tensor with Partial placement (pending reduction) cannot be "
                               "exported; export after the optimizer step")
     local = tensor.to_local()
-    shape, offset = compute_local_shape_and_global_offset(
+    shape, offset = torch_private.local_shape_and_offset(
         tensor.shape, tensor.device_mesh, tensor.placements)
     if tuple(local.shape) != tuple(shape):
         raise CheckpointError(f"local shard {list(local.shape)} is not the {list(shape)} "
                               "its placements give; cannot place it in the file")
-    return local, tuple(offset)
+    return local, offset
 
 
 def _whole_if_strided(tensor: Any) -> Any:

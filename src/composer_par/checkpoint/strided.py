@@ -27,16 +27,18 @@ def held_indices(tensor: Any) -> list[torch.Tensor]:
     each dim's indices are those of a 1-D tensor split by the placements on that dim."""
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
 
+    from composer_par.plugin import torch_private
+
+    strided_shard = torch_private.strided_shard()
     if not isinstance(tensor, DTensor):
         return [torch.arange(n) for n in tensor.shape]
     out = []
     for dim, size in enumerate(tensor.shape):
         placements: list[Any] = []
         for p in tensor.placements:
-            if isinstance(p, _StridedShard) and p.dim == dim:
-                placements.append(_StridedShard(0, split_factor=p.split_factor))
+            if isinstance(p, strided_shard) and p.dim == dim:
+                placements.append(strided_shard(0, split_factor=p.split_factor))
             elif isinstance(p, Shard) and p.dim == dim:
                 placements.append(Shard(0))
             else:
@@ -77,6 +79,8 @@ def _boxed_class() -> type:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.tensor import DTensor
 
+    from composer_par.plugin import torch_private
+
     class Boxed(DTensor):
         """A DTensor whose part on this rank is described to DCP as its boxes."""
 
@@ -85,14 +89,14 @@ def _boxed_class() -> type:
         def _local_box(self, offsets: Any) -> torch.Tensor:
             for begin, sizes, local in self._boxes:
                 if tuple(begin) == tuple(offsets):
-                    view = self._local_tensor
+                    view = torch_private.local_tensor(self)
                     for dim, (start, length) in enumerate(zip(local, sizes, strict=True)):
                         view = view.narrow(dim, start, length)
                     return view
             raise ValueError(f"no part of this rank begins at {list(offsets)}")
 
         def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
-            properties = TensorProperties.create_from_tensor(self._local_tensor)
+            properties = TensorProperties.create_from_tensor(torch_private.local_tensor(self))
             return [WriteItem(index=MetadataIndex(fqn, torch_size(begin)),
                               type=WriteItemType.SHARD,
                               tensor_data=TensorWriteData(
@@ -125,7 +129,10 @@ def boxed(tensor: Any) -> Any:
     if not _BOXED:
         _BOXED.append(_boxed_class())
     cls = _BOXED[0]
-    out = cls(tensor._local_tensor, tensor._spec, requires_grad=False)
+    from composer_par.plugin import torch_private
+
+    out = cls(torch_private.local_tensor(tensor), torch_private.dtensor_spec(tensor),
+              requires_grad=False)
     out._boxes = boxes(tensor)
     return out
 
@@ -137,11 +144,14 @@ def strided_alone(placements: Any) -> bool:
     describes it to DCP as one: checkpoints describe it box by box (:func:`for_dcp`), and
     the safetensors export gathers it whole."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from composer_par.plugin import torch_private
+
+    strided_shard = torch_private.strided_shard()
 
     for i, placement in enumerate(placements):
-        if isinstance(placement, _StridedShard) and not any(
-                isinstance(p, Shard) and not isinstance(p, _StridedShard)
+        if isinstance(placement, strided_shard) and not any(
+                isinstance(p, Shard) and not isinstance(p, strided_shard)
                 and p.dim == placement.dim for p in placements[i + 1:]):
             return True
     return False

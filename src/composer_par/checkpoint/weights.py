@@ -60,7 +60,9 @@ def _same_memory(a: Any, b: Any) -> bool:
     if b is None or isinstance(a, DTensor) != isinstance(b, DTensor):
         return False
     if isinstance(a, DTensor):
-        a, b = a._local_tensor, b._local_tensor
+        from composer_par.plugin import torch_private
+
+        a, b = torch_private.local_tensor(a), torch_private.local_tensor(b)
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
     return (a.data_ptr() == b.data_ptr() and a.device == b.device and a.dtype == b.dtype

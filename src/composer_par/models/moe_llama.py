@@ -41,6 +41,7 @@ from composer_par.models.llama import (
     Rotary,
     next_token_loss,
 )
+from composer_par.plugin import torch_private
 
 
 @attrs.frozen
@@ -146,7 +147,7 @@ class MoE(nn.Module):
         # already, and a loss kept past the step keeps the model alive (see
         # MoELlama.aux_loss). torch's own checkpoint asks autograd the same way. Inside a
         # step, add_aux_loss hands it to the step and nothing is kept.
-        if not in_step() and torch._C._current_graph_task_id() == -1:
+        if not in_step() and not torch_private.in_backward():
             self.aux_loss = aux_loss
         out = self.experts(flat, index, weights)
         if self.shared_expert is not None:

@@ -75,14 +75,16 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
 * **Blocks already wrapped**: :data:`ALREADY_WRAPPED`, :data:`CHECKPOINT_MARK`,
   :func:`already_wrapped`, :func:`wrapped_block_findings`.
 
-Four advanced modules are imported on their own, each for what a few plugins need and
+Five advanced modules are imported on their own, each for what a few plugins need and
 most never touch (they import torch, so a plugin imports them inside its hooks or for
 type checking): :mod:`composer_par.plugin.initialize` (layout-invariant initialization),
 :mod:`composer_par.plugin.loader` (the weights-loader base),
-:mod:`composer_par.plugin.fsdp_state` (every read or write of torch-private FSDP state,
-behind one torch-version gate) and :mod:`composer_par.plugin.pipeline` (pipeline stages
-and schedule timelines). Nothing else of composer_par is for plugins: the built-in
-plugins and contrib import only this package and these four.
+:mod:`composer_par.plugin.fsdp_state` (FSDP2's comm hooks and gradient divide factors),
+:mod:`composer_par.plugin.pipeline` (pipeline stages and schedule timelines) and
+:mod:`composer_par.plugin.torch_private` (every private torch symbol, each reached by a
+function there and checked on every supported torch release; it imports no torch
+itself). Nothing else of composer_par is for plugins: the built-in plugins and contrib
+import only this package and these five.
 
 Facts pass between plugins only through hook answers and the typed fields of the context:
 never import another plugin or read its options. docs/writing-plugins.md is the long

@@ -87,14 +87,14 @@ class ApplyContext:
         :meth:`submesh`."""
         if len(shard) <= 1:
             return self.submesh(*replicate, *shard)
-        flat = self.submesh(*shard)._flatten("_".join(shard))
+        from composer_par.plugin import torch_private
+
+        flat = torch_private.flatten_mesh(self.submesh(*shard), "_".join(shard))
         if not replicate:
             return flat
-        from torch.distributed.device_mesh import DeviceMesh
-
         # Slicing a flattened dim out of the root mesh is deprecated (torch warns): the
         # flattened mesh is joined to the replicate dims' instead.
-        return DeviceMesh._concatenate([self.submesh(*replicate), flat])
+        return torch_private.concatenate_meshes([self.submesh(*replicate), flat])
 
     def replicate_dims(self) -> list[str]:
         """The mesh dims data-parallel plugins should replicate over (composition hook)."""

@@ -1,21 +1,19 @@
-"""Every read or write of torch-private FSDP state, behind one torch-version gate.
+"""FSDP2's comm hooks and gradient divide factors, installed on FSDP modules.
 
 FSDP2 (``fully_shard``) and torch's composable ``replicate`` expose a public setter API
 (``set_all_reduce_hook``, ``set_gradient_divide_factor``, ...), but some things this
 project does need their internals: the flat reduce output's per-parameter layout, the
 process group a replicate module all-reduces over, whether a module reduce-scatters.
-Those reads and writes live here and nowhere else, so that a torch upgrade has one
-module to re-check. :data:`CHECKED_TORCH` is the range they were checked against;
-:func:`check_torch` refuses any other torch with the reason, and
-``tests/test_fsdp_state.py`` fails loudly on an unchecked torch.
+Those reads and writes go through :mod:`composer_par.plugin.torch_private`, which
+checks the torch release they were verified on.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from composer_par.plugin import torch_private
 from composer_par.plugin.comm import CommHook, CommSetup, GradBucket, GradReducer, InstalledCommHook
 
 if TYPE_CHECKING:
@@ -23,47 +21,6 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.plugin.context import ApplyContext
-
-# (major, minor) releases of torch whose FSDP internals the code below was checked on.
-CHECKED_TORCH: tuple[tuple[int, int], ...] = ((2, 13),)
-
-
-class UncheckedTorchError(RuntimeError):
-    """The installed torch is not one this module's private FSDP accesses were checked on."""
-
-
-def torch_release(version: str) -> tuple[int, int]:
-    """``"2.13.0+cpu"`` -> ``(2, 13)``."""
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
-def check_torch(version: str | None = None) -> None:
-    """Raise :class:`UncheckedTorchError` unless torch's release is in CHECKED_TORCH."""
-    if version is None:
-        import torch
-
-        version = torch.__version__
-    if torch_release(version) not in CHECKED_TORCH:
-        checked = ", ".join(f"{a}.{b}" for a, b in CHECKED_TORCH)
-        raise UncheckedTorchError(
-            f"torch {version}: composer_par's comm hooks and gradient divide factors touch "
-            f"FSDP2 internals checked only on torch {checked} "
-            "(composer_par.plugin.fsdp_state); pin a checked torch, or re-check that module "
-            "and add the release to CHECKED_TORCH"
-        )
-
-
-@functools.cache
-def _checked() -> bool:
-    check_torch()
-    return True
-
-
-def fsdp_state(module: Any) -> Any:
-    """The FSDP state of an FSDP module (``fully_shard`` or ``replicate``)."""
-    _checked()
-    return module._get_fsdp_state()
 
 
 # -- installing (called by the data-parallel plugin that owns the dim) ---------------------
@@ -109,10 +66,9 @@ def install_all_reduce(
     solo = _solo_group() if replace_native else None
     count = 0
     for module in modules:
-        state = fsdp_state(module)
-        for param_group in state._fsdp_param_groups:
+        for param_group in torch_private.fsdp_param_groups(module):
             if solo is not None:
-                _detach_native_all_reduce(param_group, solo)
+                torch_private.replace_replicate_group(param_group, solo)
             module.set_all_reduce_hook(  # type: ignore[operator]
                 _BucketHook(reducer, names.get(id(module), "?"), param_group, setup.group)
             )
@@ -166,18 +122,6 @@ def _solo_group() -> Any:
     return _SOLO[backend]
 
 
-def _detach_native_all_reduce(param_group: Any, solo: Any) -> None:
-    """Point a replicate module's own all-reduce at a 1-rank group (torch 2.13 internals:
-    ``FSDPParamGroup.mesh_info.replicate_process_group``, read only by that all-reduce)."""
-    info = getattr(param_group, "mesh_info", None)
-    if info is None or not hasattr(info, "replicate_process_group"):
-        raise RuntimeError(
-            "this torch's replicate modules have no mesh_info.replicate_process_group: "
-            "the replicate-only comm-hook path needs torch 2.13 (see composer_par.plugin.comm)"
-        )
-    info.replicate_process_group = solo
-
-
 class _BucketHook:
     """The ``set_all_reduce_hook`` callable: wraps FSDP's flat output in a GradBucket."""
 
@@ -191,7 +135,7 @@ class _BucketHook:
     def __call__(self, output: torch.Tensor) -> None:
         # FSDP divides by the shard size (or by the whole divide factor, when one is set)
         # around its reduce-scatter; the replicate dim's share is the hook's to divide.
-        factor = self.param_group.gradient_divide_factor
+        factor = torch_private.divide_factor(self.param_group)
         divisor = float(self.size) if factor is None else 1.0
         bucket = GradBucket(self.key, output, self._views(output), self.group, divisor)
         self.reducer(bucket)
@@ -202,18 +146,15 @@ class _BucketHook:
 
         from composer_par.blocks import clean_name
 
-        params = self.param_group.fsdp_params
-        sizes = [torch.Size(p.padded_sharded_param_size).numel() for p in params]
-        if sum(sizes) != output.numel():  # some parameters had no gradient this step
-            return None
+        layout = torch_private.reduce_output_layout(self.param_group)
+        if sum(numel for _, numel, _, _ in layout) != output.numel():
+            return None  # some parameters had no gradient this step
         views: list[tuple[str, torch.Tensor]] = []
         offset = 0
-        for param, numel in zip(params, sizes, strict=True):
-            view = torch.as_strided(output, size=param.sharded_size,
-                                    stride=param.contiguous_sharded_stride,
+        for fqn, numel, size, stride in layout:
+            view = torch.as_strided(output, size=size, stride=stride,
                                     storage_offset=output.storage_offset() + offset)
-            name = clean_name(param._param_fqn or f"{self.key}.param{len(views)}")
-            views.append((name, view))
+            views.append((clean_name(fqn or f"{self.key}.param{len(views)}"), view))
             offset += numel
         return tuple(views)
 
@@ -234,13 +175,8 @@ def premul_sum_supported(ctx: ApplyContext) -> bool:
 
 def reduce_scatters(module: Any) -> bool:
     """Whether an FSDP module reduce-scatters its gradients (a shard group of size > 1)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-
-    state = fsdp_state(module)
-    return any(
-        isinstance(group.mesh_info, FSDPMeshInfo) and group.mesh_info.shard_mesh_size > 1
-        for group in state._fsdp_param_groups
-    )
+    return any(torch_private.reduce_scatters(group)
+               for group in torch_private.fsdp_param_groups(module))
 
 
 def apart_divide_factor(ctx: ApplyContext) -> int:
@@ -271,8 +207,8 @@ def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_onl
     """
     modules = list(modules)
     for module in modules:
-        other = {group.gradient_divide_factor
-                 for group in fsdp_state(module)._fsdp_param_groups} - {None, factor}
+        other = {torch_private.divide_factor(group)
+                 for group in torch_private.fsdp_param_groups(module)} - {None, factor}
         if other:
             raise ValueError(
                 f"{owner or 'a plugin'}: gradient_divide_factor={factor:g}, but the FSDP "

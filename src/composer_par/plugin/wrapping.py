@@ -35,20 +35,20 @@ ALREADY_WRAPPED = Rule(
 
 def already_wrapped(module: nn.Module) -> str | None:
     """Why ``module`` cannot be checkpointed or compiled again, or None."""
-    kind = type(module).__name__
-    if kind == "OptimizedModule" or hasattr(module, "_orig_mod"):
+    from composer_par.plugin import torch_private
+
+    kind = torch_private.wrapper_kind(module)
+    if kind == "compile":
         return "is a torch.compile wrapper (OptimizedModule: names gain '_orig_mod.')"
-    if kind == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module"):
+    if kind == "checkpoint":
         return "is a checkpoint_wrapper (names gain '_checkpoint_wrapped_module.')"
     if CHECKPOINT_MARK in module.__dict__:
         return "is already checkpointed by composer_par"
     if "forward" in module.__dict__:
         return "has an instance-level forward (already wrapped or patched)"
-    from torch.distributed._composable.contract import _get_registry
-
-    if "checkpoint" in (_get_registry(module) or {}):
+    if torch_private.has_composable(module, "checkpoint"):
         return "already has torch's composable checkpoint applied"
-    if getattr(module, "_compiled_call_impl", None) is not None:
+    if torch_private.compiled_in_place(module):
         return "is already compiled (Module.compile())"
     return None
 

@@ -21,7 +21,10 @@ def held_for_backward(model: Any, forward: Callable[[], Any], *,
     ``optimizer``'s states are tracked as such and not counted. Runs ``backward()`` on
     the loss afterwards, outside the tracker, so nothing is left holding the graph."""
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from composer_par.plugin import torch_private
+
+    MemTracker, activations = torch_private.mem_tracker()
 
     tracker = MemTracker()
     if optimizer is not None:
@@ -34,5 +37,5 @@ def held_for_backward(model: Any, forward: Callable[[], Any], *,
         peak = tracker.get_tracker_snapshot("peak")
     loss.backward()
     device = next(iter(now)) if now else torch.device("cpu")
-    return {"activations": int(now[device][_MemRefType.ACT]),
-            "peak_activations": int(peak[device][_MemRefType.ACT])}
+    return {"activations": int(now[device][activations]),
+            "peak_activations": int(peak[device][activations])}

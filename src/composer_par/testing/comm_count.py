@@ -41,8 +41,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from torch._ops import HigherOrderOperator
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from composer_par.plugin import torch_private
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -161,16 +161,14 @@ def _resolve_group(value: Any) -> Any:
     """The ProcessGroup an op argument names (a boxed ScriptObject, a ProcessGroup, or
     the group name functional collectives pass)."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     if isinstance(value, str):
-        return c10d._resolve_process_group(value)  # type: ignore[arg-type]
+        return torch_private.resolve_group(value)
     if isinstance(value, dist.ProcessGroup):
         return value
     return dist.ProcessGroup.unbox(value)
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(torch_private.torch_dispatch_mode()):  # type: ignore[misc]
     """A dispatch mode recording every collective issued while it is active.
 
     ``calls`` lists them in order; :meth:`by_group` and :meth:`summary` total them.
@@ -184,7 +182,7 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, HigherOrderOperator):
+        if isinstance(func, torch_private.higher_order_operator()):
             return func(*args, **kwargs)
         if _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
             # A mode runs before tensor subclasses do: an op on DTensors reaches here whole,
@@ -194,7 +192,7 @@ class CommCounter(TorchDispatchMode):
             # plain-tensor ops.
             return NotImplemented
         if func.namespace in NAMESPACES:
-            entry = _OPS.get(func._schema.name.split("::", 1)[1])
+            entry = _OPS.get(torch_private.op_schema(func)[0].split("::", 1)[1])
             if entry is not None:
                 self._record(func, entry, args, kwargs)
         return func(*args, **kwargs)
@@ -202,11 +200,11 @@ class CommCounter(TorchDispatchMode):
     def _record(self, func: Any, entry: tuple[str, str, bool], args: Any, kwargs: Any) -> None:
         kind, payload_arg, times_group = entry
         named: dict[str, Any] = {}
-        for index, argument in enumerate(func._schema.arguments):
+        for index, argument in enumerate(torch_private.op_schema(func)[1]):
             if index < len(args):
-                named[argument.name] = args[index]
-            elif argument.name in kwargs:
-                named[argument.name] = kwargs[argument.name]
+                named[argument] = args[index]
+            elif argument in kwargs:
+                named[argument] = kwargs[argument]
         group_arg = named.get("process_group", named.get("group_name"))
         group, name = self._group(group_arg)
         tensors = list(_tensors(named.get(payload_arg))) if payload_arg else []

@@ -87,7 +87,10 @@ def fake_world() -> Iterator[Callable[..., None]]:
     is running), on which DeviceMeshes build and local work (sharding, validation,
     ``apply``) runs while collectives do nothing. Destroyed after the test."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from composer_par.plugin import torch_private
+
+    FakeStore = torch_private.fake_store()
 
     def init(world_size: int, rank: int = 0) -> None:
         if dist.is_initialized():

@@ -458,9 +458,9 @@ def forward_check(model: nn.Module, sizes: Sequence[int]) -> tuple[str, str]:
     import warnings
 
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from composer_par.plugin import torch_private
     from composer_par.ties import to_empty_keeping_ties
 
     # torch logs every exception a fake kernel raises, with its stack: the dry run reports
@@ -469,7 +469,8 @@ def forward_check(model: nn.Module, sizes: Sequence[int]) -> tuple[str, str]:
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)
     try:
-        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        fake_mode = torch_private.fake_tensor_mode()(allow_non_fake_inputs=True)
+        with warnings.catch_warnings(), fake_mode:
             # Fake tensors warn about what real ones would (FSDP2's view outputs): the
             # dry run reports only whether the step runs.
             warnings.simplefilter("ignore")
@@ -513,26 +514,19 @@ def _forget_sharding_decisions() -> None:
     """DTensor caches its sharding decisions by mesh shape and dim names, with the process
     groups of the mesh they were made on: a later rank's fake world (other groups, the
     same shape) would reuse a former rank's groups. Each rank starts with none."""
-    import torch
-    from torch.distributed.tensor import DTensor
+    from composer_par.plugin import torch_private
 
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    cache = getattr(propagator, "propagate_op_sharding", None)
-    if cache is not None and hasattr(cache, "cache_clear"):
-        cache.cache_clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if native is not None:  # the C++ dispatch fast path keeps its own copy
-        native()
+    torch_private.clear_dtensor_caches()
 
 
 def _fake_store() -> Any:
     """torch's fake process-group store; importing its module registers the backend."""
+    from composer_par.plugin import torch_private
+
     try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as exc:  # a torch build without it (or without distributed)
-        raise DryRunError(f"this torch has no fake process-group backend ({exc}): the dry run "
-                          "needs torch.testing._internal.distributed.fake_pg") from exc
-    return FakeStore
+        return torch_private.fake_store()
+    except torch_private.PrivateSymbolError as exc:  # a torch built without it
+        raise DryRunError(f"this torch has no fake process-group backend: {exc}") from exc
 
 
 def _quietly(fn: Callable[[], Any]) -> Any:

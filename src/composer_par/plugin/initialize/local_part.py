@@ -31,7 +31,10 @@ def _local_slice(full: torch.Tensor, target: DTensor) -> torch.Tensor | None:
     ``distribute_tensor`` would build and dispatch a DTensor for every parameter of the
     model, to keep a view of it."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from composer_par.plugin import torch_private
+
+    strided_shard = torch_private.strided_shard()
 
     coordinate = target.device_mesh.get_coordinate()
     if coordinate is None:
@@ -40,7 +43,7 @@ def _local_slice(full: torch.Tensor, target: DTensor) -> torch.Tensor | None:
     for mesh_dim, placement in enumerate(target.placements):
         if isinstance(placement, Replicate):
             continue
-        if type(placement) is not Shard or isinstance(placement, _StridedShard):
+        if type(placement) is not Shard or isinstance(placement, strided_shard):
             return None
         dim = placement.dim if placement.dim >= 0 else placement.dim + part.dim()
         count = target.device_mesh.size(mesh_dim)

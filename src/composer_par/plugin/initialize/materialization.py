@@ -209,7 +209,7 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
     running it on fake tensors (no memory, no random draws on real data): an in-place
     write bumps a tensor's version counter, through views too. Buffers are faked as well
     and left alone (they are plain tensors, written in place by the real call)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from composer_par.plugin import torch_private
 
     slots = [(m, n) for m in module.modules() for n, t in m._parameters.items()
              if t is not None]
@@ -217,7 +217,7 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
                if t is not None]
     if not slots:
         return []
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = torch_private.fake_tensor_mode()(allow_non_fake_inputs=False)
     originals_p = {(id(m), n): m._parameters[n] for m, n in slots}
     originals_b = {(id(m), n): m._buffers[n] for m, n in buffers}
     fakes: dict[int, torch.Tensor] = {}
@@ -239,7 +239,7 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
             for m, n in slots:
                 fake = m._parameters[n]
                 assert fake is not None
-                versions[(id(m), n)] = fake._version
+                versions[(id(m), n)] = torch_private.tensor_version(fake)
             try:
                 with torch.no_grad():
                     init(module)
@@ -251,7 +251,8 @@ def _written_by(module: nn.Module, init: InitFn) -> list[Slot]:
             for m, n in slots:
                 fake = m._parameters[n]
                 real = originals_p[(id(m), n)]
-                if (fake is None or fake._version != versions[(id(m), n)]) and (
+                if (fake is None or torch_private.tensor_version(fake)
+                        != versions[(id(m), n)]) and (
                         id(real) not in seen):
                     seen.add(id(real))
                     written.append((m, n))
