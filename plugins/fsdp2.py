@@ -47,11 +47,14 @@ from composer_par.plugin import (
     tied_outside,
 )
 from composer_par.plugin.fsdp_state import (
+    UNCHECKED_TORCH_RULE,
     apart_divide_factor,
     install_all_reduce,
     install_shard_comms,
+    internals_read,
     premul_sum_supported,
     set_gradient_divide_factor,
+    unchecked_torch_findings,
 )
 
 if TYPE_CHECKING:
@@ -106,6 +109,7 @@ RULES = (
          "patterns agree",
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(reshard_units={\"layers.*\": False, "
          "\"*.1\": True})).use(MetaInit()).validate(llama)"),
+    UNCHECKED_TORCH_RULE,
 )
 
 #: transformers' FSDP styles -> whether the unit reshards after forward.
@@ -431,6 +435,8 @@ class FSDP2(Plugin):
         # A plugin providing expert parallelism applies the model's _ep_plan (CP427).
         experts_parallel = any("expert_parallel" in d.provides for d in plan.declarations())
         found = self._own_plan_findings(model, blocks, experts_parallel)
+        found += unchecked_torch_findings(internals_read(
+            plan, [*plan.replicate_dims(), self.dim], self.gradient_divide_factor))
         units, unit_found = self.unit_list(model, blocks)
         found += unit_found
         found += self.reshard_values(units)[1]

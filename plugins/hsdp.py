@@ -37,18 +37,23 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    Finding,
     Plugin,
     Role,
+    Rule,
     blocks_option,
     dim_option,
     hookimpl,
     ordering_option,
 )
 from composer_par.plugin.fsdp_state import (
+    UNCHECKED_TORCH_RULE,
     apart_divide_factor,
     install_all_reduce,
+    internals_read,
     premul_sum_supported,
     set_gradient_divide_factor,
+    unchecked_torch_findings,
 )
 
 if TYPE_CHECKING:
@@ -86,6 +91,7 @@ class HSDP(Plugin):
 
     name: ClassVar[str] = "hsdp"
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
+    rules: ClassVar[tuple[Rule, ...]] = (UNCHECKED_TORCH_RULE,)
 
     dim: str = dim_option("dp_replicate")
     gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
@@ -121,6 +127,15 @@ class HSDP(Plugin):
             steps.append(("finalize", f"divide gradients by {self.gradient_divide_factor:g} on "
                           "every FSDP module"))
         return steps
+
+    @hookimpl
+    def composer_par_validate_model(self, plan: PlanView, model: Any,
+                                    blocks: list[Any]) -> list[Finding]:
+        # Beside a sharding plugin, that plugin installs the comm hooks and shards the
+        # experts apart (and says so); HSDP's own divide factor is HSDP's to report.
+        alone = not _claimed(_declarations(plan), Role.SHARD, plan.mesh)
+        return unchecked_torch_findings(internals_read(
+            plan, [self.dim] if alone else [], self.gradient_divide_factor, apart=alone))
 
     # -- stages --------------------------------------------------------------------------
 

@@ -383,6 +383,14 @@ def _cp221(tmp: Path, world: World) -> Any:
     return plan, llama()
 
 
+@case("CP230")
+def _cp230(tmp: Path, world: World) -> Any:
+    # run on a torch release taken out of the checked ones (the test patches the list)
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(gradient_divide_factor=1.0)),
+            llama())
+
+
 @case("CP410")
 def _cp410(tmp: Path, world: World) -> Any:
     world(2)
@@ -763,8 +771,15 @@ def test_every_error_code_has_a_case_or_says_why_not() -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_refused_apply_leaves_the_model_untouched(name: str, tmp_path: Path,
-                                                     fake_world: World) -> None:
+                                                     fake_world: World,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     code = _code(name)
+    if code == "CP230":
+        # the installed torch as if it were a release FSDP2's internals were not checked on
+        from composer_par.plugin import torch_private
+
+        monkeypatch.setattr(torch_private, "CHECKED_TORCH", ((2, 12),))
+        monkeypatch.delenv(torch_private.UNCHECKED_ENV, raising=False)
     if code == "CP412":
         # inductor's C++ compiler, as if none were installed (its own setting)
         from torch._inductor import config

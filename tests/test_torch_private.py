@@ -171,3 +171,42 @@ def test_release_parsing() -> None:
     assert torch_release("2.15.0+cu132") == (2, 15)
     assert torch_release("2.13") == (2, 13)
 
+
+def _plan_findings(plan: object, model: object) -> list[object]:
+    return [f for f in plan.validate(model, world_size=2).findings  # type: ignore[attr-defined]
+            if f.code == "CP230"]
+
+
+@pytest.mark.parametrize(("plan", "reads"), [
+    ("fsdp2_factor", "gradient_divide_factor=1"),
+    ("hsdp_alone_factor", "gradient_divide_factor=2"),
+    ("fsdp2_plain", None),
+])
+def test_cp230_refuses_a_plan_reading_fsdp2_internals_on_an_unchecked_torch(
+        plan: str, reads: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan
+    from composer_par.testing.tasks import llama
+
+    plans = {
+        "fsdp2_factor": ParallelPlan(MeshSpec(dp_shard=2)).use(
+            FSDP2(gradient_divide_factor=1.0)),
+        "hsdp_alone_factor": ParallelPlan(MeshSpec(dp_replicate=2)).use(
+            HSDP(gradient_divide_factor=2.0)),
+        "fsdp2_plain": ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()),
+    }
+    with torch.device("meta"):
+        model = llama.build()
+    chosen = plans[plan].use(MetaInit())
+    monkeypatch.delenv(UNCHECKED_ENV, raising=False)
+    assert _plan_findings(chosen, model) == []  # the installed torch is a checked one
+    monkeypatch.setattr(torch_private, "CHECKED_TORCH", ((2, 12),))
+    found = _plan_findings(chosen, model)
+    if reads is None:
+        assert found == []
+        return
+    [finding] = found
+    assert finding.severity.value == "error"  # type: ignore[attr-defined]
+    assert reads in finding.message and torch.__version__ in finding.message  # type: ignore[attr-defined]
+    assert "COMPOSER_PAR_UNCHECKED_TORCH=1" in finding.fix  # type: ignore[attr-defined]
+    monkeypatch.setenv(UNCHECKED_ENV, "1")
+    assert _plan_findings(chosen, model) == []

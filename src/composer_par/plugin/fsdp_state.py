@@ -10,9 +10,11 @@ checks the torch release they were verified on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from composer_par.findings import Finding, Rule, Severity
 from composer_par.plugin import torch_private
 from composer_par.plugin.comm import CommHook, CommSetup, GradBucket, GradReducer, InstalledCommHook
 
@@ -21,6 +23,55 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.plugin.context import ApplyContext
+    from composer_par.plugin.view import PlanView
+
+
+# -- validation: the FSDP2 internals a plan will read, on the torch it runs on ---------
+
+UNCHECKED_TORCH_RULE = Rule(
+    "CP230", Severity.ERROR,
+    "the plan reads FSDP2 internals of a torch release they were not checked on",
+    "use a torch release the README's support table lists as checked "
+    "(composer_par.plugin.torch_private.CHECKED_TORCH); or set "
+    "COMPOSER_PAR_UNCHECKED_TORCH=1 to run them unchecked, then compare a few steps with "
+    "one process (composer-par selfcheck)",
+    "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(gradient_divide_factor=1.0)).use(MetaInit())"
+    ".validate(llama)  # on a torch release newer than the checked ones")
+
+
+def internals_read(plan: PlanView, dims: Sequence[str], factor: float | None, *,
+                   apart: bool = True) -> list[str]:
+    """What of a data-parallel plugin's work over ``dims`` reads FSDP2 internals: a
+    gradient divide factor, a comm hook's all-reduce on one of ``dims``, and with
+    ``apart`` the experts that expert parallelism shards apart (their divide factor)."""
+    uses = []
+    if factor is not None:
+        uses.append(f"gradient_divide_factor={factor:g}")
+    uses += [f"{hook.plugin}'s comm hook on {hook.dim}" for hook in plan.comm_hooks()
+             if hook.all_reduce is not None and hook.dim in dims]
+    if apart and any("expert_parallel" in d.provides for d in plan.declarations()):
+        uses.append("the experts expert parallelism shards apart")
+    return uses
+
+
+def unchecked_torch_findings(uses: Sequence[str], version: str | None = None) -> list[Finding]:
+    """CP230 when ``uses`` (:func:`internals_read`) is not empty and torch ``version``
+    (the installed one by default) is not a checked release; nothing when
+    COMPOSER_PAR_UNCHECKED_TORCH=1 (the reads then warn when they run)."""
+    if version is None:
+        import torch
+
+        version = torch.__version__
+    if (not uses or torch_private.torch_release(version) in torch_private.CHECKED_TORCH
+            or os.environ.get(torch_private.UNCHECKED_ENV) == "1"):
+        return []
+    checked = ", ".join(f"{a}.{b}" for a, b in torch_private.CHECKED_TORCH)
+    return [Finding(
+        UNCHECKED_TORCH_RULE.code,
+        f"torch {version} is not a release composer_par's FSDP2 internals were checked on "
+        f"({checked}), and this plan reads them: {'; '.join(uses)} (FSDP2's reduced-gradient "
+        "layout and divide factors, which a new torch release may change)",
+        fix=UNCHECKED_TORCH_RULE.fix)]
 
 
 # -- installing (called by the data-parallel plugin that owns the dim) ---------------------
