@@ -74,6 +74,36 @@ def test_every_style_of_these_families_is_honoured() -> None:
     assert styles("gpt_neox")["gpt_neox.embed_in"] == "embedding_rowwise"
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3"])
+def test_fused_experts_split_as_transformers_5_24_split_them_on_any_release(
+        family: str) -> None:
+    # transformers 5.25 dropped these entries from its models' tp plans; the plan the
+    # same TP() makes is the same on both releases (and on 5.24 nothing is added).
+    from composer_par.plugins.tp.auto import fused_expert_entries, hf_tp_plan
+    from tests import ep_workers
+
+    with torch.device("meta"):
+        model = getattr(ep_workers, family).build()
+    plan = hf_tp_plan(model)
+    assert plan["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert plan["model.layers.*.mlp.experts.down_proj"] == "rowwise"
+    own = {**model._tp_plan, "model.layers.*.mlp.experts": "replicate"}
+    assert fused_expert_entries(model, own) == {}  # a plan that names them keeps its word
+
+
+def test_experts_with_biases_or_no_ep_plan_get_no_entries() -> None:
+    from composer_par.plugins.tp.auto import fused_expert_entries
+
+    assert fused_expert_entries(hf_workers.build("llama"), {}) == {}
+    # gpt-oss's experts carry biases transformers never split over tp
+    from tests import ep_gpt_oss_workers
+
+    with torch.device("meta"):
+        gpt_oss = ep_gpt_oss_workers.GptOssTask().build()
+    assert fused_expert_entries(gpt_oss, {}) == {}
+
+
 def test_cp407_is_reported_beside_a_plan_problem() -> None:
     # tp 4 on 2 KV heads, with a style TP does not honour in the model's own plan: the
     # head count is still checked (and the style falls back: CP420, a warning).

@@ -63,7 +63,32 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
         if isinstance(sub, Mapping):
             for key, style in sub.items():
                 plan.setdefault(f"{clean_name(path)}.{key}", style)
+    for key, style in fused_expert_entries(model, plan).items():
+        plan.setdefault(key, style)
     return plan
+
+
+def fused_expert_entries(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, str]:
+    """The tp plan entries transformers up to 5.24 gave fused experts (a ``gate_up_proj``
+    and a ``down_proj`` per experts module), for the experts modules of the model's
+    ``_ep_plan`` that ``plan`` says nothing of. transformers 5.25 dropped them from its
+    models' tp plans (its answer for experts is expert parallelism); without them, TP
+    would replicate every expert on every tp rank, where the same plan on 5.24 splits
+    them. A plan with EP keeps EP's placement: TP leaves distributed modules alone."""
+    ep_plan = getattr(model, "_ep_plan", None)
+    if not isinstance(ep_plan, Mapping):
+        return {}
+    entries: dict[str, str] = {}
+    for key, style in ep_plan.items():
+        if style != "ep_dispatch_experts" or any(
+                k == key or k.startswith(f"{key}.") for k in plan):
+            continue
+        weights = {k.removeprefix(f"{key}.") for k, s in ep_plan.items()
+                   if s == "grouped_gemm" and k.startswith(f"{key}.")}
+        if weights == {"gate_up_proj", "down_proj"}:
+            entries.update({f"{key}.gate_up_proj": "packed_colwise",
+                            f"{key}.down_proj": "rowwise", key: "moe_tp_experts"})
+    return entries
 
 
 @attrs.frozen
