@@ -196,3 +196,57 @@ def test_a_built_wheel_installs_and_runs_the_demo_outside_the_checkout() -> None
         assert result["ok"] and result["nproc"] == 2 and len(result["losses"]) == 2
         assert (work / result["checkpoint"]).is_dir()  # relative to the demo's directory
     assert not Path(temp).exists()
+
+
+def _dist_info(metadata: dict[str, object]) -> str:
+    """A METADATA file from pip's report of a distribution (what pip's resolver reads of an
+    installed one: its name, version, Python range and requirements)."""
+    lines = ["Metadata-Version: 2.1", f"Name: {metadata['name']}",
+             f"Version: {metadata['version']}"]
+    if metadata.get("requires_python"):
+        lines.append(f"Requires-Python: {metadata['requires_python']}")
+    lines += [f"Provides-Extra: {e}" for e in metadata.get("provides_extra") or []]  # type: ignore[attr-defined]
+    lines += [f"Requires-Dist: {r}" for r in metadata.get("requires_dist") or []]  # type: ignore[attr-defined]
+    return "\n".join(lines) + "\n"
+
+
+def _resolve(python: Path, requirements: list[str], tmp: Path) -> dict[str, str]:
+    """What pip would install into ``python``'s environment for ``requirements``:
+    name -> version (a dry run; nothing is installed)."""
+    report = tmp / f"report-{len(list(tmp.glob('report-*')))}.json"
+    run_checked([sys.executable, "-m", "pip", "--python", python, "install", "--dry-run",
+                 "--quiet", "--report", report, *requirements], timeout=900)
+    return {entry["metadata"]["name"].lower(): entry["metadata"]["version"]
+            for entry in json.loads(report.read_text())["install"]}
+
+
+@pytest.mark.timeout(1200)
+def test_resolving_the_requirements_beside_torch_2_14_1_keeps_it() -> None:
+    """A user's environment with torch 2.14.1: pip resolving composer-par's requirements
+    (run time and the hf extra) keeps that torch. The torch is installed as pip sees one:
+    its distribution metadata, taken from pip's own report on the 2.14.1 wheel, not its
+    4 GB of files."""
+    project = PYPROJECT["project"]
+    requirements = [*project["dependencies"], *project["optional-dependencies"]["hf"]]
+    assert [r for r in requirements if r.startswith("torch")] == ["torch>=2.13"]
+    with tempfile.TemporaryDirectory(prefix="composer-par-resolve-") as temp:
+        tmp = Path(temp)
+        venv = tmp / "venv"
+        run_checked([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120)
+        python = venv / "bin" / "python"
+        report = tmp / "torch.json"
+        run_checked([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                     "--ignore-installed", "--no-deps", "--report", report, "torch==2.14.1"],
+                    timeout=600)
+        [torch_entry] = json.loads(report.read_text())["install"]
+        site = run_checked([python, "-c", "import sysconfig; "
+                            "print(sysconfig.get_paths()['purelib'])"], timeout=60).stdout
+        info = Path(site.strip(), "torch-2.14.1.dist-info")
+        info.mkdir()
+        (info / "METADATA").write_text(_dist_info(torch_entry["metadata"]))
+        (info / "INSTALLER").write_text("pip\n")
+        (info / "RECORD").write_text("")
+
+        chosen = _resolve(python, requirements, tmp)
+        assert "torch" not in chosen, f"pip would replace torch 2.14.1 with {chosen['torch']}"
+        assert "transformers" in chosen  # the resolution did run
