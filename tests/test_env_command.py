@@ -44,6 +44,10 @@ def test_env_prints_without_cuda_and_without_nvidia_smi(tmp_path: Path) -> None:
     data = json.loads(done.stdout)
     assert done.returncode == 0
     assert data["versions"]["torch"] == torch.__version__
+    assert data["versions"]["torch_checked"] is True  # CI's torch is a checked release
+    import transformers
+
+    assert data["versions"]["transformers"] == transformers.__version__
     assert data["versions"]["nccl"] is None and data["devices"] == []
     assert data["interconnect"]["gpu_topology"] is None
     assert data["interconnect"]["gpu_topology_note"] == "nvidia-smi not found"

@@ -48,6 +48,7 @@ def versions() -> dict[str, Any]:
     import torch.distributed as dist
 
     from composer_par import __version__
+    from composer_par.plugin import torch_private
 
     cuda = torch.cuda.is_available()
     nccl = None
@@ -56,6 +57,9 @@ def versions() -> dict[str, Any]:
     return {
         "composer_par": __version__,
         "torch": torch.__version__,
+        # Whether the features that read FSDP2 internals run on it (CP230, versions.md).
+        "torch_checked": torch_private.torch_release(torch.__version__)
+        in torch_private.CHECKED_TORCH,
         "cuda": torch.version.cuda,  # the toolkit torch was built with; None: CPU build
         "cuda_available": cuda,
         "nccl": nccl,
@@ -63,6 +67,10 @@ def versions() -> dict[str, Any]:
         "gloo": "built in" if dist.is_available() and dist.is_gloo_available() else None,
         "pluggy": _distribution_version("pluggy"),
         "attrs": _distribution_version("attrs"),
+        # the optional extras' libraries (the README's support table)
+        "transformers": _distribution_version("transformers"),
+        "accelerate": _distribution_version("accelerate"),
+        "lightning": _distribution_version("lightning"),
     }
 
 
