@@ -182,10 +182,11 @@ def test_trap_gradient_divide_factor_trains_at_parity_on_gloo() -> None:
 @pytest.mark.timeout(240)
 def test_trap_cpu_offload_trains_without_an_accelerator() -> None:
     # Measured: CPUOffloadPolicy(pin_memory=True) fails on a machine without an
-    # accelerator ("Cannot access accelerator device when none is available"); FSDP2
-    # pins only when CUDA is there, so offload trains on gloo.
+    # accelerator (CPU builds of torch: "Cannot access accelerator device when none is
+    # available"; CUDA builds: "Found no NVIDIA driver on your system"); FSDP2 pins only
+    # when CUDA is there, so offload trains on gloo.
     pinned = run_ranks("tests.hsdp_workers:cpu_offload_pinned", 2, timeout=90)[0]
-    assert "accelerator" in pinned
+    assert "accelerator" in pinned or "no NVIDIA driver" in pinned, pinned
     plan = plan_toml(HSDP_2X2, 'name = "hsdp"', 'name = "fsdp2"\noffload = "cpu"')
     result = check_parity(ParityCase(task=MLP, plan=plan, world_size=4, lr=0.5))
     result.assert_close()
