@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# The allocation's errors that stop a job before its mesh is built.
-ALLOCATION_ERRORS = frozenset({"CP306", "CP308", "CP309"})
+# What the allocation check at a job's start finds (composer_par.allocation).
+ALLOCATION_CODES = frozenset({"CP306", "CP307", "CP308", "CP309"})
 
 
 class ParallelPlan:
@@ -179,14 +179,21 @@ class ParallelPlan:
         except AllocationConflict as exc:
             return None, wanted, [exc.finding]
 
+    def allocation_report(self) -> Report:
+        """What this process's environment says of the job's allocation against the
+        layout the plan asks for (CP306-CP309; empty outside a launcher, or when they
+        agree). See :mod:`composer_par.allocation`."""
+        report, _, _ = self._check(None, None, at_start=True)
+        return Report.of(f for f in report.findings if f.code in ALLOCATION_CODES)
+
     def check_allocation(self) -> None:
         """Refuse (PlanError) a job whose allocation is not the layout the plan asks for,
         or whose launcher and scheduler disagree about it (CP306, CP308, CP309); the
-        start of :meth:`apply` and of :meth:`device_mesh` call it before a mesh is built."""
-        report, _, _ = self._check(None, None, at_start=True)
-        refused = [f for f in report.errors if f.code in ALLOCATION_ERRORS]
-        if refused:
-            raise PlanError(Report.of(refused))
+        start of :meth:`apply` and of :meth:`device_mesh` do the same before a mesh is
+        built."""
+        report = self.allocation_report()
+        if not report.ok:
+            raise PlanError(Report.of(report.errors))
 
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""

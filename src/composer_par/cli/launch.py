@@ -79,7 +79,8 @@ def launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLURM: where the job's output goes (--output=PATTERN)")
     passed.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
                         type=_sbatch_option,
-                        help="SLURM: a further #SBATCH option, e.g. --qos=high (repeatable)")
+                        help="SLURM: a further #SBATCH option, given as --sbatch-option=--qos=high "
+                        "(repeatable)")
     passed.add_argument("--image", help="Kubernetes: the container image")
     passed.add_argument("--namespace", help="Kubernetes: the namespace")
     passed.add_argument("--runtime", default=DEFAULT_RUNTIME,

@@ -82,9 +82,12 @@ def _srun(job: Job, options: SlurmOptions) -> list[str]:
     torchrun = job.torchrun_options(
         nnodes='"$SLURM_JOB_NUM_NODES"', endpoint=f'"$rdzv_host:{job.port}"',
         rdzv_id='"$SLURM_JOB_ID"')
+    sizes, rendezvous, restarts = torchrun[:2], torchrun[2:-1], torchrun[-1:]
     return [
         " ".join(srun) + " \\",
-        f"    {shell_words(job.launcher.split())} " + " ".join(torchrun) + " \\",
+        f"    {shell_words(job.launcher.split())} " + " ".join(sizes) + " \\",
+        "    " + " ".join(rendezvous) + " \\",
+        "    " + " ".join(restarts) + " \\",
         f"    {shell_words(job.command)}",
     ]
 
