@@ -6,7 +6,11 @@ Ray reports."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -14,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# Ray starts a local cluster of its own (under /tmp/ray, which no test would stop) when
+# its API is called with none running; only the test's own cluster may run: auto-connect
+# off for this test process, set before ray is imported (Ray reads it then).
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'composer-par[ray]'")
 
 from composer_par import ParallelPlan
@@ -33,6 +41,16 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS, LR = 6, 0.05
 
 
+def descendants(pid: int) -> set[int]:
+    found, pending = set(), [pid]
+    while pending:
+        for child in processes.children(pending.pop()):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
 @pytest.fixture
 def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import ray
@@ -43,20 +61,35 @@ def ray_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(processes.MARK_ENV, mark)
     # A short path: Ray's sockets live under it.
     temp = tempfile.mkdtemp(prefix="cp-ray-", dir="/tmp")
+    before = descendants(os.getpid())
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
     try:
         yield
     finally:
+        # Ray's daemons (GCS, raylet, its agents, the workers) descend from this process
+        # until shutdown; Ray renames its processes, so they are known by this tree.
+        started = descendants(os.getpid()) - before
+        gc.collect()  # Ray objects' finalizers run while the cluster is still up
         ray.shutdown()
-        for _ in range(100):
-            if not processes.marked(mark):
-                break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in started):
             time.sleep(0.2)
-        left = processes.marked(mark)
+        left = sorted(p for p in started if _alive(p))
+        for pid in left:  # what shutdown left: stopped here, and reported below
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         processes.kill_marked(mark)
         shutil.rmtree(temp, ignore_errors=True)
-        assert left == [], f"Ray processes left running after shutdown: {left}"
+        assert left == [], f"Ray processes left running 30 s after shutdown: {left}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
 
 
 def test_fsdp2_trains_at_parity_inside_ray_train(ray_cluster: None, tmp_path: Path) -> None:

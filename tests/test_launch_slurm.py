@@ -171,5 +171,8 @@ def test_a_job_started_on_another_layout_is_refused_at_start(
     assert "CP306" in output, output[-6000:]
     assert "plan wants 1 node x 2, the job has 2 x 1: tp(2) would cross nodes" in output, (
         output[-6000:])
+    # Read from SLURM's step as well as torchrun's variables.
+    assert "SLURM_STEP_NUM_NODES=2, SLURM_STEP_NODELIST=node[1-2], " \
+        "SLURM_STEP_TASKS_PER_NODE=1(x2)" in output, output[-6000:]
     # Refused before training: nothing was saved.
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

@@ -9,9 +9,10 @@ runs from the variables its launcher and scheduler set:
 * torchrun (and Ray Train, and Kubeflow's pods, which run torchrun): ``WORLD_SIZE`` and
   ``LOCAL_WORLD_SIZE``: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` agents of ``LOCAL_WORLD_SIZE``
   processes, one agent per node;
-* SLURM, inside an ``srun`` step: ``SLURM_STEP_NUM_NODES`` and
-  ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1`` is 2, 2, 2, 1): with torchrun, one task per
-  node (each task is an agent); without it, each task is a rank;
+* SLURM, inside an ``srun`` step: ``SLURM_STEP_NUM_NODES`` (its node list,
+  ``SLURM_STEP_NODELIST``, is named with it) and ``SLURM_STEP_TASKS_PER_NODE``
+  (``2(x3),1`` is 2, 2, 2, 1): with torchrun, one task per node (each task is an
+  agent); without it, each task is a rank;
   ``SLURM_GPUS_ON_NODE`` where the job asked for GPUs;
 * Kubeflow (TrainJob, PyTorchJob): ``PET_NNODES`` and ``PET_NPROC_PER_NODE``, which the
   job's torchrun takes as its ``--nnodes`` and ``--nproc-per-node``.
@@ -172,6 +173,9 @@ def _under_torchrun(env: Mapping[str, str], world: int, local: int,
 def _torchrun_in_slurm(env: Mapping[str, str], agents: int, step_nodes: int) -> list[str]:
     text = env.get("SLURM_STEP_TASKS_PER_NODE", "").strip()
     evidence = [f"SLURM_STEP_NUM_NODES={step_nodes}"]
+    nodelist = env.get("SLURM_STEP_NODELIST", "").strip()
+    if nodelist:
+        evidence.append(f"SLURM_STEP_NODELIST={nodelist}")
     if text:
         try:
             counts = tasks_per_node(text)
