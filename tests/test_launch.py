@@ -178,6 +178,8 @@ def test_bad_command_lines_are_exit_2(plan_2x8: str, capsys: pytest.CaptureFixtu
     for argv, said in [
         ([plan_2x8, "--slurm"], "give the training script after --"),
         ([plan_2x8, "--slurm", "--env", "=x", "--", "t.py"], "expected NAME=VALUE"),
+        ([plan_2x8, "--slurm", "--env", "COMPOSER_PAR_TOPOLOGY=9x9", "--", "t.py"],
+         "--env COMPOSER_PAR_TOPOLOGY: launch sets it from the plan"),
         ([plan_2x8, "--slurm", "--sbatch-option", "qos=high", "--", "t.py"],
          "expected one sbatch option"),
         ([plan_2x8, "--", "t.py"], "one of the arguments --slurm --kubernetes --torchrun"),

@@ -176,3 +176,19 @@ def test_a_job_started_on_another_layout_is_refused_at_start(
         "SLURM_STEP_TASKS_PER_NODE=1(x2)" in output, output[-6000:]
     # Refused before training: nothing was saved.
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_job_the_scheduler_refuses_is_exit_1_with_its_reason(
+        tmp_path: Path, slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "replicas.toml"
+    plan.write_text(REPLICAS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    code = cli(["launch", str(plan), "--slurm", "--json", "--submit", "--partition",
+                "nosuch", "--", str(EXAMPLES / "train.py"), str(plan)])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and data["exit_code"] == 1 and not data["submitted"]["ok"]
+    assert "sbatch refused the job (exit 1)" in data["submitted"]["message"]
+    assert "invalid partition" in data["submitted"]["message"].lower()
+    assert (tmp_path / "replicas.sbatch").exists()  # written, to fix and submit again

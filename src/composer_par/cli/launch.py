@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from composer_par.allocation import TOPOLOGY_ENV
 from composer_par.cli.common import (
     EXIT_ERRORS,
     EXIT_OK,
@@ -36,9 +37,13 @@ from composer_par.cli.common import (
 )
 from composer_par.findings import Report
 from composer_par.tools.kubernetes_job import DEFAULT_GPU_RESOURCE, DEFAULT_RUNTIME
-from composer_par.tools.launch import DEFAULT_PORT
+from composer_par.tools.launch import DEFAULT_PORT, FRESH_STORE_ENV
 
 SCHEDULERS = ("slurm", "kubernetes", "torchrun")
+# Variables the job gets from the plan, which --env may not set otherwise.
+RESERVED_ENV = {TOPOLOGY_ENV: "the layout the job was written for: --nodes / "
+                "--devices-per-node change it",
+                FRESH_STORE_ENV: "when --max-restarts allows restarts"}
 SUFFIX = {"slurm": ".sbatch", "kubernetes": ".yaml", "torchrun": ".sh"}
 # How long a scheduler's client may take to accept a job.
 SUBMIT_TIMEOUT_S = 120.0
@@ -124,6 +129,10 @@ def run_launch(args: argparse.Namespace, out: Output) -> int:
                          "--slurm -- train.py PLAN [ARGS]")
     if args.submit and args.dry_run:
         raise InputError("--submit and --dry-run exclude each other")
+    for name, _ in args.env:
+        if name in RESERVED_ENV:
+            raise InputError(f"--env {name}: launch sets it from the plan "
+                             f"({RESERVED_ENV[name]})")
     plan, world = load_plan_for(args)
     topology = plan.effective_topology()
     if world is None and topology is not None:

@@ -63,7 +63,7 @@ class Job:
         env = [(TOPOLOGY_ENV, self.layout)]
         if self.max_restarts:
             env.append((FRESH_STORE_ENV, "1"))
-        return env + [pair for pair in self.extra_env if pair[0] not in dict(env)]
+        return env + list(self.extra_env)
 
     def torchrun_options(self, *, nnodes: str | None = None, endpoint: str | None = None,
                          rdzv_id: str | None = None) -> list[str]:
@@ -150,6 +150,7 @@ def format_node_commands(job: Job, rdzv_host: str | None, source: str) -> str:
 
 __all__ = [
     "DEFAULT_PORT",
+    "FRESH_STORE_ENV",
     "Job",
     "format_node_commands",
     "job_findings",
