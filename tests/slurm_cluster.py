@@ -28,9 +28,18 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
 
+# Daemons live in sbin, which a user's PATH may leave out.
+SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+def program(name: str) -> str:
+    """The path of a SLURM or munge program (its name where it is not installed)."""
+    return shutil.which(name, path=SEARCH) or name
+
+
 def missing_programs() -> list[str]:
     """The SLURM and munge programs not installed here (``./dev setup`` installs them)."""
-    return [p for p in (*DAEMONS, *CLIENTS) if shutil.which(p) is None]
+    return [p for p in (*DAEMONS, *CLIENTS) if shutil.which(p, path=SEARCH) is None]
 
 
 def free_port() -> int:
@@ -116,13 +125,14 @@ class SlurmCluster:
         key.chmod(0o600)
         # --force: munged refuses to run as root, and a /tmp path, without it.
         self._spawn("munged", [
-            "munged", "--foreground", "--force", f"--socket={self.root}/munge.socket",
+            program("munged"), "--foreground", "--force", f"--socket={self.root}/munge.socket",
             f"--key-file={key}", f"--log-file={self.root}/munged.log",
             f"--pid-file={self.root}/munged.pid", f"--seed-file={self.root}/munged.seed"])
         self._wait(lambda: (self.root / "munge.socket").exists(), timeout, "munged's socket")
-        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        self._spawn("slurmctld", [program("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         for node in self.nodes:
-            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-f", str(self.conf), "-N", node])
+            self._spawn(f"slurmd-{node}",
+                        [program("slurmd"), "-D", "-f", str(self.conf), "-N", node])
         self._wait(self._all_idle, timeout, f"{len(self.nodes)} idle SLURM nodes")
 
     def _all_idle(self) -> bool:
