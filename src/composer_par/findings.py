@@ -7,7 +7,8 @@ Every rule has a stable code. Codes group by what they look at:
 * ``CP3xx`` topology: which mesh dims cross nodes
 * ``CP4xx`` the model (found at apply or by ``validate --model``)
 * ``CP5xx`` the plan file itself (the CLI exits 2 on these)
-* ``CP9xx`` configs imported from other tools (``composer-par import``)
+* ``CP9xx`` configs imported from other tools (``composer-par import``); ``CP981``-
+  ``CP989`` launching a plan on a scheduler (``composer-par launch``)
 
 The core's codes are :data:`CORE_RULES` (its checks live in :mod:`composer_par.rules`).
 Each plugin brings its own catalog, the class attribute ``rules`` of its plugin class,
@@ -175,6 +176,24 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "knowingly",
          "[mesh]\ndp_shard = 32\n\n[topology]\nnodes = 4\ndevices_per_node = 8\n\n"
          "[[plugins]]\nname = \"fsdp2\"\n"),
+    # CP306-CP309: the allocation a job got, read at its start (composer_par.allocation).
+    Rule("CP306", _E, "the job's layout is not the plan's and breaks it",
+         "start the job on the plan's nodes x devices per node (composer-par launch "
+         "writes such a job), or change [topology] and validate the plan for the layout "
+         "the job has",
+         "# [mesh] dp_shard = 4, tp = 8; [topology] nodes = 4, devices_per_node = 8\n"
+         "sbatch --nodes=8 job.sbatch   # its torchrun runs --nproc-per-node=4 on each"),
+    Rule("CP307", _W, "the job's layout is not the plan's, but the plan holds on it",
+         "make [topology] say the layout the job has, or start the job on the plan's",
+         "# [mesh] dp_replicate = 2, dp_shard = 8; [topology] nodes = 2, devices_per_node = 8\n"
+         "torchrun --standalone --nproc-per-node=16 train.py plan.toml"),
+    Rule("CP308", _E, "the launcher and the scheduler disagree on where the ranks run",
+         "run one torchrun per node with the node's devices as --nproc-per-node, and the "
+         "same number of processes on every node",
+         "srun --ntasks-per-node=2 torchrun --nproc-per-node=4 train.py plan.toml"),
+    Rule("CP309", _E, "SLURM placed the tasks on nodes round-robin",
+         "distribute tasks in blocks (srun --distribution=block, the default)",
+         "srun --ntasks-per-node=4 --distribution=cyclic python train.py plan.toml"),
     Rule("CP401", _E, "no blocks found in the model",
          "pass blocks= to the plugin: a module path like 'layers' or block class names "
          "like ['DecoderLayer']",
@@ -320,6 +339,24 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
     Rule("CP914", Severity.INFO, "an \"auto\" value is left to the trainer",
          "give the value in the plan or in the trainer's arguments",
          "{\"bf16\": {\"enabled\": \"auto\"}}"),
+    # CP981-CP989: writing a plan's job for a scheduler (composer_par.launch).
+    Rule("CP981", _E, "the job's size is not known",
+         "add [topology] to the plan, or pass --nodes and --devices-per-node",
+         "composer-par launch plan.toml --slurm -- train.py plan.toml  # no [topology]"),
+    Rule("CP982", _E, "GPUs per node differ from the plan's devices per node",
+         "ask for as many GPUs per node as the plan has processes per node",
+         "composer-par launch plan.toml --slurm --gpus-per-node 4 -- train.py plan.toml"
+         "  # [topology] devices_per_node = 8"),
+    Rule("CP983", _E, "a Kubernetes job without a container image",
+         "pass --image with the image that holds the training script and composer-par",
+         "composer-par launch plan.toml --kubernetes -- train.py plan.toml"),
+    Rule("CP984", _E, "a multi-node torchrun launch without the first node's address",
+         "pass --rdzv-host with the address of the node that hosts the rendezvous",
+         "composer-par launch plan.toml --torchrun -- train.py plan.toml  # 2 nodes"),
+    Rule("CP985", _E, "the job name is not one the scheduler accepts",
+         "give --name lowercase letters, digits and '-', starting with a letter, at most "
+         "63 characters",
+         "composer-par launch plan.toml --kubernetes --image img --name My_Job -- train.py"),
 )
 
 

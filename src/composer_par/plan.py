@@ -10,6 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.allocation import (
+    Allocation,
+    AllocationConflict,
+    allocation_findings,
+    read_allocation,
+    wanted_topology,
+)
 from composer_par.blocks import Block, BlockSpec, find_blocks
 from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
@@ -41,6 +48,9 @@ if TYPE_CHECKING:
     from composer_par.training import TrainingStep
 
 log = get_logger(__name__)
+
+# What the allocation check at a job's start finds (composer_par.allocation).
+ALLOCATION_CODES = frozenset({"CP306", "CP307", "CP308", "CP309"})
 
 
 class ParallelPlan:
@@ -139,6 +149,7 @@ class ParallelPlan:
                                 "were asked for")
             return self._device_mesh
         world = world_size if world_size is not None else self.world_size() or 1
+        self.check_allocation()
         self._device_mesh = self.mesh.resolve(world).build(device_type,
                                                            timeout=as_timeout(self.timeout))
         return self._device_mesh
@@ -158,6 +169,31 @@ class ParallelPlan:
 
     def effective_topology(self) -> Topology | None:
         return self.topology if self.topology is not None else Topology.from_env()
+
+    def _allocation(self) -> tuple[Allocation | None, Topology | None, list[Finding]]:
+        """The job's allocation, the layout it was written for, and the finding of an
+        environment whose variables contradict each other (then no allocation)."""
+        wanted = wanted_topology(self.topology)
+        try:
+            return read_allocation(), wanted, []
+        except AllocationConflict as exc:
+            return None, wanted, [exc.finding]
+
+    def allocation_report(self) -> Report:
+        """What this process's environment says of the job's allocation against the
+        layout the plan asks for (CP306-CP309; empty outside a launcher, or when they
+        agree). See :mod:`composer_par.allocation`."""
+        report, _, _ = self._check(None, None, at_start=True)
+        return Report.of(f for f in report.findings if f.code in ALLOCATION_CODES)
+
+    def check_allocation(self) -> None:
+        """Refuse (PlanError) a job whose allocation is not the layout the plan asks for,
+        or whose launcher and scheduler disagree about it (CP306, CP308, CP309); the
+        start of :meth:`apply` and of :meth:`device_mesh` do the same before a mesh is
+        built."""
+        report = self.allocation_report()
+        if not report.ok:
+            raise PlanError(Report.of(report.errors))
 
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
@@ -204,12 +240,23 @@ class ParallelPlan:
         return self._check(model, world_size)[0]
 
     def _check(
-        self, model: nn.Module | None, world_size: int | None
+        self, model: nn.Module | None, world_size: int | None, *, at_start: bool = False
     ) -> tuple[Report, HookCaller | None, list[Block]]:
-        """The report, and the hooks and blocks it was made with (apply reuses them)."""
+        """The report, and the hooks and blocks it was made with (apply reuses them).
+
+        ``at_start``: in the job, about to build the mesh: the allocation the job got is
+        read from its environment and checked against the layout the plan asks for
+        (:mod:`composer_par.allocation`); a plan that asks for none is checked on the
+        job's own layout."""
         world = world_size if world_size is not None else self.world_size()
-        topology = self.effective_topology()
-        findings = mesh_rules(self.mesh, world, topology)
+        allocation, wanted, found = self._allocation() if at_start else (None, None, [])
+        if wanted is not None:
+            topology: Topology | None = wanted
+        elif allocation is not None:
+            topology = allocation.topology()
+        else:
+            topology = None if found else self.effective_topology()
+        findings = found + mesh_rules(self.mesh, world, topology)
         try:
             hooks = self.hooks
         except HookError as exc:
@@ -235,10 +282,14 @@ class ParallelPlan:
                 "stages (stage pipeline_split): a plan has one pipeline",
                 fix=f"keep one of {', '.join(splitters)}"))
         findings += plugin_rules(materializers, decls, block_specs)
-        findings += topology_rules(mesh, topology, decls,
-                                   [f.dim for f in hooks.folded_dims()])
+        folded = [f.dim for f in hooks.folded_dims()]
+        findings += topology_rules(mesh, topology, decls, folded)
         findings += comm_hook_rules(mesh, decls, hooks.comm_hooks())
         findings += hooks.validate_plan(mesh, topology)
+        if allocation is not None:
+            findings += allocation_findings(
+                mesh, wanted, allocation,
+                lambda t: [*topology_rules(mesh, t, decls, folded), *hooks.validate_plan(mesh, t)])
         blocks: list[Block] = []
         if model is not None:
             spec = block_specs[0][1] if block_specs else None
@@ -251,7 +302,7 @@ class ParallelPlan:
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Validate, then run every stage in order. Raises PlanError, touching nothing."""
-        report, hooks, blocks = self._check(model, None)
+        report, hooks, blocks = self._check(model, None, at_start=True)
         if not report.ok or hooks is None:
             raise PlanError(report)
         for finding in report.warnings:

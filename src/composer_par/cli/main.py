@@ -35,6 +35,7 @@ from composer_par.cli import (
     checkpoint,
     demo,
     diagnostics,
+    launch,
     migrate,
     plan_commands,
     plan_tools,
@@ -86,7 +87,24 @@ COMMANDS: list[Command] = [
             "collectives", diagnostics.selfcheck_arguments, diagnostics.run_selfcheck),
     Command("import", "a plan file from an accelerate config, a DeepSpeed JSON or the "
             "Trainer's --fsdp / --deepspeed", migrate.import_arguments, migrate.run_import),
+    Command("launch", "a plan's job for SLURM (sbatch), Kubernetes (Kubeflow TrainJob or "
+            "PyTorchJob) or torchrun on each node; the script after --",
+            launch.launch_arguments, launch.run_launch),
 ]
+
+# Commands whose words after "--" are another program's command line (kept whole, out of
+# argparse's reach: it would take them for this command's options).
+TRAILING_COMMANDS = frozenset({"launch"})
+
+
+def split_trailing(args_list: list[str]) -> tuple[list[str], list[str] | None]:
+    """``(words to parse, words after "--")`` for a command in TRAILING_COMMANDS; the
+    words unchanged and None for any other."""
+    command = next((w for w in args_list if not w.startswith("-")), None)
+    if command not in TRAILING_COMMANDS or "--" not in args_list:
+        return args_list, None
+    cut = args_list.index("--")
+    return args_list[:cut], args_list[cut + 1:]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (tests call this in-process)."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    args_list, trailing = split_trailing(list(sys.argv[1:] if argv is None else argv))
     # Before parsing, --json anywhere on the line decides, so that a bad command line
     # gets its JSON document too.
     out = Output(json_mode="--json" in args_list, stdout=sys.stdout, stderr=sys.stderr)
@@ -133,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with contextlib.redirect_stdout(printed) if out.json_mode else \
                     contextlib.nullcontext():
                 args = parser.parse_args(args_list)
+            args.trailing = trailing
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else EXIT_OK
             if out.json_mode:

@@ -8,7 +8,9 @@ adapter needs none of the others installed (nor does ``import composer_par``):
 * :mod:`composer_par.integrations.accelerate`: Hugging Face accelerate (extra
   ``composer-par[accelerate]``);
 * :mod:`composer_par.integrations.hf_trainer`: the Hugging Face Trainer, through the
-  accelerate adapter (extra ``composer-par[hf]``).
+  accelerate adapter (extra ``composer-par[hf]``);
+* :mod:`composer_par.integrations.ray`: Ray Train's ``TorchTrainer`` workers, sized by
+  the plan (extra ``composer-par[ray]``).
 
 Each adapter lets the plan own the mesh and the parallelism and turns off what the
 trainer would do twice; a trainer setting that overlaps a plugin of the plan is refused

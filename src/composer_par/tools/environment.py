@@ -225,7 +225,7 @@ def format_environment(data: Mapping[str, Any]) -> str:
     if launch["slurm_topology"]:
         t = launch["slurm_topology"]
         lines.append(f"  SLURM allocation: {t['nodes']} node(s) x {t['devices_per_node']} "
-                     "task(s) (not read by plans: launch with torchrun inside it)")
+                     "task(s) (plans check it against torchrun's at start: docs/multi-node.md)")
     lines.append("plugins")
     for row in data["plugins"]:
         state = f"ERROR {row['error']}" if "error" in row else row["version"] or "-"
