@@ -80,6 +80,7 @@ def test_fused_experts_split_as_transformers_5_24_split_them_on_any_release(
     # transformers 5.25 dropped these entries from its models' tp plans; the plan the
     # same TP() makes is the same on both releases (and on 5.24 nothing is added).
     from composer_par.plugins.tp.auto import fused_expert_entries, hf_tp_plan
+
     from tests import ep_workers
 
     with torch.device("meta"):
