@@ -258,12 +258,13 @@ def set_gradient_divide_factor(modules: Iterable[Any], factor: float, *, sum_onl
     """
     modules = list(modules)
     for module in modules:
-        other = {torch_private.divide_factor(group)
-                 for group in torch_private.fsdp_param_groups(module)} - {None, factor}
+        factors = {torch_private.divide_factor(group)
+                   for group in torch_private.fsdp_param_groups(module)}
+        other = sorted(f for f in factors if f is not None and f != factor)
         if other:
             raise ValueError(
                 f"{owner or 'a plugin'}: gradient_divide_factor={factor:g}, but the FSDP "
-                f"modules already divide by {sorted(other)[0]:g} (set by another plugin: "
+                f"modules already divide by {other[0]:g} (set by another plugin: "
                 "fsdp2's or hsdp's gradient_divide_factor): give the factor on one plugin "
                 "only")
     forced = 0

@@ -292,7 +292,7 @@ def fsdp_param_groups(module: Any) -> list[Any]:
 def divide_factor(param_group: Any) -> float | None:
     """The factor a group divides its reduced gradients by (None: torch's default)."""
     _checked()
-    return _attribute(param_group, "gradient_divide_factor")  # type: ignore[no-any-return]
+    return _attribute(param_group, "gradient_divide_factor")
 
 
 def reduce_scatters(param_group: Any) -> bool:
@@ -348,14 +348,14 @@ def has_composable(module: nn.Module, name: str) -> bool:
 # -- DTensor -------------------------------------------------------------------------
 
 
-def strided_shard() -> type:
+def strided_shard() -> Any:
     """DTensor's ``_StridedShard`` placement class."""
-    return _reach("torch.distributed.tensor.placement_types:_StridedShard")  # type: ignore[no-any-return]
+    return _reach("torch.distributed.tensor.placement_types:_StridedShard")
 
 
 def local_tensor(tensor: Any) -> torch.Tensor:
     """A DTensor's local tensor itself (no autograd edge, unlike ``to_local()``)."""
-    return _attribute(tensor, "_local_tensor")  # type: ignore[no-any-return]
+    return _attribute(tensor, "_local_tensor")
 
 
 def dtensor_spec(tensor: Any) -> Any:
@@ -415,7 +415,7 @@ def group_timeout(group: Any, device_type: str) -> timedelta | None:
     import torch
 
     try:
-        return group._get_backend(torch.device(device_type)).options._timeout  # type: ignore[no-any-return]
+        return group._get_backend(torch.device(device_type)).options._timeout
     except (AttributeError, RuntimeError):
         return None
 
@@ -523,24 +523,24 @@ def in_backward() -> bool:
 # -- fake tensors and process groups -------------------------------------------------
 
 
-def fake_tensor_mode() -> type:
-    return _reach("torch._subclasses.fake_tensor:FakeTensorMode")  # type: ignore[no-any-return]
+def fake_tensor_mode() -> Any:
+    return _reach("torch._subclasses.fake_tensor:FakeTensorMode")
 
 
-def fake_store() -> type:
+def fake_store() -> Any:
     """torch's fake store; importing its module registers the "fake" backend."""
-    return _reach("torch.testing._internal.distributed.fake_pg:FakeStore")  # type: ignore[no-any-return]
+    return _reach("torch.testing._internal.distributed.fake_pg:FakeStore")
 
 
 # -- testing: dispatch and memory tracking -------------------------------------------
 
 
-def torch_dispatch_mode() -> type:
-    return _reach("torch.utils._python_dispatch:TorchDispatchMode")  # type: ignore[no-any-return]
+def torch_dispatch_mode() -> Any:
+    return _reach("torch.utils._python_dispatch:TorchDispatchMode")
 
 
-def higher_order_operator() -> type:
-    return _reach("torch._ops:HigherOrderOperator")  # type: ignore[no-any-return]
+def higher_order_operator() -> Any:
+    return _reach("torch._ops:HigherOrderOperator")
 
 
 def op_schema(func: Any) -> tuple[str, tuple[str, ...]]:
@@ -549,7 +549,7 @@ def op_schema(func: Any) -> tuple[str, tuple[str, ...]]:
     return schema.name, tuple(a.name for a in schema.arguments)
 
 
-def mem_tracker() -> tuple[type, Any]:
+def mem_tracker() -> tuple[Any, Any]:
     """torch's ``MemTracker`` and the activation key of its snapshots."""
     module = "torch.distributed._tools.mem_tracker"
     return _reach(f"{module}:MemTracker"), _reach(f"{module}:_MemRefType").ACT
