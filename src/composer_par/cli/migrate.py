@@ -13,7 +13,6 @@ accept (CP901, CP902, CP913). Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from composer_par.cli.common import EXIT_INPUT, InputError, Output, bounded_int
@@ -53,10 +52,9 @@ def _fsdp_config(text: str | None) -> object:
     if text is None:
         return None
     if text.lstrip().startswith("{"):
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise InputError(f"--fsdp-config is not valid JSON: {exc}") from exc
+        from composer_par.migrate.reading import load_json
+
+        return load_json(text, "--fsdp-config")
     return Path(text)
 
 

@@ -10,15 +10,15 @@ keys) through :mod:`composer_par.migrate.deepspeed_config`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from composer_par.migrate.deepspeed_config import read_deepspeed
-from composer_par.migrate.draft import Draft
+from composer_par.migrate.draft import Draft, ImportFailed
 from composer_par.migrate.fsdp1 import apply_precision, apply_strategy
 from composer_par.migrate.keys import unknown_key
+from composer_par.migrate.reading import cannot, load_json, read_text
 
 # Keys of the launch (torchrun's flags, the machines), not of the plan.
 LAUNCH = frozenset({
@@ -249,10 +249,14 @@ def _deepspeed(draft: Draft, config: Mapping[str, Any], *, base: Path | None) ->
         if not file.is_absolute() and base is not None:
             file = base / file
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            data = load_json(read_text(file, what="DeepSpeed JSON"), str(file))
+            if not isinstance(data, Mapping):
+                raise cannot(str(file), f"{file} holds a {type(data).__name__}, not a "
+                             "JSON object", "give a DeepSpeed JSON")
+        except ImportFailed as exc:
+            why = "; ".join(f.message for f in exc.report.findings)
             draft.refuse("CP901", prefix + "deepspeed_config_file", path,
-                         f"cannot read the DeepSpeed JSON it names: {exc}",
+                         f"cannot read the DeepSpeed JSON it names: {why}",
                          "check the path (relative to the accelerate config), or import the "
                          "DeepSpeed JSON itself: composer-par import ds.json")
             return

@@ -19,7 +19,6 @@ difference larger than the tolerance in practice but are not a proof of equality
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,6 +37,8 @@ ATOL = 1e-5
 SUMMARY_KEYS = ("sum", "norm", "max_abs")
 # The largest parameter differences listed.
 TOP = 5
+#: The largest JSON log read (a log of every step of a long run is tens of MB).
+LOG_LIMIT = 1 << 30
 
 
 class CompareError(ValueError):
@@ -87,18 +88,23 @@ def load_run(path: str | Path, *, rung: int | None = None, stack: ExitStack) -> 
     p = Path(path)
     if not p.exists():
         raise CompareError(f"{p}: no such file or directory")
-    if p.is_file() and p.suffix == ".json" and not p.name.endswith(".index.json"):
+    if not p.is_dir() and p.suffix == ".json" and not p.name.endswith(".index.json"):
         return _from_log(p, rung)
     return _from_checkpoint(p, stack)
 
 
 def _from_log(path: Path, rung: int | None) -> Run:
+    from composer_par.checkpoint.errors import CheckpointError
+    from composer_par.checkpoint.jsonfile import MalformedJsonError, read_json_object
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = read_json_object(path, LOG_LIMIT, what="JSON log")
+    except MalformedJsonError as exc:
+        if str(exc).endswith("is not a JSON object"):
+            raise CompareError(f"{path}: a JSON log is an object") from None
         raise CompareError(f"{path}: not a JSON log: {exc}") from None
-    if not isinstance(data, dict):
-        raise CompareError(f"{path}: a JSON log is an object; found {type(data).__name__}")
+    except CheckpointError as exc:
+        raise CompareError(f"{path}: not a JSON log: {exc}") from None
     if "rungs" in data:  # a selfcheck log; rung= concerns these alone
         data = _pick_rung(path, data["rungs"], rung)
     losses = data.get("losses")
@@ -120,6 +126,8 @@ def _from_log(path: Path, rung: int | None) -> Run:
 def _pick_rung(path: Path, rungs: Any, wanted: int | None) -> dict[str, Any]:
     if not isinstance(rungs, list) or not rungs:
         raise CompareError(f"{path}: \"rungs\" is empty: the selfcheck finished no rung")
+    if not all(isinstance(entry, dict) for entry in rungs):
+        raise CompareError(f"{path}: \"rungs\" must be a list of objects")
     if wanted is None:
         return rungs[-1]  # type: ignore[no-any-return]
     for entry in rungs:

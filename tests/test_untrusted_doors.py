@@ -1,0 +1,160 @@
+"""Hostile and faulty input at every door besides the checkpoint readers: ``import``
+(configs, the Trainer's JSON), ``compare`` (JSON logs) and the FSDP1 / DeepSpeed
+checkpoint readers. A named pipe where a file belongs is refused at once (never waited
+on), a document nested too deeply or multiplied by YAML aliases is refused before it is
+walked, and each is exit 2 (or a named exception) naming the file, never exit 3."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_par.cli.main import main
+from composer_par.migrate import ImportFailed, import_config, import_trainer_args
+from tests.test_checkpoint_untrusted import fifo_in_place_of
+
+#: A refusal takes well under this even on a machine busy with other tests; a reader
+#: blocked on a pipe is unblocked (so the test fails instead of hanging) only after 10 s.
+PROMPTLY = 5.0
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, float]:
+    started = time.monotonic()
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err, time.monotonic() - started
+
+
+def deep_json(levels: int) -> str:
+    return '{"distributed_type": "FSDP", "x": ' + "[" * levels + "]" * levels + "}"
+
+
+def alias_bomb(levels: int = 7, width: int = 9) -> str:
+    """A 10-line accelerate config whose aliases expand to width**levels values."""
+    lines = ["distributed_type: FSDP", "a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for level in range(1, levels):
+        refs = ", ".join([f"*a{level - 1}"] * width)
+        lines.append(f"a{level}: &a{level} [{refs}]")
+    return "\n".join(lines) + "\n"
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args", [
+    ["import", "{fifo}.yaml"],
+    ["import", "{fifo}.json"],
+    ["import", "--deepspeed", "{fifo}.json"],
+    ["import", "--fsdp", "full_shard", "--fsdp-config", "{fifo}.json"],
+], ids=["yaml", "json", "deepspeed", "fsdp-config"])
+def test_a_pipe_given_to_import_is_refused_at_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    args = [a.format(fifo=tmp_path / "x") for a in args]
+    fifo_in_place_of(Path(args[-1]))
+    code, out, seconds = run_cli(args, capsys)
+    assert code == 2, out
+    assert "CP901" in out and "not a regular file" in out and args[-1] in out
+    assert seconds < PROMPTLY
+
+
+@pytest.mark.timeout(120)
+def test_a_pipe_named_by_an_accelerate_config_is_refused_at_once(tmp_path: Path) -> None:
+    fifo_in_place_of(tmp_path / "ds.json")
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      "  deepspeed_config_file: ds.json\n")
+    started = time.monotonic()
+    with pytest.raises(ImportFailed) as caught:
+        import_config(config)
+    assert time.monotonic() - started < PROMPTLY
+    finding = caught.value.report.findings[0]
+    assert finding.code == "CP901" and "not a regular file" in finding.message
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("deep.json", deep_json(100_000)),   # deeper than the decoder's recursion limit
+    ("deep2.json", deep_json(500)),      # decoded, then refused before it is walked
+    ("deep.yaml", "distributed_type: FSDP\nx: " + "[" * 100_000 + "]" * 100_000 + "\n"),
+    ("deep2.yaml", "distributed_type: FSDP\nx: " + "[" * 500 + "]" * 500 + "\n"),
+], ids=["json-recursion", "json-walk", "yaml-recursion", "yaml-walk"])
+def test_deeply_nested_configs_are_exit_2_not_an_internal_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, _ = run_cli(["import", str(path)], capsys)
+    assert code == 2, out
+    assert "CP901" in out and "nested deeper than" in out and "internal error" not in out
+
+
+def test_deeply_nested_trainer_json_is_refused(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    text = '{"version": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    code, out, _ = run_cli(["import", "--fsdp", "full_shard", "--fsdp-config", text], capsys)
+    assert code == 2 and "nested deeper than" in out, out
+    with pytest.raises(ImportFailed, match="nested deeper than"):
+        (tmp_path / "ds.json").write_text(text)
+        import_trainer_args(deepspeed=tmp_path / "ds.json")
+
+
+def test_an_alias_bomb_is_refused_before_it_is_expanded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb())
+    assert len(path.read_text().splitlines()) <= 10
+    code, out, seconds = run_cli(["import", str(path)], capsys)
+    assert code == 2, out[:2000]
+    assert "more than 100000 values once its aliases are expanded" in out
+    assert seconds < PROMPTLY and len(out) < 4000
+
+
+def test_an_alias_to_its_own_container_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "loop.yaml"
+    path.write_text("distributed_type: FSDP\nx: &a [1, *a]\n")
+    with pytest.raises(ImportFailed, match="refers to a value that contains it"):
+        import_config(path)
+
+
+def test_a_few_aliases_are_read_and_long_values_are_shown_cut(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    # Aliases a person might write, and an unknown key whose value is long.
+    path.write_text("distributed_type: FSDP\nfsdp_config: &f\n  fsdp_version: 2\n"
+                    "other: " + json.dumps(["y" * 50] * 100) + "\n")
+    result = import_config(path)
+    unknown = [f for f in result.report.findings if f.code == "CP912"]
+    assert unknown and len(unknown[0].message) < 400, unknown
+    assert unknown[0].message.rstrip().endswith("plan leaves it out")
+
+
+# -- compare -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_compare_refuses_a_pipe_at_once(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"losses": [1.0, 0.5]}))
+    fifo = fifo_in_place_of(tmp_path / "log.json")
+    code, out, seconds = run_cli(["compare", str(fifo), str(good)], capsys)
+    assert code == 2 and "not a regular file" in out and seconds < PROMPTLY, out
+
+
+@pytest.mark.parametrize("levels", [100_000, 500])
+def test_compare_refuses_a_deeply_nested_log(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             levels: int) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"losses": [1.0], "x": ' + "[" * levels + "]" * levels + "}")
+    code, out, _ = run_cli(["compare", str(deep), str(deep)], capsys)
+    assert code == 2, out
+    assert "nested" in out and "internal error" not in out
+
+
+def test_compare_refuses_rungs_that_are_not_objects(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "rungs.json"
+    bad.write_text(json.dumps({"rungs": [1, 2]}))
+    code, out, _ = run_cli(["compare", str(bad), str(bad)], capsys)
+    assert code == 2 and "a list of objects" in out, out
