@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from composer_par.checkpoint import CheckpointError
 from composer_par.cli.main import main
-from composer_par.migrate import ImportFailed, import_config, import_trainer_args
+from composer_par.migrate import ImportFailed, import_config, import_trainer_args, load_fsdp1
 from tests.test_checkpoint_untrusted import fifo_in_place_of
 
 #: A refusal takes well under this even on a machine busy with other tests; a reader
@@ -158,3 +161,69 @@ def test_compare_refuses_rungs_that_are_not_objects(tmp_path: Path,
     bad.write_text(json.dumps({"rungs": [1, 2]}))
     code, out, _ = run_cli(["compare", str(bad), str(bad)], capsys)
     assert code == 2 and "a list of objects" in out, out
+
+
+# -- FSDP1 and DeepSpeed files: torch.save pickles ----------------------------------------
+
+
+class _Payload:
+    """Unpickling this writes ``marker``: what a malicious ``torch.save`` file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (self.marker, "code ran"))
+
+
+def test_a_hostile_fsdp1_pickle_is_a_named_error_and_runs_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = torch.nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    marker = tmp_path / "ran"
+    evil = tmp_path / "pytorch_model_fsdp.bin"
+    torch.save({"weight": _Payload(marker), "bias": torch.zeros(4)}, evil)
+    with pytest.raises(CheckpointError) as caught:
+        load_fsdp1(evil, model)
+    message = str(caught.value)
+    assert str(evil) in message and "nothing from the file ran" in message
+    assert "weights_only=False" not in message
+    assert not marker.exists()
+    assert all(model.state_dict()[k].equal(v) for k, v in before.items())
+    code, out, _ = run_cli(["convert", str(evil), str(tmp_path / "out"), "--no-progress"],
+                           capsys)
+    assert code == 2 and "nothing from the file ran" in out, out
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_pipe_in_place_of_an_fsdp1_file_is_named_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.bin"
+    fifo.write_bytes(b"")
+    fifo_in_place_of(fifo)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError):
+        load_fsdp1(fifo, torch.nn.Linear(4, 4))
+    assert time.monotonic() - started < PROMPTLY
+
+
+# -- a checkpoint info field that does not rebuild ----------------------------------------
+
+
+def test_an_extra_that_does_not_rebuild_is_named_before_the_model_changes(
+        tmp_path: Path) -> None:
+    from composer_par import checkpoint as ck
+    from composer_par.checkpoint import steps
+    from tests.test_checkpoint_integrity import fresh
+    from tests.test_checkpoint_io import _trained, assert_same, state
+
+    model, optimizer = _trained()
+    saved = ck.save(tmp_path / "ckpt", model, optimizer, step=3, extra={"epoch": 1})
+    steps.commit(saved, 3)  # a commit without digests: the info file may be edited
+    info = json.loads((saved / steps.INFO).read_text())
+    info["extra"] = {"__tuple__": 5}
+    (saved / steps.INFO).write_text(json.dumps(info))
+    model, optimizer, before = fresh()
+    with pytest.raises(CheckpointError, match=r"composer_par\.json: field extra"):
+        ck.load(saved, model, optimizer)
+    assert_same(state(model), before)

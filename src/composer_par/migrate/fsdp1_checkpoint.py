@@ -81,14 +81,10 @@ def load_fsdp1(path: str | os.PathLike[str], model: nn.Module,
 
 
 def _torch_load(path: Path) -> Any:
-    import torch
+    from composer_par.checkpoint.torchfile import load_tensors_file
 
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, ValueError, EOFError) as exc:
-        # weights_only refuses anything but tensors and plain containers: it runs no code.
-        raise CheckpointError(f"{path}: cannot read it as a torch.save file of tensors "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+    # weights_only: tensors and plain containers, nothing that runs code.
+    return load_tensors_file(path, what="a torch.save file of tensors")
 
 
 def _check(source: str, expected: set[str], found: set[str]) -> None:
