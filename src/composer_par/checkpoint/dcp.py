@@ -526,8 +526,8 @@ def load(
     with a warning that the resumed run will not be bit-exact (``rng_restored`` is
     False); the default, ``"error"``, raises naming the file.
 
-    Gradients held by the parameters of an ``optimizer`` without state (a fresh one) are
-    dropped first: a load replaces the training state they belong to.
+    Gradients the model's parameters hold are dropped first: a load replaces the weights
+    and training state they belong to.
 
     A step that retention (another job of the run saving with ``keep_last``) removes
     while it is being loaded from a root is reported as such and the newest remaining
@@ -590,8 +590,7 @@ def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     rank = _dist.rank()
-    if optimizer is not None:
-        _drop_stale_gradients(optimizer)
+    _drop_stale_gradients(model)
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
     saved_rng: SavedRng | None = None
@@ -668,18 +667,14 @@ def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                           saved_rng is not None)
 
 
-def _drop_stale_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Before loading into an optimizer that holds no state: drop its parameters'
-    gradients. torch's ``get_state_dict`` builds such an optimizer's state (one step with
-    zero gradients) only when no parameter has a gradient; with gradients left from a
-    backward it builds none, and every saved optimizer key would be reported unexpected.
-    A load replaces the training state, so gradients of the weights it replaces are
-    meaningless anyway."""
-    if optimizer.state:
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
+def _drop_stale_gradients(model: nn.Module) -> None:
+    """Before a load: drop the gradients the model's parameters hold. They belong to the
+    weights the load replaces (a step that failed midway leaves them), so a backward
+    after the load must not add to them; and torch's ``get_state_dict`` builds a fresh
+    optimizer's state (one step with zero gradients) only when no parameter has a
+    gradient: with them left, every saved optimizer key would be reported unexpected."""
+    for param in model.parameters():
+        param.grad = None
 
 
 def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any]

@@ -72,6 +72,10 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   sequence says so, and load-balancing losses total their statistics over its ranks;
   :func:`carries`: whether a model makes its router loss through
   ``add_router_loss``, see :mod:`composer_par.aux_loss`).
+* **Files a plugin keeps**: :func:`open_regular` (a regular file opened for reading, or
+  a named error at once: never a wait on a pipe), :func:`claim_directory` and
+  :func:`remove_dead_directories` (a private directory that records its maker, so a
+  later run removes those whose maker was killed).
 * **Blocks already wrapped**: :data:`ALREADY_WRAPPED`, :data:`CHECKPOINT_MARK`,
   :func:`already_wrapped`, :func:`wrapped_block_findings`.
 
@@ -97,6 +101,8 @@ from composer_par.blocks import (
     names_near,
     path_matches,
 )
+from composer_par.checkpoint.claims import claim_directory, remove_dead_directories
+from composer_par.checkpoint.paths import open_regular
 from composer_par.dtypes import DtypeError, dtype_name
 
 # The estimator's modules import composer_par.plugin.base, not this package: no cycle.
@@ -187,6 +193,7 @@ __all__ = [
     "blocks_option",
     "bool_option",
     "carries",
+    "claim_directory",
     "clean_name",
     "did_you_mean",
     "dim_option",
@@ -197,8 +204,10 @@ __all__ = [
     "int_option",
     "modules_by_clean_name",
     "names_near",
+    "open_regular",
     "ordering_option",
     "path_matches",
+    "remove_dead_directories",
     "split_sequence",
     "tied_outside",
     "wrapped_block_findings",
