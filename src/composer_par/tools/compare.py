@@ -37,6 +37,14 @@ ATOL = 1e-5
 SUMMARY_KEYS = ("sum", "norm", "max_abs")
 # The largest parameter differences listed.
 TOP = 5
+#: A loss table of at most this many steps is printed whole; a longer one is summarized
+#: (``full=True``, the command's ``--full-table``, prints every step).
+TABLE_ROWS = 50
+#: The most parameter names one list of the report names.
+_LIST = 50
+#: In a summary: the first and last steps, the steps around the first divergence on each
+#: side, and the steps of the largest differences.
+_ENDS, _AROUND, _LARGEST = 5, 3, 10
 #: The largest JSON log read (a log of every step of a long run is tens of MB).
 LOG_LIMIT = 1 << 30
 
@@ -212,37 +220,82 @@ class Comparison:
         different = [name for name, _, ok in self.param_diffs if not ok]
         return different[0] if different else None
 
-    def to_dict(self) -> dict[str, Any]:
+    @property
+    def largest_loss_differences(self) -> list[StepRow]:
+        """The steps whose losses differ most (a loss on one side only, or NaN, first)."""
+        def size(row: StepRow) -> float:
+            d = row.diff
+            return math.inf if d is None or math.isnan(d) else d
+        return sorted((r for r in self.steps if size(r) > 0), key=size,
+                      reverse=True)[:_LARGEST]
+
+    def shown_steps(self, full: bool = False) -> list[StepRow]:
+        """The rows of the loss table: every step when ``full`` or when there are at most
+        :data:`TABLE_ROWS`; else the first and last steps, those around the first
+        divergence and those of the largest differences, in step order."""
+        if full or len(self.steps) <= TABLE_ROWS:
+            return list(self.steps)
+        index = {row.step: i for i, row in enumerate(self.steps)}
+        keep = set(range(_ENDS)) | set(range(len(self.steps) - _ENDS, len(self.steps)))
+        if self.first_divergent_step is not None:
+            at = index[self.first_divergent_step]
+            keep |= set(range(max(at - _AROUND, 0), min(at + _AROUND + 1, len(self.steps))))
+        keep |= {index[row.step] for row in self.largest_loss_differences}
+        return [self.steps[i] for i in sorted(keep)]
+
+    def to_dict(self, full: bool = False) -> dict[str, Any]:
+        """As JSON; ``steps`` holds the rows :meth:`shown_steps` gives (``full``: all)."""
+        rows = self.shown_steps(full)
         return {
             "a": self.a, "b": self.b, "rtol": self.rtol, "atol": self.atol,
             "equal": self.equal, "losses_equal": self.losses_equal,
             "parameters_equal": self.parameters_equal,
             "first_divergent_step": self.first_divergent_step,
-            "steps": [{"step": r.step, "a": r.a, "b": r.b, "diff": r.diff} for r in self.steps],
+            "steps_compared": len(self.steps),
+            "steps_shown": "all" if len(rows) == len(self.steps) else len(rows),
+            "steps": [{"step": r.step, "a": r.a, "b": r.b, "diff": r.diff} for r in rows],
+            "largest_loss_differences": [{"step": r.step, "diff": r.diff}
+                                         for r in self.largest_loss_differences],
             "parameter_method": self.parameter_method,
             "largest_parameter_differences": [
                 {"name": n, "diff": d, "within_tolerance": ok}
                 for n, d, ok in self.param_diffs[:TOP]],
-            "parameters_differing": [n for n, _, ok in self.param_diffs if not ok],
-            "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
-            "shape_mismatches": self.shape_mismatches,
+            "parameters_differing": [n for n, _, ok in self.param_diffs if not ok][:_LIST],
+            "parameters_differing_count": sum(1 for _, _, ok in self.param_diffs if not ok),
+            "only_in_a": self.only_in_a[:_LIST], "only_in_b": self.only_in_b[:_LIST],
+            "shape_mismatches": self.shape_mismatches[:_LIST],
         }
 
-    def format(self) -> str:
+    def format(self, full: bool = False) -> str:
+        """The report as text: the loss table (summarized past :data:`TABLE_ROWS` steps
+        unless ``full``), the verdict on losses and parameters."""
         from composer_par.tables import table
 
         lines = [f"A: {self.a}", f"B: {self.b}",
                  f"tolerance: rtol {self.rtol:g}, atol {self.atol:g}"]
         if self.steps:
-            cells = [(r.step, _num(r.a), _num(r.b), _num(r.diff),
-                      "" if _close(r.a, r.b, self.rtol, self.atol) else "DIFFERS")
-                     for r in self.steps]
+            rows = self.shown_steps(full)
+            cells: list[tuple[Any, ...]] = []
+            previous = None
+            for r in rows:
+                if previous is not None and r.step != previous.step + 1 and \
+                        len(rows) < len(self.steps):
+                    cells.append(("...", "", "", "", ""))
+                cells.append((r.step, _num(r.a), _num(r.b), _num(r.diff),
+                              "" if _close(r.a, r.b, self.rtol, self.atol) else "DIFFERS"))
+                previous = r
             lines.append(table(cells, ("STEP", "LOSS A", "LOSS B", "|A-B|", ""),
                                right=(0, 1, 2, 3)))
+            if len(rows) < len(self.steps):
+                lines.append(f"table: {len(rows)} of {len(self.steps)} steps (the first and "
+                             "last, around the first divergence, the largest differences); "
+                             "--full-table prints every step")
             if self.first_divergent_step is None:
                 lines.append(f"losses: equal at every one of the {len(self.steps)} steps")
             else:
-                lines.append(f"losses: first divergent step {self.first_divergent_step}")
+                apart = sum(1 for r in self.steps if not _close(r.a, r.b, self.rtol, self.atol))
+                lines.append(f"losses: first divergent step {self.first_divergent_step}; "
+                             f"{apart} of {len(self.steps)} steps differ")
         else:
             lines.append("losses: not compared (a checkpoint holds none)")
         if self.parameter_method is None:
@@ -259,7 +312,8 @@ class Comparison:
             for label, names in (("only in A", self.only_in_a), ("only in B", self.only_in_b),
                                  ("shapes differ", self.shape_mismatches)):
                 if names:
-                    lines.append(f"  {label}: {', '.join(names)}")
+                    more = f" and {len(names) - _LIST} more" if len(names) > _LIST else ""
+                    lines.append(f"  {label}: {', '.join(names[:_LIST])}{more}")
         lines.append("the runs are equal within the tolerance" if self.equal else
                      "the runs differ")
         return "\n".join(lines)
