@@ -23,7 +23,8 @@ from composer_par.planfile import MAX_RANKS
 def import_arguments(parser: argparse.ArgumentParser) -> None:
     ranks = bounded_int(1, MAX_RANKS)
     parser.add_argument("source", metavar="SOURCE", nargs="?",
-                        help="an accelerate config YAML or a DeepSpeed JSON")
+                        help="an accelerate config YAML, a DeepSpeed JSON, or a transformers "
+                        "DistributedConfig JSON (or a model's config.json holding one)")
     parser.add_argument("--from", dest="kind", choices=KINDS,
                         help="what SOURCE is (default: told by its suffix and keys)")
     parser.add_argument("-o", "--output", metavar="PLAN.toml",

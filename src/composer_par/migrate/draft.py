@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan
 
 #: Mesh dims in the order a plan file lists them: the rank layout, outermost first.
-MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 #: Plugins in the order the written plan lists them.
-PLUGIN_ORDER = ("hsdp", "fsdp2", "tp", "activation_checkpoint", "compile")
+PLUGIN_ORDER = ("pp", "hsdp", "fsdp2", "ep", "cp", "tp", "activation_checkpoint", "compile")
 
 
 #: The longest a source value is shown in a message or the listing: a config's values

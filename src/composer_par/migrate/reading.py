@@ -26,10 +26,12 @@ from composer_par.checkpoint.errors import CheckpointError
 from composer_par.checkpoint.jsonfile import MAX_DEPTH, depth_exceeds
 from composer_par.checkpoint.paths import read_bounded
 from composer_par.findings import Finding, Report
+from composer_par.migrate.distributed_config import is_distributed_config
 from composer_par.migrate.draft import ImportFailed
 
 ACCELERATE, DEEPSPEED, TRAINER = "accelerate", "deepspeed", "Trainer"
-KINDS = (ACCELERATE, DEEPSPEED)
+TRANSFORMERS = "transformers"
+KINDS = (ACCELERATE, DEEPSPEED, TRANSFORMERS)
 # A config is a few KiB; a larger file is not one.
 MAX_BYTES = 2**20
 #: The most values (scalars, lists, mappings) a YAML config may hold with its aliases
@@ -155,11 +157,33 @@ def read_config(path: Path, kind: str | None = None) -> tuple[str, Mapping[str, 
     if not isinstance(data, Mapping):
         raise cannot(source, f"{path} holds a {type(data).__name__}, not a config (a mapping "
                      "of settings)", "give an accelerate config YAML or a DeepSpeed JSON")
+    if kind == TRANSFORMERS or (kind is None and (is_distributed_config(data)
+                                                  or "distributed_config" in data)):
+        return TRANSFORMERS, _distributed_config(path, data)
     if kind is None:
         kind = DEEPSPEED if _DEEPSPEED_KEYS & set(data) else ACCELERATE
         if kind == ACCELERATE and not ({"distributed_type", "fsdp_config",
                                         "compute_environment"} & set(data)):
             raise cannot(source, f"{path} is neither an accelerate config (no "
-                         "distributed_type) nor a DeepSpeed config (no zero_optimization)",
-                         "give the kind: composer-par import --from accelerate|deepspeed")
+                         "distributed_type), a DeepSpeed config (no zero_optimization) nor "
+                         "a transformers DistributedConfig (no tp_size, fsdp_size, ...)",
+                         "give the kind: composer-par import --from "
+                         "accelerate|deepspeed|transformers")
     return kind, data
+
+
+def _distributed_config(path: Path, data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The DistributedConfig in ``data``: its own JSON, or a model's config.json holding
+    one under ``distributed_config``."""
+    inner = data.get("distributed_config", data)
+    if inner is None or (inner is data and not is_distributed_config(data)):
+        model = "model_type" in data or "architectures" in data
+        raise cannot(str(path), f"{path} holds no DistributedConfig" + (
+            ": a model's config.json carries none (transformers' save_pretrained leaves "
+            "distributed_config out)" if model else ""),
+            "give the DistributedConfig's own JSON (DistributedConfig(...).to_json_file), "
+            "or build the plan in Python: import_distributed_config(config)")
+    if not isinstance(inner, Mapping):
+        raise cannot(str(path), f"{path}: distributed_config is a {type(inner).__name__}, "
+                     "not a JSON object", "give the DistributedConfig's own JSON")
+    return inner

@@ -79,15 +79,18 @@ def _fsdp(draft: Draft, fsdp: str | Sequence[str] | bool, config: dict[str, Any]
             if value:
                 draft.find("CP908", f"--fsdp_config {key}", value, "XLA's FSDP has no equal "
                            "here", "leave it out")
+            else:
+                draft.map(f"--fsdp_config {key}", value)
             continue
         if key == "version":
-            continue
+            continue  # read above, shown as fsdp_version
         if key == "cpu_offload":
             key, value = "offload_params", value
         if key == "transformer_layer_cls_to_wrap" and not isinstance(value, str):
             value = ",".join(value)
         if key == "min_num_params" and not value:
-            continue  # the Trainer's default 0: no size-based wrap
+            draft.map(f"--fsdp_config {key}", value)  # the Trainer's default: no size wrap
+            continue
         labels[f"fsdp_{key}"] = f"--fsdp_config {key}"
         accelerate[f"fsdp_{key}"] = value
     read_fsdp(draft, accelerate, {}, nodes=nodes,
