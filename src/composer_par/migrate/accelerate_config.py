@@ -156,14 +156,15 @@ def read_fsdp(draft: Draft, fsdp: Mapping[str, Any], parallelism: Mapping[str, A
         if key in ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
             if key == "fsdp_version" and (version == 1 or parallelism):
                 draft.map(full, value)
-            elif version == 1 and key != "fsdp_version" and key != strategy_key:
+            elif version == 1 and key != "fsdp_version" and strategy_key is not None \
+                    and key != strategy_key:
                 # Both spellings of the strategy: the second must say the same.
-                if strategy_name(value) == strategy_name(fsdp.get(strategy_key)):
+                said = fsdp.get(strategy_key)
+                if strategy_name(value) == strategy_name(said):
                     draft.map(full, value)
                 else:
                     draft.refuse("CP902", full, value, f"says another strategy than "
-                                 f"{name(str(strategy_key))} = {fsdp.get(strategy_key)}",
-                                 "keep one of the two keys")
+                                 f"{name(strategy_key)} = {said}", "keep one of the two keys")
             continue
         if key == "fsdp_offload_params":
             if not _flag(value):
