@@ -492,7 +492,7 @@ def _stage3_places(groups: list[Any], world: int, fp32: list[list[torch.Tensor]]
 # -- convert -----------------------------------------------------------------------------
 
 
-def _convertible(ckpt: ZeroCheckpoint) -> tuple[dict[str, Any], Any]:
+def convertible(ckpt: ZeroCheckpoint) -> tuple[dict[str, Any], Any]:
     from composer_par.checkpoint.convert import TensorSpec
 
     if not ckpt.shapes:
@@ -514,7 +514,7 @@ def deepspeed_to_safetensors(source: str | os.PathLike[str],
     from composer_par.checkpoint.convert import tensors_to_safetensors
 
     ckpt = read_zero_checkpoint(source, tag)
-    specs, read = _convertible(ckpt)
+    specs, read = convertible(ckpt)
     return tensors_to_safetensors(str(ckpt.directory), specs, read, destination, dtype=dtype,
                                   max_file_bytes=max_file_bytes, progress=progress)
 
@@ -529,7 +529,7 @@ def deepspeed_to_dcp(source: str | os.PathLike[str], destination: str | os.PathL
     from composer_par.checkpoint.convert import OptimizerTensors, TensorSpec, tensors_to_dcp
 
     ckpt = read_zero_checkpoint(source, tag)
-    specs, read = _convertible(ckpt)
+    specs, read = convertible(ckpt)
     optimizer = None
     if ckpt.param_groups is not None:
         optim_specs = {

@@ -8,9 +8,10 @@ A run is read from (:func:`load_run`):
   weights), as ``composer-par demo --json`` writes and :func:`run_log` makes from any
   training loop; or a ``composer-par selfcheck --json`` document, one of whose rungs is
   taken (``rung=``: its rank count; default the last);
-* a checkpoint: a committed DCP step directory or root (its latest step), a
-  ``.safetensors`` file, a directory of them or an index json. Its parameters are
-  compared tensor by tensor; it has no losses.
+* a checkpoint of any format :mod:`composer_par.checkpoint.formats` reads: a committed
+  DCP step directory or root (its latest step), a ``.safetensors`` file, a directory of
+  them or an index json, a DeepSpeed ZeRO checkpoint, an FSDP1 state dict. Its
+  parameters are compared tensor by tensor; it has no losses.
 
 Parameters of two checkpoints are compared element by element; where one side is a JSON
 log they are compared by their summaries (sum, norm, largest magnitude), which catch any
@@ -20,7 +21,6 @@ difference larger than the tolerance in practice but are not a proof of equality
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -146,31 +146,19 @@ def _pick_rung(path: Path, rungs: Any, wanted: int | None) -> dict[str, Any]:
 
 
 def _from_checkpoint(path: Path, stack: ExitStack) -> Run:
+    """A checkpoint of any format (:mod:`composer_par.checkpoint.formats`): each tensor
+    read when it is compared, one at a time."""
+    import functools
+
     from composer_par.checkpoint import CheckpointError
-    from composer_par.checkpoint.inspect import kind_of
+    from composer_par.checkpoint.formats import open_source
 
     try:
-        kind = kind_of(path)
-        if kind in ("dcp", "root"):
-            # DCP's chunks are read through the convert path (digests checked) into
-            # consolidated safetensors in a temporary directory, then read as those.
-            from composer_par.checkpoint.convert import dcp_to_safetensors
-
-            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="composer-par-compare-")))
-            converted = dcp_to_safetensors(path, scratch / "weights")
-            return Run(str(path), "checkpoint", None,
-                       tensors=_safetensors_readers(Path(converted.destination), stack))
-        return Run(str(path), "checkpoint", None, tensors=_safetensors_readers(path, stack))
-    except CheckpointError as exc:
+        source = stack.enter_context(open_source(path))
+    except (CheckpointError, ValueError) as exc:
         raise CompareError(f"{path}: {exc}") from None
-
-
-def _safetensors_readers(path: Path, stack: ExitStack) -> dict[str, Any]:
-    """Each key's entry: its bytes are read when it is compared, one tensor at a time."""
-    from composer_par.checkpoint.sources import WeightsSource
-
-    return dict(WeightsSource.open(path).entries)
+    return Run(str(path), "checkpoint", None,
+               tensors={name: functools.partial(source.read, name) for name in source.specs})
 
 
 @attrs.frozen
@@ -369,10 +357,13 @@ def _compare_parameters(a: Run, b: Run, rtol: float, atol: float) -> tuple[
             sorted(names_b - names_a), shapes)
 
 
-def _read(entry: Any) -> torch.Tensor:
-    from composer_par.checkpoint.safetensors_io import read_tensor
+def _read(reader: Any) -> torch.Tensor:
+    from composer_par.checkpoint import CheckpointError
 
-    return read_tensor(entry)
+    try:
+        return reader()  # type: ignore[no-any-return]
+    except CheckpointError as exc:
+        raise CompareError(str(exc)) from None
 
 
 def _tensor_diff(ra: Any, rb: Any, rtol: float, atol: float) -> tuple[float, bool] | None:
