@@ -227,3 +227,65 @@ def test_an_extra_that_does_not_rebuild_is_named_before_the_model_changes(
     with pytest.raises(CheckpointError, match=r"composer_par\.json: field extra"):
         ck.load(saved, model, optimizer)
     assert_same(state(model), before)
+
+
+# -- every value in every place: a named refusal, never an internal error ----------------
+
+VALUES: list[Any] = [None, True, -1, 2, 3.5, "x", "auto", "none", [1, "a"], {},
+                     {"device": "cpu"}, 10**30]
+SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config", "dynamo_config")
+DATA = Path(__file__).parent / "data" / "migrate"
+
+
+def _key_paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = []
+    for key, value in tree.items():
+        found.append((*prefix, key))
+        if isinstance(value, dict):
+            found += _key_paths(value, (*prefix, key))
+    return found
+
+
+def _source_keys(config: dict[str, Any], deepspeed: bool) -> set[str]:
+    sections = ("zero_optimization",) if deepspeed else SECTIONS
+    keys = set()
+    for key, value in config.items():
+        if key in sections and isinstance(value, dict) and value:
+            keys |= {f"{key}.{k}" for k in value}
+        else:
+            keys.add(key)
+    return keys
+
+
+@pytest.mark.parametrize("name", ["accelerate_fsdp2_parallelism.yaml", "accelerate_fsdp1.yaml",
+                                  "accelerate_deepspeed.yaml", "ds_zero3.json"])
+def test_any_value_in_any_place_is_imported_or_refused_by_name(tmp_path: Path,
+                                                               name: str) -> None:
+    """Each key of a real config given each kind of value (a list where a section
+    belongs, a string where a version does, ...): the import either writes a plan that
+    lists every key of the source, or refuses with a finding; nothing else is raised."""
+    import yaml
+
+    source = DATA / name
+    base = (yaml.safe_load(source.read_text()) if name.endswith(".yaml")
+            else json.loads(source.read_text()))
+    path = tmp_path / name
+    for where in _key_paths(base):
+        for value in VALUES:
+            config = json.loads(json.dumps(base))
+            node = config
+            for key in where[:-1]:
+                node = node[key]
+            node[where[-1]] = value
+            path.write_text(yaml.safe_dump(config) if name.endswith(".yaml")
+                            else json.dumps(config))
+            try:
+                result = import_config(path)
+            except ImportFailed as exc:
+                assert exc.report.errors, (where, value)
+                continue
+            result.explain()
+            json.dumps(result.to_dict())
+            listed = {m.key for m in result.mapped}
+            missing = _source_keys(config, name.startswith("ds_")) - listed
+            assert not missing, (where, value, missing)

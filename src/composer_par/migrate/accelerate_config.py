@@ -54,6 +54,32 @@ DS_ACCELERATE = ("zero_stage", "offload_optimizer_device", "offload_param_device
                  "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names")
 
 
+def section(draft: Draft, config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The nested section ``key`` of ``config`` ({} when absent or empty); CP902 when it
+    is not a mapping of settings."""
+    value = config.get(key)
+    if key in config and not value and (value is None or isinstance(value, Mapping)):
+        draft.map(key, value)  # present and empty: nothing in it to set
+        return {}
+    if value is None or isinstance(value, Mapping):
+        return value or {}
+    draft.refuse("CP902", key, value, "must be a mapping of settings",
+                 f"write {key}: followed by its settings, one per line, indented")
+    return {}
+
+
+def fsdp_version(draft: Draft, key: str, value: Any) -> int:
+    """FSDP's version, 1 or 2 (CP902 otherwise; then 2, to go on reading)."""
+    if value is None:
+        return 1
+    if isinstance(value, str) and value.strip() in ("1", "2"):
+        return int(value)
+    if isinstance(value, bool) or value not in (1, 2):
+        draft.refuse("CP902", key, value, "FSDP's version is 1 or 2", "write 1 or 2")
+        return 2
+    return int(value)
+
+
 def _flag(value: Any) -> bool:
     return str(value).strip().lower() in ("true", "1", "yes", "on")
 
@@ -74,13 +100,14 @@ def read_accelerate(draft: Draft, config: Mapping[str, Any], *, base: Path | Non
         return world
     if kind == "FSDP":
         draft.map("distributed_type", kind)
-        read_fsdp(draft, config.get("fsdp_config") or {}, config.get(PARALLELISM[:-1]) or {},
+        read_fsdp(draft, section(draft, config, "fsdp_config"),
+                  section(draft, config, PARALLELISM[:-1]),
               nodes=nodes)
     elif kind == "DEEPSPEED":
         draft.map("distributed_type", kind)
-        _deepspeed(draft, config.get("deepspeed_config") or {}, base=base)
+        _deepspeed(draft, section(draft, config, "deepspeed_config"), base=base)
         # accelerate's sequence parallelism under DeepSpeed (Ulysses): sp_size.
-        _parallelism(draft, config.get(PARALLELISM[:-1]) or {}, sharded_by="deepspeed")
+        _parallelism(draft, section(draft, config, PARALLELISM[:-1]), sharded_by="deepspeed")
     elif kind in ("MEGATRON_LM", "XLA"):
         draft.find("CP908", "distributed_type", kind, f"{kind} has no equal in composer_par",
                    "describe the parallelism with the plan's plugins (fsdp2, tp, pp)",
@@ -100,7 +127,7 @@ def read_accelerate(draft: Draft, config: Mapping[str, Any], *, base: Path | Non
         elif key == "mixed_precision":
             apply_precision(draft, key, value, str(value))
         elif key == "dynamo_config":
-            _dynamo(draft, value or {})
+            _dynamo(draft, section(draft, config, key))
         elif key in ("megatron_lm_config", "fp8_config"):
             if value:
                 draft.find("CP908", key, value, f"{key} has no equal in composer_par",
@@ -133,10 +160,15 @@ def read_fsdp(draft: Draft, fsdp: Mapping[str, Any], parallelism: Mapping[str, A
               nodes: int | None, label: Callable[[str], str] | None = None) -> None:
     """accelerate's ``fsdp_config`` (and FSDP2's ``parallelism_config``) into ``draft``;
     ``label`` gives the name a key is shown by (default ``fsdp_config.<key>``)."""
-    version = int(fsdp.get("fsdp_version", 1) or 1)
     name = label or (lambda key: "fsdp_config." + key)
+    version = fsdp_version(draft, name("fsdp_version"), fsdp.get("fsdp_version", 1))
     strategy_key = next((k for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
                          if k in fsdp and (version == 1 or k == "fsdp_sharding_strategy")), None)
+    if version == 1 and parallelism:
+        for key, value in parallelism.items():
+            draft.find("CP917", "parallelism_config." + str(key), value, "accelerate reads "
+                       "parallelism_config with FSDP2 only (fsdp_version: 2)",
+                       "nothing to do; set fsdp_version: 2 to use it")
     if version == 1:
         apply_strategy(draft, name(strategy_key or "fsdp_sharding_strategy"),
                        fsdp.get(strategy_key, "FULL_SHARD") if strategy_key else "FULL_SHARD",
@@ -233,7 +265,8 @@ def _parallelism(draft: Draft, config: Mapping[str, Any], *, sharded_by: str = "
     """``parallelism_config``'s sizes: dp_replicate (hsdp), dp_shard (fsdp2) and tp (tp)
     under FSDP2; cp and sp (DeepSpeed's Ulysses) under either, as the cp plugin's dim.
     ``sharded_by="deepspeed"``: the ZeRO config decides the data-parallel layout."""
-    sizes = {k.removeprefix(PARALLELISM): v for k, v in config.items()}
+    sizes = {str(k).removeprefix(PARALLELISM): v for k, v in config.items()}
+    given = {str(k).removeprefix(PARALLELISM): str(k) for k in config}
     key = "parallelism_config." + PARALLELISM
 
     def size(name: str) -> int:
@@ -295,8 +328,9 @@ def _parallelism(draft: Draft, config: Mapping[str, Any], *, sharded_by: str = "
             draft.find("CP917", full, value, f"accelerate reads it only with "
                        f"{'cp_size' if name in CP_KEYS else 'sp_size'} > 1", "nothing to do")
         else:
-            unknown_key(draft, full, value, ("dp_replicate_size", "dp_shard_size", "tp_size",
-                                             "cp_size", "sp_size", *CP_KEYS, *SP_KEYS))
+            unknown_key(draft, "parallelism_config." + given[name], value, [
+                PARALLELISM + k for k in ("dp_replicate_size", "dp_shard_size", "tp_size",
+                                          "cp_size", "sp_size", *CP_KEYS, *SP_KEYS)])
 
 
 #: parallelism_config's settings of context parallelism (torch's, ``cp_size``) and of
@@ -456,9 +490,9 @@ def _deepspeed_keys(draft: Draft, config: Mapping[str, Any], prefix: str) -> Non
     ds: dict[str, Any] = {"zero_optimization": {"stage": config.get("zero_stage", 2)}}
     zero = ds["zero_optimization"]
     for which in ("optimizer", "param"):
-        device = config.get(f"offload_{which}_device")
-        if device is not None:
-            zero[f"offload_{which}"] = {"device": device}
+        if f"offload_{which}_device" in config:
+            device = config[f"offload_{which}_device"]
+            zero[f"offload_{which}"] = {"device": "none" if device is None else device}
     for key in ("gradient_accumulation_steps", "gradient_clipping"):
         if key in config:
             ds[key] = config[key]

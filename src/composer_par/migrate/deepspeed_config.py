@@ -110,6 +110,8 @@ def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
         draft.refuse("CP902", name("zero_optimization"), zero, "must be a JSON object",
                      "write \"zero_optimization\": {\"stage\": 3, ...}")
         zero = {}
+    elif "zero_optimization" in config and not zero:
+        draft.map(name("zero_optimization"), zero)  # present and empty: DeepSpeed's defaults
     _stage(draft, name("zero_optimization.stage"), zero.get("stage", 0), zero,
            explicit="stage" in zero)
     for key, value in zero.items():

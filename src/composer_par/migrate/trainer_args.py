@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from composer_par.migrate.accelerate_config import read_fsdp
+from composer_par.migrate.accelerate_config import fsdp_version, read_fsdp
 from composer_par.migrate.deepspeed_config import read_deepspeed
 from composer_par.migrate.draft import Draft
 from composer_par.migrate.fsdp1 import STRATEGIES, apply_precision, strategy_name
@@ -52,7 +52,7 @@ def _fsdp(draft: Draft, fsdp: str | Sequence[str] | bool, config: dict[str, Any]
           nodes: int | None) -> None:
     # TrainingArguments accepts the keys with or without their fsdp_ prefix.
     config = {k.removeprefix("fsdp_"): v for k, v in config.items()}
-    version = int(config.get("version", 2) or 2)
+    version = fsdp_version(draft, "--fsdp_config version", config.get("version", 2))
     accelerate: dict[str, Any] = {"fsdp_version": version}
     labels = {"fsdp_version": "--fsdp_config version"}
     for item in _items(fsdp):
