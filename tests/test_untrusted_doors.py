@@ -289,3 +289,22 @@ def test_any_value_in_any_place_is_imported_or_refused_by_name(tmp_path: Path,
             listed = {m.key for m in result.mapped}
             missing = _source_keys(config, name.startswith("ds_")) - listed
             assert not missing, (where, value, missing)
+
+
+def test_any_trainer_argument_or_distributed_config_value_is_imported_or_refused() -> None:
+    from composer_par.migrate import import_distributed_config
+
+    calls = [lambda v: import_trainer_args(fsdp=v)]
+    for key in ("version", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload",
+                "xla", "reshard_after_forward", "auto_wrap_policy"):
+        calls.append(lambda v, key=key: import_trainer_args(fsdp="full_shard auto_wrap",
+                                                            fsdp_config={key: v}))
+    for key in ("tp_size", "tp_plan", "fsdp_size", "fsdp_plan", "ep_size", "ep_plan",
+                "pp_size", "ep_implementation", "enable_sequence_parallel"):
+        calls.append(lambda v, key=key: import_distributed_config({"fsdp_size": 2, key: v}))
+    for call in calls:
+        for value in VALUES:
+            try:
+                call(value).explain()
+            except ImportFailed as exc:
+                assert exc.report.errors

@@ -24,7 +24,7 @@ XLA = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 
 
 def _items(fsdp: str | Sequence[str] | bool) -> list[str]:
-    if isinstance(fsdp, bool):
+    if isinstance(fsdp, bool) or not isinstance(fsdp, (str, list, tuple)):
         return []
     return fsdp.split() if isinstance(fsdp, str) else [str(i) for i in fsdp]
 
@@ -55,6 +55,9 @@ def _fsdp(draft: Draft, fsdp: str | Sequence[str] | bool, config: dict[str, Any]
     version = fsdp_version(draft, "--fsdp_config version", config.get("version", 2))
     accelerate: dict[str, Any] = {"fsdp_version": version}
     labels = {"fsdp_version": "--fsdp_config version"}
+    if not isinstance(fsdp, (str, bool, list, tuple)):
+        draft.refuse("CP902", "--fsdp", fsdp, "the Trainer's --fsdp is a string of options "
+                     "or a list of them", "write e.g. \"full_shard auto_wrap\"")
     for item in _items(fsdp):
         label = f"--fsdp {item}"
         name = strategy_name(item)
@@ -87,6 +90,11 @@ def _fsdp(draft: Draft, fsdp: str | Sequence[str] | bool, config: dict[str, Any]
         if key == "cpu_offload":
             key, value = "offload_params", value
         if key == "transformer_layer_cls_to_wrap" and not isinstance(value, str):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                draft.refuse("CP902", f"--fsdp_config {key}", value, "the Trainer takes "
+                             "class names (a string or a list of strings)",
+                             "write e.g. [\"LlamaDecoderLayer\"]")
+                continue
             value = ",".join(value)
         if key == "min_num_params" and not value:
             draft.map(f"--fsdp_config {key}", value)  # the Trainer's default: no size wrap
