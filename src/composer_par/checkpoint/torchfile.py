@@ -62,4 +62,3 @@ def refusal(exc: BaseException) -> str:
 
 
 __all__ = ["load_tensors_file", "refusal"]
-
