@@ -41,7 +41,8 @@ def train_both(plain: ParityCase, offloaded: ParityCase) -> dict[str, Any]:
     losses, model, _, _ = _train(plain, offload=False, steps=range(plain.steps))
     off_losses, off_model, optimizer, _ = _train(offloaded, offload=True,
                                                  steps=range(offloaded.steps))
-    files = sorted(p.name for p in Path(optimizer.directory).iterdir())
+    files = sorted(p.name for p in Path(optimizer.directory).iterdir()
+                   if p.name.startswith("unit-"))
     return {"losses": losses, "params": full_parameters(model),
             "offload_losses": off_losses, "offload_params": full_parameters(off_model),
             "units": [u.label for u in optimizer.units], "files": files,

@@ -118,3 +118,36 @@ def test_bad_logs_are_exit_2(tmp_path: Path, contents: str, message: str) -> Non
     assert code == 2 and message in err
     code, _, err = _run(["compare", str(tmp_path / "missing.json"), str(bad)])
     assert code == 2 and "no such file" in err
+
+
+def test_a_long_log_is_summarized_and_full_table_prints_every_step(tmp_path: Path) -> None:
+    """200,000 steps: the report stays a screenful (the first divergence with the steps
+    around it, the largest differences, the ends), the JSON stays small; --full-table
+    prints every step."""
+    steps = 200_000
+    a = [1.0 / (1 + i) for i in range(steps)]
+    b = list(a)
+    for i in range(1000, steps):
+        b[i] += 1e-3  # the runs part at step 1001
+    b[150_000] += 5.0  # the largest difference, at step 150001
+    (tmp_path / "a.json").write_text(json.dumps(run_log(a)))
+    (tmp_path / "b.json").write_text(json.dumps(run_log(b)))
+    code, out, _ = _run(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert code == 1
+    assert len(out.splitlines()) < 60 and len(out) < 6000, len(out)
+    assert "losses: first divergent step 1001; 199000 of 200000 steps differ" in out
+    rows = {line.split()[0] for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert {"1", "998", "1001", "1004", "150001", "200000"} <= rows, rows
+    assert "--full-table prints every step" in out
+    code, out, _ = _run(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                         "--json"])
+    data = json.loads(out)
+    assert len(out) < 20_000 and data["steps_compared"] == steps
+    assert data["largest_loss_differences"][0]["step"] == 150_001
+    short = 2_000
+    (tmp_path / "c.json").write_text(json.dumps(run_log(a[:short])))
+    (tmp_path / "d.json").write_text(json.dumps(run_log(b[:short])))
+    code, out, _ = _run(["compare", str(tmp_path / "c.json"), str(tmp_path / "d.json"),
+                         "--full-table"])
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == short and "--full-table prints" not in out

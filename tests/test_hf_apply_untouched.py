@@ -64,6 +64,17 @@ ELSEWHERE = {
     "CP902": "a source config's value its own tool refuses: no plan is made",
     "CP913": "a source config whose layout needs a node count: no plan is made",
     "CP955": "an optimizer offload cannot stream: known when it is wrapped, after apply",
+    **{code: "composer-par launch refuses to write the job: no plan is applied"
+       for code in ("CP981", "CP982", "CP983", "CP984", "CP985")},
+}
+
+# The allocation a job got, as its launcher and scheduler say it (the cases of the check
+# at the start of apply, CP306-CP309).
+ALLOCATIONS = {
+    "CP306": {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "COMPOSER_PAR_TOPOLOGY": "1x2"},
+    "CP308": {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "3"},
+    "CP309": {"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+              "SLURM_PROCID": "1", "SLURM_NODEID": "0"},
 }
 
 
@@ -389,6 +400,27 @@ def _cp230(tmp: Path, world: World) -> Any:
     world(2)
     return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(gradient_divide_factor=1.0)),
             llama())
+
+
+@case("CP306")
+def _cp306(tmp: Path, world: World) -> Any:
+    # a plan for one node of 2, started on 2 nodes of 1 (ALLOCATIONS)
+    world(2)
+    return ParallelPlan(MeshSpec(tp=2)).use(TP()), llama()
+
+
+@case("CP308")
+def _cp308(tmp: Path, world: World) -> Any:
+    # torchrun's variables contradict each other (ALLOCATIONS)
+    world(2)
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()), llama()
+
+
+@case("CP309")
+def _cp309(tmp: Path, world: World) -> Any:
+    # srun placed its tasks on the nodes round-robin (ALLOCATIONS)
+    world(2)
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()), llama()
 
 
 @case("CP410")
@@ -774,6 +806,8 @@ def test_a_refused_apply_leaves_the_model_untouched(name: str, tmp_path: Path,
                                                      fake_world: World,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     code = _code(name)
+    for variable, value in ALLOCATIONS.get(code, {}).items():
+        monkeypatch.setenv(variable, value)
     if code == "CP230":
         # the installed torch as if it were a release FSDP2's internals were not checked on
         from composer_par.plugin import torch_private

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,19 +110,165 @@ def test_load_state_dict_writes_units_and_close_removes_them(tmp_path: Path) -> 
     assert not directory.exists()
 
 
-def test_a_changed_file_is_not_taken_for_state(tmp_path: Path) -> None:
-    model = _model()
-    optimizer = Offload(path=str(tmp_path)).wrap(torch.optim.AdamW(model.parameters()), model)
-    _train(model, optimizer, 1)
-    unit = next(optimizer.directory.glob("unit-*.safetensors"))
+def _damage(unit: Path, how: str) -> None:
     data = bytearray(unit.read_bytes())
-    data[-1] ^= 0xFF  # same size, one bit pattern changed
-    unit.write_bytes(bytes(data))
-    with pytest.raises(OffloadStorageError, match=r"CRC-32 differs.*not taken for state"):
+    if how == "flipped":
+        data[-1] ^= 0xFF  # same size, one bit pattern changed
+        unit.write_bytes(bytes(data))
+    elif how == "truncated":
+        unit.write_bytes(bytes(data[:-8]))
+    elif how == "deleted":
+        unit.unlink()
+    elif how == "header":  # a changed length: the header claims more than the file holds
+        data[:8] = (1 << 40).to_bytes(8, "little")
+        unit.write_bytes(bytes(data))
+    else:  # a named pipe in its place: refused at once, never waited on
+        unit.unlink()
+        os.mkfifo(unit)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("how", "message"), [
+    ("flipped", r"CRC-32 differs.*not taken for state"),
+    ("truncated", r"\d+ bytes, \d+ written"),
+    ("deleted", r"the file is gone"),
+    ("header", r"header of \d+ bytes in a file of"),
+    ("pipe", r"not a regular file"),
+])
+def test_damage_then_a_checkpoint_load_into_the_same_optimizer_restores_it(
+        tmp_path: Path, how: str, message: str) -> None:
+    """After any storage error the optimizer refuses to step until a checkpoint load
+    into it refills its state; nothing is read from the damaged files, and training
+    then goes on exactly as an optimizer that never lost its state."""
+    from composer_par import checkpoint
+
+    model, twin = _model(), _model()
+    reference = torch.optim.AdamW(twin.parameters(), lr=0.01)
+    (tmp_path / "nvme").mkdir()
+    optimizer = Offload(path=str(tmp_path / "nvme")).wrap(
+        torch.optim.AdamW(model.parameters(), lr=0.01), model)
+    _train(model, optimizer, 2)
+    _train(twin, reference, 2)
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, model, optimizer, step=2)
+    _damage(next(optimizer.directory.glob("unit-*.safetensors")), how)
+    with pytest.raises(OffloadStorageError, match=message) as caught:
+        _train(model, optimizer, 1)  # a backward, then the step that finds the damage
+    assert "load the last checkpoint into this optimizer" in str(caught.value)
+    with pytest.raises(OffloadStorageError, match="was lost"):
+        optimizer.step()  # never a step from dropped state
+    checkpoint.load(root, model, optimizer)  # the gradients of the failed step are left
+    assert optimizer.lost is None
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    _train(model, optimizer, 2)
+    _train(twin, reference, 2)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_fresh_offloaded_optimizer_loads_without_zero_grad(tmp_path: Path) -> None:
+    """A freshly wrapped optimizer of a model that still holds gradients (a backward ran,
+    no zero_grad) takes a checkpoint: the stale gradients are dropped, not taken for
+    state the checkpoint lacks."""
+    from composer_par import checkpoint
+
+    model = _model()
+    optimizer = Offload(path=str(tmp_path)).wrap(
+        torch.optim.AdamW(model.parameters(), lr=0.01), model)
+    _train(model, optimizer, 2)
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, model, optimizer, step=2)
+    saved = optimizer.state_dict()
+    other = _model()
+    other(torch.randn(8, 16)).pow(2).mean().backward()  # gradients, never stepped
+    fresh = Offload(path=str(tmp_path)).wrap(torch.optim.AdamW(other.parameters()), other)
+    checkpoint.load(root, other, fresh)
+    loaded = fresh.state_dict()
+    for index, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(loaded["state"][index][key]))
+
+
+def test_a_read_only_store_is_an_offload_storage_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose file system turned read-only refuses the temporary file and its
+    removal (EROFS) alike: the error is still OffloadStorageError, naming the cause, and
+    once the store is writable again a checkpoint load into the same optimizer restores
+    the state."""
+    import errno
+
+    from composer_par.plugins.offload import store
+
+    from composer_par import checkpoint
+
+    model = _model()
+    optimizer = Offload(path=str(tmp_path)).wrap(
+        torch.optim.AdamW(model.parameters(), lr=0.01), model)
+    _train(model, optimizer, 1)
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, model, optimizer, step=1)
+    real_open, real_unlink = os.open, os.unlink
+    inside = str(optimizer.directory)
+
+    def read_only(real: Any) -> Any:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            flags = args[0] if args else kwargs.get("flags", os.O_RDONLY)
+            writes = real is real_unlink or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            if str(path).startswith(inside) and writes:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(store.os, "open", read_only(real_open))
+    monkeypatch.setattr(store.os, "unlink", read_only(real_unlink))
+    with pytest.raises(OffloadStorageError, match="read-only file system") as caught:
         _train(model, optimizer, 1)
-    unit.write_bytes(bytes(data[:-8]))  # cut short
-    with pytest.raises(OffloadStorageError, match=r"\d+ bytes, \d+ written"):
-        optimizer.state_dict()
+    assert caught.value.errno == errno.EROFS
+    with pytest.raises(OffloadStorageError):  # still read-only: the load cannot store it
+        checkpoint.load(root, model, optimizer)
+    monkeypatch.undo()
+    checkpoint.load(root, model, optimizer)
+    assert optimizer.lost is None
+    _train(model, optimizer, 1)
+
+
+def test_the_directory_of_a_killed_run_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """A rank killed outright (SIGKILL: no finalizer runs) leaves its offload directory;
+    the next optimizer wrapped over the same path removes it, and never the directory of
+    a run that is still alive."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        from composer_par import Offload
+        model = torch.nn.Linear(8, 8)
+        optimizer = Offload(path={str(tmp_path)!r}).wrap(
+            torch.optim.AdamW(model.parameters()), model)
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        print(optimizer.directory, flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.stdin.read()  # alive until the test closes its stdin
+    """)
+    alive = subprocess.Popen([sys.executable, "-c", script, "live"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert alive.stdout is not None
+        live = Path(alive.stdout.readline().strip())
+        assert live.is_dir()
+        killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True,
+                                text=True, timeout=120)
+        dead = Path(killed.stdout.strip())
+        assert killed.returncode == -9 and dead.is_dir(), killed.stderr
+        model = _model()
+        optimizer = Offload(path=str(tmp_path)).wrap(torch.optim.AdamW(model.parameters()),
+                                                     model)
+        assert optimizer.removed_stale == [dead]
+        assert not dead.exists() and live.is_dir()
+        optimizer.close()
+    finally:
+        alive.communicate(input="", timeout=60)
+    assert not live.exists()  # its own finalizer removed it when it ended
 
 
 def test_a_removed_directory_is_a_clear_error(tmp_path: Path) -> None:
@@ -154,7 +301,8 @@ def test_a_full_device_is_a_clear_error_and_leaves_no_partial_file(tmp_path: Pat
             optimizer.step()
         except OffloadStorageError as e:
             print("ERROR", e)
-            print("LEFT", sorted(p.name for p in optimizer.directory.iterdir()))
+            print("LEFT", sorted(p.name for p in optimizer.directory.iterdir()
+                                 if p.name != "CLAIM"))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -9,6 +9,9 @@ its own part with :meth:`ContextShard.shard`::
     cp = context_of(model)
     tokens, labels, positions = cp.shard(tokens), cp.shard(labels), cp.positions(seq_len)
     loss = cp.cross_entropy(model(tokens, positions), labels)
+
+``cross_entropy`` takes what the model returned (logits, or a Hugging Face output), so it
+is the loss ``plan.training_step(model, cp.cross_entropy)`` takes for any model.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from composer_par.plugin import logits_of
 
 from .layout import rank_positions, shard_sequence
 
@@ -61,13 +66,16 @@ class ContextShard:
         dist.all_reduce(total, group=self.group)
         return loss_sum * self.size / total
 
-    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
+    def cross_entropy(self, outputs: Any, labels: torch.Tensor,
                       ignore_index: int = -100) -> torch.Tensor:
-        """Cross-entropy of this rank's ``logits`` (batch, local_seq, vocab) against its
+        """Cross-entropy of this rank's logits (batch, local_seq, vocab) against its
         ``labels`` as :meth:`token_mean` makes it: averaged over the cp ranks, the mean
-        over every labelled token of the data shard."""
+        over every labelled token of the data shard. ``outputs`` is what the model
+        returned, as ``plan.training_step`` gives its loss: the logits tensor, or a
+        Hugging Face model's output (its ``.logits``), or a tuple of them first."""
         import torch.nn.functional as F
 
+        logits = logits_of(outputs)
         flat = labels.reshape(-1)
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat,
                                    ignore_index=ignore_index, reduction="sum")

@@ -33,9 +33,15 @@ from typing import Any, cast
 
 import torch
 
-from composer_par.plugin import Finding
+from composer_par.plugin import Finding, claim_directory, remove_dead_directories
 
-from .store import UnitStore
+from .store import LOST_STATE, OffloadStorageError, UnitStore
+
+#: Every offload directory's name starts so: a later run tells its own from the user's.
+DIRECTORY_PREFIX = "composer-par-offload-"
+#: A directory without a claim (killed between making it and claiming it) is removed
+#: once it is this old.
+UNCLAIMED_AGE_S = 600.0
 
 #: The safetensors metadata key holding how each state entry is rebuilt.
 LAYOUT_KEY = "composer_par.offload"
@@ -79,14 +85,22 @@ class OffloadedState(Mapping[torch.Tensor, dict[str, Any]]):
         self._owner = owner
 
     def __len__(self) -> int:
+        if self._owner.lost is not None:  # placeholder state, for a load to replace
+            return sum(len(unit.params) for unit in self._owner.units)
         return sum(len(held) for held in self._owner._held.values())
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        if self._owner.lost is not None:
+            for unit in self._owner.units:
+                yield from unit.params
+            return
         for unit in self._owner.units:
             held = self._owner._held.get(unit.index, set())
             yield from (p for p in unit.params if id(p) in held)
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        if self._owner.lost is not None:
+            raise self._owner.lost_error()
         unit = self._owner._unit_of.get(id(param))
         if unit is None or id(param) not in self._owner._held.get(unit.index, set()):
             raise KeyError(param)
@@ -107,7 +121,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, path: str | Path,
                  units: Sequence[tuple[str, Sequence[torch.Tensor]]],
-                 names: Mapping[int, str] | None = None, *, prefix: str = "state-") -> None:
+                 names: Mapping[int, str] | None = None, *, prefix: str = "") -> None:
         # torch.optim.Optimizer.__init__ would build state and groups of its own: this
         # wrapper shares the wrapped optimizer's groups instead (LR schedulers set them).
         kind = type(optimizer).__name__
@@ -128,18 +142,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._names = dict(names or {})
         self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
         self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
+        # The directories of killed runs (their finalizers never ran) go first.
+        self.removed_stale = remove_dead_directories(
+            root, lambda name: name.startswith(DIRECTORY_PREFIX),
+            unclaimed_age=UNCLAIMED_AGE_S)
         try:
-            self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+            self.directory = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX + prefix, dir=root))
+            self._finalizer = weakref.finalize(self, _cleanup, self.directory)
+            claim_directory(self.directory)
         except OSError as e:
             raise OffloadError("CP953", f"offload cannot make its directory in {root}: "
                                f"{e.strerror}", fix=f"make {root} writable by the training "
                                "processes, or choose another path") from e
-        self._finalizer = weakref.finalize(self, _cleanup, self.directory)
         self.store = UnitStore(self.directory)
         self.units = self._cut(units)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         # Per unit, the ids of its parameters that have stored state.
         self._held: dict[int, set[int]] = {}
+        #: Why the stored state was dropped (None: it is intact); see :meth:`lost_error`.
+        self.lost: str | None = None
         if optimizer.state:  # a stepped or loaded optimizer: its state goes to disk now
             self._store_all()
 
@@ -177,6 +198,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One step of the wrapped optimizer, unit by unit (see the module)."""
+        if self.lost is not None:
+            raise self.lost_error()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -194,6 +217,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._load(unit)
                 self.inner.step()
                 self._store(unit)
+        except OffloadStorageError as e:
+            self._lose(e)
+            raise
         finally:
             for group, params in zip(groups, everything, strict=True):
                 group["params"] = params
@@ -315,20 +341,79 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # -- torch's state dict -----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's state dict, every unit read back (torch's format)."""
+        """The wrapped optimizer's state dict, every unit read back (torch's format).
+
+        After the stored state was lost (:attr:`lost`), the state of a fresh optimizer
+        (as torch builds it: one step with zero gradients and learning rate), so that a
+        checkpoint load sees every key it fills; nothing is read from the files."""
+        if self.lost is not None:
+            return self._fresh_state_dict()
         try:
             for unit in self.units:
                 self._load(unit)
             return self.inner.state_dict()
+        except OffloadStorageError as e:
+            self._lose(e)
+            raise
         finally:
             self.inner.state.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load torch's format into the wrapped optimizer, then write every unit."""
+        """Load torch's format into the wrapped optimizer, then write every unit (this is
+        how a checkpoint load restores state that was lost)."""
         self.inner.state.clear()
         self.inner.load_state_dict(state_dict)
         self._held.clear()
-        self._store_all()
+        self.store.forget()
+        try:
+            self._store_all()
+        except OffloadStorageError as e:
+            self._lose(e)
+            raise
+        self.lost = None
+
+    # -- after a storage error -----------------------------------------------------------
+
+    def _lose(self, error: OffloadStorageError) -> None:
+        """Drop the stored state after ``error``: part of a step may have been applied
+        and part of the state is unreadable, so none of it is trusted again. Until a
+        checkpoint load refills it, :meth:`step` refuses and the state reads as fresh."""
+        self.lost = str(error)
+        self.inner.state.clear()
+        self._held.clear()
+        self.store.forget()
+
+    def lost_error(self) -> OffloadStorageError:
+        import errno
+
+        return OffloadStorageError(errno.EIO, f"the offloaded optimizer state was lost "
+                                   f"({self.lost}). {LOST_STATE}")
+
+    def _fresh_state_dict(self) -> dict[str, Any]:
+        """torch's state dict of this optimizer had it never stepped: the state one step
+        with zero gradients and zero learning rate builds (torch's own way to give a
+        state dict the keys a load fills), parameters and gradients left as they were."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        rates = [g.get("lr") for g in self.param_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            for group in self.param_groups:
+                if "lr" in group:
+                    lr = group["lr"]
+                    group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+            self.inner.state.clear()
+            with torch.no_grad():
+                self.inner.step()
+            return self.inner.state_dict()
+        finally:
+            for group, lr in zip(self.param_groups, rates, strict=True):
+                if "lr" in group:
+                    group["lr"] = lr
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+            self.inner.state.clear()
 
     def __repr__(self) -> str:
         return (f"OffloadedOptimizer({type(self.inner).__name__}, {len(self.units)} units "

@@ -9,6 +9,13 @@ size limit, a directory that vanished or turned read-only) raises
 :class:`OffloadStorageError` naming the file and the unit, and leaves no temporary file
 behind.
 
+Files are opened as the checkpoint readers open theirs: a unit file is read only once
+it is known to be a regular file (a named pipe put in its place is an error at once, not
+a read that never ends), and a temporary file is created fresh (never opened through a
+name someone else placed). The store's clean-up after a failed write never hides the
+failure: on a read-only or vanished directory the error raised is still
+:class:`OffloadStorageError`.
+
 The files are in the safetensors format (a JSON header, then each tensor's bytes), and
 any safetensors reader opens them; the store writes and reads them itself, tensor by
 tensor straight between the file and the tensors' memory, so that a unit's state is in
@@ -17,6 +24,7 @@ memory once, not also as a serialized copy or a mapped file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -26,8 +34,16 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from composer_par.plugin import open_regular
+
 if TYPE_CHECKING:
     import torch
+
+#: What every storage error says to do: the state was dropped, and a checkpoint load
+#: into the same optimizer restores it (nothing is read from the damaged files).
+LOST_STATE = ("The optimizer's offloaded state is dropped: load the last checkpoint into "
+              "this optimizer (composer_par.checkpoint.load(path, model, optimizer)) before "
+              "training on")
 
 #: errno values that mean the device cannot take more bytes.
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -79,6 +95,15 @@ def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes
     return len(text).to_bytes(8, "little") + text
 
 
+def _create(path: Path) -> Any:
+    """``path`` created fresh for writing: a file or pipe already there under the name
+    (left by a crash, or placed by another process) is removed first, never opened."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(path, flags, 0o600), "wb")
+
+
 class UnitStore:
     """The files of one optimizer's units in ``directory`` (which must exist)."""
 
@@ -92,6 +117,13 @@ class UnitStore:
     def has(self, unit: int) -> bool:
         return unit in self._written
 
+    def forget(self) -> None:
+        """Drop every unit: its record, and its file where it can still be removed."""
+        for unit in list(self._written):
+            with contextlib.suppress(OSError):
+                self.path(unit).unlink(missing_ok=True)
+        self._written.clear()
+
     def write(self, unit: int, label: str, tensors: dict[str, torch.Tensor],
               metadata: dict[str, str]) -> int:
         """Store ``tensors`` as ``unit``'s file; its size in bytes."""
@@ -101,7 +133,7 @@ class UnitStore:
         header = _header(tensors, metadata)
         crc, size = zlib.crc32(header), len(header)
         try:
-            with temporary.open("wb") as f:
+            with _create(temporary) as f:
                 f.write(header)
                 for tensor in tensors.values():
                     data = _bytes_of(tensor)
@@ -111,7 +143,8 @@ class UnitStore:
                 os.fsync(f.fileno())
             os.replace(temporary, target)
         except OSError as e:
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only directory refuses this too
+                temporary.unlink(missing_ok=True)
             raise OffloadStorageError(e.errno, self._write_problem(e, unit, label, target)) \
                 from e
         self._written[unit] = Written(size, crc)
@@ -126,12 +159,15 @@ class UnitStore:
             why = (f"the device holding {self.directory} is full or over a size limit "
                    f"({os.strerror(error.errno or 0)}); fix: free space there or give "
                    "path = a directory on a larger device")
+        elif error.errno == errno.EROFS:
+            why = (f"{self.directory} is on a read-only file system; fix: give path = a "
+                   "directory on a writable device (a new Offload, wrapping the optimizer "
+                   "again)")
         else:
             why = (f"{os.strerror(error.errno or 0) if error.errno else error}; fix: make "
                    f"{self.directory} writable by this process")
-        return (f"offload could not write the optimizer state of {where}: {why}. This "
-                "unit's state after the step was not stored: load the last checkpoint "
-                "before training on")
+        return (f"offload could not write the optimizer state of {where}: {why}. "
+                f"{LOST_STATE}")
 
     def read(self, unit: int, label: str, device: torch.device | str = "cpu"
              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -143,18 +179,27 @@ class UnitStore:
         if expected is None:
             raise OffloadStorageError(errno.ENOENT, f"{where} was never written")
         try:
-            with target.open("rb") as f:
+            fd = open_regular(target, what="unit file of offloaded optimizer state")
+        except Exception as e:  # missing, or not a regular file
+            gone = ("the offload directory is gone" if not self.directory.is_dir()
+                    else "the file is gone" if not os.path.lexists(target)
+                    else "it is not a regular file")
+            raise OffloadStorageError(
+                errno.ENOENT if "gone" in gone else errno.EIO,
+                f"{where} cannot be read: {gone}; fix: keep {self.directory} for the whole "
+                f"run. {LOST_STATE}") from e
+        try:
+            with os.fdopen(fd, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != expected.size:
                     raise self._changed(where, f"{size} bytes, {expected.size} written")
-                tensors, metadata, crc = self._read_open(f)
-        except FileNotFoundError as e:
-            gone = ("the offload directory is gone" if not self.directory.is_dir()
-                    else "the file is gone")
-            raise OffloadStorageError(
-                errno.ENOENT, f"{where} cannot be read: {gone}; fix: keep {self.directory} "
-                "for the whole run, then load the last checkpoint") from e
-        except (ValueError, KeyError, EOFError) as e:
+                tensors, metadata, crc = self._read_open(f, size)
+        except OSError as e:
+            if isinstance(e, OffloadStorageError):
+                raise
+            raise OffloadStorageError(e.errno, f"{where} cannot be read: "
+                                      f"{e.strerror or e}. {LOST_STATE}") from e
+        except (ValueError, KeyError, EOFError, TypeError, IndexError, AttributeError) as e:
             raise self._changed(where, f"unreadable: {e}") from e
         if crc != expected.crc:
             raise self._changed(where, "its CRC-32 differs from the one written")
@@ -163,20 +208,44 @@ class UnitStore:
         return tensors, metadata
 
     @staticmethod
-    def _read_open(f: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], int]:
+    def _read_open(f: Any, size: int
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str], int]:
+        """The tensors and metadata of the open unit file ``f`` of ``size`` bytes, and the
+        CRC-32 of what was read. A header that does not describe the file (a changed
+        byte can make it claim any length or shape) is a ValueError before anything of
+        that size is allocated."""
         import torch
 
         length_bytes = f.read(8)
         if len(length_bytes) != 8:
             raise EOFError("no header")
-        text = f.read(int.from_bytes(length_bytes, "little"))
+        length = int.from_bytes(length_bytes, "little")
+        if length > size - 8:
+            raise ValueError(f"a header of {length} bytes in a file of {size}")
+        text = f.read(length)
         crc = zlib.crc32(text, zlib.crc32(length_bytes))
-        header = json.loads(text)
+        try:
+            header = json.loads(text)
+        except RecursionError:
+            raise ValueError("a header nested too deeply") from None
+        if not isinstance(header, dict):
+            raise ValueError("a header that is not a JSON object")
         metadata = header.pop("__metadata__", {}) or {}
         dtypes = {v: getattr(torch, k) for k, v in _DTYPES.items()}
+        data_bytes = size - 8 - length
         tensors: dict[str, torch.Tensor] = {}
         for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            tensor = torch.empty(entry["shape"], dtype=dtypes[entry["dtype"]])
+            dtype = dtypes[entry["dtype"]]
+            shape = [int(n) for n in entry["shape"]]
+            start, end = (int(n) for n in entry["data_offsets"])
+            count = 1
+            for n in shape:
+                count *= n
+            if min(shape, default=0) < 0 or not 0 <= start <= end <= data_bytes or \
+                    count * dtype.itemsize != end - start:
+                raise ValueError(f"{name}: shape {shape} and offsets [{start}, {end}] do "
+                                 "not fit the file")
+            tensor = torch.empty(shape, dtype=dtype)
             data = _bytes_of(tensor)
             if f.readinto(data) != len(data):
                 raise EOFError(f"{name} cut short")
@@ -188,5 +257,4 @@ class UnitStore:
     def _changed(where: str, found: str) -> OffloadStorageError:
         return OffloadStorageError(
             errno.EIO, f"{where} is not what offload wrote ({found}): it is not taken for "
-            "state; fix: keep other processes out of the directory, then load the last "
-            "checkpoint")
+            f"state; fix: keep other processes out of the directory. {LOST_STATE}")

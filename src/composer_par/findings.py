@@ -320,7 +320,7 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "mixed_precision: fp16"),
     Rule("CP908", _W, "a feature with no equal in composer_par",
          "leave it out, or add the plugin the message names",
-         "parallelism_config:\n  parallelism_config_cp_size: 2"),
+         "fsdp_config:\n  fsdp_activation_checkpointing_offload: true"),
     Rule("CP909", Severity.INFO, "a setting of the launch or the training loop, not of a plan",
          "give it to the launcher (torchrun) or the training loop",
          "{\"gradient_clipping\": 1.0}"),
@@ -337,8 +337,19 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "give the node count: composer-par import --nodes N",
          "composer-par import --fsdp \"hybrid_shard\" --fsdp-config '{\"version\": 1}'"),
     Rule("CP914", Severity.INFO, "an \"auto\" value is left to the trainer",
-         "give the value in the plan or in the trainer's arguments",
-         "{\"bf16\": {\"enabled\": \"auto\"}}"),
+         "a loop setting: give it to the training loop (the Trainer's arguments); mixed "
+         "precision: set fsdp2's mixed_precision", "{\"bf16\": {\"enabled\": \"auto\"}}"),
+    Rule("CP915", Severity.INFO, "context parallelism done another way (exact attention "
+         "either way)", "nothing to do; mode = \"allgather\" takes any head count",
+         "parallelism_config:\n  parallelism_config_cp_size: 2\n"
+         "  parallelism_config_cp_comm_strategy: alltoall"),
+    Rule("CP917", Severity.INFO, "a setting its own tool does not read in this config",
+         "nothing to do, or set what makes the tool read it",
+         "distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_version: 2"),
+    Rule("CP918", _W, "a per-module plan or layout of transformers the plan does its own way",
+         "give the plugin's own option (tp plan table, ep expert_tp) when the default is "
+         "not what you want", "DistributedConfig(tp_size=2, tp_plan={\"lm_head\": "
+         "\"colwise\"})"),
     # CP981-CP989: writing a plan's job for a scheduler (composer_par.launch).
     Rule("CP981", _E, "the job's size is not known",
          "add [topology] to the plan, or pass --nodes and --devices-per-node",

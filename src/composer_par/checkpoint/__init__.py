@@ -17,7 +17,9 @@ reads), ``dcp`` (save/load), ``dcp_reader`` (DCP's reader checking what it reads
 (per-rank random state), ``safetensors_io`` (headers, region reads and writes),
 ``sources`` (file / directory / index json), ``hf_reader`` (DCP's reader of safetensors),
 ``weights`` (loading weights into a model), ``matching`` (missing and unexpected keys),
-``adapter`` (name mapping), ``export``, ``convert``, ``inspect``.
+``adapter`` (name mapping), ``export``, ``convert``, ``inspect``, ``torchfile`` (other
+tools' ``torch.save`` files, read without running their code), ``formats`` (DCP,
+safetensors, DeepSpeed and FSDP1 sources behind one protocol).
 Importing this package does not import torch.
 """
 

@@ -42,7 +42,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +221,49 @@ def read_claim(directory: str | os.PathLike[str]) -> Job | None:
     except CheckpointError:
         return None
     return Job.from_dict(data)
+
+
+def claim_directory(directory: str | os.PathLike[str]) -> Job:
+    """Write this process's claim into ``directory``, a private directory it has just
+    made (a convert's staging directory, an optimizer's offload directory), so that a
+    later process can tell whether its maker is gone (:func:`remove_dead_directories`)."""
+    job = Job.current(1)
+    path = Path(directory) / CLAIM
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(job.to_dict(), f, indent=2, sort_keys=True)
+        f.write("\n")
+    return job
+
+
+def remove_dead_directories(parent: str | os.PathLike[str], matches: Callable[[str], bool], *,
+                            unclaimed_age: float) -> list[Path]:
+    """Remove the directories in ``parent`` whose names ``matches`` and whose maker is
+    provably gone: their claim (:func:`claim_directory`) names a process of this machine
+    that is not running, or they have no readable claim and are older than
+    ``unclaimed_age`` seconds (killed between making the directory and claiming it).
+    A live claim, or one from another machine, keeps its directory. Returns those
+    removed."""
+    removed = []
+    base = Path(parent)
+    try:
+        entries = sorted(base.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        if not matches(path.name) or path.is_symlink() or not path.is_dir():
+            continue
+        claim = read_claim(path)
+        if claim is not None:
+            gone = liveness(claim)[0] == "dead"
+        else:
+            age = 0.0
+            with contextlib.suppress(OSError):
+                age = time.time() - path.stat().st_mtime
+            gone = age > unclaimed_age
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 # -- the root lock ----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import shutil
@@ -134,13 +133,11 @@ def _staging(target: Path) -> Path:
         raise CheckpointError(f"{target} already exists; convert writes a new directory")
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(target.parent)
-    job = claims.Job.current(1)
-    staging = target.parent / f".{target.name}{_STAGING}{job.id}-{uuid.uuid4().hex[:8]}"
+    staging = target.parent / (f".{target.name}{_STAGING}{claims.job_id()}-"
+                               f"{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        with open(staging / claims.CLAIM, "w", encoding="utf-8") as f:
-            json.dump(job.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
+        claims.claim_directory(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -150,22 +147,9 @@ def _staging(target: Path) -> Path:
 def remove_leftovers(parent: Path) -> list[Path]:
     """Remove the staging directories of converts into ``parent`` whose process is gone
     (their claim says so, or they have no claim and are old). Returns them."""
-    removed = []
-    for path in sorted(parent.iterdir()):
-        if not (path.name.startswith(".") and _STAGING in path.name) or path.is_symlink() \
-                or not path.is_dir():
-            continue
-        claim = claims.read_claim(path)
-        if claim is not None:
-            gone = claims.liveness(claim)[0] == "dead"
-        else:
-            age = 0.0
-            with contextlib.suppress(OSError):
-                age = time.time() - path.stat().st_mtime
-            gone = age > _UNCLAIMED_AGE_S
-        if gone:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    removed = claims.remove_dead_directories(
+        parent, lambda name: name.startswith(".") and _STAGING in name,
+        unclaimed_age=_UNCLAIMED_AGE_S)
     if removed:
         log.info("removed the staging directories of interrupted converts",
                  removed=[str(p) for p in removed])

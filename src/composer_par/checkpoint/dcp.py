@@ -129,14 +129,30 @@ def _from_json(value: Any) -> Any:
         return [_from_json(v) for v in value]
     if isinstance(value, dict):
         if "__tuple__" in value:
-            return tuple(_from_json(v) for v in value["__tuple__"])
+            items = value["__tuple__"]
+            if not isinstance(items, list):
+                raise ValueError(f"__tuple__ must hold a list; found {items!r}")
+            return tuple(_from_json(v) for v in items)
         if "__tensor__" in value:
             dtype = getattr(torch, str(value.get("dtype")), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"unknown dtype {value.get('dtype')!r}")
-            return torch.tensor(value["__tensor__"], dtype=dtype)
+            number = value["__tensor__"]
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise ValueError(f"__tensor__ must hold a number; found {number!r}")
+            return torch.tensor(number, dtype=dtype)
         return {k: _from_json(v) for k, v in value.items()}
     return value
+
+
+def _saved_extra(path: Path, value: Any) -> Any:
+    """The ``extra`` saved in the info file ``path``, rebuilt from JSON: a field that does
+    not rebuild is an error naming the file before anything is read into the model."""
+    try:
+        return _from_json(value)
+    except (TypeError, ValueError, AttributeError, RecursionError, OverflowError) as exc:
+        raise CorruptFileError(f"{path}: field extra: cannot be read back "
+                               f"({type(exc).__name__}: {exc})") from None
 
 
 def _flat_specs(tree: Mapping[str, Any], prefix: str) -> dict[str, Spec]:
@@ -510,6 +526,9 @@ def load(
     with a warning that the resumed run will not be bit-exact (``rng_restored`` is
     False); the default, ``"error"``, raises naming the file.
 
+    Gradients the model's parameters hold are dropped first: a load replaces the weights
+    and training state they belong to.
+
     A step that retention (another job of the run saving with ``keep_last``) removes
     while it is being loaded from a root is reported as such and the newest remaining
     step is loaded instead.
@@ -571,6 +590,7 @@ def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     rank = _dist.rank()
+    _drop_stale_gradients(model)
     msd, osd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {MODEL: msd}
     saved_rng: SavedRng | None = None
@@ -586,6 +606,7 @@ def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     try:
         manifest = steps.read_manifest(directory)
         info = steps.read_info(directory, manifest)
+        extra = _saved_extra(directory / steps.INFO, info.get("extra"))
         metadata = read_metadata(directory, manifest)
         if osd is not None:
             tensors, _ = _split_optim_state(osd["state"])
@@ -642,8 +663,18 @@ def _load_step(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         log.warning("random state not restored: saved on another world size",
                     saved_world_size=saved_world, world_size=_dist.world_size())
     step = info.get("step", steps.step_of(directory))
-    return CheckpointInfo(directory, int(step or 0), _from_json(info.get("extra")),
-                          info.get("plan"), saved_world, saved_rng is not None)
+    return CheckpointInfo(directory, int(step or 0), extra, info.get("plan"), saved_world,
+                          saved_rng is not None)
+
+
+def _drop_stale_gradients(model: nn.Module) -> None:
+    """Before a load: drop the gradients the model's parameters hold. They belong to the
+    weights the load replaces (a step that failed midway leaves them), so a backward
+    after the load must not add to them; and torch's ``get_state_dict`` builds a fresh
+    optimizer's state (one step with zero gradients) only when no parameter has a
+    gradient: with them left, every saved optimizer key would be reported unexpected."""
+    for param in model.parameters():
+        param.grad = None
 
 
 def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any]
@@ -659,7 +690,8 @@ def _saved_optimizer(path: Path, saved: Mapping[str, Any], osd: Mapping[str, Any
         for joined, value in saved.get("scalars", {}).items():
             fqn, _, key = str(joined).partition("\x00")
             scalars.setdefault(fqn, {})[key] = _from_json(value)
-    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError,
+            OverflowError) as exc:
         raise CorruptFileError(f"{where}: cannot be read back ({type(exc).__name__}: {exc})") \
             from None
     for index, group in enumerate(groups):

@@ -2,13 +2,14 @@
 
 ``describe(path)`` answers for a safetensors file, directory or index json, a DCP
 checkpoint directory, or a root of step directories (its steps with their commit state,
-and the latest committed one in detail). The commit state checks the recorded sizes and
-the digests of the small files; ``verify=True`` reads every byte of every file against
-its digest. A DCP checkpoint's metadata is unpickled (after its digest is checked) by an
-unpickler that finds only the classes DCP metadata holds; a ``.metadata`` that is not
-DCP metadata (or not a regular file), and a JSON file of it that is not a readable JSON
-object, are errors naming the file (the command line's exit 2), not a checkpoint
-described as empty or corrupt.
+and the latest committed one in detail), and through
+:mod:`~composer_par.checkpoint.formats` for another tool's checkpoint. The commit state
+checks the recorded sizes and the digests of the small files; ``verify=True`` reads
+every byte of every file against its digest. A DCP checkpoint's metadata is unpickled
+(after its digest is checked) by an unpickler that finds only the classes DCP metadata
+holds; a ``.metadata`` that is not DCP metadata (or not a regular file), and a JSON file
+of it that is not a readable JSON object, are errors naming the file (the command line's
+exit 2), not a checkpoint described as empty or corrupt.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8
              "complex64": 8, "complex128": 16}
 
 
+def item_size(dtype: str) -> int | None:
+    """Bytes per element of the dtype named ``dtype`` (None: not one inspect knows)."""
+    return _ITEMSIZE.get(dtype)
+
+
 def kind_of(path: str | os.PathLike[str]) -> str:
     """``"safetensors"``, ``"dcp"`` (one checkpoint directory) or ``"root"`` (of steps)."""
     p = Path(path)
@@ -52,7 +58,19 @@ def kind_of(path: str | os.PathLike[str]) -> str:
 
 
 def describe(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
-    """What ``path`` holds. For DCP checkpoints, the commit state: ``committed`` (every
+    """What the checkpoint at ``path`` holds, whatever its format (see
+    :mod:`composer_par.checkpoint.formats`): for composer_par's own, as
+    :func:`describe_native` says; for another tool's (DeepSpeed, FSDP1), its keys,
+    shapes, dtypes and bytes."""
+    from composer_par.checkpoint.formats import detect
+
+    return detect(path).describe(Path(path), verify=verify)
+
+
+def describe_native(path: str | os.PathLike[str], *, verify: bool = False
+                    ) -> dict[str, Any]:
+    """What ``path`` holds (safetensors, a DCP checkpoint or a root). For DCP
+    checkpoints, the commit state: ``committed`` (every
     recorded file has its recorded size, and ``.metadata`` and ``composer_par.json``
     match their digests), ``verified`` (with ``verify``: every byte of every file matches
     its digest), ``corrupt`` (with the problems, each naming the file) or

@@ -27,7 +27,7 @@ class MalformedJsonError(CorruptFileError):
     """A JSON file of a checkpoint or of weights that is not a readable JSON object."""
 
 
-def _depth_exceeds(data: Any, limit: int) -> bool:
+def depth_exceeds(data: Any, limit: int = MAX_DEPTH) -> bool:
     """Whether lists and objects nest in ``data`` deeper than ``limit`` (walked without
     recursion)."""
     stack: list[tuple[Any, int]] = [(data, 1)]
@@ -52,7 +52,7 @@ def parse_json_object(path: str | os.PathLike[str], raw: bytes, *, what: str
             from None
     if not isinstance(data, dict):
         raise MalformedJsonError(f"{path}: the {what} is not a JSON object")
-    if _depth_exceeds(data, MAX_DEPTH):
+    if depth_exceeds(data, MAX_DEPTH):
         raise MalformedJsonError(f"{path}: the {what} is not valid JSON for it (nested "
                                  f"deeper than {MAX_DEPTH} levels)")
     return data
@@ -64,4 +64,5 @@ def read_json_object(path: str | os.PathLike[str], limit: int, *, what: str
     return parse_json_object(path, read_bounded(path, limit, what=what), what=what)
 
 
-__all__ = ["MAX_DEPTH", "MalformedJsonError", "parse_json_object", "read_json_object"]
+__all__ = ["MAX_DEPTH", "MalformedJsonError", "depth_exceeds", "parse_json_object",
+           "read_json_object"]

@@ -21,7 +21,7 @@ import argparse
 import re
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
 from composer_par.cli.common import EXIT_ERRORS, EXIT_OK, InputError, Output
 
@@ -105,7 +105,8 @@ def _gib(n: int) -> str:
 def configure_inspect(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="CKPT",
                         help="a .safetensors file, a directory of them, an index json, a DCP "
-                        "checkpoint directory, or a root of step directories")
+                        "checkpoint directory, a root of step directories, a DeepSpeed ZeRO "
+                        "checkpoint, or an FSDP1 state dict")
     parser.add_argument("--all", action="store_true",
                         help="list every key (default: the first 50)")
     parser.add_argument("--verify", action="store_true",
@@ -128,7 +129,7 @@ def run_inspect(args: argparse.Namespace, out: Output) -> int:
         if args.clean_stale is not None:
             cleaned = clean_stale(args.path, older_than=args.clean_stale)
         data = describe(args.path, verify=args.verify)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:
         raise InputError(str(exc)) from exc
     bad = corrupt(data)
     text = format_text(data, limit=None if args.all else 50)
@@ -231,75 +232,34 @@ def configure_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace, out: Output) -> int:
+    from pathlib import Path
+
     from composer_par.checkpoint.convert import FLOAT_DTYPES, refusal
     from composer_par.checkpoint.errors import CheckpointError
-    from composer_par.migrate.deepspeed_checkpoint import is_deepspeed_checkpoint
-    from composer_par.migrate.fsdp1_checkpoint import is_fsdp1_checkpoint
+    from composer_par.checkpoint.formats import check_target, detect
 
     stream = out.stderr if out.stderr is not None else sys.stderr
     if args.dtype is not None and args.dtype.removeprefix("torch.") not in FLOAT_DTYPES:
         raise InputError(f"--dtype {args.dtype}: {refusal(args.dtype.removeprefix('torch.'))}")
+    bar = None
     try:
-        if is_deepspeed_checkpoint(args.source) or is_fsdp1_checkpoint(args.source):
-            target = args.to or "safetensors"
-            bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
-            result = _from_other_tool(args, target, bar)
-        else:
-            target, result, bar = _between_dcp_and_safetensors(args, stream)
+        fmt = detect(args.source)
+        target = check_target(fmt, Path(args.source), args.to)
+        if args.max_file_size is not None and target != "safetensors":
+            raise InputError("--max-file-size applies only when converting to safetensors")
+        bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
+        result = fmt.convert(Path(args.source), Path(args.destination), to=target,
+                             tag=args.tag, dtype=args.dtype,
+                             max_file_bytes=args.max_file_size, progress=bar)
     except CheckpointError as exc:
         raise InputError(str(exc)) from exc
     except (ValueError, FileExistsError) as exc:
         raise InputError(f"{args.source}: {exc}") from exc
     if bar is not None:
         bar.close()
-    data = {"ok": True, "to": target, **result.to_dict()}
+    data = {"ok": True, "to": target, "from": fmt.name, **result.to_dict()}
     text = (f"converted {result.tensors} tensor(s), {result.bytes / 2**30:.2f} GiB, "
-            f"{result.source} -> {result.destination} ({target}) in {result.seconds:.1f} s")
+            f"{result.source} ({fmt.name}) -> {result.destination} ({target}) in "
+            f"{result.seconds:.1f} s")
     out.result(data, text)
     return EXIT_OK
-
-
-def _from_other_tool(args: argparse.Namespace, target: str, bar: ProgressBar | None) -> Any:
-    """A DeepSpeed ZeRO or an FSDP1 checkpoint to ``target``."""
-    from composer_par.migrate import deepspeed_checkpoint as ds
-    from composer_par.migrate import fsdp1_checkpoint as fsdp1
-
-    deepspeed = ds.is_deepspeed_checkpoint(args.source)
-    if args.tag is not None and not deepspeed:
-        raise InputError(f"--tag applies only to DeepSpeed checkpoints; {args.source} is an "
-                         "FSDP1 one")
-    tag = {"tag": args.tag} if deepspeed else {}
-    if target == "safetensors":
-        to_safetensors = ds.deepspeed_to_safetensors if deepspeed else \
-            fsdp1.fsdp1_to_safetensors
-        return to_safetensors(args.source, args.destination, dtype=args.dtype,
-                              max_file_bytes=args.max_file_size, progress=bar, **tag)
-    if args.max_file_size is not None:
-        raise InputError("--max-file-size applies only when converting to safetensors")
-    to_dcp = ds.deepspeed_to_dcp if deepspeed else fsdp1.fsdp1_to_dcp
-    return to_dcp(args.source, args.destination, dtype=args.dtype, progress=bar, **tag)
-
-
-def _between_dcp_and_safetensors(args: argparse.Namespace, stream: TextIO
-                                 ) -> tuple[str, Any, ProgressBar | None]:
-    from composer_par.checkpoint.convert import dcp_to_safetensors, safetensors_to_dcp
-    from composer_par.checkpoint.inspect import kind_of
-
-    if args.tag is not None:
-        raise InputError(f"--tag applies only to DeepSpeed checkpoints; {args.source} is not "
-                         "one")
-    kind = kind_of(args.source)
-    target = "safetensors" if kind in ("dcp", "root") else "dcp"
-    if args.to is not None and args.to != target:
-        raise InputError(f"--to {args.to}: {args.source} is {kind}, which converts to "
-                         f"{target} only")
-    bar = None if args.no_progress else ProgressBar(stream, f"converting to {target}")
-    if target == "safetensors":
-        result = dcp_to_safetensors(args.source, args.destination, dtype=args.dtype,
-                                    max_file_bytes=args.max_file_size, progress=bar)
-    else:
-        if args.max_file_size is not None:
-            raise InputError("--max-file-size applies only when converting to safetensors")
-        result = safetensors_to_dcp(args.source, args.destination, dtype=args.dtype,
-                                    progress=bar)
-    return target, result, bar

@@ -48,6 +48,11 @@ def compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"absolute tolerance (default {ATOL:g})")
     parser.add_argument("--assert-equal", action="store_true",
                         help="bit for bit: --rtol 0 --atol 0")
+    parser.add_argument("--full-table", action="store_true",
+                        help="print (and with --json, give) the loss of every step; by "
+                        "default a table longer than 50 steps is summarized: the first "
+                        "and last steps, those around the first divergence and those of "
+                        "the largest differences")
     parser.add_argument("--rung", type=bounded_int(1), metavar="RANKS",
                         help="in a selfcheck log, the rung of this many ranks (default: "
                         "the last); other logs ignore it")
@@ -71,7 +76,8 @@ def run_compare(args: argparse.Namespace, out: Output) -> int:
                              "losses nor parameters")
         result = compare(a, b, rtol=rtol, atol=atol)
     code = EXIT_OK if result.equal else EXIT_ERRORS
-    out.result({"ok": result.equal, "exit_code": code, **result.to_dict()}, result.format())
+    out.result({"ok": result.equal, "exit_code": code, **result.to_dict(args.full_table)},
+               result.format(args.full_table))
     return code
 
 

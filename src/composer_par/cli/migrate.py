@@ -13,7 +13,6 @@ accept (CP901, CP902, CP913). Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from composer_par.cli.common import EXIT_INPUT, InputError, Output, bounded_int
@@ -24,7 +23,8 @@ from composer_par.planfile import MAX_RANKS
 def import_arguments(parser: argparse.ArgumentParser) -> None:
     ranks = bounded_int(1, MAX_RANKS)
     parser.add_argument("source", metavar="SOURCE", nargs="?",
-                        help="an accelerate config YAML or a DeepSpeed JSON")
+                        help="an accelerate config YAML, a DeepSpeed JSON, or a transformers "
+                        "DistributedConfig JSON (or a model's config.json holding one)")
     parser.add_argument("--from", dest="kind", choices=KINDS,
                         help="what SOURCE is (default: told by its suffix and keys)")
     parser.add_argument("-o", "--output", metavar="PLAN.toml",
@@ -53,10 +53,9 @@ def _fsdp_config(text: str | None) -> object:
     if text is None:
         return None
     if text.lstrip().startswith("{"):
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise InputError(f"--fsdp-config is not valid JSON: {exc}") from exc
+        from composer_par.migrate.reading import load_json
+
+        return load_json(text, "--fsdp-config")
     return Path(text)
 
 

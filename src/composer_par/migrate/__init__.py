@@ -1,6 +1,7 @@
-"""Plans from other tools' configs: accelerate's YAML (FSDP1 and FSDP2), DeepSpeed's JSON,
-the Hugging Face Trainer's ``--fsdp`` / ``--fsdp_config`` / ``--deepspeed``, and FSDP1's
-Python arguments.
+"""Plans from other tools' configs: accelerate's YAML (FSDP1 and FSDP2, its
+``parallelism_config`` with context and sequence parallelism), DeepSpeed's JSON, the
+Hugging Face Trainer's ``--fsdp`` / ``--fsdp_config`` / ``--deepspeed``, transformers'
+``DistributedConfig``, and FSDP1's Python arguments.
 
     result = import_config("accelerate_fsdp.yaml")
     print(result.text())            # the plan file
@@ -28,6 +29,7 @@ from composer_par.migrate.deepspeed_checkpoint import (
     read_zero_checkpoint,
 )
 from composer_par.migrate.deepspeed_config import read_deepspeed
+from composer_par.migrate.distributed_config import read_distributed
 from composer_par.migrate.draft import Draft, ImportFailed, ImportResult, Mapped
 from composer_par.migrate.fsdp1 import STRATEGIES, fsdp1_plan, strategy_name
 from composer_par.migrate.fsdp1_checkpoint import Fsdp1Load, load_fsdp1
@@ -36,6 +38,7 @@ from composer_par.migrate.reading import (
     DEEPSPEED,
     KINDS,
     TRAINER,
+    TRANSFORMERS,
     load_json,
     read_config,
     read_text,
@@ -45,15 +48,19 @@ from composer_par.migrate.trainer_args import read_trainer
 
 def import_config(path: str | Path, *, kind: str | None = None, nodes: int | None = None,
                   world_size: int | None = None) -> ImportResult:
-    """The plan of an accelerate config YAML or a DeepSpeed JSON (``kind`` one of
-    ``"accelerate"``, ``"deepspeed"``; else told by the file). ``nodes`` and
-    ``world_size`` override what the file says. Raises :class:`ImportFailed` when no plan
-    can be written (CP901, CP902, CP913)."""
+    """The plan of an accelerate config YAML, a DeepSpeed JSON or a transformers
+    DistributedConfig JSON (``kind`` one of ``"accelerate"``, ``"deepspeed"``,
+    ``"transformers"``; else told by the file). ``nodes`` and ``world_size`` override what
+    the file says. Raises :class:`ImportFailed` when no plan can be written (CP901, CP902,
+    CP913)."""
     path = Path(path)
     kind, data = read_config(path, kind)
     draft = Draft(kind)
     if kind == DEEPSPEED:
         read_deepspeed(draft, data)
+        said = None
+    elif kind == TRANSFORMERS:
+        read_distributed(draft, data)
         said = None
     else:
         said = read_accelerate(draft, data, base=path.parent, nodes=nodes)
@@ -78,6 +85,29 @@ def import_trainer_args(*, fsdp: str | Sequence[str] | bool | None = None,
     return draft.finish("Trainer " + " ".join(g for g in given if g), world_size)
 
 
+def import_distributed_config(config: Any, *, world_size: int | None = None) -> ImportResult:
+    """The plan of transformers' ``DistributedConfig`` (the object, its ``to_dict()``, or
+    the path of its JSON file or of a model's config.json holding one)."""
+    if isinstance(config, (str, Path)):
+        return import_config(config, kind=TRANSFORMERS, world_size=world_size)
+    data = config.to_dict() if hasattr(config, "to_dict") else config
+    if not isinstance(data, Mapping):
+        from composer_par.migrate.reading import cannot
+
+        raise cannot("DistributedConfig", f"a {type(config).__name__}, not a "
+                     "DistributedConfig or its dict", "give DistributedConfig(...) or its "
+                     "to_dict()")
+    draft = Draft(TRANSFORMERS)
+    read_distributed(draft, data)
+    return draft.finish(f"DistributedConfig({_sizes(data)})", world_size)
+
+
+def _sizes(data: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={data[k]}" for k in ("pp_size", "dp_replicate_size", "fsdp_size",
+                                                "tp_size", "ep_size")
+                     if isinstance(data.get(k), int) and data[k] > 1) or "one device"
+
+
 def _json(value: Mapping[str, Any] | str | Path | None) -> Mapping[str, Any] | None:
     if value is None or isinstance(value, Mapping):
         return value
@@ -91,7 +121,7 @@ def _json(value: Mapping[str, Any] | str | Path | None) -> Mapping[str, Any] | N
     return data
 
 
-__all__ = ["ACCELERATE", "DEEPSPEED", "KINDS", "STRATEGIES", "TRAINER", "DeepSpeedLoad",
-           "Fsdp1Load", "ImportFailed", "ImportResult", "Mapped", "fsdp1_plan", "import_config",
-           "import_trainer_args", "load_deepspeed", "load_fsdp1", "read_zero_checkpoint",
-           "strategy_name"]
+__all__ = ["ACCELERATE", "DEEPSPEED", "KINDS", "STRATEGIES", "TRAINER", "TRANSFORMERS",
+           "DeepSpeedLoad", "Fsdp1Load", "ImportFailed", "ImportResult", "Mapped", "fsdp1_plan",
+           "import_config", "import_distributed_config", "import_trainer_args",
+           "load_deepspeed", "load_fsdp1", "read_zero_checkpoint", "strategy_name"]

@@ -10,15 +10,15 @@ keys) through :mod:`composer_par.migrate.deepspeed_config`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from composer_par.migrate.deepspeed_config import read_deepspeed
-from composer_par.migrate.draft import Draft
-from composer_par.migrate.fsdp1 import apply_precision, apply_strategy
+from composer_par.migrate.draft import Draft, ImportFailed
+from composer_par.migrate.fsdp1 import apply_precision, apply_strategy, strategy_name
 from composer_par.migrate.keys import unknown_key
+from composer_par.migrate.reading import cannot, load_json, read_text
 
 # Keys of the launch (torchrun's flags, the machines), not of the plan.
 LAUNCH = frozenset({
@@ -42,6 +42,9 @@ DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "
                      "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON", "FSDP",
                      "DEEPSPEED", "MEGATRON_LM", "XLA", "TP")
 PARALLELISM = "parallelism_config_"
+#: The nested sections of an accelerate config; each is read when its distributed type
+#: uses it (parallelism_config by FSDP and DeepSpeed).
+SECTIONS = ("fsdp_config", "deepspeed_config", "parallelism_config")
 # accelerate's deepspeed_config keys (not a DeepSpeed JSON) and their DeepSpeed places.
 DS_ACCELERATE = ("zero_stage", "offload_optimizer_device", "offload_param_device",
                  "offload_optimizer_nvme_path", "offload_param_nvme_path",
@@ -49,6 +52,32 @@ DS_ACCELERATE = ("zero_stage", "offload_optimizer_device", "offload_param_device
                  "zero3_save_16bit_model", "deepspeed_config_file", "deepspeed_hostfile",
                  "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
                  "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names")
+
+
+def section(draft: Draft, config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """The nested section ``key`` of ``config`` ({} when absent or empty); CP902 when it
+    is not a mapping of settings."""
+    value = config.get(key)
+    if key in config and not value and (value is None or isinstance(value, Mapping)):
+        draft.map(key, value)  # present and empty: nothing in it to set
+        return {}
+    if value is None or isinstance(value, Mapping):
+        return value or {}
+    draft.refuse("CP902", key, value, "must be a mapping of settings",
+                 f"write {key}: followed by its settings, one per line, indented")
+    return {}
+
+
+def fsdp_version(draft: Draft, key: str, value: Any) -> int:
+    """FSDP's version, 1 or 2 (CP902 otherwise; then 2, to go on reading)."""
+    if value is None:
+        return 1
+    if isinstance(value, str) and value.strip() in ("1", "2"):
+        return int(value)
+    if isinstance(value, bool) or value not in (1, 2):
+        draft.refuse("CP902", key, value, "FSDP's version is 1 or 2", "write 1 or 2")
+        return 2
+    return int(value)
 
 
 def _flag(value: Any) -> bool:
@@ -71,11 +100,14 @@ def read_accelerate(draft: Draft, config: Mapping[str, Any], *, base: Path | Non
         return world
     if kind == "FSDP":
         draft.map("distributed_type", kind)
-        read_fsdp(draft, config.get("fsdp_config") or {}, config.get(PARALLELISM[:-1]) or {},
+        read_fsdp(draft, section(draft, config, "fsdp_config"),
+                  section(draft, config, PARALLELISM[:-1]),
               nodes=nodes)
     elif kind == "DEEPSPEED":
         draft.map("distributed_type", kind)
-        _deepspeed(draft, config.get("deepspeed_config") or {}, base=base)
+        _deepspeed(draft, section(draft, config, "deepspeed_config"), base=base)
+        # accelerate's sequence parallelism under DeepSpeed (Ulysses): sp_size.
+        _parallelism(draft, section(draft, config, PARALLELISM[:-1]), sharded_by="deepspeed")
     elif kind in ("MEGATRON_LM", "XLA"):
         draft.find("CP908", "distributed_type", kind, f"{kind} has no equal in composer_par",
                    "describe the parallelism with the plan's plugins (fsdp2, tp, pp)",
@@ -83,25 +115,30 @@ def read_accelerate(draft: Draft, config: Mapping[str, Any], *, base: Path | Non
     else:  # plain data parallel (DDP), or one process
         draft.map("distributed_type", kind, draft.dim("dp_replicate", -1), draft.use("hsdp"))
     launch: list[str] = []
+    used = {"FSDP": ("fsdp_config", "parallelism_config"),
+            "DEEPSPEED": ("deepspeed_config", "parallelism_config")}.get(kind, ())
     for key, value in config.items():
-        if key in ("distributed_type", "fsdp_config", "deepspeed_config", "parallelism_config"):
+        if key in used or key == "distributed_type":
             continue
-        if key == "num_processes" or key == "num_machines":
+        if key in SECTIONS:
+            _ignored_section(draft, key, value, kind)
+        elif key == "num_processes" or key == "num_machines":
             draft.map(key, value, *_topology(draft, world, nodes, key))
         elif key == "mixed_precision":
             apply_precision(draft, key, value, str(value))
         elif key == "dynamo_config":
-            _dynamo(draft, value or {})
+            _dynamo(draft, section(draft, config, key))
         elif key in ("megatron_lm_config", "fp8_config"):
             if value:
                 draft.find("CP908", key, value, f"{key} has no equal in composer_par",
                            "leave it out")
+            else:
+                draft.map(key, value)
         elif key in LAUNCH:
             launch.append(key)
             draft.note("CP909", key, value)
         else:
-            unknown_key(draft, key, value, (*LAUNCH, "distributed_type", "fsdp_config",
-                                            "deepspeed_config", "parallelism_config",
+            unknown_key(draft, key, value, (*LAUNCH, *SECTIONS, "distributed_type",
                                             "num_processes", "num_machines", "mixed_precision",
                                             "dynamo_config", "megatron_lm_config",
                                             "fp8_config"))
@@ -123,10 +160,15 @@ def read_fsdp(draft: Draft, fsdp: Mapping[str, Any], parallelism: Mapping[str, A
               nodes: int | None, label: Callable[[str], str] | None = None) -> None:
     """accelerate's ``fsdp_config`` (and FSDP2's ``parallelism_config``) into ``draft``;
     ``label`` gives the name a key is shown by (default ``fsdp_config.<key>``)."""
-    version = int(fsdp.get("fsdp_version", 1) or 1)
     name = label or (lambda key: "fsdp_config." + key)
+    version = fsdp_version(draft, name("fsdp_version"), fsdp.get("fsdp_version", 1))
     strategy_key = next((k for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
                          if k in fsdp and (version == 1 or k == "fsdp_sharding_strategy")), None)
+    if version == 1 and parallelism:
+        for key, value in parallelism.items():
+            draft.find("CP917", "parallelism_config." + str(key), value, "accelerate reads "
+                       "parallelism_config with FSDP2 only (fsdp_version: 2)",
+                       "nothing to do; set fsdp_version: 2 to use it")
     if version == 1:
         apply_strategy(draft, name(strategy_key or "fsdp_sharding_strategy"),
                        fsdp.get(strategy_key, "FULL_SHARD") if strategy_key else "FULL_SHARD",
@@ -146,6 +188,15 @@ def read_fsdp(draft: Draft, fsdp: Mapping[str, Any], parallelism: Mapping[str, A
         if key in ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
             if key == "fsdp_version" and (version == 1 or parallelism):
                 draft.map(full, value)
+            elif version == 1 and key != "fsdp_version" and strategy_key is not None \
+                    and key != strategy_key:
+                # Both spellings of the strategy: the second must say the same.
+                said = fsdp.get(strategy_key)
+                if strategy_name(value) == strategy_name(said):
+                    draft.map(full, value)
+                else:
+                    draft.refuse("CP902", full, value, f"says another strategy than "
+                                 f"{name(strategy_key)} = {said}", "keep one of the two keys")
             continue
         if key == "fsdp_offload_params":
             if not _flag(value):
@@ -209,36 +260,177 @@ def read_fsdp(draft: Draft, fsdp: Mapping[str, Any], parallelism: Mapping[str, A
                 "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload"))
 
 
-def _parallelism(draft: Draft, config: Mapping[str, Any]) -> None:
-    """FSDP2's sizes: dp_replicate (hsdp), dp_shard (fsdp2), tp (tp); cp and sp have no
-    plugin here."""
-    sizes = {k.removeprefix(PARALLELISM): v for k, v in config.items()}
-    replicate = int(sizes.get("dp_replicate_size", 1) or 1)
-    shard = int(sizes.get("dp_shard_size", 1) or 1)
-    tp = int(sizes.get("tp_size", 1) or 1)
-    rest = [k for k in sizes if k not in ("dp_replicate_size", "dp_shard_size", "tp_size")]
+def _parallelism(draft: Draft, config: Mapping[str, Any], *, sharded_by: str = "fsdp"
+                 ) -> None:
+    """``parallelism_config``'s sizes: dp_replicate (hsdp), dp_shard (fsdp2) and tp (tp)
+    under FSDP2; cp and sp (DeepSpeed's Ulysses) under either, as the cp plugin's dim.
+    ``sharded_by="deepspeed"``: the ZeRO config decides the data-parallel layout."""
+    sizes = {str(k).removeprefix(PARALLELISM): v for k, v in config.items()}
+    given = {str(k).removeprefix(PARALLELISM): str(k) for k in config}
     key = "parallelism_config." + PARALLELISM
-    # All ones (or absent): accelerate shards over every process.
-    shard_size = -1 if shard == 1 and replicate * tp == 1 else shard
-    if replicate > 1:
-        draft.map(key + "dp_replicate_size", replicate, draft.dim("dp_replicate", replicate),
-                  draft.use("hsdp"))
-    draft.map(key + "dp_shard_size", shard, draft.dim("dp_shard", shard_size),
-              draft.use("fsdp2"))
-    if tp > 1:
-        draft.map(key + "tp_size", tp, draft.dim("tp", tp), draft.use("tp"))
-    for name in rest:
-        value = sizes[name]
-        if name in ("cp_size", "sp_size") and int(value or 1) > 1:
-            what = "context" if name == "cp_size" else "sequence"
-            draft.find("CP908", key + name, value, f"{what} parallelism has no plugin here "
-                       "yet", "leave it out (size 1); for sequence parallelism inside tp use "
-                       "the tp plugin's sequence_parallel")
-        elif name in ("cp_size", "sp_size"):
-            draft.map(key + name, value)
+
+    def size(name: str) -> int:
+        value = sizes.get(name, 1)
+        if value is None:
+            return 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            draft.refuse("CP902", key + name, value, "a size is an integer >= 1",
+                         "give the number of ranks, e.g. 2")
+            sizes.pop(name)
+            return 1
+        return value
+
+    replicate, shard, tp = size("dp_replicate_size"), size("dp_shard_size"), size("tp_size")
+    cp, sp = size("cp_size"), size("sp_size")
+    if sharded_by == "fsdp":
+        # All ones (or absent): accelerate shards over every process.
+        shard_size = -1 if replicate * shard * tp * cp * sp == 1 else shard
+        if "dp_replicate_size" in sizes:
+            draft.map(key + "dp_replicate_size", replicate,
+                      *([draft.dim("dp_replicate", replicate), draft.use("hsdp")]
+                        if replicate > 1 else []))
+        elif replicate > 1:
+            draft.dim("dp_replicate", replicate)
+        draft.map(key + "dp_shard_size", sizes.get("dp_shard_size", 1),
+                  draft.dim("dp_shard", shard_size), draft.use("fsdp2"))
+        if "tp_size" in sizes:
+            draft.map(key + "tp_size", tp,
+                      *([draft.dim("tp", tp), draft.use("tp")] if tp > 1 else []))
+    else:
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size"):
+            if name not in sizes:
+                continue
+            if size(name) > 1:
+                draft.find("CP917", key + name, sizes[name], "accelerate reads it with "
+                           "FSDP only; under DeepSpeed the ZeRO config lays out the data "
+                           "parallelism", "leave it out, or import an FSDP config")
+            else:
+                draft.map(key + name, sizes[name])
+    if cp > 1 and sp > 1:
+        draft.refuse("CP902", key + "cp_size", cp, f"accelerate takes context parallelism "
+                     f"(cp_size) or sequence parallelism (sp_size = {sp}), not both",
+                     "set one of them to 1")
+        return
+    for name in ("cp_size", "sp_size"):
+        if name in sizes and (cp if name == "cp_size" else sp) == 1:
+            draft.map(key + name, sizes[name])
+    if cp > 1:
+        _context_parallel(draft, key, cp, sizes)
+    if sp > 1:
+        _sequence_parallel(draft, key, sp, sizes)
+    for name, value in sizes.items():
+        if name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+            continue
+        full = key + name
+        if (name in CP_KEYS and cp > 1) or (name in SP_KEYS and sp > 1):
+            continue  # read with its size
+        if name in CP_KEYS or name in SP_KEYS:
+            draft.find("CP917", full, value, f"accelerate reads it only with "
+                       f"{'cp_size' if name in CP_KEYS else 'sp_size'} > 1", "nothing to do")
         else:
-            draft.find("CP903", key + name, value, "a setting of context or sequence "
-                       "parallelism, which the plan does not run", "nothing to do")
+            unknown_key(draft, "parallelism_config." + given[name], value, [
+                PARALLELISM + k for k in ("dp_replicate_size", "dp_shard_size", "tp_size",
+                                          "cp_size", "sp_size", *CP_KEYS, *SP_KEYS)])
+
+
+#: parallelism_config's settings of context parallelism (torch's, ``cp_size``) and of
+#: sequence parallelism (DeepSpeed-Ulysses, ``sp_size``).
+CP_KEYS = ("cp_comm_strategy", "cp_backend")
+SP_KEYS = ("sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation",
+           "sp_allow_recurrent_layers", "sp_disable_in_eval")
+
+
+def _context_parallel(draft: Draft, key: str, cp: int, sizes: Mapping[str, Any]) -> None:
+    """accelerate's ``cp_size`` (torch's context parallelism: ring attention whose K/V
+    move by all-gather or by all-to-all passes) as the cp plugin."""
+    strategy = str(sizes.get("cp_comm_strategy", "allgather")).lower()
+    if strategy not in ("allgather", "alltoall"):
+        draft.refuse("CP902", key + "cp_comm_strategy", sizes.get("cp_comm_strategy"),
+                     "accelerate's strategies are allgather and alltoall",
+                     "use allgather or alltoall")
+        return
+    draft.map(key + "cp_size", cp, draft.dim("cp", cp), draft.use("cp"))
+    if "cp_comm_strategy" in sizes and strategy == "allgather":
+        draft.map(key + "cp_comm_strategy", sizes["cp_comm_strategy"],
+                  draft.option("cp", "mode", "allgather"))
+    elif strategy == "alltoall":
+        draft.find("CP915", key + "cp_comm_strategy", sizes["cp_comm_strategy"],
+                   "accelerate passes each rank's K/V around the cp ranks by all-to-all "
+                   "(torch's ring attention); the cp plugin's all-to-all mode is Ulysses: "
+                   "heads traded for sequence by all-to-all, which needs head counts "
+                   "divisible by cp (CP822); both compute exact attention",
+                   "nothing to do; for any head count use mode = \"allgather\" (K/V "
+                   "gathered, as accelerate's allgather)", draft.option("cp", "mode",
+                                                                          "alltoall"))
+    if "cp_backend" in sizes:
+        backend = str(sizes["cp_backend"]).lower()
+        if backend == "torch":
+            draft.map(key + "cp_backend", sizes["cp_backend"])
+        else:
+            draft.refuse("CP902", key + "cp_backend", sizes["cp_backend"], "accelerate's "
+                         "only context-parallel backend is torch", "write torch")
+
+
+def _sequence_parallel(draft: Draft, key: str, sp: int, sizes: Mapping[str, Any]) -> None:
+    """accelerate's ``sp_size`` (DeepSpeed-Ulysses: heads traded for sequence by
+    all-to-all) as the cp plugin's all-to-all mode."""
+    backend = str(sizes.get("sp_backend", "deepspeed")).lower()
+    if backend != "deepspeed":
+        draft.refuse("CP902", key + "sp_backend", sizes.get("sp_backend"), "accelerate's "
+                     "only sequence-parallel backend is deepspeed", "write deepspeed")
+        return
+    draft.map(key + "sp_size", sp, draft.dim("cp", sp), draft.use("cp"),
+              draft.option("cp", "mode", "alltoall"))
+    if "sp_backend" in sizes:
+        draft.map(key + "sp_backend", sizes["sp_backend"])
+    variable = sizes.get("sp_seq_length_is_variable", True)
+    if "sp_seq_length_is_variable" in sizes:
+        draft.map(key + "sp_seq_length_is_variable", variable)
+    length = sizes.get("sp_seq_length")
+    if "sp_seq_length" in sizes:
+        if not _flag(variable) and isinstance(length, int) and not isinstance(length, bool) \
+                and length > 0:
+            draft.map(key + "sp_seq_length", length, draft.option("cp", "seq_len", length))
+        else:
+            draft.map(key + "sp_seq_length", length)  # any length: nothing to check
+    if "sp_attn_implementation" in sizes:
+        implementation = str(sizes["sp_attn_implementation"])
+        if implementation == "sdpa":
+            draft.map(key + "sp_attn_implementation", implementation)
+        else:
+            draft.find("CP915", key + "sp_attn_implementation", implementation,
+                       "the cp plugin runs the model's scaled_dot_product_attention across "
+                       "the cp ranks; other attention kernels are refused (CP823)",
+                       "build the model with attn_implementation=\"sdpa\"")
+    if "sp_allow_recurrent_layers" in sizes:
+        if _flag(sizes["sp_allow_recurrent_layers"]):
+            draft.find("CP915", key + "sp_allow_recurrent_layers",
+                       sizes["sp_allow_recurrent_layers"], "the cp plugin refuses layers "
+                       "whose attention it cannot split (CP823), recurrent ones included",
+                       "nothing to do; such a model trains without cp")
+        else:
+            draft.map(key + "sp_allow_recurrent_layers", sizes["sp_allow_recurrent_layers"])
+    if "sp_disable_in_eval" in sizes:
+        draft.find("CP909", key + "sp_disable_in_eval", sizes["sp_disable_in_eval"],
+                   "evaluation is the training loop's, not the plan's",
+                   "evaluate with the model the plan applied: it splits every sequence over "
+                   "cp as in training")
+
+
+def _ignored_section(draft: Draft, section: str, value: Any, kind: str) -> None:
+    """A section the distributed type does not read (an ``fsdp_config`` left in a
+    MULTI_GPU config): each key is listed, and left out, as accelerate leaves it."""
+    if not isinstance(value, Mapping) or not value:
+        draft.map(section, value)
+        return
+    for key, item in value.items():
+        draft.find("CP917", f"{section}.{key}", item, f"accelerate reads {section} only "
+                   f"with distributed_type {_READS[section]}, not {kind}", "nothing to do; "
+                   f"set distributed_type: {_READS[section].split(' or ')[0]} to use it")
+
+
+_READS = {"fsdp_config": "FSDP", "deepspeed_config": "DEEPSPEED",
+          "parallelism_config": "FSDP or DEEPSPEED"}
 
 
 def _deepspeed(draft: Draft, config: Mapping[str, Any], *, base: Path | None) -> None:
@@ -249,10 +441,14 @@ def _deepspeed(draft: Draft, config: Mapping[str, Any], *, base: Path | None) ->
         if not file.is_absolute() and base is not None:
             file = base / file
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            data = load_json(read_text(file, what="DeepSpeed JSON"), str(file))
+            if not isinstance(data, Mapping):
+                raise cannot(str(file), f"{file} holds a {type(data).__name__}, not a "
+                             "JSON object", "give a DeepSpeed JSON")
+        except ImportFailed as exc:
+            why = "; ".join(f.message for f in exc.report.findings)
             draft.refuse("CP901", prefix + "deepspeed_config_file", path,
-                         f"cannot read the DeepSpeed JSON it names: {exc}",
+                         f"cannot read the DeepSpeed JSON it names: {why}",
                          "check the path (relative to the accelerate config), or import the "
                          "DeepSpeed JSON itself: composer-par import ds.json")
             return
@@ -294,9 +490,9 @@ def _deepspeed_keys(draft: Draft, config: Mapping[str, Any], prefix: str) -> Non
     ds: dict[str, Any] = {"zero_optimization": {"stage": config.get("zero_stage", 2)}}
     zero = ds["zero_optimization"]
     for which in ("optimizer", "param"):
-        device = config.get(f"offload_{which}_device")
-        if device and device != "none":
-            zero[f"offload_{which}"] = {"device": device}
+        if f"offload_{which}_device" in config:
+            device = config[f"offload_{which}_device"]
+            zero[f"offload_{which}"] = {"device": "none" if device is None else device}
     for key in ("gradient_accumulation_steps", "gradient_clipping"):
         if key in config:
             ds[key] = config[key]

@@ -86,31 +86,13 @@ DEEPSPEED_GLOBALS: dict[str, type] = {
 
 
 def _load(path: Path) -> Mapping[str, Any]:
-    import pickle
+    from composer_par.checkpoint.torchfile import load_tensors_file
 
-    import torch
-
-    allowed = [(cls, name) for name, cls in DEEPSPEED_GLOBALS.items()]
-    try:
-        with torch.serialization.safe_globals(allowed):  # type: ignore[arg-type]
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
-        raise CheckpointError(f"{path}: cannot read it as a DeepSpeed checkpoint file "
-                              f"({_reason(exc)})") from exc
+    data = load_tensors_file(path, what="a DeepSpeed checkpoint file",
+                             allowed=DEEPSPEED_GLOBALS)
     if not isinstance(data, Mapping):
         raise CheckpointError(f"{path}: holds a {type(data).__name__}, not a dict")
     return data
-
-
-def _reason(exc: BaseException) -> str:
-    """Why torch.load refused: for a pickle naming a global weights_only does not allow,
-    that global (torch's own first line suggests weights_only=False, which is no fix)."""
-    refused = re.search(r"GLOBAL ([\w.]+)", str(exc))
-    if refused:
-        return (f"it names {refused.group(1)}, not a class a DeepSpeed ZeRO checkpoint "
-                "holds; nothing from the file ran")
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _get(data: Mapping[str, Any], key: str, path: Path, kind: type | tuple[type, ...],
@@ -133,9 +115,11 @@ def resolve(path: str | os.PathLike[str], tag: str | None = None) -> Path:
     ``path`` itself when it holds the optim-states files."""
     root = Path(path)
     source = "given"
-    if tag is None and (root / LATEST).is_file():
-        with open(root / LATEST, "rb") as f:
-            tag = f.read(4096).decode("utf-8", "replace").strip()
+    if tag is None and os.path.lexists(root / LATEST):
+        from composer_par.checkpoint.paths import read_bounded
+
+        raw = read_bounded(root / LATEST, 4096, what="DeepSpeed 'latest' file")
+        tag = raw.decode("utf-8", "replace").strip()
         source = f"{root / LATEST} names"
     if tag is not None and (not tag or tag in (".", "..") or "/" in tag or "\\" in tag):
         # A tag is a directory beside `latest`: it never leads out of the checkpoint.
@@ -508,7 +492,7 @@ def _stage3_places(groups: list[Any], world: int, fp32: list[list[torch.Tensor]]
 # -- convert -----------------------------------------------------------------------------
 
 
-def _convertible(ckpt: ZeroCheckpoint) -> tuple[dict[str, Any], Any]:
+def convertible(ckpt: ZeroCheckpoint) -> tuple[dict[str, Any], Any]:
     from composer_par.checkpoint.convert import TensorSpec
 
     if not ckpt.shapes:
@@ -530,7 +514,7 @@ def deepspeed_to_safetensors(source: str | os.PathLike[str],
     from composer_par.checkpoint.convert import tensors_to_safetensors
 
     ckpt = read_zero_checkpoint(source, tag)
-    specs, read = _convertible(ckpt)
+    specs, read = convertible(ckpt)
     return tensors_to_safetensors(str(ckpt.directory), specs, read, destination, dtype=dtype,
                                   max_file_bytes=max_file_bytes, progress=progress)
 
@@ -545,7 +529,7 @@ def deepspeed_to_dcp(source: str | os.PathLike[str], destination: str | os.PathL
     from composer_par.checkpoint.convert import OptimizerTensors, TensorSpec, tensors_to_dcp
 
     ckpt = read_zero_checkpoint(source, tag)
-    specs, read = _convertible(ckpt)
+    specs, read = convertible(ckpt)
     optimizer = None
     if ckpt.param_groups is not None:
         optim_specs = {

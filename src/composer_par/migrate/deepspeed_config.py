@@ -70,7 +70,6 @@ TOP_NO_EQUAL = {
     "sparse_attention": "DeepSpeed sparse attention",
     "pipeline": "DeepSpeed's pipeline engine (the plan's pp plugin is the equal; add it)",
     "tensor_parallel": "DeepSpeed's AutoTP (the plan's tp plugin is the equal; add it)",
-    "sequence_parallel_size": "DeepSpeed-Ulysses sequence parallelism",
     "moe": "DeepSpeed MoE",
     "curriculum_learning": "curriculum learning", "data_efficiency": "data efficiency",
     "compression_training": "compression training", "eigenvalue": "eigenvalue",
@@ -84,10 +83,19 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
-def _auto(draft: Draft, key: str, value: Any, what: str) -> None:
+def _auto(draft: Draft, key: str, value: Any, what: str, fix: str) -> None:
     draft.find("CP914", key, value, f"DeepSpeed leaves it to the Trainer, which fills it from "
-               f"its own arguments; the plan takes {what}", "give the value in the plan "
-               "(or in the Trainer's arguments, where the Trainer reads it)")
+               f"its own arguments; the plan takes {what}", fix)
+
+
+#: What a loop setting left "auto" is in the Trainer's arguments.
+_LOOP_ARGUMENTS = {
+    "train_batch_size": "per_device_train_batch_size (times the ranks and accumulation)",
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm", "optimizer": "optim, learning_rate",
+    "scheduler": "lr_scheduler_type, warmup_steps",
+}
 
 
 def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
@@ -102,6 +110,8 @@ def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
         draft.refuse("CP902", name("zero_optimization"), zero, "must be a JSON object",
                      "write \"zero_optimization\": {\"stage\": 3, ...}")
         zero = {}
+    elif "zero_optimization" in config and not zero:
+        draft.map(name("zero_optimization"), zero)  # present and empty: DeepSpeed's defaults
     _stage(draft, name("zero_optimization.stage"), zero.get("stage", 0), zero,
            explicit="stage" in zero)
     for key, value in zero.items():
@@ -144,9 +154,14 @@ def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
             _precision(draft, full, value, "fp16" if key == "fp16" else "bf16")
         elif key == "compile":
             _compile(draft, full, value)
+        elif key == "sequence_parallel_size":
+            _ulysses(draft, full, value)
         elif key in LOOP:
             if is_auto(value):
-                _auto(draft, full, value, "none: it belongs to the training loop")
+                where = _LOOP_ARGUMENTS.get(key, key)
+                _auto(draft, full, value, "none: it belongs to the training loop",
+                      f"set it in the training loop: the Trainer's {where}, or your own "
+                      "loop's")
             else:
                 draft.find("CP909", full, value, "a setting of the training loop, not of a "
                            "plan", "set it in the training loop (TrainingArguments, or your "
@@ -156,7 +171,7 @@ def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
                        "leave it out, or add the plan's own plugin where the message names one")
         else:
             unknown_key(draft, full, value, (*LOOP, *TOP_NO_EQUAL, "bf16", "fp16", "compile",
-                                             "zero_optimization"))
+                                             "zero_optimization", "sequence_parallel_size"))
 
 
 def _stage(draft: Draft, key: str, stage: Any, zero: Mapping[str, Any], *,
@@ -166,7 +181,8 @@ def _stage(draft: Draft, key: str, stage: Any, zero: Mapping[str, Any], *,
                      "give the stage as a number")
         return
     if stage == 0 and "mics_shard_size" in zero:
-        return  # MiCS decides the layout
+        draft.map(key, stage)  # MiCS decides the layout
+        return
     shown_value = stage if explicit else f"{stage} (DeepSpeed's default)"
     if stage == 0:
         draft.map(key, shown_value, draft.dim("dp_replicate", -1), draft.use("hsdp"))
@@ -251,8 +267,11 @@ def _mics(draft: Draft, key: str, value: Any) -> None:
 def _precision(draft: Draft, key: str, value: Any, precision: str) -> None:
     enabled = value.get("enabled", False) if isinstance(value, Mapping) else value
     if is_auto(enabled):
+        dtype = "bfloat16" if precision == "bf16" else "float16"
         _auto(draft, key, value, "no mixed precision (add mixed_precision to fsdp2 for "
-              f"{precision})")
+              f"{precision})", "to train in " + precision + " add to the fsdp2 plugin: "
+              f"mixed_precision = {{param_dtype = \"{dtype}\", reduce_dtype = "
+              "\"float32\"}")
         return
     if enabled is True:
         apply_precision(draft, key, value, precision)
@@ -261,6 +280,21 @@ def _precision(draft: Draft, key: str, value: Any, precision: str) -> None:
             return
     else:
         draft.map(key, value)
+
+
+def _ulysses(draft: Draft, key: str, value: Any) -> None:
+    """DeepSpeed-Ulysses (``sequence_parallel_size``): each rank holds a part of every
+    sequence, and attention trades heads for sequence by all-to-all: the cp plugin's
+    all-to-all mode over a cp dim of that size."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        draft.refuse("CP902", key, value, "the sequence-parallel size is an int >= 1",
+                     "give the number of ranks each sequence is split over, e.g. 2")
+        return
+    if value == 1:
+        draft.map(key, value)
+        return
+    draft.map(key, value, draft.dim("cp", value), draft.use("cp"),
+              draft.option("cp", "mode", "alltoall"))
 
 
 def _compile(draft: Draft, key: str, value: Any) -> None:

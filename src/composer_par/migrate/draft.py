@@ -21,22 +21,50 @@ if TYPE_CHECKING:
     from composer_par.plan import ParallelPlan
 
 #: Mesh dims in the order a plan file lists them: the rank layout, outermost first.
-MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 #: Plugins in the order the written plan lists them.
-PLUGIN_ORDER = ("hsdp", "fsdp2", "tp", "activation_checkpoint", "compile")
+PLUGIN_ORDER = ("pp", "hsdp", "fsdp2", "ep", "cp", "tp", "activation_checkpoint", "compile")
+
+
+#: The longest a source value is shown in a message or the listing: a config's values
+#: are short, and a long one is cut rather than copied into every line that names it.
+SHOWN_CHARS = 200
 
 
 def shown(value: Any) -> str:
-    """A source value as the listing shows it."""
-    if isinstance(value, str):
-        return value
+    """A source value as the listing shows it (cut after :data:`SHOWN_CHARS`)."""
+    parts: list[str] = []
+    _show(value, parts, [0])
+    text = "".join(parts)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def _show(value: Any, parts: list[str], used: list[int]) -> None:
+    """Append ``value``'s text to ``parts``, stopping once they pass SHOWN_CHARS (a
+    value with aliases expanded may be huge: it is never written out whole)."""
+    if used[0] > SHOWN_CHARS:
+        return
+    if isinstance(value, (Mapping, list, tuple)):
+        items = value.items() if isinstance(value, Mapping) else enumerate(value)
+        parts.append("{" if isinstance(value, Mapping) else "[")
+        for i, (key, item) in enumerate(items):
+            if used[0] > SHOWN_CHARS:
+                break
+            head = (", " if i else "") + (f"{key}: " if isinstance(value, Mapping) else "")
+            parts.append(head)
+            used[0] += len(head)
+            _show(item, parts, used)
+        parts.append("}" if isinstance(value, Mapping) else "]")
+        return
     if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {shown(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(shown(v) for v in value) + "]"
-    return repr(value)
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = repr(value)
+    text = text[:SHOWN_CHARS + 1]
+    parts.append(text)
+    used[0] += len(text)
 
 
 @attrs.frozen

@@ -81,14 +81,10 @@ def load_fsdp1(path: str | os.PathLike[str], model: nn.Module,
 
 
 def _torch_load(path: Path) -> Any:
-    import torch
+    from composer_par.checkpoint.torchfile import load_tensors_file
 
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, ValueError, EOFError) as exc:
-        # weights_only refuses anything but tensors and plain containers: it runs no code.
-        raise CheckpointError(f"{path}: cannot read it as a torch.save file of tensors "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+    # weights_only: tensors and plain containers, nothing that runs code.
+    return load_tensors_file(path, what="a torch.save file of tensors")
 
 
 def _check(source: str, expected: set[str], found: set[str]) -> None:
@@ -254,7 +250,7 @@ def is_fsdp1_checkpoint(path: str | os.PathLike[str]) -> bool:
         (p / name).exists() for name in (steps.INFO, steps.MARKER))
 
 
-def _model_tensors(path: Path) -> tuple[dict[str, Any], Any]:
+def model_tensors(path: Path) -> tuple[dict[str, Any], Any]:
     """The model's tensors of an FSDP1 checkpoint: their specs, and a reader of one."""
     import torch
 
@@ -306,7 +302,7 @@ def fsdp1_to_safetensors(source: str | os.PathLike[str],
     consolidated safetensors, one tensor at a time."""
     from composer_par.checkpoint.convert import tensors_to_safetensors
 
-    specs, read = _model_tensors(Path(source))
+    specs, read = model_tensors(Path(source))
     return tensors_to_safetensors(str(source), specs, read, destination, dtype=dtype,
                                   max_file_bytes=max_file_bytes, progress=progress)
 
@@ -317,7 +313,7 @@ def fsdp1_to_dcp(source: str | os.PathLike[str], destination: str | os.PathLike[
     optimizer's state is not converted: :func:`load_fsdp1` reads it into a plan)."""
     from composer_par.checkpoint.convert import tensors_to_dcp
 
-    specs, read = _model_tensors(Path(source))
+    specs, read = model_tensors(Path(source))
     return tensors_to_dcp(str(source), specs, read, destination, dtype=dtype,
                           progress=progress)
 

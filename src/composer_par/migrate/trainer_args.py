@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from composer_par.migrate.accelerate_config import read_fsdp
+from composer_par.migrate.accelerate_config import fsdp_version, read_fsdp
 from composer_par.migrate.deepspeed_config import read_deepspeed
 from composer_par.migrate.draft import Draft
 from composer_par.migrate.fsdp1 import STRATEGIES, apply_precision, strategy_name
@@ -24,7 +24,7 @@ XLA = ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings")
 
 
 def _items(fsdp: str | Sequence[str] | bool) -> list[str]:
-    if isinstance(fsdp, bool):
+    if isinstance(fsdp, bool) or not isinstance(fsdp, (str, list, tuple)):
         return []
     return fsdp.split() if isinstance(fsdp, str) else [str(i) for i in fsdp]
 
@@ -52,9 +52,12 @@ def _fsdp(draft: Draft, fsdp: str | Sequence[str] | bool, config: dict[str, Any]
           nodes: int | None) -> None:
     # TrainingArguments accepts the keys with or without their fsdp_ prefix.
     config = {k.removeprefix("fsdp_"): v for k, v in config.items()}
-    version = int(config.get("version", 2) or 2)
+    version = fsdp_version(draft, "--fsdp_config version", config.get("version", 2))
     accelerate: dict[str, Any] = {"fsdp_version": version}
     labels = {"fsdp_version": "--fsdp_config version"}
+    if not isinstance(fsdp, (str, bool, list, tuple)):
+        draft.refuse("CP902", "--fsdp", fsdp, "the Trainer's --fsdp is a string of options "
+                     "or a list of them", "write e.g. \"full_shard auto_wrap\"")
     for item in _items(fsdp):
         label = f"--fsdp {item}"
         name = strategy_name(item)
@@ -79,15 +82,23 @@ def _fsdp(draft: Draft, fsdp: str | Sequence[str] | bool, config: dict[str, Any]
             if value:
                 draft.find("CP908", f"--fsdp_config {key}", value, "XLA's FSDP has no equal "
                            "here", "leave it out")
+            else:
+                draft.map(f"--fsdp_config {key}", value)
             continue
         if key == "version":
-            continue
+            continue  # read above, shown as fsdp_version
         if key == "cpu_offload":
             key, value = "offload_params", value
         if key == "transformer_layer_cls_to_wrap" and not isinstance(value, str):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                draft.refuse("CP902", f"--fsdp_config {key}", value, "the Trainer takes "
+                             "class names (a string or a list of strings)",
+                             "write e.g. [\"LlamaDecoderLayer\"]")
+                continue
             value = ",".join(value)
         if key == "min_num_params" and not value:
-            continue  # the Trainer's default 0: no size-based wrap
+            draft.map(f"--fsdp_config {key}", value)  # the Trainer's default: no size wrap
+            continue
         labels[f"fsdp_{key}"] = f"--fsdp_config {key}"
         accelerate[f"fsdp_{key}"] = value
     read_fsdp(draft, accelerate, {}, nodes=nodes,

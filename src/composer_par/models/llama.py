@@ -7,6 +7,8 @@ the rotary table is recomputed there, since ``to_empty`` leaves buffers uninitia
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 import torch.nn as nn
@@ -159,8 +161,12 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting tokens[1:] from logits[:-1]."""
+def next_token_loss(outputs: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting tokens[1:] from logits[:-1]; ``outputs`` is what
+    the model returned (the logits, or a Hugging Face output with ``.logits``)."""
+    from composer_par.outputs import logits_of
+
+    logits = logits_of(outputs)
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
     )

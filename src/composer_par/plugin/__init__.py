@@ -71,7 +71,12 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   auxiliary losses (:func:`split_sequence`: a plugin that gives each rank part of every
   sequence says so, and load-balancing losses total their statistics over its ranks;
   :func:`carries`: whether a model makes its router loss through
-  ``add_router_loss``, see :mod:`composer_par.aux_loss`).
+  ``add_router_loss``, see :mod:`composer_par.aux_loss`); losses: :func:`logits_of` (the
+  logits in whatever the model returned, as ``loss_fn`` is given it).
+* **Files a plugin keeps**: :func:`open_regular` (a regular file opened for reading, or
+  a named error at once: never a wait on a pipe), :func:`claim_directory` and
+  :func:`remove_dead_directories` (a private directory that records its maker, so a
+  later run removes those whose maker was killed).
 * **Blocks already wrapped**: :data:`ALREADY_WRAPPED`, :data:`CHECKPOINT_MARK`,
   :func:`already_wrapped`, :func:`wrapped_block_findings`.
 
@@ -99,6 +104,8 @@ from composer_par.blocks import (
     names_near,
     path_matches,
 )
+from composer_par.checkpoint.claims import claim_directory, remove_dead_directories
+from composer_par.checkpoint.paths import open_regular
 from composer_par.dtypes import DtypeError, dtype_name
 
 # The estimator's modules import composer_par.plugin.base, not this package: no cycle.
@@ -111,6 +118,7 @@ from composer_par.estimate.parts import (
 )
 from composer_par.findings import Finding, Rule, Severity, did_you_mean
 from composer_par.mesh import MeshSpec
+from composer_par.outputs import logits_of
 from composer_par.plugin.base import (
     STAGES,
     Claim,
@@ -189,6 +197,7 @@ __all__ = [
     "blocks_option",
     "bool_option",
     "carries",
+    "claim_directory",
     "clean_name",
     "did_you_mean",
     "dim_option",
@@ -197,10 +206,13 @@ __all__ = [
     "hookimpl",
     "import_string_findings",
     "int_option",
+    "logits_of",
     "modules_by_clean_name",
     "names_near",
+    "open_regular",
     "ordering_option",
     "path_matches",
+    "remove_dead_directories",
     "split_sequence",
     "tied_outside",
     "wrapped_block_findings",

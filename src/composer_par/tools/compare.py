@@ -8,9 +8,10 @@ A run is read from (:func:`load_run`):
   weights), as ``composer-par demo --json`` writes and :func:`run_log` makes from any
   training loop; or a ``composer-par selfcheck --json`` document, one of whose rungs is
   taken (``rung=``: its rank count; default the last);
-* a checkpoint: a committed DCP step directory or root (its latest step), a
-  ``.safetensors`` file, a directory of them or an index json. Its parameters are
-  compared tensor by tensor; it has no losses.
+* a checkpoint of any format :mod:`composer_par.checkpoint.formats` reads: a committed
+  DCP step directory or root (its latest step), a ``.safetensors`` file, a directory of
+  them or an index json, a DeepSpeed ZeRO checkpoint, an FSDP1 state dict. Its
+  parameters are compared tensor by tensor; it has no losses.
 
 Parameters of two checkpoints are compared element by element; where one side is a JSON
 log they are compared by their summaries (sum, norm, largest magnitude), which catch any
@@ -19,9 +20,7 @@ difference larger than the tolerance in practice but are not a proof of equality
 
 from __future__ import annotations
 
-import json
 import math
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -38,6 +37,16 @@ ATOL = 1e-5
 SUMMARY_KEYS = ("sum", "norm", "max_abs")
 # The largest parameter differences listed.
 TOP = 5
+#: A loss table of at most this many steps is printed whole; a longer one is summarized
+#: (``full=True``, the command's ``--full-table``, prints every step).
+TABLE_ROWS = 50
+#: The most parameter names one list of the report names.
+_LIST = 50
+#: In a summary: the first and last steps, the steps around the first divergence on each
+#: side, and the steps of the largest differences.
+_ENDS, _AROUND, _LARGEST = 5, 3, 10
+#: The largest JSON log read (a log of every step of a long run is tens of MB).
+LOG_LIMIT = 1 << 30
 
 
 class CompareError(ValueError):
@@ -87,18 +96,23 @@ def load_run(path: str | Path, *, rung: int | None = None, stack: ExitStack) -> 
     p = Path(path)
     if not p.exists():
         raise CompareError(f"{p}: no such file or directory")
-    if p.is_file() and p.suffix == ".json" and not p.name.endswith(".index.json"):
+    if not p.is_dir() and p.suffix == ".json" and not p.name.endswith(".index.json"):
         return _from_log(p, rung)
     return _from_checkpoint(p, stack)
 
 
 def _from_log(path: Path, rung: int | None) -> Run:
+    from composer_par.checkpoint.errors import CheckpointError
+    from composer_par.checkpoint.jsonfile import MalformedJsonError, read_json_object
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = read_json_object(path, LOG_LIMIT, what="JSON log")
+    except MalformedJsonError as exc:
+        if str(exc).endswith("is not a JSON object"):
+            raise CompareError(f"{path}: a JSON log is an object") from None
         raise CompareError(f"{path}: not a JSON log: {exc}") from None
-    if not isinstance(data, dict):
-        raise CompareError(f"{path}: a JSON log is an object; found {type(data).__name__}")
+    except CheckpointError as exc:
+        raise CompareError(f"{path}: not a JSON log: {exc}") from None
     if "rungs" in data:  # a selfcheck log; rung= concerns these alone
         data = _pick_rung(path, data["rungs"], rung)
     losses = data.get("losses")
@@ -120,6 +134,8 @@ def _from_log(path: Path, rung: int | None) -> Run:
 def _pick_rung(path: Path, rungs: Any, wanted: int | None) -> dict[str, Any]:
     if not isinstance(rungs, list) or not rungs:
         raise CompareError(f"{path}: \"rungs\" is empty: the selfcheck finished no rung")
+    if not all(isinstance(entry, dict) for entry in rungs):
+        raise CompareError(f"{path}: \"rungs\" must be a list of objects")
     if wanted is None:
         return rungs[-1]  # type: ignore[no-any-return]
     for entry in rungs:
@@ -130,31 +146,19 @@ def _pick_rung(path: Path, rungs: Any, wanted: int | None) -> dict[str, Any]:
 
 
 def _from_checkpoint(path: Path, stack: ExitStack) -> Run:
+    """A checkpoint of any format (:mod:`composer_par.checkpoint.formats`): each tensor
+    read when it is compared, one at a time."""
+    import functools
+
     from composer_par.checkpoint import CheckpointError
-    from composer_par.checkpoint.inspect import kind_of
+    from composer_par.checkpoint.formats import open_source
 
     try:
-        kind = kind_of(path)
-        if kind in ("dcp", "root"):
-            # DCP's chunks are read through the convert path (digests checked) into
-            # consolidated safetensors in a temporary directory, then read as those.
-            from composer_par.checkpoint.convert import dcp_to_safetensors
-
-            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="composer-par-compare-")))
-            converted = dcp_to_safetensors(path, scratch / "weights")
-            return Run(str(path), "checkpoint", None,
-                       tensors=_safetensors_readers(Path(converted.destination), stack))
-        return Run(str(path), "checkpoint", None, tensors=_safetensors_readers(path, stack))
-    except CheckpointError as exc:
+        source = stack.enter_context(open_source(path))
+    except (CheckpointError, ValueError) as exc:
         raise CompareError(f"{path}: {exc}") from None
-
-
-def _safetensors_readers(path: Path, stack: ExitStack) -> dict[str, Any]:
-    """Each key's entry: its bytes are read when it is compared, one tensor at a time."""
-    from composer_par.checkpoint.sources import WeightsSource
-
-    return dict(WeightsSource.open(path).entries)
+    return Run(str(path), "checkpoint", None,
+               tensors={name: functools.partial(source.read, name) for name in source.specs})
 
 
 @attrs.frozen
@@ -204,37 +208,82 @@ class Comparison:
         different = [name for name, _, ok in self.param_diffs if not ok]
         return different[0] if different else None
 
-    def to_dict(self) -> dict[str, Any]:
+    @property
+    def largest_loss_differences(self) -> list[StepRow]:
+        """The steps whose losses differ most (a loss on one side only, or NaN, first)."""
+        def size(row: StepRow) -> float:
+            d = row.diff
+            return math.inf if d is None or math.isnan(d) else d
+        return sorted((r for r in self.steps if size(r) > 0), key=size,
+                      reverse=True)[:_LARGEST]
+
+    def shown_steps(self, full: bool = False) -> list[StepRow]:
+        """The rows of the loss table: every step when ``full`` or when there are at most
+        :data:`TABLE_ROWS`; else the first and last steps, those around the first
+        divergence and those of the largest differences, in step order."""
+        if full or len(self.steps) <= TABLE_ROWS:
+            return list(self.steps)
+        index = {row.step: i for i, row in enumerate(self.steps)}
+        keep = set(range(_ENDS)) | set(range(len(self.steps) - _ENDS, len(self.steps)))
+        if self.first_divergent_step is not None:
+            at = index[self.first_divergent_step]
+            keep |= set(range(max(at - _AROUND, 0), min(at + _AROUND + 1, len(self.steps))))
+        keep |= {index[row.step] for row in self.largest_loss_differences}
+        return [self.steps[i] for i in sorted(keep)]
+
+    def to_dict(self, full: bool = False) -> dict[str, Any]:
+        """As JSON; ``steps`` holds the rows :meth:`shown_steps` gives (``full``: all)."""
+        rows = self.shown_steps(full)
         return {
             "a": self.a, "b": self.b, "rtol": self.rtol, "atol": self.atol,
             "equal": self.equal, "losses_equal": self.losses_equal,
             "parameters_equal": self.parameters_equal,
             "first_divergent_step": self.first_divergent_step,
-            "steps": [{"step": r.step, "a": r.a, "b": r.b, "diff": r.diff} for r in self.steps],
+            "steps_compared": len(self.steps),
+            "steps_shown": "all" if len(rows) == len(self.steps) else len(rows),
+            "steps": [{"step": r.step, "a": r.a, "b": r.b, "diff": r.diff} for r in rows],
+            "largest_loss_differences": [{"step": r.step, "diff": r.diff}
+                                         for r in self.largest_loss_differences],
             "parameter_method": self.parameter_method,
             "largest_parameter_differences": [
                 {"name": n, "diff": d, "within_tolerance": ok}
                 for n, d, ok in self.param_diffs[:TOP]],
-            "parameters_differing": [n for n, _, ok in self.param_diffs if not ok],
-            "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
-            "shape_mismatches": self.shape_mismatches,
+            "parameters_differing": [n for n, _, ok in self.param_diffs if not ok][:_LIST],
+            "parameters_differing_count": sum(1 for _, _, ok in self.param_diffs if not ok),
+            "only_in_a": self.only_in_a[:_LIST], "only_in_b": self.only_in_b[:_LIST],
+            "shape_mismatches": self.shape_mismatches[:_LIST],
         }
 
-    def format(self) -> str:
+    def format(self, full: bool = False) -> str:
+        """The report as text: the loss table (summarized past :data:`TABLE_ROWS` steps
+        unless ``full``), the verdict on losses and parameters."""
         from composer_par.tables import table
 
         lines = [f"A: {self.a}", f"B: {self.b}",
                  f"tolerance: rtol {self.rtol:g}, atol {self.atol:g}"]
         if self.steps:
-            cells = [(r.step, _num(r.a), _num(r.b), _num(r.diff),
-                      "" if _close(r.a, r.b, self.rtol, self.atol) else "DIFFERS")
-                     for r in self.steps]
+            rows = self.shown_steps(full)
+            cells: list[tuple[Any, ...]] = []
+            previous = None
+            for r in rows:
+                if previous is not None and r.step != previous.step + 1 and \
+                        len(rows) < len(self.steps):
+                    cells.append(("...", "", "", "", ""))
+                cells.append((r.step, _num(r.a), _num(r.b), _num(r.diff),
+                              "" if _close(r.a, r.b, self.rtol, self.atol) else "DIFFERS"))
+                previous = r
             lines.append(table(cells, ("STEP", "LOSS A", "LOSS B", "|A-B|", ""),
                                right=(0, 1, 2, 3)))
+            if len(rows) < len(self.steps):
+                lines.append(f"table: {len(rows)} of {len(self.steps)} steps (the first and "
+                             "last, around the first divergence, the largest differences); "
+                             "--full-table prints every step")
             if self.first_divergent_step is None:
                 lines.append(f"losses: equal at every one of the {len(self.steps)} steps")
             else:
-                lines.append(f"losses: first divergent step {self.first_divergent_step}")
+                apart = sum(1 for r in self.steps if not _close(r.a, r.b, self.rtol, self.atol))
+                lines.append(f"losses: first divergent step {self.first_divergent_step}; "
+                             f"{apart} of {len(self.steps)} steps differ")
         else:
             lines.append("losses: not compared (a checkpoint holds none)")
         if self.parameter_method is None:
@@ -251,7 +300,8 @@ class Comparison:
             for label, names in (("only in A", self.only_in_a), ("only in B", self.only_in_b),
                                  ("shapes differ", self.shape_mismatches)):
                 if names:
-                    lines.append(f"  {label}: {', '.join(names)}")
+                    more = f" and {len(names) - _LIST} more" if len(names) > _LIST else ""
+                    lines.append(f"  {label}: {', '.join(names[:_LIST])}{more}")
         lines.append("the runs are equal within the tolerance" if self.equal else
                      "the runs differ")
         return "\n".join(lines)
@@ -307,10 +357,13 @@ def _compare_parameters(a: Run, b: Run, rtol: float, atol: float) -> tuple[
             sorted(names_b - names_a), shapes)
 
 
-def _read(entry: Any) -> torch.Tensor:
-    from composer_par.checkpoint.safetensors_io import read_tensor
+def _read(reader: Any) -> torch.Tensor:
+    from composer_par.checkpoint import CheckpointError
 
-    return read_tensor(entry)
+    try:
+        return reader()  # type: ignore[no-any-return]
+    except CheckpointError as exc:
+        raise CompareError(str(exc)) from None
 
 
 def _tensor_diff(ra: Any, rb: Any, rtol: float, atol: float) -> tuple[float, bool] | None:
