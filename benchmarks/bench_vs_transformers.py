@@ -28,7 +28,8 @@ model and mode it prints:
   tensor storages on CPU: parameters, gathered weights, gradients, optimizer states,
   activations, temporaries), the fullest rank on each side;
 * the step time: the slowest rank's step, steps paired and interleaved (alternating which
-  side goes first), the ratio of medians and of minima.
+  side goes first), the ratio of medians and of minima, and the median of the ratios
+  within each pair (both sides of a pair see the same load on the machine).
 
 Targets (composer_par / transformers): collectives and bytes <= 1 in every mode, step
 time <= 1.00 (medians, paired), peak memory <= 1.00. Nothing stands in for anything:
@@ -45,6 +46,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -280,6 +282,12 @@ def summarize(results: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
             entry["sides"][side]["peak_bytes"] = max(r["peak_bytes"][side] for r in rows)
         entry["ratio_peak_bytes"] = (entry["sides"]["composer_par"]["peak_bytes"]
                                      / entry["sides"]["transformers"]["peak_bytes"])
+        if repeats:
+            # Each repeat times both sides back to back: the ratio within a pair sees the
+            # same load on the machine, which drifts between pairs.
+            pairs = [max(r["times"]["composer_par"][i] for r in rows)
+                     / max(r["times"]["transformers"][i] for r in rows) for i in range(repeats)]
+            entry["ratio_paired_median"] = statistics.median(pairs)
     return report
 
 
@@ -307,6 +315,9 @@ def _print(report: dict[str, Any], args: argparse.Namespace,
                                        for kind, v in sorted(kinds.items()))
                 for dim, kinds in sorted(side["dims"].items()))
             print(f"    {label:12s} per mesh dim: {per_dim}")
+        if "ratio_paired_median" in e:
+            print(f"    step   median of the {args.repeats} paired ratios "
+                  f"{e['ratio_paired_median']:.3f}")
         theirs, ours = e["sides"]["transformers"], e["sides"]["composer_par"]
         print(f"    memory transformers peak {theirs['peak_bytes'] / 2**20:7.2f} MiB, "
               f"composer_par {ours['peak_bytes'] / 2**20:7.2f} MiB per rank (the fullest): "
