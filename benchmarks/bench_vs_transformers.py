@@ -26,7 +26,10 @@ model and mode it prints:
   (``composer_par.testing.comm_count.CommCounter``, the rank with the most);
 * the peak memory of one training step per rank (torch's ``MemTracker``, which follows
   tensor storages on CPU: parameters, gathered weights, gradients, optimizer states,
-  activations, temporaries), the fullest rank on each side;
+  activations, temporaries), the fullest rank on each side. It counts storages, not the
+  views into them: transformers 5.24's ``from_pretrained`` leaves each rank's parameter
+  shards as views of full-size storages (every rank keeps the whole model's bytes), which
+  shows on its side;
 * the step time: the slowest rank's step, steps paired and interleaved (alternating which
   side goes first), the ratio of medians and of minima, and the median of the ratios
   within each pair (both sides of a pair see the same load on the machine).
