@@ -16,9 +16,8 @@ divided by the global token count and sums gradients over data parallelism; comp
 takes the mean loss of its shard and averages (its FSDP2 refuses a gradient divide factor
 beside EP's experts), the same gradient; its loss is shown divided by the data shards.
 composer_par's FSDP2 units are torchtitan's (embedding; final norm with the head, kept
-unsharded to backward), given as ``units``/``reshard_units``: under transformers' own
-FSDP plan, the default, the norm is a unit of its own (one all-gather and one
-reduce-scatter more per step).
+unsharded to backward), given as ``units``/``reshard_units``; its default for this model
+(the model's own FSDP plan, the final norm joined with the head) makes the same units.
 
 Layouts on 4 gloo ranks: ``ep2`` (torchtitan dp_shard 4, ep 2, efsdp 2; composer_par
 ``MeshSpec(dp_shard=2, ep=2)``: dense over 4, experts over ep then dp_shard) and ``ep4``
@@ -61,8 +60,9 @@ from typing import Any
 RANKS = 4
 # composer_par's FSDP2 units beside the blocks as torchtitan's apply_fsdp_to_decoder makes
 # them: the embedding alone, the final norm with the head (kept unsharded from forward to
-# backward, which starts there). Under transformers' own FSDP plan, composer_par's default,
-# the norm is a unit of its own: one all-gather and one reduce-scatter more per step.
+# backward, which starts there). composer_par's default for a Hugging Face model (its own
+# FSDP plan, the final norm joined with the head) makes the same units; given here so that
+# the comparison does not rest on that default.
 UNITS: tuple[Any, ...] = ("model.embed_tokens", ("model.norm", "lm_head"))
 
 # name -> (composer_par mesh, outermost first; torchtitan dp_shard, ep). Both put ep
@@ -346,9 +346,12 @@ class _Side:
         self.losses.append(float(loss.detach()) / (1 if self.summed else count))
 
 
-def _counted_step(side: _Side, batch: Any) -> dict[str, Any]:
+def _counted_step(side: _Side, batch: Any, mesh: Any = None) -> dict[str, Any]:
     """One training step's collectives by kind (calls, payload bytes), forward and
-    backward apart."""
+    backward apart; with ``mesh`` (a MeshSpec laying ranks out as both sides do) also per
+    mesh dim (``dims``: CommCounter's summary)."""
+    import torch.distributed as dist
+
     from composer_par.testing.comm_count import CommCounter
 
     counter = CommCounter()
@@ -360,10 +363,13 @@ def _counted_step(side: _Side, batch: Any) -> dict[str, Any]:
         entry = kinds.setdefault(call.kind, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += call.payload_bytes
-    return {"calls": len(counter.calls),
-            "bytes": sum(c.payload_bytes for c in counter.calls),
-            "forward_calls": marks[0], "backward_calls": len(counter.calls) - marks[0],
-            "kinds": kinds}
+    out = {"calls": len(counter.calls),
+           "bytes": sum(c.payload_bytes for c in counter.calls),
+           "forward_calls": marks[0], "backward_calls": len(counter.calls) - marks[0],
+           "kinds": kinds}
+    if mesh is not None:
+        out["dims"] = counter.summary(mesh.resolve(dist.get_world_size()), dist.get_rank())
+    return out
 
 
 def _full_params(model: Any, hf_names: bool) -> dict[str, Any]:

@@ -8,8 +8,9 @@ parallelism ``ep_size``; the older ``enable_expert_parallel`` flag is deprecated
 ``ep_dispatch_experts`` with its all-to-all implementation) and FSDP2 over its dense mesh
 ``fsdp`` and expert mesh ``efsdp x ep`` after its own FSDP plan. composer_par's side is
 ``Qwen3MoeForCausalLM`` with the same weights under ``FSDP2() + EP()`` on
-``MeshSpec(dp_shard=4 / N, ep=N)``, FSDP2 units as transformers' (the embedding alone, the
-final norm with the head kept unsharded to backward; see bench_ep_vs_torchtitan.UNITS).
+``MeshSpec(dp_shard=4 / N, ep=N)``, FSDP2's units its default ones, which follow the
+model's own FSDP plan as transformers does (the embedding alone, the final norm with the
+head kept unsharded to backward).
 Every rank builds the same weights (transformers' init, seeded; rank 0 saves them for
 ``from_pretrained``); both sides see the same batches (each rank its data shard), take
 the mean loss of their shard, average gradients over data parallelism and step torch's
@@ -156,7 +157,7 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
         for layout in layouts:
             mesh, ep = LAYOUTS[layout]
             hf_model, hf_shard = by_transformers(path, ep, world)
-            cp_model, cp_shard = shared.by_plan(config, mesh, weights, shared.UNITS)
+            cp_model, cp_shard = shared.by_plan(config, mesh, weights)
             if tuple(hf_shard) != tuple(cp_shard):
                 raise AssertionError(f"{layout}: transformers reads data shard {hf_shard}, "
                                      f"composer_par {cp_shard}")

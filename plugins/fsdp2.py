@@ -8,7 +8,10 @@ A Hugging Face model's own FSDP plan (transformers' ``_fsdp_plan``: ``model.laye
 ``keep_full_weight``) is followed where blocks are detected: its units beside the blocks
 are sharded as units of their own, those it keeps whole kept unsharded from forward to
 backward (CP425); a unit holding a tied weight, or overlapping a block, stays in its
-parent's unit. Explicit blocks replace the model's plan (CP426). Its expert-parallel
+parent's unit; a unit of small parameters (the final norm) joins a neighbour
+(composer_par.plugin.fsdp_units: the head, as transformers' own FSDP2 does). Explicit
+blocks or units replace the model's plan (CP426); units leaving the root's unit small
+parameters only are reported with the unit to list them with (CP441). Its expert-parallel
 plan (``_ep_plan``) is applied by a plugin providing ``expert_parallel`` (EP), and
 without one reported as not applied (CP427).
 
@@ -28,10 +31,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 
 from composer_par.plugin import (
+    FSDP_STYLES,
     Claim,
     EstimateSettings,
     Finding,
+    JoinedUnit,
     OptionError,
+    OwnUnit,
     Plugin,
     Role,
     Rule,
@@ -42,8 +48,11 @@ from composer_par.plugin import (
     dim_option,
     dtype_option,
     hookimpl,
+    join_small_units,
     modules_by_clean_name,
     ordering_option,
+    own_units,
+    small_remainder,
     tied_outside,
 )
 from composer_par.plugin.fsdp_state import (
@@ -109,73 +118,14 @@ RULES = (
          "patterns agree",
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(reshard_units={\"layers.*\": False, "
          "\"*.1\": True})).use(MetaInit()).validate(llama)"),
+    Rule("CP441", Severity.INFO, "units= leaves the root's unit small parameters only",
+         "list those modules with the unit next to them (units=[\"tok_embeddings\", "
+         "[\"norm\", \"output\"]], torchtitan's layout), or leave it: one all-gather and one "
+         "reduce-scatter more per step, for a few bytes",
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2(units=[\"tok_embeddings\", \"output\"]))"
+         ".use(MetaInit()).validate(llama)"),
     UNCHECKED_TORCH_RULE,
 )
-
-#: transformers' FSDP styles -> whether the unit reshards after forward.
-FSDP_STYLES = {"free_full_weight": True, "keep_full_weight": False}
-
-
-@attrs.frozen
-class OwnUnit:
-    """A unit of the model's own FSDP plan: its entry, the modules it shards together
-    (clean names, and the names to look them up by) and its style."""
-
-    key: str
-    paths: tuple[str, ...]
-    raw: tuple[str, ...]
-    style: str
-
-
-def _plan_pattern(key: str) -> Any:
-    import re
-
-    # transformers numbers layers with "*": one path component.
-    return re.compile("".join("[^.]+" if part == "*" else re.escape(part)
-                              for part in re.split(r"(\*)", key)))
-
-
-def own_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[tuple[str, str]]]:
-    """The model's own FSDP plan (a Hugging Face model's ``_fsdp_plan``) as units beside
-    ``blocks``: ``(units, [(entry, why it is left to its parent's unit)])``. Entries that
-    match no module are dropped (transformers' default plan names ``embed_tokens`` and
-    ``layers.*`` under every base model, whatever its modules are called), and so are
-    those that are the blocks."""
-    from composer_par.plugin import clean_name
-
-    plan = getattr(model, "_fsdp_plan", None)
-    if not isinstance(plan, dict) or not plan:
-        return [], []
-    named = {clean_name(n): n for n, _ in model.named_modules() if n}
-    block_paths = {p for p, _ in blocks}
-    units: list[OwnUnit] = []
-    left: list[tuple[str, str]] = []
-    for entry, style in plan.items():
-        keys = tuple(entry) if isinstance(entry, (tuple, list)) else (str(entry),)
-        patterns = [_plan_pattern(k) for k in keys]
-        paths = tuple(n for n in named if any(p.fullmatch(n) for p in patterns))
-        label = " + ".join(keys)
-        if not paths or set(paths) <= block_paths:
-            continue
-        if style not in FSDP_STYLES:
-            left.append((label, f"its style {style!r} is none of {sorted(FSDP_STYLES)}"))
-            continue
-        overlap = next((p for p in paths for b in block_paths
-                        if p == b or p.startswith(b + ".") or b.startswith(p + ".")), None)
-        if overlap is not None:
-            left.append((label, f"{overlap} overlaps the blocks"))
-            continue
-        # A tie inside the unit is fine; one with a module outside it would put one
-        # parameter in two units.
-        ties = [(a, b) for path in paths
-                for _, a, b in tied_outside(model, [(path, model.get_submodule(named[path]))])
-                if not any(b.startswith(q + ".") for q in paths)]
-        if ties:
-            left.append((label, f"{ties[0][0]} is tied to {ties[0][1]} outside it"))
-            continue
-        units.append(OwnUnit(label, paths, tuple(named[p] for p in paths), str(style)))
-    return units, left
-
 
 def _ep_plan(model: Any) -> dict[str, Any]:
     plan = getattr(model, "_ep_plan", None)
@@ -439,6 +389,8 @@ class FSDP2(Plugin):
             plan, [*plan.replicate_dims(), self.dim], self.gradient_divide_factor))
         units, unit_found = self.unit_list(model, blocks)
         found += unit_found
+        if self.units and not unit_found:
+            found += self._small_root_findings(model, blocks, units)
         found += self.reshard_values(units)[1]
         for path, name, twin in tied_outside(model, blocks):
             found.append(Finding(
@@ -462,7 +414,7 @@ class FSDP2(Plugin):
         if self.blocks is None and not self.units:
             units += [Unit(u.key, u.paths, "model plan", FSDP_STYLES[u.style],
                            modules=tuple(model.get_submodule(r) for r in u.raw))
-                      for u in own_units(model, blocks)[0]]
+                      for u in model_plan_units(model, blocks)[0]]
         # the outer of a wrapper pair; the root is no unit of its own
         named = ({n: m for n, m in modules_by_clean_name(model).items() if n}
                  if self.units else {})
@@ -527,6 +479,42 @@ class FSDP2(Plugin):
                     "unit: one parameter cannot be in two units")
         return None
 
+    def _small_root_findings(self, model: Any, blocks: list[Any], units: list[Unit]
+                             ) -> list[Finding]:
+        """CP441: the explicit units leave the root's unit small parameters only (the
+        final norm beside a head given a unit of its own); the fix names the unit next to
+        them, in module order with no block between, to list them with."""
+        lone = small_remainder(model, [m for u in units if u.kind != "root"
+                                       for m in u.modules])
+        if not lone:
+            return []
+        order = {name: i for i, name in enumerate(modules_by_clean_name(model))}
+        at_blocks = [order[u.name] for u in units if u.kind == "block" and u.name in order]
+        here = order.get(lone[0][0], -1)
+        best: tuple[int, int] | None = None
+        for index, entry in enumerate(self.units):
+            there = min(order.get(p, -1) for p in _entry_paths(entry))
+            low, high = sorted((here, there))
+            if there < 0 or here < 0 or any(low < b < high for b in at_blocks):
+                continue
+            if best is None or abs(there - here) < best[1]:
+                best = (index, abs(there - here))
+        paths = [path for path, _ in lone]
+        if best is None:
+            advice = f"list {', '.join(paths)} in a unit with the module next to it"
+        else:
+            joined = sorted([*paths, *_entry_paths(self.units[best[0]])],
+                            key=lambda p: order.get(p, -1))
+            suggested = [*self.units[:best[0]], tuple(joined), *self.units[best[0] + 1:]]
+            advice = f"units={_units_shown(tuple(suggested))}"
+        numel = sum(n for _, n in lone)
+        return [Finding(
+            "CP441", f"units={_units_shown(self.units)} leaves the root's unit "
+            f"{', '.join(paths)} alone ({numel} parameter(s) of one tensor dim): its "
+            "all-gather and reduce-scatter each step carry them only",
+            fix=f"{advice}; or leave it: one all-gather and one reduce-scatter more per "
+            "step, for a few bytes")]
+
     def reshard_values(self, units: list[Unit]
                        ) -> tuple[dict[str, bool | int | None], list[Finding]]:
         """Each unit's ``reshard_after_forward`` (None: torch's default), and the findings
@@ -574,6 +562,9 @@ class FSDP2(Plugin):
         name = type(model).__name__
         units, left = own_units(model, blocks)
         found = []
+        joined: list[JoinedUnit] = []
+        if units and self.blocks is None and not self.units:
+            units, joined = model_plan_units(model, blocks)
         if units and (self.blocks is not None or self.units):
             given = (f"blocks={self.blocks!r}" if self.units == () else
                      f"units={_units_shown(self.units)}" if self.blocks is None else
@@ -584,7 +575,7 @@ class FSDP2(Plugin):
                 "own: they stay in the root's unit",
                 fix="leave blocks out to follow the model's plan, or keep them to choose the "
                 "units"))
-        elif units or left:
+        elif units or left or joined:
             kept = ("" if self.reshard_after_forward is None or not any(
                 u.style == "keep_full_weight" for u in units) else
                 f"; reshard_after_forward={self.reshard_after_forward} applies to them all")
@@ -592,6 +583,10 @@ class FSDP2(Plugin):
                        + (f"{_units_text(units)} sharded as units of their own beside "
                           f"{len(blocks)} block(s){kept}" if units else "no unit beside the "
                           "blocks"))
+            if joined:
+                message += ("; joined with a neighbour (each saves its own all-gather and "
+                            "reduce-scatter per step): "
+                            + "; ".join(j.describe() for j in joined))
             if left:
                 message += "; left in their parent's unit: " + "; ".join(
                     f"{key} ({why})" for key, why in left)
@@ -628,7 +623,9 @@ class FSDP2(Plugin):
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items()
                          if k not in ("dim", "units", "gradient_divide_factor"))
         middle = (", then " + ", ".join(" + ".join(_entry_paths(e)) for e in self.units)
-                  if self.units else "")
+                  if self.units else
+                  ", then the units of the model's own FSDP plan if it has one (a unit of "
+                  "small parameters with its neighbour)" if self.blocks is None else "")
         steps = [(
             "data_parallel",
             f"fully_shard each block{middle}, then the root, over mesh ({', '.join(dims)})"
@@ -672,6 +669,8 @@ class FSDP2(Plugin):
         if problems:  # validation refuses these first; a model changed since then
             raise ValueError(problems[0].message)
         reshard = self.reshard_values(units)[0]
+        joined = (model_plan_units(ctx.model, ctx.blocks)[1]
+                  if self.blocks is None and not self.units else [])
         place = functools.partial(_shard_placement, mesh.size(mesh.ndim - 1))
         sharded = []
         block_policy, root_policy = mp.policy(root=False), mp.policy(root=True)
@@ -705,6 +704,8 @@ class FSDP2(Plugin):
             detail += ("; the model's own FSDP units: "
                        + ", ".join(f"{u.name} ({'free' if u.style else 'keep'}_full_weight)"
                                    for u in own))
+        if joined:
+            detail += "; joined: " + ", ".join(j.describe() for j in joined)
         if self.reshard_units:
             # The units reshard_units changed, against what they would have had without it.
             before = attrs.evolve(self, reshard_units={}).reshard_values(units)[0]
@@ -785,6 +786,13 @@ def _shard_placement(shard_size: int, param: Any) -> Any:
     if local.ndim > 1 and local.shape[0] < shard_size and local.shape[1] % shard_size == 0:
         return Shard(1)
     return None
+
+
+def model_plan_units(model: Any, blocks: list[Any]) -> tuple[list[OwnUnit], list[JoinedUnit]]:
+    """The units of the model's own FSDP plan beside ``blocks``, those of small
+    parameters joined with a neighbour (composer_par.plugin.fsdp_units), and what joined
+    what."""
+    return join_small_units(model, blocks, own_units(model, blocks)[0])
 
 
 def _units_text(units: list[OwnUnit]) -> str:

@@ -251,16 +251,21 @@ def _loss(model: Any, inputs: dict[str, Any], loss_parallel: bool) -> Any:
 
 
 def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
-               refs: dict[str, Any] | None = None, plan: Any = None) -> dict[str, Any]:
+               refs: dict[str, Any] | None = None, plan: Any = None,
+               count: bool = False) -> dict[str, Any]:
     """One case on this rank: apply the plan (``plan``, or the matrix's of that name),
     train ``steps`` steps on this rank's data shard with ``labels=``, compare losses and
     this rank's parameter parts (before and after training) with the single-process
-    reference."""
+    reference. ``count``: each step (forward, backward, optimizer step) under a
+    CommCounter, its calls per mesh dim and kind in ``counts``."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
     from composer_par.plugins.tp import local_loss
 
     from composer_par import PlanError
+    from composer_par.testing.comm_count import CommCounter
 
     world = dist.get_world_size()
     if plan is None:
@@ -279,7 +284,7 @@ def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
         cache[family] = reference(family, steps, lr)
     ref_losses, ref_params = cache[family]
     model.train()
-    index, count = plan.data_shard()
+    index, shards = plan.data_shard()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     result: dict[str, Any] = {
         "family": family, "plan": plan_name, "applied": True, "rank": dist.get_rank(),
@@ -288,12 +293,18 @@ def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
         "ties": _tied(model), "ref_losses": ref_losses,
     }
     losses = []
+    counts: list[dict[str, dict[str, int]]] = []
+    mesh = plan.mesh.resolve(world)
     try:
         for step in range(steps):
-            loss = _loss(model, shard(batch(family, step), index, count),
-                         plan_name == "tp_lp")
-            optimizer.step()
-            optimizer.zero_grad()
+            with CommCounter() if count else contextlib.nullcontext() as counter:
+                loss = _loss(model, shard(batch(family, step), index, shards),
+                             plan_name == "tp_lp")
+                optimizer.step()
+                optimizer.zero_grad()
+            if counter is not None:
+                counts.append({dim: {kind: totals["calls"] for kind, totals in kinds.items()}
+                               for dim, kinds in counter.summary(mesh, dist.get_rank()).items()})
             total = local_loss(loss).detach().float().clone()
             dist.all_reduce(total)
             losses.append(float(total) / world)
@@ -301,6 +312,8 @@ def train_case(family: str, plan_name: str, steps: int = 3, lr: float = 0.1,
         result["error"] = traceback.format_exc()[-3000:]
         return result
     result["losses"] = losses
+    if count:
+        result["counts"] = counts
     result["final"] = _worst(model, ref_params["final"])
     result["tied_after"] = _tied(model)
     return result
@@ -428,9 +441,10 @@ def _tied(model: Any) -> list[str]:
     return twice
 
 
-def train_cases(cases: list[tuple[str, str]], steps: int = 3) -> list[dict[str, Any]]:
+def train_cases(cases: list[tuple[str, str]], steps: int = 3,
+                count: bool = False) -> list[dict[str, Any]]:
     """Every (family, plan) case in order, on this process group; one reference per
-    family is trained once and shared by its cases."""
+    family is trained once and shared by its cases. ``count``: as :func:`train_case`."""
     import time
 
     refs: dict[str, Any] = {}
@@ -438,7 +452,7 @@ def train_cases(cases: list[tuple[str, str]], steps: int = 3) -> list[dict[str, 
     for family, plan_name in cases:
         start, cpu = time.perf_counter(), time.process_time()
         try:
-            result = train_case(family, plan_name, steps, refs=refs)
+            result = train_case(family, plan_name, steps, refs=refs, count=count)
         except Exception:
             result = {"family": family, "plan": plan_name, "applied": None,
                       "error": traceback.format_exc()[-3000:]}

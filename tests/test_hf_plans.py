@@ -313,7 +313,10 @@ def test_the_models_own_fsdp_plan_gives_units_beside_the_blocks_cp425() -> None:
     plan = ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(MetaInit())
     finding = only(plan.validate(model, world_size=2), "CP425")
     assert finding.severity.value == "info"
-    assert "lm_head (keep_full_weight), model.embed_tokens (free_full_weight)" in finding.message
+    # the final norm (one small weight) joins the head it feeds: one unit, kept whole
+    assert ("model.embed_tokens (free_full_weight), model.norm + lm_head (keep_full_weight)"
+            in finding.message)
+    assert "model.norm (64 small parameter(s)) with lm_head" in finding.message
     # A tied embedding and head stay in the root's unit, together.
     units, left = own_units(hf_workers.build("gemma"), find_blocks(hf_workers.build("gemma")))
     assert [u.key for u in units] == ["model.norm"]
@@ -363,4 +366,6 @@ def test_fsdp2_shards_the_models_own_units_as_its_plan_says() -> None:
         # keep_full_weight: whole from forward to backward; free_full_weight: sharded again
         assert result["sharded_after_forward"] == {
             "lm_head": False, "model.norm": False, "model.embed_tokens": True}
-        assert "the model's own FSDP units: lm_head" in result["applied"][0]
+        assert ("the model's own FSDP units: model.embed_tokens (free_full_weight), "
+                "model.norm + lm_head (keep_full_weight)") in result["applied"][0]
+        assert "joined: model.norm (64 small parameter(s)) with lm_head" in result["applied"][0]

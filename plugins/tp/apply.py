@@ -198,8 +198,14 @@ _LOCAL_IO = "_composer_par_tp_local_io"
 
 def replicate_style() -> Any:
     """A ParallelStyle (built on first use: torch is imported lazily) that replicates a
-    module's own parameters over the mesh, takes local inputs as replicated DTensors and
-    hands back local outputs; buffers (e.g. RoPE tables) stay plain tensors."""
+    module's own parameters over the mesh and hands back local outputs for local inputs;
+    buffers (e.g. RoPE tables) stay plain tensors. Given local inputs only, the module
+    runs on its parameters' local values: those inputs are the same on every tp rank (a
+    replicated activation; a module on a tp-sharded one is 'replicate_grad_allreduce'),
+    so each rank computes the same values and the same full gradient, which is what the
+    replicated parameters' gradient is. That is what DTensor would compute from inputs
+    wrapped as replicated, without its dispatch on every op of every norm, every step.
+    DTensor inputs (a sequence-parallel residual stream) go through DTensor."""
     global _REPLICATE_STYLE
     if _REPLICATE_STYLE is None:
         _REPLICATE_STYLE = _make_replicate_style()
@@ -212,7 +218,7 @@ def _make_replicate_style() -> type:
     from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from composer_par.plugin.torch_private import tree_map
+    from composer_par.plugin.torch_private import tree_leaves, tree_map
 
     class ReplicateParallel(ParallelStyle):
         def _partition(self, name: str, module: nn.Module, mesh: Any) -> None:
@@ -225,6 +231,16 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _inputs(module: nn.Module, inputs: Any, mesh: Any) -> Any:
+            saved: dict[str, Any] = {}
+            if not any(isinstance(t, DTensor) for t in tree_leaves(inputs)):
+                for name, param in module._parameters.items():
+                    if isinstance(param, DTensor):
+                        saved[name] = param
+                        module._parameters[name] = param.to_local()
+                module.__dict__.setdefault(_SAVED, []).append(saved)
+                module.__dict__[_LOCAL_IO] = False  # the outputs are local already
+                return inputs
+            module.__dict__.setdefault(_SAVED, []).append(saved)
             wrapped = False
 
             def wrap(t: Any) -> Any:
@@ -241,6 +257,8 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _outputs(module: nn.Module, outputs: Any, mesh: Any) -> Any:
+            stack = module.__dict__.get(_SAVED) or [{}]
+            module._parameters.update(stack.pop())
             if not module.__dict__.get(_LOCAL_IO, True):
                 return outputs
             return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)

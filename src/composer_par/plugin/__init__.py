@@ -62,6 +62,11 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   :func:`modules_by_clean_name` (every module by its clean name, the outer of a wrapper
   pair kept); :func:`tied_outside` (the parameters a block shares with a module outside
   it: one parameter cannot be in two FSDP units).
+* **FSDP units beside the blocks** (:mod:`composer_par.plugin.fsdp_units`): a Hugging
+  Face model's own FSDP plan read (:func:`own_units`, :class:`OwnUnit`,
+  :data:`FSDP_STYLES`) and units of small parameters joined with a neighbour
+  (:func:`join_small_units`, :class:`JoinedUnit`; :func:`small_remainder`: a root left
+  holding small parameters only), for any plugin that shards or replicates by unit.
 * **Composition values**: folded dims (:class:`FoldedDim`: a model-parallel dim data
   parallelism also reduces over, context and expert parallelism's), comm hooks
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
@@ -139,6 +144,14 @@ from composer_par.plugin.comm import (
     all_reduce_mean,
 )
 from composer_par.plugin.context import ApplyContext
+from composer_par.plugin.fsdp_units import (
+    FSDP_STYLES,
+    JoinedUnit,
+    OwnUnit,
+    join_small_units,
+    own_units,
+    small_remainder,
+)
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
     OptionError,
@@ -163,6 +176,7 @@ from composer_par.topology import Topology
 __all__ = [
     "ALREADY_WRAPPED",
     "CHECKPOINT_MARK",
+    "FSDP_STYLES",
     "IMPORT_STRING_RULE",
     "STAGES",
     "ApplyContext",
@@ -182,8 +196,10 @@ __all__ = [
     "FoldedDim",
     "GradBucket",
     "GradReducer",
+    "JoinedUnit",
     "MeshSpec",
     "OptionError",
+    "OwnUnit",
     "PlanView",
     "Plugin",
     "Role",
@@ -206,13 +222,16 @@ __all__ = [
     "hookimpl",
     "import_string_findings",
     "int_option",
+    "join_small_units",
     "logits_of",
     "modules_by_clean_name",
     "names_near",
     "open_regular",
     "ordering_option",
+    "own_units",
     "path_matches",
     "remove_dead_directories",
+    "small_remainder",
     "split_sequence",
     "tied_outside",
     "wrapped_block_findings",

@@ -197,6 +197,8 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     # -- module and tensor internals -----------------------------------------------------
     PrivateSymbol("torch.utils._pytree:tree_map", _MODULE,
                   "mapping over a module's nested inputs and outputs (TP styles)"),
+    PrivateSymbol("torch.utils._pytree:tree_leaves", _MODULE,
+                  "the tensors among a module's nested inputs (TP styles)"),
     PrivateSymbol("torch.storage:_dtype_to_storage_type_map", _MODULE,
                   "reading torch.save files without unpickling (dtype by storage name)"),
     PrivateSymbol("Tensor._version", _MODULE, "whether an initializer wrote a parameter"),
@@ -561,6 +563,11 @@ def mem_tracker() -> tuple[Any, Any]:
 def tree_map(fn: Any, tree: Any) -> Any:
     """``fn`` applied to every leaf of nested tuples, lists and dicts."""
     return _reach("torch.utils._pytree:tree_map")(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples, lists and dicts, in order."""
+    return list(_reach("torch.utils._pytree:tree_leaves")(tree))
 
 
 def storage_dtypes() -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""Golden collective counts per training step for Hugging Face models under FSDP2 and
+FSDP2 x TP (4 gloo ranks), each case also at parity with one process: every rank's
+parameter parts and the losses against a single-process reference on the global batch
+(tests/hf_workers.py, as the model matrix checks them).
+
+The models are the test matrix's tiny Llama and Qwen3 (``L = 2`` blocks
+``model.layers.0``, ``model.layers.1``; beside them ``model.embed_tokens``,
+``model.norm`` and ``lm_head``; the rotary embedding holds buffers only). Their own FSDP
+plan (transformers 5.x's ``_fsdp_plan``) asks for each block and the embedding resharded
+after forward, the final norm and the head kept whole; FSDP2 follows it and shards the
+norm (one weight of one tensor dim) in one unit with the head, as transformers' own
+``apply_fully_sharded_data_parallelism`` does. The units: 2 blocks, ``model.embed_tokens``,
+``model.norm + lm_head`` (kept), and the root, which holds no parameter and communicates
+nothing: ``U = L + 2`` units with parameters, ``L + 1`` of them resharded after forward.
+
+FSDP2 per step over dp_shard: ``U`` all-gathers in forward, ``L + 1`` in backward (none
+for the kept unit), ``U`` reduce-scatters: 4 + 3 = 7 and 4. With the norm a unit of its
+own (the model's plan read entry by entry) it was 9 and 5; transformers' own FSDP2 makes
+the same 7 and 4 (measured side by side in tests/test_bench_vs_transformers.py).
+
+TP (composer_par's auto plan: the embedding rowwise, q/k/v and gate/up colwise, o and
+down rowwise, the head colwise with gathered logits), over tp per step:
+
+* forward: the embedding's partial rows all-reduced (1), each block's two rowwise
+  outputs (2L); the head's vocabulary-sharded logits gathered (1 all-gather);
+* backward: the input gradient of each colwise layer all-reduced (5 per block, 5L), and
+  of the head (1);
+* Qwen3 only: its per-head q and k norms see this rank's heads only, so their weights'
+  gradients are partial sums, all-reduced in backward (2L).
+
+So ``7L + 2`` all-reduces (Qwen3: ``9L + 2``) and 1 all-gather over tp, as transformers'
+own TP issues for these models (measured side by side too).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from composer_par.testing.distributed import run_ranks
+from tests import hf_workers
+
+pytest.importorskip("transformers")
+
+L = 2  # blocks of the matrix's models (hf_workers.COMMON)
+UNITS = L + 2  # the blocks, the embedding, the final norm with the head (the root: empty)
+RESHARDED = L + 1  # the blocks and the embedding (the norm and head kept whole)
+FSDP2_DIM = {"all_gather": UNITS + RESHARDED, "reduce_scatter": UNITS}  # 4 + 3 = 7, 4
+
+
+def tp_dim(family: str) -> dict[str, int]:
+    norms = 2 * L if family == "qwen3" else 0  # per-head q/k norms' partial gradients
+    return {"all_reduce": (1 + 2 * L) + (5 * L + 1) + norms, "all_gather": 1}
+
+
+GOLDEN: dict[tuple[str, str], dict[str, dict[str, int]]] = {
+    ("llama", "fsdp2"): {"dp_shard": FSDP2_DIM},
+    ("qwen3", "fsdp2"): {"dp_shard": FSDP2_DIM},
+    ("llama", "fsdp2_tp"): {"dp_shard": FSDP2_DIM, "tp": tp_dim("llama")},
+    ("qwen3", "fsdp2_tp"): {"dp_shard": FSDP2_DIM, "tp": tp_dim("qwen3")},
+}
+CASES = list(GOLDEN)
+STEPS = 3
+
+
+def test_golden_counts_are_derived_as_documented() -> None:
+    assert GOLDEN[("llama", "fsdp2")] == {"dp_shard": {"all_gather": 7, "reduce_scatter": 4}}
+    assert GOLDEN[("llama", "fsdp2_tp")]["tp"] == {"all_reduce": 16, "all_gather": 1}
+    assert GOLDEN[("qwen3", "fsdp2_tp")]["tp"] == {"all_reduce": 20, "all_gather": 1}
+
+
+def test_the_units_are_the_ones_the_counts_derive_from() -> None:
+    from composer_par import FSDP2
+    from composer_par.blocks import find_blocks
+
+    for family in ("llama", "qwen3"):
+        model = hf_workers.build(family)
+        units, found = FSDP2().unit_list(model, find_blocks(model))
+        assert not found
+        assert [(u.name, u.kind, u.style) for u in units] == [
+            ("model.layers.0", "block", None), ("model.layers.1", "block", None),
+            ("model.embed_tokens", "model plan", True),
+            ("model.norm + lm_head", "model plan", False), ("root", "root", None)], family
+        held = {id(p) for u in units[:-1] for m in u.modules for p in m.parameters()}
+        assert held == {id(p) for p in model.parameters()}  # the root holds nothing
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_hf_models_give_the_golden_counts_at_parity_on_4_ranks() -> None:
+    results = run_ranks("tests.hf_workers:train_cases", 4, args=(CASES, STEPS, True),
+                        timeout=560)
+    found = hf_workers.problems(results, CASES)
+    assert not found, "\n".join(found)
+    mismatches = []
+    for rank, rows in enumerate(results):
+        for row in rows:
+            expected = GOLDEN[(row["family"], row["plan"])]
+            assert len(row["counts"]) == STEPS
+            for step, counts in enumerate(row["counts"], start=1):
+                if counts != expected:
+                    mismatches.append(f"{row['family']} x {row['plan']}, rank {rank}, step "
+                                      f"{step}: measured {counts}, golden {expected}")
+    assert not mismatches, "\n".join(mismatches)
