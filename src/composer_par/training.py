@@ -179,6 +179,10 @@ class TrainingStep:
         if every is not None and self.steps % every == 0:
             self.check_replicas()
         self.steps += 1
+        # Plugins forget what they derived from the parameters (float8's scales) when an
+        # optimizer step may have changed them: before the step, and after its backward.
+        hooks = self.plan.hooks
+        hooks.parameters_changed(self.model)
         # The gradient an auxiliary loss gets is the one its microbatch's loss gets: a
         # pipeline's schedule divides by its count after the pass, accumulation before.
         scale = 1.0 if self.pipeline is not None else 1.0 / self.accumulate
@@ -195,6 +199,7 @@ class TrainingStep:
                 loss.backward()
                 local, count = loss.detach().float().clone(), 1.0
                 microbatches = 1
+        hooks.parameters_changed(self.model)
         aux_total = aux.total()
         # Each rank's forwards recorded the auxiliary losses of its own blocks (with a
         # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
