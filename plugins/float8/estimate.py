@@ -29,10 +29,15 @@ def converted(model: Any) -> list[tuple[int, int, int]]:
     for group in model.groups:
         if not group.block:
             continue
-        mine = [t.numel for t in group.tensors if len(t.shape) == 2 and not t.experts
+        mine = [t for t in group.tensors if len(t.shape) == 2 and not t.experts
                 and all(d % MULTIPLE == 0 for d in t.shape)]
-        if mine:
-            out.append((sum(mine), len(mine), group.count))
+        if not mine:
+            continue
+        # A shape from numbers stacks a block's matrices into one tensor: its count is
+        # the model's, or a Llama block's seven (q, k, v, o, gate, up, down).
+        stacked = len(mine) == 1 and mine[0].name.endswith("matrices")
+        matrices = (model.matrices_per_block or 7) if stacked else len(mine)
+        out.append((sum(t.numel for t in mine), matrices, group.count))
     return out
 
 

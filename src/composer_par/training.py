@@ -415,4 +415,28 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-__all__ = ["TrainingStep", "clip_grad_norm_", "total_grad_norm"]
+_TOLD = "_composer_par_tells_plugins"
+
+
+def tell_plugins_after_steps(plan: ParallelPlan, models: Sequence[nn.Module],
+                             optimizer: Any) -> bool:
+    """After every step of ``optimizer`` (a torch optimizer, or a wrapper holding one as
+    ``.optimizer``: accelerate's, Lightning's), tell ``plan``'s plugins that the
+    parameters of ``models`` changed (``composer_par_parameters_changed``): what the
+    trainer adapters do with each optimizer they set up, since they drive no
+    :class:`TrainingStep`. Once per optimizer; returns whether it was registered now."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if getattr(inner, _TOLD, False) or not hasattr(inner, "register_step_post_hook"):
+        return False
+    held = list(models)
+
+    def after_step(*_: Any) -> None:
+        for model in held:
+            plan.hooks.parameters_changed(model)
+
+    inner.register_step_post_hook(after_step)
+    setattr(inner, _TOLD, True)
+    return True
+
+
+__all__ = ["TrainingStep", "clip_grad_norm_", "tell_plugins_after_steps", "total_grad_norm"]
