@@ -11,9 +11,9 @@ LLAMA = "composer_par.testing.tasks:llama"
 MOE = "tests.ep_workers:moe_llama_shared"
 MIXTRAL = "tests.ep_workers:mixtral"
 
-_MESH = {"fsdp2": {"dp_shard": 2}, "fsdp2_tp": {"dp_shard": 2, "tp": 2},
+_MESH = {"tp": {"tp": 2}, "fsdp2": {"dp_shard": 2}, "fsdp2_tp": {"dp_shard": 2, "tp": 2},
          "fsdp2_ep": {"dp_shard": 2, "ep": 2}}
-_PLUGINS = {"fsdp2": ("fsdp2",), "fsdp2_tp": ("fsdp2", "tp"), "fsdp2_ep": ("fsdp2", "ep")}
+_PLUGINS = {"tp": ("tp",), "fsdp2": ("fsdp2",), "fsdp2_tp": ("fsdp2", "tp"), "fsdp2_ep": ("fsdp2", "ep")}
 
 
 def plan(layout: str, recipe: str, *, ac: bool = False, float8: str = "",
@@ -50,7 +50,10 @@ def tp_styles(plan_text: str) -> dict[str, Any]:
     plan_ = build_plan(plan_text)
     model, _, _ = apply_to_built(llama, plan_)
     wq = model.get_submodule("layers.0.attention.wq")
-    hooks = [getattr(h, "__qualname__", repr(h)) for h in wq._forward_pre_hooks.values()]
+    # distribute_module wraps each style's input function (a partial) in a lambda.
+    hooks = [getattr(cell.cell_contents, "func", cell.cell_contents).__qualname__
+             for h in wq._forward_pre_hooks.values() for cell in h.__closure__ or ()
+             if callable(cell.cell_contents)]
     return {"layer": type(wq).__name__, "pre_hooks": hooks,
             "placements": [str(p) for p in wq.weight.placements]}
 

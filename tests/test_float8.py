@@ -373,7 +373,8 @@ def test_fsdp2_x_tp_parity() -> None:
     for view in views:
         assert view["layer"] == "Float8Linear"
         assert any("Float8ColwiseParallel" in h for h in view["pre_hooks"]), view
-        assert view["placements"] == ["_S(0, 2)", "S(0)"] or len(view["placements"]) == 2
+        # FSDP2 over dp_shard of TP's Shard(0): strided, then tp's
+        assert view["placements"] == ["_S(0, 2)", "S(0)"]
 
 
 @pytest.mark.distributed
@@ -438,4 +439,4 @@ def test_checkpoint_round_trip_and_safetensors_export(tmp_path: Path) -> None:
     assert not any(torchao_api.is_float8_linear(m) for m in plain.modules())
     for name, param in plain.named_parameters():
         assert torch.equal(param, results[0]["params"][name]), name
-    assert math.isfinite(float(llama.loss(plain, llama.batch(0))))
+    assert math.isfinite(float(llama.loss(plain, llama.batch(0)).detach()))

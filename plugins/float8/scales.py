@@ -7,14 +7,19 @@ at every all-gather (forward, and again in backward after a reshard).
 ``precompute_float8_dynamic_scale_for_fsdp`` computes all of them in one all-reduce and
 leaves each on its weight, where every later all-gather uses it until it is replaced.
 
-So a precomputed scale is only right until the weight changes. The plugin keeps, on the
-model, a :class:`Scales` object: told by the ``composer_par_parameters_changed`` hook
-(``plan.training_step`` at the start and end of every step, the trainer adapters after
-every optimizer step) that the weights may change, it forgets every scale at once (no
-collective: every all-gather then computes its own, which is always right), and the
-next forward of the model computes them all again in one all-reduce before its first
-all-gather. Every rank is told at the same points, so every rank joins that all-reduce.
-A loop that never calls the hook never precomputes: each all-gather computes its scale.
+Precomputing is also what makes the scale that of the whole weight: without it torchao
+reduces each amax over FSDP2's mesh alone, so under FSDP2 x TP every tp rank would cast
+its part of a weight with a scale of its own, not the one process's scale.
+
+A precomputed scale is only right until the weight changes. The plugin keeps, on the
+model, a :class:`Scales` object that computes every scale in one all-reduce before the
+model's first forward, and again before the first forward after the weights changed:
+when the ``composer_par_parameters_changed`` hook said they may (``plan.training_step``
+at the start and end of every step, the trainer adapters after every optimizer step;
+the hook also forgets every scale at once, with no collective, so an all-gather before
+that forward computes its own), or when their version counters moved (a loop that
+changed them without the hook: its own optimizer step, a checkpoint load). Every rank's
+weights change at the same points, so every rank joins the all-reduce.
 """
 
 from __future__ import annotations
@@ -65,11 +70,12 @@ class Scales:
         self.refreshes += 1
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
-        # A forward after the hook said the weights may change, or (a loop that changed
-        # them without saying so: an optimizer step outside plan.training_step and the
-        # trainer adapters, a checkpoint load) after their version counters moved. Every
-        # rank's weights change at the same points, so every rank refreshes together.
-        if self.pending or (self.versions is not None and self._versions() != self.versions):
+        # The first forward; one after the hook said the weights may change; or one after
+        # their version counters moved (a loop that changed them without saying so: an
+        # optimizer step outside plan.training_step and the trainer adapters, a checkpoint
+        # load). Every rank's weights change at the same points (optimizer steps and loads
+        # run on every rank), so every rank refreshes together.
+        if self.pending or self.versions is None or self._versions() != self.versions:
             self.refresh()
 
 
