@@ -43,10 +43,12 @@ RULES = (
     Rule("CP966", Severity.ERROR, "the device cannot run float8 matmuls",
          "run on NVIDIA SM89 or newer (Ada, Hopper, Blackwell) or AMD MI300, or set "
          "emulate = true (float8 numerics in high precision: slower than bf16, for tests)",
-         _FSDP_PLAN + "emulate = false\n# on ranks with CPUs or A100s\n"),
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Float8(emulate=False))"
+         ".use(MetaInit()).apply(model)  # on ranks with CPUs or A100s"),
     Rule("CP967", Severity.ERROR, "float8 needs torchao, which is not installed",
          "pip install 'composer-par[float8]' (torchao >= 0.18)",
-         _FSDP_PLAN + "# with torchao not installed\n"),
+         "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Float8()).validate()"
+         "  # with torchao not installed"),
     Rule("CP968", Severity.WARNING, "a modules pattern of float8 names no Linear layer",
          "correct the pattern (module paths, '*' for one path component, e.g. "
          "\"layers.*.attention.wq\"), or drop it",
