@@ -13,7 +13,8 @@ MIXTRAL = "tests.ep_workers:mixtral"
 
 _MESH = {"tp": {"tp": 2}, "fsdp2": {"dp_shard": 2}, "fsdp2_tp": {"dp_shard": 2, "tp": 2},
          "fsdp2_ep": {"dp_shard": 2, "ep": 2}}
-_PLUGINS = {"tp": ("tp",), "fsdp2": ("fsdp2",), "fsdp2_tp": ("fsdp2", "tp"), "fsdp2_ep": ("fsdp2", "ep")}
+_PLUGINS = {"tp": ("tp",), "fsdp2": ("fsdp2",), "fsdp2_tp": ("fsdp2", "tp"),
+            "fsdp2_ep": ("fsdp2", "ep")}
 
 
 def plan(layout: str, recipe: str, *, ac: bool = False, float8: str = "",
@@ -67,9 +68,9 @@ def gathered_bytes(plan_text: str, steps: int) -> dict[str, Any]:
     dp_shard (bytes, dtypes) and the all-reduces over dp_shard; and the scales' state."""
     import torch
     import torch.distributed as dist
+    from composer_par.plugins.float8.scales import scales_of
 
     from composer_par.models.llama import next_token_loss
-    from composer_par.plugins.float8.scales import scales_of
     from composer_par.testing.comm_count import CommCounter
     from composer_par.testing.parity import apply_to_built, build_plan
     from composer_par.testing.tasks import llama

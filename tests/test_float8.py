@@ -17,19 +17,20 @@ import torch.nn as nn
 
 pytest.importorskip("torchao", reason="the float8 extra (torchao) is not installed")
 
-from composer_par.plugins.float8 import Float8  # noqa: E402
-from composer_par.plugins.float8 import torchao_api  # noqa: E402
-from composer_par.plugins.float8.estimate import float8_terms  # noqa: E402
-from composer_par.plugins.float8.findings import device_findings  # noqa: E402
+from composer_par.plugins.float8 import (
+    Float8,
+    torchao_api,
+)
+from composer_par.plugins.float8.estimate import float8_terms
+from composer_par.plugins.float8.findings import device_findings
 
-from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan  # noqa: E402
-from composer_par.findings import Report  # noqa: E402
-from composer_par.plugin import CommHook, Plugin, hookimpl  # noqa: E402
-from composer_par.testing.distributed import run_ranks  # noqa: E402
-from composer_par.testing.parity import parity_result  # noqa: E402
-from composer_par.testing.tasks import llama  # noqa: E402
-from tests import float8_workers as workers  # noqa: E402
-from tests.composition_workers import check_cases  # noqa: E402
+from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan
+from composer_par.findings import Report
+from composer_par.plugin import CommHook, Plugin, hookimpl
+from composer_par.testing.distributed import run_ranks
+from composer_par.testing.tasks import llama
+from tests import float8_workers as workers
+from tests.composition_workers import check_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -328,7 +329,7 @@ def test_estimate_states_the_gather_and_the_amax_all_reduce() -> None:
     amax = [c for c in dp.collectives if c.kind == "all_reduce"]
     # q, k, v, o and the three MLP matrices of each of 4 blocks: one fp32 amax each
     assert [(c.payload, c.calls) for c in amax] == [(4 * 7 * 4, 1)]
-    collectives, memory, notes = float8_terms(
+    _, memory, notes = float8_terms(
         shape, dim="dp_shard", shard=4, gathers=2, param_dtype="bfloat16",
         recipe="tensorwise", float8_gather=True)
     block = 4 * 256 * 256 + 3 * 256 * 512
