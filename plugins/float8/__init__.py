@@ -91,10 +91,11 @@ def _emulate(value: Any) -> str | bool:
 
 
 def sharded_dims(plan: PlanView, mesh: MeshSpec) -> list[str]:
-    """The mesh dims a data-parallel plugin shards weights over (FSDP2's), size > 1."""
+    """The mesh dims a data-parallel plugin shards weights over (FSDP2's). One of size 1
+    counts: FSDP2 still gathers (copies) its units there, and a float8 all-gather casts
+    the fp32 master weights to float8 once, instead of to bf16 and then to float8."""
     return [c.dim for d in plan.declarations() if "data_parallel" in d.provides
-            for c in d.claims if c.role is Role.SHARD and c.dim in mesh
-            and mesh.size(c.dim) != 1]
+            for c in d.claims if c.role is Role.SHARD and c.dim in mesh]
 
 
 @attrs.frozen
