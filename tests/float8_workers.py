@@ -17,15 +17,18 @@ _PLUGINS = {"tp": ("tp",), "fsdp2": ("fsdp2",), "fsdp2_tp": ("fsdp2", "tp"),
             "fsdp2_ep": ("fsdp2", "ep")}
 
 
-def plan(layout: str, recipe: str, *, ac: bool = False, float8: str = "",
-         fsdp2: str = "") -> str:
+def plan(layout: str, recipe: str, *, ac: bool = False, compile_: bool = False,
+         float8: str = "", fsdp2: str = "") -> str:
     """A plan file: ``layout``'s mesh and plugins, activation checkpointing if ``ac``,
-    float8 with ``recipe`` (and the options ``float8`` gives), MetaInit."""
+    per-block compile (``aot_eager``: dynamo and AOTAutograd trace torchao's tensor
+    subclasses, eager kernels) if ``compile_``, float8 with ``recipe`` (and the options
+    ``float8`` gives), MetaInit."""
     lines = ["[mesh]", *(f"{k} = {v}" for k, v in _MESH[layout].items()), ""]
-    names = list(_PLUGINS[layout]) + (["activation_checkpoint"] if ac else [])
+    names = list(_PLUGINS[layout]) + (["activation_checkpoint"] if ac else []) + (
+        ["compile"] if compile_ else [])
+    options = {"fsdp2": [fsdp2] if fsdp2 else [], "compile": ['backend = "aot_eager"']}
     for name in names:
-        lines += ["[[plugins]]", f'name = "{name}"', *([fsdp2] if name == "fsdp2" and fsdp2
-                                                       else []), ""]
+        lines += ["[[plugins]]", f'name = "{name}"', *options.get(name, []), ""]
     lines += ["[[plugins]]", 'name = "float8"', f'recipe = "{recipe}"',
               *([float8] if float8 else []), "", "[[plugins]]", 'name = "meta_init"', ""]
     return "\n".join(lines)
@@ -35,6 +38,7 @@ def case(task: str, layout: str, recipe: str, world: int, *, ac: bool = False,
          steps: int = 3, **options: Any) -> ParityCase:
     # "accumulate": the reference runs each rank's micro-batch as that rank does, so the
     # per-tensor scales of activations and gradients (amaxes over a micro-batch) match.
+    # The reference applies the plan's convert-stage plugins alone: float8, uncompiled.
     return ParityCase(task, plan(layout, recipe, ac=ac, **options), world, steps=steps,
                       lr=0.5 if task != LLAMA else 0.05, reference="accumulate")
 

@@ -364,6 +364,16 @@ def test_fsdp2_parity_for_every_recipe_with_and_without_checkpointing() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+def test_fsdp2_with_compile_parity() -> None:
+    """dp_shard 2, tensorwise, the blocks compiled (aot_eager: dynamo and AOTAutograd
+    trace torchao's float8 tensors; eager kernels) and checkpointed: equal to one process
+    running the same float8 model uncompiled."""
+    _check([workers.case(workers.LLAMA, "fsdp2", "tensorwise", 2, ac=True, compile_=True,
+                         steps=2)], timeout=280)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
 def test_fsdp2_x_tp_parity() -> None:
     """dp_shard 2 x tp 2 with torchao's float8 TP styles (tensorwise) and torch's (rowwise),
     the weights 2-D DTensors gathered in float8 over dp_shard."""
