@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bf16 = report["modes"].get("bf16")
     if bf16 is not None:
         base = bf16["sides"]["composer_par"]["tokens_per_s"]
-        for mode, result in report["modes"].items():
+        for result in report["modes"].values():
             result["over_bf16"] = result["sides"]["composer_par"]["tokens_per_s"] / base
     return report
 
