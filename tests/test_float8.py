@@ -334,7 +334,9 @@ def test_estimate_states_the_gather_and_the_amax_all_reduce() -> None:
         recipe="tensorwise", float8_gather=True)
     block = 4 * 256 * 256 + 3 * 256 * 512
     assert memory == {"float8 weights of the running block, unsharded": block}
-    assert f"gather {4 * block} bytes per all-gather instead of {8 * block}" in notes[1]
+    assert f"gather {4 * block} bytes per pass over the blocks instead of {8 * block}" \
+        in notes[1]
+    assert f"{4 * block * 2} bytes less per step (2 passes)" in notes[1]
     rowwise = float8_terms(shape, dim="dp_shard", shard=4, gathers=2,
                            param_dtype="bfloat16", recipe="rowwise", float8_gather=False)
     assert rowwise[0] == () and "high precision" in rowwise[2][1]

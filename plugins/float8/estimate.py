@@ -62,9 +62,10 @@ def float8_terms(model: Any, *, dim: str | None, shard: int, gathers: int, param
     saved = elements * (width - 1) * gathers
     notes.append(
         f"float8 all-gather over {dim}: the converted weights gather {elements} bytes per "
-        f"all-gather instead of {elements * width} ({param_dtype}), {saved} bytes less per "
-        "step than the built-in FSDP2 estimate above counts for them; scales are computed "
-        "on every rank from the precomputed amaxes, none is gathered")
+        f"pass over the blocks instead of {elements * width} ({param_dtype}), {saved} bytes "
+        f"less per step ({gathers} passes) than the built-in FSDP2 estimate above counts "
+        "for them; scales are computed on every rank from the precomputed amaxes, none is "
+        "gathered")
     collectives = (Collective(dim, "all_reduce", count * AMAX_BYTES, 1,
                               "float8 scale precompute: every converted weight's amax, "
                               "once per optimizer step"),)
