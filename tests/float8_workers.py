@@ -146,3 +146,58 @@ def checkpoint_round_trip(plan_text: str, directory: str) -> dict[str, Any]:
             "losses": losses,
             "same_after": all(torch.equal(after[0][n], after[1][n]) for n in after[0]),
             "exported": str(exported), "params": after[1]}
+
+
+# -- a trainer adapter -----------------------------------------------------------------------
+
+
+def accelerate_and_training_step(plan_text: str, steps: int) -> dict[str, Any]:
+    """The same float8 plan trained through the accelerate adapter (the loop accelerate
+    users write) and through ``plan.training_step``: each side's losses, whether the
+    adapter told the plugins after every optimizer step (the scales pending a refresh),
+    and how often each side computed its scales."""
+    import torch
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+    from composer_par.plugins.float8.scales import scales_of
+
+    from composer_par.integrations.accelerate import prepare_accelerator
+    from composer_par.models.llama import next_token_loss
+    from composer_par.testing.parity import build_plan
+    from composer_par.testing.tasks import llama
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    plan_ = build_plan(plan_text)
+    with torch.device("meta"):
+        built = llama.build()
+    accelerator, model = prepare_accelerator(plan_, built)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    index, count = plan_.data_shard()
+    told, losses = [], []
+    for step in range(steps):
+        batch = llama.batch(step).chunk(count)[index]
+        loss = llama.loss(model, batch)
+        accelerator.backward(loss)
+        optimizer.step()
+        told.append(all(s.pending for s in scales_of(model)))
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+    adapter = {"losses": losses, "told": told,
+               "refreshes": [s.refreshes for s in scales_of(model)]}
+    plan_ = build_plan(plan_text)
+    with torch.device("meta"):
+        built = llama.build()
+    model = plan_.apply(built)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    step_ = plan_.training_step(model, next_token_loss)
+    losses = []
+    for step in range(steps):
+        batch = llama.batch(step).chunk(count)[index]
+        losses.append(float(step_.step(batch, batch)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"adapter": adapter, "training_step": losses}

@@ -432,6 +432,23 @@ def test_float8_all_gather_moves_half_the_bytes_of_bf16_and_one_amax_all_reduce(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
+def test_the_accelerate_adapter_refreshes_the_scales_after_each_optimizer_step() -> None:
+    """FSDP2 x float8 tensorwise through accelerate (the loop its users write): after
+    every optimizer step the plugins are told (composer_par_parameters_changed), so the
+    next forward computes the scales again, once per step; the losses are those of the
+    same plan through plan.training_step."""
+    pytest.importorskip("accelerate")
+    results = run_ranks(workers.accelerate_and_training_step, 2, timeout=220, args=(
+        workers.plan("fsdp2", "tensorwise"), 3))
+    for result in results:
+        adapter = result["adapter"]
+        assert adapter["told"] == [True, True, True]
+        assert adapter["refreshes"] == [3]
+        assert adapter["losses"] == result["training_step"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
 def test_checkpoint_round_trip_and_safetensors_export(tmp_path: Path) -> None:
     """A float8 run under FSDP2 saves and loads bitwise (weights and AdamW state: the next
     step is the same step), and its safetensors export (the high-precision master
