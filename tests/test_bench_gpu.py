@@ -47,8 +47,8 @@ def test_the_set_up_trains_both_sides_alike_on_cpu() -> None:
     losses are equal in every mode, and the report has every figure."""
     run = subprocess.run(
         [sys.executable, "benchmarks/bench_gpu.py", "--device", "cpu", "--flavor",
-         "debugmodel", "--layers", "2", "--seq", "32", "--batch", "2", "--steps", "1",
-         "--warmup", "1", "--no-compile", "--json"],
+         "debugmodel", "--layers", "2", "--seq", "16", "--batch", "2", "--steps", "1",
+         "--warmup", "0", "--no-compile", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
@@ -57,7 +57,7 @@ def test_the_set_up_trains_both_sides_alike_on_cpu() -> None:
         assert result["loss_difference"] == 0.0, (mode, result)
         for side in result["sides"].values():
             assert side["tokens_per_s"] > 0 and 0 < side["mfu"] < 1
-            assert len(side["losses"]) == 2
+            assert len(side["losses"]) == 1
         assert result["ratio"]["tokens_per_s"] > 0
     # the float8 modes train other numbers than bf16: the comparison is not vacuous
     losses = {m: r["sides"]["torchtitan"]["losses"] for m, r in report["modes"].items()}
