@@ -32,6 +32,7 @@ from composer_par import (  # noqa: E402
     HSDP,
     TP,
     ActivationCheckpoint,
+    Float8,
     Compile,
     LoadCheckpoint,
     LoadSafetensors,
@@ -423,6 +424,47 @@ def _cp309(tmp: Path, world: World) -> Any:
     return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()), llama()
 
 
+@case("CP961")
+def _cp961(tmp: Path, world: World) -> Any:
+    world(2)
+    # an intermediate size of 40 is no multiple of 16
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2())
+            .use(Float8(modules=("model.layers.0.mlp.up_proj",))), llama(intermediate_size=40))
+
+
+@case("CP962")
+def _cp962(tmp: Path, world: World) -> Any:
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_replicate=2)).use(HSDP()).use(Float8(all_gather="float8")),
+            llama())
+
+
+@case("CP963")
+def _cp963(tmp: Path, world: World) -> Any:
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2())
+            .use(Float8(recipe="rowwise", all_gather="float8")), llama())
+
+
+@case("CP964")
+def _cp964(tmp: Path, world: World) -> Any:
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(PlainShardComms())
+            .use(Float8(all_gather="float8")), llama())
+
+
+@case("CP966")
+def _cp966(tmp: Path, world: World) -> Any:
+    world(2)  # float8 matmuls in hardware asked for on CPU ranks
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Float8(emulate=False)), llama()
+
+
+@case("CP967")
+def _cp967(tmp: Path, world: World) -> Any:
+    world(2)  # torchao as if it were not installed (the test patches the check)
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Float8()), llama()
+
+
 @case("CP410")
 def _cp410(tmp: Path, world: World) -> Any:
     world(2)
@@ -808,6 +850,10 @@ def test_a_refused_apply_leaves_the_model_untouched(name: str, tmp_path: Path,
     code = _code(name)
     for variable, value in ALLOCATIONS.get(code, {}).items():
         monkeypatch.setenv(variable, value)
+    if code == "CP967":
+        from composer_par.plugins.float8 import torchao_api
+
+        monkeypatch.setattr(torchao_api, "installed", lambda: False)
     if code == "CP230":
         # the installed torch as if it were a release FSDP2's internals were not checked on
         from composer_par.plugin import torch_private

@@ -4,6 +4,7 @@ then the parameters no style touched replicated as DTensors over the tp mesh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .styles import LOCAL_FORWARD_STYLES, PARAMETER_STYLES, SHARD_LAYOUT, StyleSpec
@@ -129,7 +130,10 @@ def leave_distributed(resolution: Resolution) -> list[str]:
     return left
 
 
-def apply_resolution(resolution: Resolution, mesh: DeviceMesh) -> None:
+def apply_resolution(resolution: Resolution, mesh: DeviceMesh,
+                     restyle: Callable[[Any, Any], Any] | None = None) -> None:
+    """``parallelize_module`` with each entry's style; ``restyle(module, style)`` may give
+    another plugin's style for a module it converted (``composer_par_parallel_style``)."""
     import torch.nn as nn
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -144,7 +148,8 @@ def apply_resolution(resolution: Resolution, mesh: DeviceMesh) -> None:
         owner.register_parameter(attr, nn.Parameter(
             distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad))
     for _, module, spec in resolution.entries:
-        parallelize_module(module, mesh, torch_style(spec))
+        style = torch_style(spec)
+        parallelize_module(module, mesh, restyle(module, style) if restyle else style)
 
 
 def retie(resolution: Resolution) -> int:

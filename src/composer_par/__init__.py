@@ -18,6 +18,7 @@ from composer_par.plugins.activation_checkpoint import ActivationCheckpoint
 from composer_par.plugins.compile import Compile
 from composer_par.plugins.cp import CP
 from composer_par.plugins.ep import EP
+from composer_par.plugins.float8 import Float8
 from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
 from composer_par.plugins.hsdp import HSDP
 from composer_par.plugins.load_checkpoint import LoadCheckpoint
@@ -46,6 +47,7 @@ __all__ = [
     "Declaration",
     "Explanation",
     "Finding",
+    "Float8",
     "LoadCheckpoint",
     "LoadSafetensors",
     "MeshError",

@@ -179,6 +179,10 @@ class TrainingStep:
         if every is not None and self.steps % every == 0:
             self.check_replicas()
         self.steps += 1
+        # Plugins forget what they derived from the parameters (float8's scales) when an
+        # optimizer step may have changed them: before the step, and after its backward.
+        hooks = self.plan.hooks
+        hooks.parameters_changed(self.model)
         # The gradient an auxiliary loss gets is the one its microbatch's loss gets: a
         # pipeline's schedule divides by its count after the pass, accumulation before.
         scale = 1.0 if self.pipeline is not None else 1.0 / self.accumulate
@@ -195,6 +199,7 @@ class TrainingStep:
                 loss.backward()
                 local, count = loss.detach().float().clone(), 1.0
                 microbatches = 1
+        hooks.parameters_changed(self.model)
         aux_total = aux.total()
         # Each rank's forwards recorded the auxiliary losses of its own blocks (with a
         # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
@@ -410,4 +415,28 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-__all__ = ["TrainingStep", "clip_grad_norm_", "total_grad_norm"]
+_TOLD = "_composer_par_tells_plugins"
+
+
+def tell_plugins_after_steps(plan: ParallelPlan, models: Sequence[nn.Module],
+                             optimizer: Any) -> bool:
+    """After every step of ``optimizer`` (a torch optimizer, or a wrapper holding one as
+    ``.optimizer``: accelerate's, Lightning's), tell ``plan``'s plugins that the
+    parameters of ``models`` changed (``composer_par_parameters_changed``): what the
+    trainer adapters do with each optimizer they set up, since they drive no
+    :class:`TrainingStep`. Once per optimizer; returns whether it was registered now."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if getattr(inner, _TOLD, False) or not hasattr(inner, "register_step_post_hook"):
+        return False
+    held = list(models)
+
+    def after_step(*_: Any) -> None:
+        for model in held:
+            plan.hooks.parameters_changed(model)
+
+    inner.register_step_post_hook(after_step)
+    setattr(inner, _TOLD, True)
+    return True
+
+
+__all__ = ["TrainingStep", "clip_grad_norm_", "tell_plugins_after_steps", "total_grad_norm"]

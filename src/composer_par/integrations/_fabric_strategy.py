@@ -171,7 +171,17 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
         return _ScheduledStep(self, module, loss_fn, **options)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self._apply_plan(module, self.device_mesh)
+        applied = self._apply_plan(module, self.device_mesh)
+        self._plan_models = [*getattr(self, "_plan_models", []), applied]
+        return applied
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        """Lightning's, and after each of its steps the plan's plugins are told that the
+        parameters changed (they refresh what they derive from them: float8's scales)."""
+        optimizer = super().setup_optimizer(optimizer)
+        training.tell_plugins_after_steps(self.plan, getattr(self, "_plan_models", []),
+                                          optimizer)
+        return optimizer
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any],
                                     scheduler: Any = None) -> Any:

@@ -149,6 +149,8 @@ class PlanAccelerator(accelerate.Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 self._check_optimizer(obj, models or self._plan_models)
+                # Plugins refresh what they derive from the parameters (float8's scales).
+                training.tell_plugins_after_steps(self.plan, models or self._plan_models, obj)
         result = tuple(self._prepare_one(obj, first_pass=True, device_placement=d)
                        for obj, d in zip(args, device_placement, strict=True))
         result = tuple(self._prepare_one(obj, device_placement=d)

@@ -168,6 +168,9 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # Plugins refresh what they derive from the parameters (float8's scales).
+            for optimizer in self.optimizers:
+                training.tell_plugins_after_steps(self.plan, [self._applied], optimizer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)

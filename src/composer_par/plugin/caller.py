@@ -232,6 +232,21 @@ class HookCaller:
                                workload=workload)
         return [(self.name_of(p), part) for p, part in answers]
 
+    def parallel_style(self, module: nn.Module, style: Any) -> Any:
+        """The style plugins give ``module`` in place of ``style`` (the composition hook
+        ``composer_par_parallel_style``), or ``style`` when none answers."""
+        answers = self.answers("composer_par_parallel_style", module=module, style=style)
+        if len(answers) > 1:
+            names = " and ".join(self.name_of(p) for p, _ in answers)
+            raise RuntimeError(f"{names} each give {type(module).__name__} a tensor-parallel "
+                               "style of their own: at most one plugin may restyle a module")
+        return answers[0][1] if answers else style
+
+    def parameters_changed(self, model: nn.Module) -> None:
+        """Tell every plugin that ``model``'s parameters may change before its next
+        forward (``composer_par_parameters_changed``)."""
+        self.call("composer_par_parameters_changed", model=model)
+
     def describe(self) -> list[tuple[Plugin, str, str]]:
         described: dict[int, list[tuple[str, str]]] = {}
         for plugin, steps in self.answers("composer_par_describe"):

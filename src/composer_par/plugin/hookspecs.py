@@ -190,6 +190,33 @@ def composer_par_state_dict_adapter(plan: ParallelPlan, model: nn.Module) -> Any
     """
 
 
+
+@hookspec
+def composer_par_parallel_style(plan: ParallelPlan, module: nn.Module, style: Any) -> Any:
+    """A tensor-parallel style to apply to ``module`` in place of ``style``, for a module
+    this plugin changed in the convert stage (float8's layers take torchao's float8 styles).
+
+    Called: by a tensor-parallel plugin at apply, for each module it is about to give a
+    torch ``ParallelStyle`` (``style``, already built), before ``parallelize_module``.
+    Returns: a ``ParallelStyle`` with the same layouts as ``style``, or None to keep it.
+    Two plugins answering for one module is an error (``RuntimeError`` naming both).
+    """
+
+
+@hookspec
+def composer_par_parameters_changed(plan: ParallelPlan, model: nn.Module) -> None:
+    """The parameters of ``model`` may change before its next forward: forget what was
+    derived from their values (float8's precomputed weight scales).
+
+    Called: by ``plan.training_step`` at the start of every step and after its backward
+    (an optimizer step comes next), and by the trainer adapters after every optimizer step
+    they drive; on every rank at the same points. ``model`` is what ``apply`` returned (or
+    a module holding it). Must be cheap, local (no collective: a rank may call it where
+    another calls nothing else) and idempotent; work that needs a collective is done
+    lazily, e.g. before the model's next forward, which every rank runs.
+    Returns: None.
+    """
+
 # -- stages (apply order) ----------------------------------------------------------------
 
 

@@ -201,7 +201,8 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
                   "the tensors among a module's nested inputs (TP styles)"),
     PrivateSymbol("torch.storage:_dtype_to_storage_type_map", _MODULE,
                   "reading torch.save files without unpickling (dtype by storage name)"),
-    PrivateSymbol("Tensor._version", _MODULE, "whether an initializer wrote a parameter"),
+    PrivateSymbol("Tensor._version", _MODULE, "whether an initializer wrote a parameter; "
+                  "whether a float8 weight changed since its scale was precomputed"),
     PrivateSymbol("Tensor._is_view", _MODULE, "a pipeline stage's outputs sent as copies"),
     PrivateSymbol("Module._parameters", _MODULE, "module surgery (accessed directly)"),
     PrivateSymbol("Module._buffers", _MODULE, "module surgery (accessed directly)"),
