@@ -73,14 +73,14 @@ def torch_style(spec: StyleSpec) -> Any:
     if spec.style == "replicate":
         return replicate_style()
     if spec.style in LOCAL_STYLES:
-        return local_style(spec.style, spec.split_factor or 2)
+        return local_style(spec.style, spec.split_factor or 2, spec.rope_dim)
     raise AssertionError(spec.style)
 
 
 #: Our own styles (ParallelStyle subclasses over DTensor, below), by the style they serve.
 LOCAL_STYLES = {*LOCAL_FORWARD_STYLES, "packed_colwise", "packed_rowwise", "local_colwise",
                 "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
-                "identity_expert", "all_reduce", "sequence_region"}
+                "identity_expert", "all_reduce", "sequence_region", "mla_kv_a_proj"}
 
 
 def parameter_placement(style: str, ndim: int, split_factor: int | None = None) -> Any:
@@ -193,12 +193,14 @@ def replicate_rest(resolution: Resolution, mesh: DeviceMesh) -> int:
 
 _REPLICATE_STYLE: Any = None
 _LOCAL_IO = "_composer_par_tp_local_io"
+_LOCAL_PARAMS = "_composer_par_tp_local_params"
 
 
 def replicate_style() -> Any:
     """A ParallelStyle (built on first use: torch is imported lazily) that replicates a
-    module's own parameters over the mesh, takes local inputs as replicated DTensors and
-    hands back local outputs; buffers (e.g. RoPE tables) stay plain tensors."""
+    module's own parameters over the mesh; called with local inputs, the forward runs on
+    the parameters' local values; called with DTensors (a sequence-sharded stream), its
+    local inputs join them as replicated DTensors."""
     global _REPLICATE_STYLE
     if _REPLICATE_STYLE is None:
         _REPLICATE_STYLE = _make_replicate_style()
@@ -223,6 +225,22 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _inputs(module: nn.Module, inputs: Any, mesh: Any) -> Any:
+            from torch.utils._pytree import tree_flatten
+
+            if not any(isinstance(t, DTensor) for t in tree_flatten(inputs)[0]):
+                # Local inputs, replicated parameters: the forward runs on local tensors
+                # (the same values on every rank, the same Replicate gradients), so ops
+                # that DTensor cannot propagate (grouped_mm outside bf16: its meta kernel
+                # refuses float32) run as in one process.
+                saved: dict[str, Any] = {}
+                for table in (module._parameters, module._buffers):
+                    for name, value in table.items():
+                        if isinstance(value, DTensor):
+                            saved[name] = value
+                            table[name] = value.to_local()  # type: ignore[assignment]
+                module.__dict__.setdefault(_LOCAL_PARAMS, []).append(saved)
+                return inputs
+            module.__dict__.setdefault(_LOCAL_PARAMS, []).append(None)
             wrapped = False
 
             def wrap(t: Any) -> Any:
@@ -239,6 +257,13 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _outputs(module: nn.Module, outputs: Any, mesh: Any) -> Any:
+            stack = module.__dict__.get(_LOCAL_PARAMS) or [None]
+            saved = stack.pop()
+            if saved is not None:
+                for name, value in saved.items():
+                    table = module._parameters if name in module._parameters else module._buffers
+                    table[name] = value
+                return outputs
             if not module.__dict__.get(_LOCAL_IO, True):
                 return outputs
             return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
@@ -257,13 +282,14 @@ _LOCAL_STYLE: Any = None
 _SAVED = "_composer_par_tp_saved_params"
 
 
-def local_style(kind: str, split_factor: int = 2) -> Any:
+def local_style(kind: str, split_factor: int = 2, rope_dim: int | None = None) -> Any:
     """The ParallelStyle of one of our own styles (see :data:`LOCAL_STYLES`), built on
-    first use (torch is imported lazily)."""
+    first use (torch is imported lazily). ``rope_dim``: the rotary part's width, for
+    ``mla_kv_a_proj``."""
     global _LOCAL_STYLE
     if _LOCAL_STYLE is None:
         _LOCAL_STYLE = _make_local_style()
-    return _LOCAL_STYLE(kind, split_factor)
+    return _LOCAL_STYLE(kind, split_factor, rope_dim)
 
 
 def _make_local_style() -> type:
@@ -297,20 +323,31 @@ def _make_local_style() -> type:
     def floating(t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t.is_floating_point()
 
+    def rotary_part_summed(output: Any, rope_dim: int | None, mesh: Any) -> Any:
+        """A latent-attention projection's output with its last ``rope_dim`` features'
+        gradient summed over tp: that part (the rotary key) goes to every local head
+        directly, so each rank's heads give only their part of its gradient; the rest
+        goes through a column-split projection, whose input gradient is summed already."""
+        assert rope_dim, "mla_kv_a_proj needs rope_dim (validation fills or refuses it)"
+        latent, rotary = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([latent, grad_sum(rotary, mesh)], dim=-1)
+
     # Styles whose forward runs on local tensors (the parameters' local parts).
     local_params = {"experts", "local", "packed_colwise", "packed_rowwise", "local_colwise",
                     "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
-                    "local_replicated"}
+                    "local_replicated", "mla_kv_a_proj"}
     # Styles whose floating inputs get their gradient summed over tp.
     summed_inputs = {"experts", "packed_colwise", "local_colwise"}
     # Styles whose floating outputs are summed over tp.
     summed_outputs = {"experts", "all_reduce", "packed_rowwise"}
 
     class LocalParallel(ParallelStyle):
-        def __init__(self, kind: str, split_factor: int = 2) -> None:
+        def __init__(self, kind: str, split_factor: int = 2, rope_dim: int | None = None
+                     ) -> None:
             super().__init__()
             self.kind = kind
             self.split_factor = split_factor
+            self.rope_dim = rope_dim
 
         def _placement(self, name: str, param: Any) -> Any:
             if self.kind in ("packed_colwise", "packed_rowwise", "local_colwise",
@@ -379,6 +416,8 @@ def _make_local_style() -> type:
                 module._parameters.update(stack.pop())
             if self.kind in summed_outputs:
                 return tree_map(lambda t: output_sum(t, mesh) if floating(t) else t, output)
+            if self.kind == "mla_kv_a_proj":
+                return rotary_part_summed(output, self.rope_dim, mesh)
             if self.kind == "sequence_region":
                 def shard(t: Any) -> Any:
                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
