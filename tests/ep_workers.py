@@ -302,3 +302,13 @@ def load_mixtral(layout: str, directory: str) -> dict[str, Any]:
     state: dict[str, Any] = full_state(model, None)
     state["bytes_read"] = plan.notes["load_safetensors_report"].bytes_read
     return state
+
+
+def deepseek_v2_model() -> Any:
+    """DeepSeek-V2's tiny model, for ``--model tests.ep_workers:deepseek_v2_model``."""
+    return deepseek_v2.build()
+
+
+def deepseek_v3_model() -> Any:
+    """DeepSeek-V3's tiny model, for ``--model tests.ep_workers:deepseek_v3_model``."""
+    return deepseek_v3.build()
