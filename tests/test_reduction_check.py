@@ -66,7 +66,11 @@ def test_a_latent_projection_left_whole_beside_split_heads_is_named() -> None:
 
 
 def test_a_planted_missing_reduction_is_named() -> None:
+    from torch.distributed.tensor import DTensor
+
     found = _problems(NORMS_REPLICATED, "tests.hf_workers:qwen3")
+    # DTensor's boundaries are given back as they were (from_local a staticmethod).
+    assert isinstance(DTensor.__dict__["from_local"], staticmethod)
     assert {m.split(": ")[2] for m in found} == {
         f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in "qk"}
     assert all("gradient needs a sum over tp and gets none" in m for m in found)

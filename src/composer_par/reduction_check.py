@@ -378,6 +378,9 @@ def _dtensor_boundaries(checker: _Checker) -> Iterator[None]:
     from torch.distributed.tensor import DTensor
 
     to_local, from_local = DTensor.to_local, DTensor.from_local
+    # The descriptors as the class holds them (from_local is a staticmethod), restored
+    # as they were.
+    held = {name: DTensor.__dict__[name] for name in ("to_local", "from_local")}
 
     def typed_to_local(self: Any, *, grad_placements: Any = None) -> Any:
         out = to_local(self, grad_placements=grad_placements)
@@ -431,8 +434,8 @@ def _dtensor_boundaries(checker: _Checker) -> Iterator[None]:
     try:
         yield
     finally:
-        DTensor.to_local = to_local  # type: ignore[method-assign]
-        DTensor.from_local = from_local  # type: ignore[method-assign]
+        for name, descriptor in held.items():
+            setattr(DTensor, name, descriptor)
 
 
 def _module_hooks(checker: _Checker, model: nn.Module) -> list[Any]:
