@@ -32,8 +32,8 @@ from composer_par import (  # noqa: E402
     HSDP,
     TP,
     ActivationCheckpoint,
-    Float8,
     Compile,
+    Float8,
     LoadCheckpoint,
     LoadSafetensors,
     MeshSpec,
@@ -60,7 +60,9 @@ ELSEWHERE = {
     "CP504": "a plan file's unknown plugin name: reading the file refuses it",
     "CP505": "a plan file's unknown plugin option: reading the file refuses it",
     "CP506": "a plan file's value of the wrong type: reading the file refuses it",
+    "CP434": "a gradient's missing reduction, found by running a step (dry run, selfcheck)",
     "CP604": "a pipeline training step's batch, known only when the step runs",
+    "CP612": "a stage's hidden state, known when the pipeline runs its first step",
     "CP901": "a source config composer-par import cannot read: no plan is made",
     "CP902": "a source config's value its own tool refuses: no plan is made",
     "CP913": "a source config whose layout needs a node count: no plan is made",
@@ -347,6 +349,22 @@ def _cp214(tmp: Path, world: World) -> Any:
     world(2)
     tp = TP(plan=hf_workers.HANDWRITTEN, sequence_parallel=True)
     return ParallelPlan(MeshSpec(tp=2)).use(tp), llama()
+
+
+@case("CP432")
+def _cp432(tmp: Path, world: World) -> Any:
+    world(2)
+    # a latent-attention style on a model whose config has no qk_rope_head_dim
+    plan = {**hf_workers.HANDWRITTEN, "model.layers.*.self_attn.k_proj": "mla_kv_a_proj"}
+    return ParallelPlan(MeshSpec(tp=2)).use(TP(plan=plan)), llama()
+
+
+@case("CP433")
+def _cp433(tmp: Path, world: World) -> Any:
+    world(2)
+    model = llama()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "fancy_new_style"}
+    return ParallelPlan(MeshSpec(tp=2)).use(TP()), model
 
 
 @case("CP424")

@@ -26,6 +26,7 @@ from composer_par.plugin.caller import HookCaller, HookError
 from composer_par.plugin.context import AppliedStep, ApplyContext
 from composer_par.plugin.fsdp_state import check_installed
 from composer_par.plugin.view import PlanView
+from composer_par.replicas import EVERY as REPLICA_CHECK_EVERY
 from composer_par.rules import (
     claim_rules,
     comm_hook_rules,
@@ -334,14 +335,17 @@ class ParallelPlan:
         return ctx.model
 
     def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *,
-                      check_replicas_every: int | None = None, accumulate: int = 1,
+                      check_replicas_every: int | None = REPLICA_CHECK_EVERY,
+                      accumulate: int = 1,
                       sync: str = "last") -> TrainingStep:
         """The one training loop for every plan: ``step(inputs, targets)`` runs forward,
         loss and backward (through the pipeline schedule when the plan has one) and
         returns the global-batch mean loss; ``clip_grad_norm_`` clips across meshes and
         pipeline stages. ``model`` is what :meth:`apply` returned; ``loss_fn(outputs,
-        targets)`` gives the mean loss of a batch; ``check_replicas_every=N`` checks every
-        N-th step that replicated parameters are equal on every rank holding them;
+        targets)`` gives the mean loss of a batch; every ``check_replicas_every``-th step
+        (the first included; by default every :data:`composer_par.replicas.EVERY`-th,
+        ``None`` to opt out) checks that replicated parameters are equal on every rank
+        holding them;
         ``accumulate=k`` runs each step as ``k`` microbatches, gradients reduced as
         ``sync`` says (``"last"``: once per step, unsharded gradients held between
         microbatches; ``"reduce_scatter"``: reduce-scatter per microbatch, replicate

@@ -50,11 +50,13 @@ over. This rests on one property of every composer_par plan: apart from the pipe
 stage, ranks hold the same parameters, each either whole or sharded (DTensor ``Shard``)
 over some mesh dims.
 
-``check_replicas_every=N`` checks, before every N-th step (the first included), that each
-replicated parameter is still equal across the ranks holding it
-(:func:`composer_par.replicas.check_replicas`): the parameters as the optimizer left
-them after the step before. It raises :class:`composer_par.replicas.ReplicaDriftError`
-on every rank, naming the parameter, the mesh dim and the ranks.
+The replica check is on by default: before every ``check_replicas_every``-th step
+(the first included; default :data:`composer_par.replicas.EVERY`, an interval at which it
+costs at most 0.1 % of a step), each replicated parameter is checked to be still equal
+across the ranks holding it (:func:`composer_par.replicas.check_replicas`): the
+parameters as the optimizer left them after the step before. It raises
+:class:`composer_par.replicas.ReplicaDriftError` on every rank, naming the parameter, the
+mesh dim and the ranks. ``check_replicas_every=None`` opts out.
 
 Gradient accumulation: ``accumulate=k`` runs each step's per-rank batch as ``k`` equal
 microbatches (cut along dim 0 of the inputs, of the targets and of every keyword tensor
@@ -107,6 +109,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_par.gradient_sync import check_sync_policy, fsdp_units, set_gradient_sync
+from composer_par.replicas import EVERY as REPLICA_CHECK_EVERY
+from composer_par.replicas import check_every
 
 if TYPE_CHECKING:
     import torch
@@ -128,16 +132,12 @@ class TrainingStep:
 
     def __init__(self, plan: ParallelPlan, model: nn.Module,
                  loss_fn: Callable[..., torch.Tensor], *,
-                 check_replicas_every: int | None = None, accumulate: int = 1,
+                 check_replicas_every: int | None = REPLICA_CHECK_EVERY, accumulate: int = 1,
                  sync: str = "last") -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (outputs, targets) -> loss; got "
                             f"{loss_fn!r}")
-        if check_replicas_every is not None and (
-                isinstance(check_replicas_every, bool) or not isinstance(
-                    check_replicas_every, int) or check_replicas_every < 1):
-            raise ValueError(f"check_replicas_every must be a positive int or None; got "
-                             f"{check_replicas_every!r}")
+        check_every(check_replicas_every)
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int; got {accumulate!r}")
         check_sync_policy(sync)
@@ -149,6 +149,9 @@ class TrainingStep:
         self.accumulate = accumulate
         self.sync = sync
         self.steps = 0  # steps run so far
+        # Whether a step's forwards made auxiliary losses (a router's balancing loss):
+        # such a loss is taken per microbatch, which a comparison must match.
+        self.aux_losses_seen = False
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
@@ -201,6 +204,7 @@ class TrainingStep:
                 microbatches = 1
         hooks.parameters_changed(self.model)
         aux_total = aux.total()
+        self.aux_losses_seen = self.aux_losses_seen or aux_total is not None
         # Each rank's forwards recorded the auxiliary losses of its own blocks (with a
         # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
         extra = None if aux_total is None else aux_total.to(local.device) / microbatches

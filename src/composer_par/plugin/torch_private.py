@@ -198,12 +198,17 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("torch.utils._pytree:tree_map", _MODULE,
                   "mapping over a module's nested inputs and outputs (TP styles)"),
     PrivateSymbol("torch.utils._pytree:tree_leaves", _MODULE,
-                  "the tensors among a module's nested inputs (TP styles)"),
+                  "the tensors among a module's nested inputs (TP styles; the reduction "
+                  "check's op arguments)"),
     PrivateSymbol("torch.storage:_dtype_to_storage_type_map", _MODULE,
                   "reading torch.save files without unpickling (dtype by storage name)"),
     PrivateSymbol("Tensor._version", _MODULE, "whether an initializer wrote a parameter; "
                   "whether a float8 weight changed since its scale was precomputed"),
     PrivateSymbol("Tensor._is_view", _MODULE, "a pipeline stage's outputs sent as copies"),
+    PrivateSymbol("Tensor._backward_hooks", _MODULE,
+                  "whether a parameter's gradient is reduced by a hook (the reduction check)"),
+    PrivateSymbol("Tensor._post_accumulate_grad_hooks", _MODULE,
+                  "whether a parameter's gradient is reduced by a hook (the reduction check)"),
     PrivateSymbol("Module._parameters", _MODULE, "module surgery (accessed directly)"),
     PrivateSymbol("Module._buffers", _MODULE, "module surgery (accessed directly)"),
     PrivateSymbol("Module._modules", _MODULE, "module surgery (accessed directly)"),
@@ -580,6 +585,13 @@ def storage_dtypes() -> dict[str, Any]:
 def tensor_version(tensor: torch.Tensor) -> int:
     """A tensor's version counter: every in-place write bumps it, through views too."""
     return int(tensor._version)
+
+
+def has_gradient_hooks(tensor: torch.Tensor) -> bool:
+    """Whether hooks run on ``tensor``'s gradient (``register_hook`` or
+    ``register_post_accumulate_grad_hook``): torch keeps no public list of them."""
+    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None)
+                or getattr(tensor, "_backward_hooks", None))
 
 
 def is_view(tensor: torch.Tensor) -> bool:
