@@ -63,7 +63,9 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   pair kept); :func:`tied_outside` (the parameters a block shares with a module outside
   it: one parameter cannot be in two FSDP units).
 * **Composition values**: folded dims (:class:`FoldedDim`: a model-parallel dim data
-  parallelism also reduces over, context and expert parallelism's), comm hooks
+  parallelism also reduces over, context and expert parallelism's), launch dims
+  (:class:`LaunchDim`: a mesh dim whose coordinates are separate launches, fault-tolerant
+  replica groups), comm hooks
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
   :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
@@ -117,6 +119,7 @@ from composer_par.plugin.base import (
     Declaration,
     EstimateSettings,
     FoldedDim,
+    LaunchDim,
     Plugin,
     Role,
     ShardApart,
@@ -174,6 +177,7 @@ __all__ = [
     "FoldedDim",
     "GradBucket",
     "GradReducer",
+    "LaunchDim",
     "MeshSpec",
     "OptionError",
     "PlanView",
