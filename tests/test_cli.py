@@ -640,6 +640,7 @@ BAD_ARGUMENTS = {
     "compare": ["compare", "a.json", "b.json", "--rtol", "-1"],
     "selfcheck": ["selfcheck", "plan.toml", "--model", "m:f", "--steps", "0"],
     "import": ["import", "accelerate.yaml", "--nodes", "0"],
+    "lighthouse": ["lighthouse", "--min-replicas", "0"],
 }
 
 
