@@ -45,7 +45,8 @@ SYNC_EVERY = Rule(
     "CP976", Severity.ERROR, "sync_every does not fit the method",
     'method = "ddp" all-reduces gradients every step (sync_every = 1); for a sync every N '
     'steps use method = "diloco" or "local_sgd"',
-    '[[plugins]]\nname = "ft"\nmethod = "ddp"\nsync_every = 8\n')
+    '[mesh]\ndp_replicate = 2\ndp_shard = 2\n\n[[plugins]]\nname = "hsdp"\n\n'
+    '[[plugins]]\nname = "fsdp2"\n\n[[plugins]]\nname = "ft"\nmethod = "ddp"\nsync_every = 8\n')
 ONE_GROUP = Rule(
     "CP977", Severity.WARNING, "the fault-tolerant dim has size 1: one replica group",
     "run two or more replica groups (the dim's size), or drop the ft plugin: with one group "

@@ -7,7 +7,8 @@ and tensors for the dry run. Each such symbol is named once here, in :data:`SYMB
 (what it is, what composer_par does with it, and what each torch release changed), and
 reached by a function of this module; no other module of composer_par imports a private
 torch module or reads a private torch attribute (``tests/test_torch_private.py`` checks
-both, and that every symbol in the catalog exists on the installed torch).
+both, and that every symbol in the catalog exists on the installed torch). The internals
+of torchft the ft plugin relies on (the ``ft`` extra) are named here the same way.
 
 Two kinds of guarantee. Every symbol is checked to exist: a torch that lacks one fails
 where it is used with :class:`PrivateSymbolError`, naming the symbol and what needs it,
