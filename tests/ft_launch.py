@@ -33,21 +33,35 @@ def lighthouse(*, min_replicas: int = 1, heartbeat_timeout_ms: int = 2000,
                log: Path | None = None) -> Iterator[str]:
     """The real ``composer-par lighthouse`` on a free local port; yields its address.
     ``log``: where its stderr goes."""
+    errors = log.open("ab") if log is not None else subprocess.DEVNULL
+    try:
+        address, process = start_lighthouse(
+            min_replicas=min_replicas, heartbeat_timeout_ms=heartbeat_timeout_ms,
+            join_timeout_ms=join_timeout_ms, startup_s=startup_s, stderr=errors)
+        try:
+            yield address
+        finally:
+            stop(process)
+    finally:
+        if log is not None:
+            errors.close()  # type: ignore[union-attr]
+
+
+def start_lighthouse(*, min_replicas: int = 1, heartbeat_timeout_ms: int = 2000,
+                     join_timeout_ms: int = 1000, startup_s: float = 120.0,
+                     stderr: Any = subprocess.DEVNULL) -> tuple[str, subprocess.Popen[str]]:
+    """Start the lighthouse; (its address, its process), which the caller stops."""
     exe = Path(sys.executable).with_name("composer-par")
     argv = [str(exe), "lighthouse", "--json", "--bind", "127.0.0.1:0",
             "--min-replicas", str(min_replicas),
             "--heartbeat-timeout-ms", str(heartbeat_timeout_ms),
             "--join-timeout-ms", str(join_timeout_ms), "--quorum-tick-ms", "50"]
-    errors = log.open("ab") if log is not None else subprocess.DEVNULL
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        text = _read_document(process, startup_s)
-        address = json.loads(text)["address"]
-        yield address
-    finally:
+        return json.loads(_read_document(process, startup_s))["address"], process
+    except BaseException:
         stop(process)
-        if log is not None:
-            errors.close()  # type: ignore[union-attr]
+        raise
 
 
 def _read_document(process: subprocess.Popen[str], timeout_s: float) -> str:

@@ -270,3 +270,37 @@ def apply_without_lighthouse(address: str, timeout: float) -> tuple[float, str]:
     except LighthouseUnreachable as exc:
         return time.monotonic() - started, f"{type(exc).__name__}: {exc}"
     raise AssertionError("apply did not fail without a lighthouse")
+
+
+def train_until_it_fails(plan_toml: str, rundir: str, group: str) -> None:
+    """Train until a step raises; write what it raised, and how long after the last
+    step that applied, to ``<group>-rank<r>-error.json``."""
+    import torch
+    import torch.distributed as dist
+    from composer_par.plugins.ft import replica_group_of
+
+    from composer_par import ParallelPlan
+
+    run, rank = Path(rundir), dist.get_rank()
+    plan = ParallelPlan.from_toml(plan_toml)
+    with torch.device("meta"):
+        model = TASK.build()
+    model = plan.apply(model)
+    index, count = plan.data_shard()
+    step = plan.training_step(model, lambda out, batch: _loss(out, batch))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    replicas = replica_group_of(model)
+    assert replicas is not None
+    last = time.monotonic()
+    try:
+        while True:
+            step.begin()
+            batch = TASK.batch(replicas.step).chunk(count)[index]
+            step.step(batch, batch)
+            if step.optimizer_step(optimizer):
+                last = time.monotonic()
+                _touch(run / f"{group}-rank{rank}-at{replicas.step}")
+    except Exception as exc:
+        (run / f"{group}-rank{rank}-error.json").write_text(json.dumps({
+            "error": f"{type(exc).__name__}: {exc}", "after": time.monotonic() - last,
+            "steps": replicas.step}))

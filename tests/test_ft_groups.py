@@ -230,3 +230,30 @@ def test_an_unreachable_lighthouse_fails_apply_within_the_timeout() -> None:
                                 f"{address} (waited 3 s, the plan's timeout"), error
         assert "composer-par lighthouse" in error
         assert 2.5 <= seconds < 3.0 + 5.0, seconds
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_when_the_lighthouse_dies_the_next_quorum_fails_naming_it(tmp_path: Path) -> None:
+    from tests.ft_launch import start_lighthouse, stop
+
+    address, process = start_lighthouse()
+    group = None
+    try:
+        plan = ft_workers.plan_text("fsdp2", address, timeout=4.0).replace(
+            "dp_replicate = 2", "dp_replicate = 1")
+        group = Group("g0", 2, ft_workers.train_until_it_fails, (plan, str(tmp_path), "g0"),
+                      tmp_path, {"REPLICA_GROUP_ID": "0"})
+        wait_for(lambda: (tmp_path / "g0-rank0-at3").exists(), "three steps", 180, (group,))
+        stop(process)  # the lighthouse dies; the steps already taken are kept
+        group.wait(120)
+    finally:
+        stop(process)
+        if group is not None:
+            group.kill()
+    for rank in range(2):
+        result = json.loads((tmp_path / f"g0-rank{rank}-error.json").read_text())
+        assert result["error"].startswith(
+            "FaultToleranceError: replica group 0: no quorum formed within 4 s (the ft "
+            f"plugin's timeout): the lighthouse at {address} did not answer"), result
+        assert result["steps"] >= 3 and result["after"] < 4.0 + 30, result

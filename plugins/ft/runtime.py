@@ -196,7 +196,18 @@ class ReplicaGroup:
         if self.settings.method != "ddp":
             return
         self._healed = False
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:
+            self._open = False
+            settings = self.settings
+            raise FaultToleranceError(
+                f"replica group {settings.index}: no quorum formed within "
+                f"{settings.timeout.total_seconds():g} s (the ft plugin's timeout): the "
+                f"lighthouse at {settings.lighthouse} did not answer (is it running?), or it "
+                "waited for replica groups that neither joined nor died; torchft said: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
         self.last = StepRecord(self.manager.current_step(), self.manager.num_participants(),
                                self.manager.is_participating(), self._healed)
 
