@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,12 @@ def plan_text(kind: str, lighthouse: str, *, timeout: float = 60.0) -> str:
 def train(plan_toml: str, rundir: str, group: str, steps: int, *,
           wait_for: tuple[str, ...] = (), pause_at: int | None = None,
           hold_at: int | None = None, hold_for: str | None = None,
-          save_to: str | None = None, resume_from: str | None = None) -> None:
+          save_to: str | None = None, resume_from: str | None = None,
+          die_at: int | None = None) -> None:
     """Train to ``steps`` (see the module); ``resume_from``: a checkpoint to start from
     (model, optimizer and torchft's step count, as a whole-job restart does);
-    ``save_to``: where to save one at the end."""
+    ``save_to``: where to save one at the end; ``die_at``: rank 0 SIGKILLs itself inside
+    that step's forward, the first time the group gets there."""
     import torch
     import torch.distributed as dist
     from composer_par.plugins.ft import replica_group_of
@@ -97,6 +100,10 @@ def train(plan_toml: str, rundir: str, group: str, steps: int, *,
         batch = TASK.batch(at).chunk(count)[index]
         if pause_at is not None and at == pause_at:
             _pause(run / f"{group}-rank{rank}-paused")
+        if die_at is not None and at == die_at and rank == 0 \
+                and not (run / f"{group}-died").exists():
+            _touch(run / f"{group}-died")  # once: the relaunched group trains on
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = step.step(batch, batch)
         applied = step.optimizer_step(optimizer)
         record = replicas.last

@@ -14,6 +14,10 @@ DiLoCo with the same groups at each sync). A whole-job restart resumes from a ch
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ pytest.importorskip("torchft")
 
 from tests import ft_workers
 from tests.ft_launch import Group, lighthouse, quorum_status, wait_for
+from tests.processes import MARK_ENV, kill_marked, new_mark
 
 RTOL, ATOL = 1.3e-6, 1e-5
 STEPS = 10
@@ -41,17 +46,16 @@ def _applied(run: Path, group: str) -> list[int]:
     return [r["step"] for r in _records(run, group) if r["applied"]]
 
 
-def _kill_and_heal(kind: str, run: Path, hold_at: int = HOLD_AT, save: bool = False) -> None:
+def _kill_and_heal(kind: str, run: Path, hold_at: int = HOLD_AT) -> None:
     """The scenario of the module for plan ``kind``: g0 and g1 start together; g1 stops
     inside step KILL_AT and is SIGKILLed; g0 trains on; g1 is launched again ("g1b"),
-    heals, and both finish STEPS steps; with ``save``, g0 saves a checkpoint at the end."""
+    heals, and both finish STEPS steps."""
     with lighthouse(log=run / "lighthouse.log") as address:
         plan = ft_workers.plan_text(kind, address)
         groups = [
             Group("g0", 2, ft_workers.train, (plan, str(run), "g0", STEPS), run,
                   {"REPLICA_GROUP_ID": "0"},
-                  {"wait_for": ("g1",), "hold_at": hold_at, "hold_for": "release",
-                   "save_to": str(run / "ckpt") if save else None}),
+                  {"wait_for": ("g1",), "hold_at": hold_at, "hold_for": "release"}),
             Group("g1", 2, ft_workers.train, (plan, str(run), "g1", STEPS), run,
                   {"REPLICA_GROUP_ID": "1"}, {"wait_for": ("g0",), "pause_at": KILL_AT}),
         ]
@@ -158,14 +162,6 @@ def _resume_whole_job(kind: str, run: Path, schedule: list[tuple[int, ...]]) -> 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_a_killed_group_is_dropped_then_heals_fsdp2(tmp_path: Path) -> None:
-    _kill_and_heal("fsdp2", tmp_path, save=True)
-    schedule = _check(tmp_path)
-    _resume_whole_job("fsdp2", tmp_path, schedule)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
 def test_a_killed_group_is_dropped_then_heals_hsdp_tp(tmp_path: Path) -> None:
     _kill_and_heal("hsdp_tp", tmp_path)
     _check(tmp_path, shards_per_group=1)
@@ -257,3 +253,51 @@ def test_when_the_lighthouse_dies_the_next_quorum_fails_naming_it(tmp_path: Path
             "FaultToleranceError: replica group 0: no quorum formed within 4 s (the ft "
             f"plugin's timeout): the lighthouse at {address} did not answer"), result
         assert result["steps"] >= 3 and result["after"] < 4.0 + 30, result
+
+
+def _torchrun(run: Path, name: str, group: int, mark: str, **train: Any
+              ) -> subprocess.Popen[bytes]:
+    """One launch of replica group ``group`` by torchrun itself (2 ranks, its own
+    rendezvous and store); ``name`` tells its files apart."""
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node=2", str(root / "tests" / "ft_torchrun.py"),
+            json.dumps({"rundir": str(run), "group": name, **train})]
+    env = {**os.environ, MARK_ENV: mark, "REPLICA_GROUP_ID": str(group),
+           "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    with (run / f"{name}-torchrun.log").open("ab") as log:  # the child keeps its copy
+        return subprocess.Popen(argv, env=env, cwd=root, stdout=log, stderr=log)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_killed_group_is_dropped_then_heals_fsdp2_under_torchrun(tmp_path: Path) -> None:
+    """The documented launch, one torchrun per replica group, FSDP2 inside each: rank 0
+    of group 1 SIGKILLs itself inside step KILL_AT, torchrun ends the group, group 0's
+    step is discarded and it trains on alone; group 1 is launched again (as a scheduler
+    or a restart loop does), heals from group 0 and both finish. Then the whole job
+    restarts from group 0's checkpoint."""
+    run, mark = tmp_path, new_mark()
+    try:
+        with lighthouse(log=run / "lighthouse.log") as address:
+            plan = ft_workers.plan_text("fsdp2", address)
+            g0 = _torchrun(run, "g0", 0, mark, plan=plan, steps=STEPS, wait_for=["g1"],
+                           hold_at=HOLD_AT, hold_for="release", save_to=str(run / "ckpt"))
+            first = _torchrun(run, "g1", 1, mark, plan=plan, steps=STEPS, wait_for=["g0"],
+                              die_at=KILL_AT)
+            assert first.wait(300) != 0  # torchrun ends a group that lost a rank
+            again = _torchrun(run, "g1b", 1, mark, plan=plan, steps=STEPS)
+            # While group 0 holds, the one group asking for a quorum is the relaunched one.
+            deadline = time.monotonic() + 400
+            while not ((run / "g0-holding").exists()
+                       and "only have 1 participants" in quorum_status(address)):
+                assert time.monotonic() < deadline and g0.poll() is None, (
+                    (run / "g0-torchrun.log").read_text()[-4000:])
+                time.sleep(0.2)
+            (run / "release").touch()
+            assert g0.wait(300) == 0, (run / "g0-torchrun.log").read_text()[-4000:]
+            assert again.wait(300) == 0, (run / "g1b-torchrun.log").read_text()[-4000:]
+    finally:
+        kill_marked(mark)
+    schedule = _check(run)
+    _resume_whole_job("fsdp2", run, schedule)
