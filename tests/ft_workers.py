@@ -35,6 +35,11 @@ TASK = LlamaTask(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64,
 LR = 0.01
 
 
+def lr_decay(step: int) -> float:
+    """The learning rate's factor at ``step`` (a scheduler healing groups must take too)."""
+    return 1.0 / (1.0 + 0.2 * step)
+
+
 def plan_text(kind: str, lighthouse: str, *, timeout: float = 60.0) -> str:
     """The plan file of a test: ``fsdp2`` (HSDP over the groups, FSDP2 inside), ``hsdp_tp``
     (HSDP alone over the groups, TP inside) or ``diloco`` (as fsdp2, DiLoCo every 2)."""
@@ -58,11 +63,12 @@ def train(plan_toml: str, rundir: str, group: str, steps: int, *,
           wait_for: tuple[str, ...] = (), pause_at: int | None = None,
           hold_at: int | None = None, hold_for: str | None = None,
           save_to: str | None = None, resume_from: str | None = None,
-          die_at: int | None = None) -> None:
+          die_at: int | None = None, schedule_lr: bool = True) -> None:
     """Train to ``steps`` (see the module); ``resume_from``: a checkpoint to start from
     (model, optimizer and torchft's step count, as a whole-job restart does);
     ``save_to``: where to save one at the end; ``die_at``: rank 0 SIGKILLs itself inside
-    that step's forward, the first time the group gets there."""
+    that step's forward, the first time the group gets there; ``schedule_lr``: a
+    learning-rate scheduler, tracked so that a healing group takes it too."""
     import torch
     import torch.distributed as dist
     from composer_par.plugins.ft import replica_group_of
@@ -80,9 +86,14 @@ def train(plan_toml: str, rundir: str, group: str, steps: int, *,
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     replicas = replica_group_of(model)
     assert replicas is not None and plan.notes["ft"] is replicas
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_decay) if schedule_lr else None
+    if scheduler is not None:
+        replicas.track("lr", scheduler)
     if resume_from is not None:
         info = checkpoint.load(resume_from, model, optimizer)
         replicas.load_state_dict(info.extra["ft"])
+        if scheduler is not None:
+            scheduler.load_state_dict(info.extra["lr"])
         assert replicas.step == info.step
     log = (run / f"{group}-rank{rank}.jsonl").open("a")
     _touch(run / f"{group}-ready") if rank == 0 else None
@@ -106,6 +117,8 @@ def train(plan_toml: str, rundir: str, group: str, steps: int, *,
             os.kill(os.getpid(), signal.SIGKILL)
         loss = step.step(batch, batch)
         applied = step.optimizer_step(optimizer)
+        if applied and scheduler is not None:
+            scheduler.step()
         record = replicas.last
         log.write(json.dumps({"step": at, "applied": applied, "loss": float(loss),
                               "quorum": attrs.asdict(record) if record else None}) + "\n")
@@ -113,7 +126,8 @@ def train(plan_toml: str, rundir: str, group: str, steps: int, *,
     _save_state(model, run / f"{group}-rank{rank}.pt")
     if save_to is not None:
         checkpoint.save(save_to, model, optimizer, step=replicas.step, plan=plan,
-                        extra={"ft": replicas.state_dict()})
+                        extra={"ft": replicas.state_dict(),
+                               "lr": scheduler.state_dict() if scheduler else None})
     replicas.shutdown()
 
 
@@ -183,6 +197,7 @@ def reference(schedule: list[tuple[int, ...]], groups: int, shards_per_group: in
         model = TASK.build()
     model = ParallelPlan(MeshSpec()).use(MetaInit(seed=7)).apply(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_decay)
     losses = []
     count = groups * shards_per_group
     for at, participants in enumerate(schedule):
@@ -194,6 +209,7 @@ def reference(schedule: list[tuple[int, ...]], groups: int, shards_per_group: in
                             for r in range(shards_per_group)])
         _loss(model(picked), picked).backward()
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
     from composer_par.blocks import clean_name
 

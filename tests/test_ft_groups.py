@@ -50,14 +50,17 @@ def _kill_and_heal(kind: str, run: Path, hold_at: int = HOLD_AT) -> None:
     """The scenario of the module for plan ``kind``: g0 and g1 start together; g1 stops
     inside step KILL_AT and is SIGKILLed; g0 trains on; g1 is launched again ("g1b"),
     heals, and both finish STEPS steps."""
+    # A learning-rate scheduler (tracked, healed with the model) except under DiLoCo,
+    # whose reference keeps the inner learning rate fixed.
+    lr = {"schedule_lr": kind != "diloco"}
     with lighthouse(log=run / "lighthouse.log") as address:
         plan = ft_workers.plan_text(kind, address)
         groups = [
             Group("g0", 2, ft_workers.train, (plan, str(run), "g0", STEPS), run,
                   {"REPLICA_GROUP_ID": "0"},
-                  {"wait_for": ("g1",), "hold_at": hold_at, "hold_for": "release"}),
+                  {"wait_for": ("g1",), "hold_at": hold_at, "hold_for": "release", **lr}),
             Group("g1", 2, ft_workers.train, (plan, str(run), "g1", STEPS), run,
-                  {"REPLICA_GROUP_ID": "1"}, {"wait_for": ("g0",), "pause_at": KILL_AT}),
+                  {"REPLICA_GROUP_ID": "1"}, {"wait_for": ("g0",), "pause_at": KILL_AT, **lr}),
         ]
         try:
             wait_for(lambda: all((run / f"g1-rank{r}-paused").exists() for r in range(2)),
@@ -66,7 +69,7 @@ def _kill_and_heal(kind: str, run: Path, hold_at: int = HOLD_AT) -> None:
             wait_for(lambda: len(_applied(run, "g0")) >= KILL_AT + 2,
                      "group 0 to train on alone", 240, (groups[0],))
             groups.append(Group("g1b", 2, ft_workers.train, (plan, str(run), "g1b", STEPS),
-                                run, {"REPLICA_GROUP_ID": "1"}))
+                                run, {"REPLICA_GROUP_ID": "1"}, lr))
             # While group 0 holds, the one group asking for a quorum is the restarted one.
             wait_for(lambda: (run / "g0-holding").exists()
                      and "only have 1 participants" in quorum_status(address),
