@@ -1,7 +1,7 @@
 """A replica group's training script as torchrun runs it (tests/test_ft_groups.py):
 ``torchrun ... tests/ft_torchrun.py ARGS_JSON``, with REPLICA_GROUP_ID and the plan's
 lighthouse set by the test. Calls :func:`tests.ft_workers.train` with the JSON's keyword
-arguments."""
+arguments; torchrun's restart N of the group trains as the group's name + "b" * N."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     args = json.loads(sys.argv[1])
+    # torchrun's restarts of the group (--max-restarts) write files of their own: g1b.
+    group = args.pop("group") + "b" * int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    ft_workers.train(args.pop("plan"), args.pop("rundir"), args.pop("group"),
-                     args.pop("steps"), **args)
+    ft_workers.train(args.pop("plan"), args.pop("rundir"), group, args.pop("steps"), **args)
     sys.stdout.flush()
     sys.stderr.flush()
     # torchft's manager server and transports hold threads: leave without joining them.

@@ -120,26 +120,6 @@ def _store(option: str | None) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _clear_stale_manager(host: str, port: int, rank: int, timeout: timedelta) -> None:
-    """Drop the manager address an earlier incarnation of this group left in its store.
-
-    torchft's manager meets its group in the launch's TCPStore: rank 0 writes its
-    server's address there and the other ranks read it. torchrun keeps one store across
-    the restarts it makes (``--max-restarts``), so after a restart the old, dead
-    address is still there and a rank could read it before the new rank 0 writes its
-    own. Rank 0 deletes it, and no rank goes on before it has."""
-    import torch.distributed as dist
-    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
-
-    if rank == 0:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout,
-                              wait_for_workers=False)
-        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
-            store.delete_key(key)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 class ReplicaGroup:
     """This process's part of its replica group (see the module)."""
 
@@ -156,7 +136,6 @@ class ReplicaGroup:
         host, port = _store(settings.store)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        _clear_stale_manager(host, port, rank, settings.timeout)
         pg = (ProcessGroupNCCL(timeout=settings.timeout) if device.type == "cuda"
               else ProcessGroupGloo(timeout=settings.timeout))
         self.models: list[nn.Module] = []
