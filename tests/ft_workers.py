@@ -314,6 +314,9 @@ def train_until_it_fails(plan_toml: str, rundir: str, group: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     replicas = replica_group_of(model)
     assert replicas is not None
+    # The ranks start together: the short timeout is for the lighthouse, not for a rank
+    # that is slower to apply on a loaded machine.
+    dist.barrier()
     last = time.monotonic()
     try:
         while True:

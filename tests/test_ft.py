@@ -241,3 +241,37 @@ def test_a_healing_group_takes_only_plain_state_of_its_own_layout() -> None:
         load_model_state([torch.nn.Linear(3, 2, bias=False)], sent["models"])
     with pytest.raises(TypeError, match=r"state\['x'\] is a Linear"):
         _plain_leaves({"x": source})
+
+
+def test_a_heal_compares_the_groups_layouts() -> None:
+    torch = pytest.importorskip("torch")
+    from composer_par.plugins.ft.state import ReplicaLayoutError, check_layout, layout
+
+    model = torch.nn.Linear(3, 2)
+    mine = layout((("dp_replicate", 1), ("dp_shard", 2)), [model])
+    assert mine == {"mesh": [["dp_replicate", 1], ["dp_shard", 2]],
+                    "placements": {"0:weight": "whole", "0:bias": "whole"}}
+    check_layout(mine, mine)
+    with pytest.raises(ReplicaLayoutError, match=r"launch mesh is \[\['dp_replicate', 1\], "
+                                                  r"\['tp', 2\]\], this group's"):
+        check_layout({**mine, "mesh": [["dp_replicate", 1], ["tp", 2]]}, mine)
+    other = {**mine, "placements": {**mine["placements"],
+                                    "0:weight": "('tp',) ('Shard(dim=0)',)"}}
+    with pytest.raises(ReplicaLayoutError, match=r"weight: the live group splits it as "
+                                                  r"\('tp',\) \('Shard\(dim=0\)',\), this "
+                                                  r"group as whole \(1 tensor\(s\) differ\)"):
+        check_layout(other, mine)
+
+
+def test_the_estimate_takes_one_launchs_world_size() -> None:
+    from composer_par.estimate import EstimateError
+
+    plan = (ParallelPlan(MeshSpec(dp_replicate=4, dp_shard=8)).use(HSDP()).use(FSDP2())
+            .use(FaultTolerance()).use(MetaInit()))
+    model = ModelShape.from_numbers(params=10_000_000, layers=4, hidden=256, heads=4,
+                                    vocab=1000)
+    assert estimate_plan(plan, model, Workload(seq=128), world_size=8).layout.mesh == (
+        MeshSpec(dp_replicate=4, dp_shard=8))
+    with pytest.raises(EstimateError, match=r"dp_replicate: separate launches; the world "
+                                            r"size is one launch's"):
+        estimate_plan(plan, model, Workload(seq=128), world_size=32)

@@ -191,7 +191,8 @@ class FaultTolerance(Plugin):
         ctx = setup.ctx
         runtime = ctx.notes.get(NOTE)
         if runtime is None:
-            runtime = ctx.notes[NOTE] = ReplicaGroup(self._settings(ctx.plan), setup.device)
+            settings = attrs.evolve(self._settings(ctx.plan), mesh=ctx.mesh.dims)
+            runtime = ctx.notes[NOTE] = ReplicaGroup(settings, setup.device)
         return runtime.reduce  # type: ignore[no-any-return]
 
     def _settings(self, plan: PlanView) -> ReplicaSettings:

@@ -34,6 +34,8 @@ import attrs
 from .lighthouse import lighthouse_address, wait_for_lighthouse
 from .state import (
     ReplicaLayoutError,
+    check_layout,
+    layout,
     load_model_state,
     load_optimizer_state,
     local_state_optimizer,
@@ -75,6 +77,8 @@ class ReplicaSettings:
     timeout: timedelta
     store: str | None = None
     hostname: str | None = None
+    # One launch's mesh, (dim, size) outermost first: part of what a heal compares.
+    mesh: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.define
@@ -204,8 +208,9 @@ class ReplicaGroup:
             raise FaultToleranceError(
                 f"replica group {settings.index}: no quorum formed within "
                 f"{settings.timeout.total_seconds():g} s (the ft plugin's timeout): the "
-                f"lighthouse at {settings.lighthouse} did not answer (is it running?), or it "
-                "waited for replica groups that neither joined nor died; torchft said: "
+                f"lighthouse at {settings.lighthouse} did not answer (is it running?), or "
+                "the quorum waited for ranks or replica groups that neither joined nor died; "
+                "torchft said: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from exc
         self.last = StepRecord(self.manager.current_step(), self.manager.num_participants(),
@@ -276,11 +281,13 @@ class ReplicaGroup:
         import torch
 
         with torch.no_grad():
-            return {"models": model_state(self.models),
+            return {"layout": layout(self.settings.mesh, self.models),
+                    "models": model_state(self.models),
                     "optimizers": [optimizer_state(o) for o in self.optimizers],
                     "tracked": {k: v.state_dict() for k, v in self.tracked.items()}}
 
     def _load(self, sent: Mapping[str, Any]) -> None:
+        check_layout(sent.get("layout"), layout(self.settings.mesh, self.models))
         load_model_state(self.models, sent["models"])
         optimizers = list(sent["optimizers"])
         # A live group that has not stepped yet sends no optimizer: nothing to take. A

@@ -57,6 +57,41 @@ def load_model_state(models: Iterable[nn.Module], sent: list[dict[str, Any]]) ->
                 local_part(tensor).copy_(_checked(values[name], local_part(tensor), name))
 
 
+def layout(mesh: Iterable[tuple[str, int]], models: Iterable[nn.Module]) -> dict[str, Any]:
+    """What a group's state means: its launch mesh and, per tensor, the mesh dims and
+    placements it is split by. Equal local shapes can hold different parts of a tensor
+    (rows split over one dim in one group, over another in the next), so a heal compares
+    this too."""
+    from torch.distributed.tensor import DTensor
+
+    placements = {}
+    for part, model in enumerate(models):
+        for name, tensor in _tensors(model):
+            placements[f"{part}:{name}"] = (
+                f"{tensor.device_mesh.mesh_dim_names} {tuple(map(str, tensor.placements))}"
+                if isinstance(tensor, DTensor) else "whole")
+    return {"mesh": [[name, size] for name, size in mesh], "placements": placements}
+
+
+def check_layout(sent: Any, mine: dict[str, Any]) -> None:
+    """ReplicaLayoutError naming the difference unless a live group's :func:`layout`
+    equals this group's."""
+    if sent == mine:
+        return
+    if not isinstance(sent, dict) or sent.get("mesh") != mine["mesh"]:
+        theirs = sent.get("mesh") if isinstance(sent, dict) else sent
+        raise ReplicaLayoutError(
+            f"the live group's launch mesh is {theirs}, this group's {mine['mesh']}: every "
+            "replica group must run the same plan on the same number of ranks")
+    differing = sorted(k for k in set(sent["placements"]) | set(mine["placements"])
+                       if sent["placements"].get(k) != mine["placements"].get(k))
+    first = differing[0]
+    raise ReplicaLayoutError(
+        f"{first.partition(':')[2]}: the live group splits it as "
+        f"{sent['placements'].get(first)}, this group as {mine['placements'].get(first)} "
+        f"({len(differing)} tensor(s) differ): every replica group must run the same plan")
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with each tensor as its local part."""
     full = optimizer.state_dict()
@@ -143,5 +178,6 @@ def local_state_optimizer(cls: type) -> type:
     return LocalState
 
 
-__all__ = ["ReplicaLayoutError", "load_model_state", "load_optimizer_state",
-           "local_part", "local_state_optimizer", "model_state", "optimizer_state"]
+__all__ = ["ReplicaLayoutError", "check_layout", "layout", "load_model_state",
+           "load_optimizer_state", "local_part", "local_state_optimizer", "model_state",
+           "optimizer_state"]

@@ -100,6 +100,10 @@ class Layout:
         # The world size is one launch's (every process's, without launch dims).
         problem = plan.launch_mesh().check_world_size(world)
         if problem:
+            spanning = [d.dim for d in plan.launch_dims()]
+            if spanning:
+                problem += (f" ({', '.join(spanning)}: separate launches; the world size is "
+                            "one launch's)")
             raise EstimateError(problem)
         try:
             mesh = plan.resolved_mesh(world)
