@@ -56,7 +56,7 @@ from composer_par.plugin import (
     ordering_option,
 )
 
-from .estimate import replica_estimate
+from .estimate import plan_estimate
 from .findings import CATALOG, plan_findings
 from .lighthouse import LIGHTHOUSE_ENV, LighthouseUnreachable, lighthouse_address, normalize
 from .runtime import (
@@ -244,15 +244,7 @@ class FaultTolerance(Plugin):
 
     @hookimpl
     def composer_par_estimate(self, layout: Any, model: Any) -> EstimatePart:
-        tp, shard = layout.tensor_parallel_size(), layout.shard_size()
-        local = (sum(g.local_numel(tp, shard) * g.count for g in model.groups)
-                 if model.groups else -(-model.params // (tp * shard)))
-        tensors = (sum(len(g.tensors) * g.count for g in model.groups) if model.groups
-                   else max(1, model.layers * (model.matrices_per_block or 1)))
-        groups = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
-        return replica_estimate(self.dim, groups=groups, method=self.method,
-                                sync_every=self.sync_every, local_params=local,
-                                tensors=tensors)
+        return plan_estimate(self.dim, self.method, self.sync_every, layout, model)
 
     # -- apply and the training step -----------------------------------------------------
 

@@ -16,6 +16,8 @@ Pure arithmetic: no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from composer_par.plugin import Collective, EstimatePart
 
 # The bytes of one parameter element as torchft averages it (the parameters' dtype:
@@ -56,4 +58,19 @@ def replica_estimate(dim: str, *, groups: int, method: str, sync_every: int,
                         notes=tuple(notes))
 
 
-__all__ = ["PARAM_BYTES", "replica_estimate"]
+def plan_estimate(dim: str, method: str, sync_every: int, layout: Any, model: Any
+                  ) -> EstimatePart:
+    """:func:`replica_estimate` for a plan's ``layout`` and ``model`` shape (what the
+    ``composer_par_estimate`` hook is given): the elements and tensors of parameters one
+    rank holds."""
+    tp, shard = layout.tensor_parallel_size(), layout.shard_size()
+    local = (sum(g.local_numel(tp, shard) * g.count for g in model.groups)
+             if model.groups else -(-model.params // (tp * shard)))
+    tensors = (sum(len(g.tensors) * g.count for g in model.groups) if model.groups
+               else max(1, model.layers * (model.matrices_per_block or 1)))
+    groups = layout.mesh.size(dim) if dim in layout.mesh else 1
+    return replica_estimate(dim, groups=groups, method=method, sync_every=sync_every,
+                            local_params=local, tensors=tensors)
+
+
+__all__ = ["PARAM_BYTES", "plan_estimate", "replica_estimate"]
