@@ -14,6 +14,7 @@ through torchft's checkpoint transport (not from disk) and trains on::
     step = plan.training_step(model, loss_fn)
     replicas = replica_group_of(model)  # also plan.notes["ft"]
     while replicas.step < steps:
+        step.begin()                    # the quorum: a healing group takes its peers' step
         inputs, targets = batch(replicas.step)     # this rank's shard: plan.data_shard()
         step.step(inputs, targets)
         step.optimizer_step(optimizer)  # False: discarded (a group died); the same batch again
