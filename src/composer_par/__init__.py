@@ -20,6 +20,7 @@ from composer_par.plugins.cp import CP
 from composer_par.plugins.ep import EP
 from composer_par.plugins.float8 import Float8
 from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
+from composer_par.plugins.ft import FaultTolerance
 from composer_par.plugins.hsdp import HSDP
 from composer_par.plugins.load_checkpoint import LoadCheckpoint
 from composer_par.plugins.load_safetensors import LoadSafetensors
@@ -46,6 +47,7 @@ __all__ = [
     "Compile",
     "Declaration",
     "Explanation",
+    "FaultTolerance",
     "Finding",
     "Float8",
     "LoadCheckpoint",

@@ -5,8 +5,15 @@
     for inputs, targets in batches:                # this rank's shard (plan.data_shard())
         loss = step.step(inputs, targets)           # forward, loss, backward
         step.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        step.optimizer_step(optimizer)              # optimizer.step(), then zero_grad()
+
+``optimizer_step`` steps the optimizer unless a plugin discards the step (fault-tolerant
+replica groups: the quorum of groups decides, see docs/fault-tolerance.md); it returns
+whether the step applied, so a loop whose step was discarded runs the same batch again.
+A plan without such a plugin always applies: ``optimizer.step(); optimizer.zero_grad()``
+does the same there. Where a plugin can move the step count (a replica group that heals
+takes its peers'), ``step.begin()`` runs the plugins' step-begin hooks before the batch
+is chosen.
 
 The loop is the same with or without a pipeline. Without one, ``step`` calls the model
 on the batch and backpropagates the loss. With one (``plan.pipeline``), the plugin's
@@ -152,6 +159,7 @@ class TrainingStep:
         # Whether a step's forwards made auxiliary losses (a router's balancing loss):
         # such a loss is taken per microbatch, which a comparison must match.
         self.aux_losses_seen = False
+        self._begun = False  # begin() ran for the step not yet run
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
@@ -178,6 +186,10 @@ class TrainingStep:
         """
         from composer_par.aux_loss import collect_aux_losses
 
+        # A replica group that heals in begin() takes its peers' state, which the replica
+        # check then sees.
+        self.begin()
+        self._begun = False  # the next step begins anew
         every = self.check_replicas_every
         if every is not None and self.steps % every == 0:
             self.check_replicas()
@@ -209,6 +221,27 @@ class TrainingStep:
         # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
         extra = None if aux_total is None else aux_total.to(local.device) / microbatches
         return self._global_mean(local, count, extra)
+
+    def begin(self) -> None:
+        """Run the plugins' step-begin hooks now (``composer_par_step_begin``), before
+        the step's batch is chosen; :meth:`step` then does not run them again (without
+        this call it runs them first). A fault-tolerant plugin forms the step's quorum
+        here, and a replica group that heals takes its peers' step count, which decides
+        the batch."""
+        if not self._begun:
+            self.plan.hooks.step_begin(self.model)
+            self._begun = True
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless a plugin discards this step
+        (``composer_par_step_commit``: a fault-tolerant quorum that lost a replica group
+        mid-step), then ``optimizer.zero_grad()`` either way. Returns whether the step
+        applied; every rank of a launch gets the same answer."""
+        applied = self.plan.hooks.step_commit(self.model, optimizer)
+        if applied:
+            optimizer.step()
+        optimizer.zero_grad()
+        return applied
 
     def _accumulated_step(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
                           ) -> tuple[torch.Tensor, float]:

@@ -67,7 +67,7 @@ def communication(
     abytes = bytes_of(dtype)
     ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
     replaced = {d for who, part in parts if part.collectives is not None
-                for d in _claimed_dims(layout, who)}
+                for d in (*_claimed_dims(layout, who), *part.replaces)}
     collectives: list[Collective] = []
     for _, part in parts:
         if part.collectives is not None and stage is None:

@@ -81,7 +81,9 @@ class EstimatePart:
     """What a plugin's ``composer_par_estimate`` hook returns.
 
     ``collectives``: when not None, replaces the built-in estimate of the mesh dims this
-    plugin claims (an empty tuple: no communication there). ``memory``: extra per-rank
+    plugin claims and of those in ``replaces`` (an empty tuple: no communication there;
+    ``replaces`` names dims another plugin owns whose collectives this one changes, as a
+    comm hook does). ``memory``: extra per-rank
     bytes by name (e.g. a plugin's own buffers). ``activation_checkpoint``: the
     activation policy the plugin applies ("none", "selective" or "full"), if it decides it.
     ``pipeline``: the model cut into stages along a mesh dim (at most one plugin of a
@@ -93,6 +95,7 @@ class EstimatePart:
     activation_checkpoint: str | None = None
     pipeline: EstimatePipeline | None = None
     notes: tuple[str, ...] = ()
+    replaces: tuple[str, ...] = ()
 
 
 def plugin_parts(

@@ -35,7 +35,7 @@ import pluggy
 
 from composer_par.findings import CURRENT_PLUGIN, Finding
 from composer_par.plugin import hookspecs
-from composer_par.plugin.base import PROJECT, Declaration, FoldedDim, Plugin, Stage
+from composer_par.plugin.base import PROJECT, Declaration, FoldedDim, LaunchDim, Plugin, Stage
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -205,6 +205,13 @@ class HookCaller:
             out.extend(f for f in answer if f.dim not in {o.dim for o in out})
         return out
 
+    def launch_dims(self) -> list[LaunchDim]:
+        """Every plugin's launch dims, once each (the first answer for a dim kept)."""
+        out: list[LaunchDim] = []
+        for _, answer in self.answers("composer_par_launch_dims"):
+            out.extend(d for d in answer if d.dim not in {o.dim for o in out})
+        return out
+
     def shard_apart(self, model: nn.Module) -> list[Any]:
         """Every plugin's ``ShardApart`` answers for ``model``, in plan order."""
         return [a for _, answer in self.answers("composer_par_shard_apart", model=model)
@@ -217,6 +224,16 @@ class HookCaller:
             for hook in answer:
                 out.append(hook if hook.plugin else attrs.evolve(hook, plugin=self.name_of(plugin)))
         return out
+
+    def step_begin(self, model: nn.Module) -> None:
+        """Every plugin's ``composer_par_step_begin``, in plan order."""
+        self.call("composer_par_step_begin", model=model)
+
+    def step_commit(self, model: nn.Module, optimizer: Any) -> bool:
+        """Whether every plugin lets this step apply (no answer is False); every plugin is
+        asked, in plan order."""
+        answers = self.answers("composer_par_step_commit", model=model, optimizer=optimizer)
+        return all(answer is not False for _, answer in answers)
 
     def block_specs(self) -> list[tuple[str, BlockSpec]]:
         return [(self.name_of(p), spec) for p, spec in self.answers("composer_par_block_spec")]
