@@ -72,6 +72,14 @@ def test_each_rule_finds_its_plan(code: str) -> None:
     assert found[0].severity is rule.severity
 
 
+def test_an_inferred_size_is_refused_when_the_world_size_would_resolve_it() -> None:
+    # In a job the mesh is resolved on the launch's world size before the plugins check
+    # it: a dim inside a group sized -1 must still be refused (CP973), not sized anew by
+    # every relaunch.
+    plan = ParallelPlan.from_toml(plan_text("dp_replicate = 2\ndp_shard = -1"))
+    assert "CP973" in plan.validate(world_size=2).codes()
+
+
 def test_a_good_plan_has_no_findings_and_its_catalog_examples_find_their_codes() -> None:
     assert ParallelPlan.from_toml(plan_text(GOOD, "group = 1\nmin_replicas = 2\n")).validate(
         world_size=2).findings == ()

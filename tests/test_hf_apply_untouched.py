@@ -835,6 +835,47 @@ def _same(a: Any, b: Any) -> bool:
 # -- the tests ----------------------------------------------------------------------------
 
 
+# -- the cases: fault-tolerant replica groups (ft) -----------------------------------------
+
+
+def _ft(world: World, mesh: MeshSpec, hsdp: bool = True, **options: Any) -> ParallelPlan:
+    from composer_par.plugins.ft import FaultTolerance
+
+    world(2)  # one replica group's launch: the dims other than dp_replicate
+    plan = ParallelPlan(mesh).use(HSDP()) if hsdp else ParallelPlan(mesh)
+    return plan.use(FSDP2()).use(FaultTolerance(**options))
+
+
+@case("CP971")
+def _cp971(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_shard=2, dp_replicate=2)), llama()
+
+
+@case("CP972")
+def _cp972(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), hsdp=False), llama()
+
+
+@case("CP973")
+def _cp973(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=-1)), llama()
+
+
+@case("CP974")
+def _cp974(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), min_replicas=3), llama()
+
+
+@case("CP975")
+def _cp975(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), group=2), llama()
+
+
+@case("CP976")
+def _cp976(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), method="ddp", sync_every=8), llama()
+
+
 def _error_codes() -> set[str]:
     """The catalog's error codes, but the trainer integrations' (CP7xx: Lightning's and
     Accelerate's strategies refuse their own settings when they are built, before a plan

@@ -224,7 +224,9 @@ class FaultTolerance(Plugin):
 
     @hookimpl
     def composer_par_validate_plan(self, plan: PlanView, mesh: MeshSpec) -> list[Finding]:
-        return plan_findings(self.dim, mesh, plan.declarations(),
+        # The mesh as the plan states it: ``mesh`` is resolved on the world size where it
+        # fits, and a -1 there (CP973) would be gone.
+        return plan_findings(self.dim, plan.mesh, plan.declarations(),
                              min_replicas=self.min_replicas,
                              group=self.group if self.group is not None else _env_group(),
                              method=self.method, sync_every=self.sync_every)

@@ -356,7 +356,8 @@ class ParallelPlan:
         if allocation is not None:
             findings += allocation_findings(
                 launch, wanted, allocation,
-                lambda t: [*topology_rules(launch, t, decls, folded), *hooks.validate_plan(mesh, t)])
+                lambda t: [*topology_rules(launch, t, decls, folded),
+                           *hooks.validate_plan(mesh, t)])
         blocks: list[Block] = []
         if model is not None:
             spec = block_specs[0][1] if block_specs else None
