@@ -116,7 +116,7 @@ from composer_par.dtypes import DtypeError, dtype_bytes, dtype_name
 # The estimator's modules import composer_par.plugin.base, not this package: no cycle.
 from composer_par.estimate.collectives import Collective
 from composer_par.estimate.layout import run_nodes
-from composer_par.estimate.memory import optimizer_bytes
+from composer_par.estimate.memory import held_elements, optimizer_bytes
 from composer_par.estimate.model_shape import ModelShape, ParamGroup
 from composer_par.estimate.parts import (
     ComputeTerm,
@@ -241,6 +241,7 @@ __all__ = [
     "dtype_option",
     "format_bytes",
     "format_count",
+    "held_elements",
     "hookimpl",
     "import_string_findings",
     "int_option",
