@@ -332,6 +332,9 @@ def test_moe_fields_of_the_project_moe_llama() -> None:
 
 
 @pytest.mark.parametrize(("name", "total", "active"), [
+    ("llama3-8b", 8.03e9, 8.03e9),
+    ("llama3-70b", 70.6e9, 70.6e9),
+    ("llama3-405b", 405.9e9, 405.9e9),
     ("mixtral-8x7b", 46.7e9, 12.9e9),
     ("qwen3-30b-a3b", 30.5e9, 3.3e9),
     ("deepseek-v3", 671e9, 37e9),
