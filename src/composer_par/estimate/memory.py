@@ -147,10 +147,11 @@ def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, dispatched: bool
     fixed = (moe.num_experts * 4 + k * (_PAIR_INDEX_BYTES_EP if dispatched
                                         else _PAIR_INDEX_BYTES)) / dtype_bytes
     f = model.ffn_hidden or 4 * h
-    dense = model.layers - moe.moe_layers
+    moe_blocks = model.moe_blocks
+    dense = model.layers - moe_blocks
     layers = max(1, model.layers)
-    full = (dense * 4 * f / t + moe.moe_layers * (routed + fixed)) / layers
-    selective = (dense * (2 * f / t + h) + moe.moe_layers * (routed_selective + fixed)) / layers
+    full = (dense * 4 * f / t + moe_blocks * (routed + fixed)) / layers
+    selective = (dense * (2 * f / t + h) + moe_blocks * (routed_selective + fixed)) / layers
     return full, selective, fixed
 
 

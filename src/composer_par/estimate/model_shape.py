@@ -146,6 +146,16 @@ class ModelShape:
         return self.vocab * self.hidden if self.vocab else 0
 
     @property
+    def moe_blocks(self) -> int:
+        """The blocks with routed experts in this shape (a pipeline stage's own; 0 for a
+        dense model): those holding experts tensors, or whose experts were set apart."""
+        if self.moe is None:
+            return 0
+        if not any(g.experts_numel for g in self.groups):
+            return min(self.moe.moe_layers, self.layers)  # a shape that names no tensors
+        return sum(g.count for g in self.groups if g.block and g.experts_numel)
+
+    @property
     def dispatched(self) -> bool:
         """Whether routed experts are held apart from their blocks on other ranks, so each
         routed (token, slot) pair travels to its expert and back."""

@@ -105,11 +105,24 @@ def _activations(
     held = max((sum(n * b for n, b in zip(moment, per_stage, strict=True))
                 for moment in rank.held), default=0)
     if mode == "full" and any(s.model.layers // every for s in rank.stages):
-        one = next(s.model for s in rank.stages if s.model.layers)
-        held += activation_bytes(attrs.evolve(one, layers=1, vocab=None), workload, dtype,
-                                 tp=tp, sequence_parallel=sp, loss_parallel=lp, mode="none",
-                                 dispatched=one.dispatched)
+        # one block's activations while it is recomputed: the heaviest of the rank's
+        held += max(activation_bytes(one, workload, dtype, tp=tp, sequence_parallel=sp,
+                                     loss_parallel=lp, mode="none", dispatched=one.dispatched)
+                    for s in rank.stages for one in _single_blocks(s.model))
     return held
+
+
+def _single_blocks(model: ModelShape) -> list[ModelShape]:
+    """Each kind of block of ``model`` as a model of that one block (with the experts set
+    apart from it)."""
+    out = []
+    for g in model.groups:
+        if g.block and not g.apart:
+            partners = [attrs.evolve(a, count=1) for a in model.groups
+                        if a.apart and a.parent == g.name]
+            out.append(attrs.evolve(model, layers=1, vocab=None,
+                                    groups=(attrs.evolve(g, count=1), *partners)))
+    return out
 
 
 def rank_terms(per_stage: Sequence[Sequence[tuple[str, MemoryTerm]]]
