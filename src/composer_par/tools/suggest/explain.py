@@ -62,7 +62,10 @@ def reason_lost(r: Ranked, best: Ranked | None, device_memory: int) -> str:
         return (f"as fast and as much recomputation, more memory "
                 f"({format_bytes(est.memory.total)} vs "
                 f"{format_bytes(best.estimate.memory.total)})")
-    return "as fast: its plan file does not validate, or it comes later"
+    if est.seconds > best.estimate.seconds:
+        return (f"as fast, as much recomputation and memory, more communication "
+                f"({format_seconds(est.seconds)} vs {format_seconds(best.estimate.seconds)})")
+    return "as fast: its plan file does not validate"
 
 
 def _alternatives(best: Ranked, pick: Pick, results: Sequence[Ranked]) -> list[Ranked]:

@@ -92,12 +92,13 @@ class Suggestion:
 
 def seconds(r: Ranked) -> float:
     """The step time to 3 significant digits: closer than that is a tie, broken by the
-    layouts' preference (less recomputation), then by memory."""
+    layouts' preference (less recomputation), then by memory, then by the communication
+    (hidden or not: it still takes links and power)."""
     return float(f"{r.seconds:.3g}")
 
 
-def rank_key(r: Ranked) -> tuple[float, int, int]:
-    return (seconds(r), r.candidate.preference, r.estimate.memory.total)
+def rank_key(r: Ranked) -> tuple[float, int, int, float]:
+    return (seconds(r), r.candidate.preference, r.estimate.memory.total, r.estimate.seconds)
 
 
 def _plan(candidate: Candidate, topology: Topology, registry: Registry) -> Any:
