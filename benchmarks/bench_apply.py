@@ -93,9 +93,10 @@ COUNTED = {**ARMS, "none": build}
 
 def start_fake_world(ranks: int) -> None:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    from composer_par.plugin import torch_private
+
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=torch_private.fake_store()())
 
 
 def cpu_times(args: argparse.Namespace) -> None:

@@ -372,6 +372,39 @@ def _counted_step(side: _Side, batch: Any, mesh: Any = None) -> dict[str, Any]:
     return out
 
 
+def side_by_side(sides: dict[str, _Side], batches: list[Any], weights: dict[str, Any], *,
+                 steps: int, warmup: int, repeats: int, hf_names: tuple[bool, bool] = (
+                     False, False), mesh: Any = None) -> dict[str, Any]:
+    """Two sides (the other first, composer_par second) trained the same ``steps`` from
+    the same ``weights``: their losses, the largest difference of their parameters and of
+    the other side's from where it started, one step's collectives each (per mesh dim
+    with ``mesh``), then ``repeats`` timed steps each after ``warmup``, alternating which
+    side goes first. ``hf_names``: whether each side's parameters carry Hugging Face
+    names (turned into torchtitan's to compare)."""
+    for step in range(steps):
+        for side in sides.values():
+            side.step(batches[step])
+    record: dict[str, Any] = {"losses": {n: list(s.losses) for n, s in sides.items()}}
+    other, ours = sides.values()
+    theirs = _full_params(other.model, hf_names=hf_names[0])
+    mine = _full_params(ours.model, hf_names=hf_names[1])
+    if sorted(theirs) != sorted(mine):
+        raise AssertionError(f"parameters differ in name: {sorted(theirs)} vs {sorted(mine)}")
+    record["param_diff"] = max(float((mine[n] - theirs[n]).abs().max()) for n in theirs)
+    record["changed"] = max(float((theirs[n] - weights[n]).abs().max()) for n in theirs)
+    record["counts"] = {n: _counted_step(s, batches[0], mesh=mesh) for n, s in sides.items()}
+    record["times"] = {n: [] for n in sides}
+    for _ in range(warmup):
+        for side in sides.values():
+            side.step(batches[0])
+    timed = _dense_bench()._timed_step
+    for repeat in range(repeats):
+        order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+        for name in order:
+            record["times"][name].append(timed(sides[name], batches[repeat % len(batches)]))
+    return record
+
+
 def _full_params(model: Any, hf_names: bool) -> dict[str, Any]:
     """Every full parameter (gathered) under torchtitan's names."""
     import torch
@@ -428,29 +461,8 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
                                  f"composer_par {cp_shard}")
         sides = {"torchtitan": _Side(tt_model, tt_shard, summed=True),
                  "composer_par": _Side(cp_model, cp_shard, summed=False)}
-        # The losses compared: the first `steps` steps, from the same weights.
-        for step in range(steps):
-            for side in sides.values():
-                side.step(batches[step])
-        record: dict[str, Any] = {"losses": {n: list(s.losses) for n, s in sides.items()}}
-        theirs = _full_params(tt_model, hf_names=False)
-        mine = _full_params(cp_model, hf_names=True)
-        if sorted(theirs) != sorted(mine):
-            raise AssertionError(f"parameters differ in name: {sorted(theirs)} vs "
-                                 f"{sorted(mine)}")
-        record["param_diff"] = max(float((mine[n] - theirs[n]).abs().max()) for n in theirs)
-        record["changed"] = max(float((theirs[n] - weights[n]).abs().max()) for n in theirs)
-        record["counts"] = {n: _counted_step(s, batches[0]) for n, s in sides.items()}
-        record["times"] = {n: [] for n in sides}
-        for _ in range(warmup):
-            for side in sides.values():
-                side.step(batches[0])
-        timed = _dense_bench()._timed_step
-        for repeat in range(repeats):
-            order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
-            for name in order:
-                record["times"][name].append(timed(sides[name], batches[repeat % len(batches)]))
-        out[layout] = record
+        out[layout] = side_by_side(sides, batches, weights, steps=steps, warmup=warmup,
+                                   repeats=repeats, hf_names=(False, True))
         del sides, tt_model, cp_model
     return out
 

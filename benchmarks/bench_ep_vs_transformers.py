@@ -163,33 +163,8 @@ def _rank_main(layouts: list[str], layers: int, dim: int, experts: int, top_k: i
                                      f"composer_par {cp_shard}")
             sides = {"transformers": shared._Side(hf_model, hf_shard, summed=False),
                      "composer_par": shared._Side(cp_model, cp_shard, summed=False)}
-            for step in range(steps):
-                for side in sides.values():
-                    side.step(batches[step])
-            record: dict[str, Any] = {"losses": {n: list(s.losses)
-                                                 for n, s in sides.items()}}
-            theirs = shared._full_params(hf_model, hf_names=False)
-            mine = shared._full_params(cp_model, hf_names=False)
-            if sorted(theirs) != sorted(mine):
-                raise AssertionError(f"parameters differ in name: {sorted(theirs)} vs "
-                                     f"{sorted(mine)}")
-            record["param_diff"] = max(float((mine[n] - theirs[n]).abs().max())
-                                       for n in theirs)
-            record["changed"] = max(float((theirs[n] - weights[n]).abs().max())
-                                    for n in theirs)
-            record["counts"] = {n: shared._counted_step(s, batches[0])
-                                for n, s in sides.items()}
-            record["times"] = {n: [] for n in sides}
-            for _ in range(warmup):
-                for side in sides.values():
-                    side.step(batches[0])
-            timed = shared._dense_bench()._timed_step
-            for repeat in range(repeats):
-                order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
-                for name in order:
-                    record["times"][name].append(
-                        timed(sides[name], batches[repeat % len(batches)]))
-            out[layout] = record
+            out[layout] = shared.side_by_side(sides, batches, weights, steps=steps,
+                                              warmup=warmup, repeats=repeats)
             del sides, hf_model, cp_model
     finally:
         dist.barrier()

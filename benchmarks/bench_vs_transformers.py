@@ -183,9 +183,9 @@ def _peak_bytes(side: Any, batch: Any) -> int:
     """The peak bytes of one training step on this rank, by torch's MemTracker: every
     tensor storage the step holds (parameters, gathered weights, gradients, optimizer
     states, activations, temporaries)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from composer_par.plugin import torch_private
 
-    tracker = MemTracker()
+    tracker = torch_private.mem_tracker()[0]()
     tracker.track_external(side.model, side.optimizer)
     with tracker:
         side.step(batch)
@@ -209,7 +209,6 @@ def _rank_main(models: list[str], modes: list[str], layers: int, dim: int, seq: 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     shared = _shared()
-    timed = shared._dense_bench()._timed_step
     vocab = 1024
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (batch, seq + 1), generator=gen)
@@ -229,34 +228,11 @@ def _rank_main(models: list[str], modes: list[str], layers: int, dim: int, seq: 
                                          f"{hf_shard}, composer_par {cp_shard}")
                 sides = {"transformers": shared._Side(hf_model, hf_shard, summed=False),
                          "composer_par": shared._Side(cp_model, cp_shard, summed=False)}
-                for step in range(steps):
-                    for side in sides.values():
-                        side.step(batches[step])
-                record: dict[str, Any] = {"losses": {n: list(s.losses)
-                                                     for n, s in sides.items()}}
-                theirs = shared._full_params(hf_model, hf_names=False)
-                mine = shared._full_params(cp_model, hf_names=False)
-                if sorted(theirs) != sorted(mine):
-                    raise AssertionError(f"parameters differ in name: {sorted(theirs)} vs "
-                                         f"{sorted(mine)}")
-                record["param_diff"] = max(float((mine[n] - theirs[n]).abs().max())
-                                           for n in theirs)
-                record["changed"] = max(float((theirs[n] - weights[n]).abs().max())
-                                        for n in theirs)
-                spec = MeshSpec(**mesh)
-                record["counts"] = {n: shared._counted_step(s, batches[0], mesh=spec)
-                                    for n, s in sides.items()}
+                record = shared.side_by_side(sides, batches, weights, steps=steps,
+                                             warmup=warmup, repeats=repeats,
+                                             mesh=MeshSpec(**mesh))
                 record["peak_bytes"] = {n: _peak_bytes(s, batches[0])
                                         for n, s in sides.items()}
-                record["times"] = {n: [] for n in sides}
-                for _ in range(warmup):
-                    for side in sides.values():
-                        side.step(batches[0])
-                for repeat in range(repeats):
-                    order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
-                    for side_name in order:
-                        record["times"][side_name].append(
-                            timed(sides[side_name], batches[repeat % len(batches)]))
                 out[f"{name}/{mode}"] = record
                 del sides, hf_model, cp_model
         finally:

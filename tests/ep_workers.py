@@ -102,7 +102,7 @@ class HFMoETask:
         return torch.randint(3, 128, (self.global_batch, self.seq_len), generator=gen)
 
     def loss(self, model: Any, batch: Any) -> Any:
-        if self.family == "deepseek_v3":  # its router balances by a bias, not a loss
+        if self.family in ("deepseek_v2", "deepseek_v3"):  # no router loss to ask for
             return model(input_ids=batch, labels=batch).loss
         out = model(input_ids=batch, labels=batch, output_router_logits=True)
         assert out.aux_loss is not None
@@ -128,6 +128,13 @@ MORE_MOE: dict[str, tuple[str, str, dict[str, Any]]] = {
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
         "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8}),
+    # Multi-head latent attention (its kv_a_proj_with_mqa feeds the split heads), greedy
+    # routing, two shared experts, a dense first layer; no aux loss.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
+        "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.1}),
 }
@@ -141,6 +148,7 @@ qwen3_moe = HFMoETask("qwen3_moe")
 qwen2_moe = HFMoETask("qwen2_moe")
 olmoe = HFMoETask("olmoe")
 deepseek_v3 = HFMoETask("deepseek_v3")
+deepseek_v2 = HFMoETask("deepseek_v2")
 
 
 def layouts(plan_toml: str, task: str = "moe_llama") -> dict[str, tuple[Any, ...]]:
@@ -294,3 +302,13 @@ def load_mixtral(layout: str, directory: str) -> dict[str, Any]:
     state: dict[str, Any] = full_state(model, None)
     state["bytes_read"] = plan.notes["load_safetensors_report"].bytes_read
     return state
+
+
+def deepseek_v2_model() -> Any:
+    """DeepSeek-V2's tiny model, for ``--model tests.ep_workers:deepseek_v2_model``."""
+    return deepseek_v2.build()
+
+
+def deepseek_v3_model() -> Any:
+    """DeepSeek-V3's tiny model, for ``--model tests.ep_workers:deepseek_v3_model``."""
+    return deepseek_v3.build()

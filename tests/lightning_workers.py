@@ -503,9 +503,9 @@ def launched_by_fabric() -> dict[str, Any]:
         fabric.save("unused", {"model": model}, filter={"model": lambda key, value: True})
     except TypeError as exc:
         refused.append("filter" if "filter" in str(exc) else str(exc))
-    from composer_par.mesh import _group_timeout
+    from composer_par.plugin import torch_private
 
-    wait = _group_timeout(dist.distributed_c10d._get_default_group(), "cpu")
+    wait = torch_private.group_timeout(torch_private.default_group(), "cpu")
     return {"rank": dist.get_rank(), "world": dist.get_world_size(),
             "backend": dist.get_backend(), "timeout_s": wait.total_seconds() if wait else None,
             "losses": losses, "ref_losses": ref_losses, "refused": refused,

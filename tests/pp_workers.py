@@ -180,10 +180,50 @@ class HFGptOssTask(LlamaTask):
         return transformers.GptOssForCausalLM(cfg)
 
 
+@attrs.frozen
+class HFGraniteTask(LlamaTask):
+    """Granite with a real checkpoint's multipliers: its causal LM divides the head's
+    output by ``logits_scaling`` and its base model multiplies the embedding's output by
+    ``embedding_multiplier``, both outside any module a stage could leave out."""
+
+    def build(self) -> Any:
+        import transformers
+
+        cfg = transformers.GraniteConfig(
+            hidden_size=self.dim, intermediate_size=2 * self.dim,
+            num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, vocab_size=self.vocab_size,
+            max_position_embeddings=64, use_cache=False, tie_word_embeddings=False,
+            logits_scaling=8.0, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=1 / 16, **_EAGER)
+        return transformers.GraniteForCausalLM(cfg)
+
+
+@attrs.frozen
+class HFGemma2Task(LlamaTask):
+    """Gemma 2: its causal LM softcaps the head's output (``final_logit_softcapping``,
+    30 in its checkpoints; smaller here so that a stage applying it to its hidden state
+    shows in the losses of a few steps)."""
+
+    def build(self) -> Any:
+        import transformers
+
+        cfg = transformers.Gemma2Config(
+            hidden_size=self.dim, intermediate_size=2 * self.dim,
+            num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads, head_dim=self.dim // self.n_heads,
+            vocab_size=self.vocab_size, max_position_embeddings=64, use_cache=False,
+            tie_word_embeddings=False, sliding_window=4, final_logit_softcapping=2.0,
+            **_EAGER)
+        return transformers.Gemma2ForCausalLM(cfg)
+
+
 hf_qwen2_sliding = HFQwen2SlidingTask(n_layers=6, dim=32, vocab_size=128, global_batch=8,
                                       seq_len=8)
 hf_gemma3 = HFGemma3Task(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
 hf_gpt_oss = HFGptOssTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+hf_granite = HFGraniteTask(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
+hf_gemma2 = HFGemma2Task(n_layers=4, dim=32, vocab_size=128, global_batch=8, seq_len=8)
 
 
 def split_batch(task: Any, batch: Any) -> tuple[Any, Any]:
@@ -200,7 +240,8 @@ def loss_fn_for(task: Any) -> Any:
     dict, the project's Llama its logits tensor."""
     if isinstance(task, HFLlamaTask):
         return logits_attribute_loss
-    if isinstance(task, (HFQwen2SlidingTask, HFGemma3Task, HFGptOssTask)):
+    if isinstance(task, (HFQwen2SlidingTask, HFGemma3Task, HFGptOssTask, HFGraniteTask,
+                         HFGemma2Task)):
         return output_logits_loss
     if isinstance(task, HFStyleTask):
         from composer_par.models.llama import next_token_loss
@@ -627,3 +668,89 @@ def pp_safetensors_report(directory: str, layout: str, strict: bool
     plan.apply(model)
     report = plan.notes["load_safetensors_report"]
     return tuple(report.unexpected), tuple(report.missing), len(report.loaded)
+
+
+# -- ops around the head and the embedding ---------------------------------------------------
+
+
+def boundary_events(task_name: str) -> list[dict[str, Any]]:
+    """One PP 2 training step of a task; the pipeline's log events naming the ops each
+    stage left to the stage holding the modules they follow (as every rank logged them)."""
+    import logging
+
+    import torch
+
+    from composer_par import PP, MeshSpec, MetaInit, ParallelPlan
+
+    events: list[dict[str, Any]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict) and "stage" in record.msg:
+                events.append(dict(record.msg))
+
+    logger = logging.getLogger("composer_par.plugins.pp.boundary")
+    handler = Keep(logging.INFO)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        task = globals()[task_name]
+        plan = ParallelPlan(MeshSpec(pp=2)).use(PP(schedule="1F1B")).use(MetaInit(seed=1))
+        with torch.device("meta"):
+            model = task.build()
+        model = plan.apply(model)
+        step = plan.training_step(model, loss_fn_for(task))
+        inputs, targets = split_batch(task, task.batch(0))
+        step.step(inputs, targets)
+    finally:
+        logger.removeHandler(handler)
+    return [{k: v for k, v in e.items() if k in (
+        "event", "stage", "model", "left_out_before_first_block", "left_out_after_last_block")}
+        for e in events]
+
+
+def pooled_model() -> Any:
+    """Token embedding, then a mean over the sequence outside any module (the blocks take
+    one vector per sample), a stack of blocks, a head: a stage after the first cannot hand
+    its first block the hidden state it received."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, h: Any) -> Any:
+            return h + self.linear(h).tanh()
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.layers = nn.ModuleList(Block() for _ in range(4))
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, tokens: Any) -> Any:
+            h = self.embed(tokens).mean(dim=1)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h)
+
+    return Pooled()
+
+
+def pooled_step() -> None:
+    """A PP 2 step of :func:`pooled_model` (2 ranks): the stage after the first refuses."""
+    import torch
+    import torch.nn.functional as F
+
+    from composer_par import PP, MeshSpec, MetaInit, ParallelPlan
+
+    plan = ParallelPlan(MeshSpec(pp=2)).use(PP(schedule="GPipe", microbatches=2)).use(
+        MetaInit(seed=1))
+    with torch.device("meta"):
+        model = pooled_model()
+    model = plan.apply(model)
+    step = plan.training_step(model, lambda out, target: F.cross_entropy(out, target))
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+    step.step(tokens, tokens[:, 0])

@@ -108,3 +108,66 @@ def seed_per_rank_plan() -> Any:
     plan = ParallelPlan.from_toml(PLAN.replace("seed = 0\n", ""))
     plan.plugins = [p for p in plan.plugins if p.name != "meta_init"]
     return plan.use(MetaInit(seed=int(os.environ.get("RANK", "0"))))
+
+
+# -- like with like: a bf16 plan, an MoE plan, defects under bf16 ---------------------------
+
+# What GPU users run: FSDP2 in bf16 mixed precision (fp32 reductions), MetaInit.
+BF16_PLAN = """\
+[mesh]
+dp_shard = 2
+
+[[plugins]]
+name = "fsdp2"
+mixed_precision = "bf16"
+
+[[plugins]]
+name = "meta_init"
+seed = 0
+"""
+# tp outermost, FSDP2 in bf16: the rung of 2 ranks keeps tp.
+TP_FIRST_BF16_PLAN = TP_FIRST_PLAN.replace('name = "fsdp2"\n',
+                                           'name = "fsdp2"\nmixed_precision = "bf16"\n')
+
+
+def nudged_bf16_plan() -> Any:
+    from composer_par import ParallelPlan
+
+    return ParallelPlan.from_toml(TP_FIRST_BF16_PLAN).use(NudgeOnTPRank())
+
+
+# Qwen3's attention split over tp, its per-head norms declared replicated: their gradients
+# are each rank's part (the reduction check names them).
+NORMS_REPLICATED_PLAN = """\
+[mesh]
+tp = 2
+
+[[plugins]]
+name = "tp"
+[plugins.plan]
+"model.embed_tokens" = "embedding_rowwise"
+"model.layers.*.self_attn.q_proj" = "colwise"
+"model.layers.*.self_attn.k_proj" = "colwise"
+"model.layers.*.self_attn.v_proj" = "colwise"
+"model.layers.*.self_attn.o_proj" = "rowwise"
+"model.layers.*.self_attn.q_norm" = "replicate"
+"model.layers.*.self_attn.k_norm" = "replicate"
+"lm_head" = "colwise_gather"
+
+[[plugins]]
+name = "meta_init"
+seed = 0
+"""
+
+
+def qwen3() -> Any:
+    from tests import hf_workers
+
+    return hf_workers.build("qwen3", use_cache=False)
+
+
+def fails_on_rank_1() -> Any:
+    """The Llama, except on rank 1, whose factory raises (its weights are missing)."""
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("no weights for rank 1")
+    return llama()

@@ -641,6 +641,7 @@ BAD_ARGUMENTS = {
     "selfcheck": ["selfcheck", "plan.toml", "--model", "m:f", "--steps", "0"],
     "import": ["import", "accelerate.yaml", "--nodes", "0"],
     "launch": ["launch", "plan.toml", "--slurm", "--port", "0"],
+    "lighthouse": ["lighthouse", "--min-replicas", "0"],
 }
 
 

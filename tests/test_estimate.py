@@ -552,6 +552,55 @@ def test_a_third_party_shard_plugin_states_its_own_terms() -> None:
                                         "why": "its bucket: the largest group"}]
 
 
+@attrs.frozen
+class HalvingHook(Plugin):
+    """A third-party comm hook on HSDP's replicate dim: its all-reduce sends half the
+    bytes (composer_par_estimate_comm_hook), and it states an all-reduce of its own on
+    that dim, which it is not asked about."""
+
+    name: ClassVar[str] = "halving_hook"
+    asked: list[Any] = attrs.field(factory=list, eq=False)
+
+    @hookimpl
+    def composer_par_comm_hooks(self) -> list[Any]:
+        from composer_par.plugin import CommHook
+
+        return [CommHook("dp_replicate", all_reduce=lambda setup: None)]
+
+    @hookimpl
+    def composer_par_estimate(self) -> EstimatePart:
+        return EstimatePart(collectives=(Collective("dp_replicate", "all_reduce", 1000, 1,
+                                                    "its own counter"),))
+
+    @hookimpl
+    def composer_par_estimate_comm_hook(self, collective: Collective
+                                        ) -> tuple[Collective, ...]:
+        self.asked.append(collective)
+        return (attrs.evolve(collective, payload=collective.payload // 2,
+                             why=f"halved: {collective.why}"),)
+
+
+def test_a_comm_hooks_plugin_states_what_runs_in_place_of_a_collective() -> None:
+    from composer_par import FSDP2, HSDP
+
+    def traffic(*extra: Plugin) -> list[Collective]:
+        plan = ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())
+        for p in extra:
+            plan.use(p)
+        est = estimate_plan(plan, HAND, Workload(seq=128), world_size=4)
+        return list(next(t for t in est.traffic if t.dim.name == "dp_replicate").collectives)
+
+    (plain,) = traffic()
+    hook = HalvingHook()
+    halved, own = traffic(hook)
+    assert (halved.kind, halved.payload, halved.calls, halved.overlap) == (
+        "all_reduce", plain.payload // 2, plain.calls, plain.overlap)
+    assert halved.why == f"halved: {plain.why}"
+    assert (own.payload, own.why) == (1000, "its own counter")
+    # asked about HSDP's all-reduce alone (once per estimate pass), never its own
+    assert hook.asked and all(c.why == plain.why for c in hook.asked)
+
+
 def test_settings_answers_merge_in_plan_order_and_are_checked() -> None:
     @attrs.frozen
     class States(Plugin):

@@ -33,6 +33,7 @@ from composer_par import (  # noqa: E402
     TP,
     ActivationCheckpoint,
     Compile,
+    Float8,
     LoadCheckpoint,
     LoadSafetensors,
     MeshSpec,
@@ -59,7 +60,9 @@ ELSEWHERE = {
     "CP504": "a plan file's unknown plugin name: reading the file refuses it",
     "CP505": "a plan file's unknown plugin option: reading the file refuses it",
     "CP506": "a plan file's value of the wrong type: reading the file refuses it",
+    "CP434": "a gradient's missing reduction, found by running a step (dry run, selfcheck)",
     "CP604": "a pipeline training step's batch, known only when the step runs",
+    "CP612": "a stage's hidden state, known when the pipeline runs its first step",
     "CP901": "a source config composer-par import cannot read: no plan is made",
     "CP902": "a source config's value its own tool refuses: no plan is made",
     "CP913": "a source config whose layout needs a node count: no plan is made",
@@ -348,6 +351,22 @@ def _cp214(tmp: Path, world: World) -> Any:
     return ParallelPlan(MeshSpec(tp=2)).use(tp), llama()
 
 
+@case("CP432")
+def _cp432(tmp: Path, world: World) -> Any:
+    world(2)
+    # a latent-attention style on a model whose config has no qk_rope_head_dim
+    plan = {**hf_workers.HANDWRITTEN, "model.layers.*.self_attn.k_proj": "mla_kv_a_proj"}
+    return ParallelPlan(MeshSpec(tp=2)).use(TP(plan=plan)), llama()
+
+
+@case("CP433")
+def _cp433(tmp: Path, world: World) -> Any:
+    world(2)
+    model = llama()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "fancy_new_style"}
+    return ParallelPlan(MeshSpec(tp=2)).use(TP()), model
+
+
 @case("CP424")
 def _cp424(tmp: Path, world: World) -> Any:
     world(2)
@@ -421,6 +440,47 @@ def _cp309(tmp: Path, world: World) -> Any:
     # srun placed its tasks on the nodes round-robin (ALLOCATIONS)
     world(2)
     return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()), llama()
+
+
+@case("CP961")
+def _cp961(tmp: Path, world: World) -> Any:
+    world(2)
+    # an intermediate size of 40 is no multiple of 16
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2())
+            .use(Float8(modules=("model.layers.0.mlp.up_proj",))), llama(intermediate_size=40))
+
+
+@case("CP962")
+def _cp962(tmp: Path, world: World) -> Any:
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_replicate=2)).use(HSDP()).use(Float8(all_gather="float8")),
+            llama())
+
+
+@case("CP963")
+def _cp963(tmp: Path, world: World) -> Any:
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2())
+            .use(Float8(recipe="rowwise", all_gather="float8")), llama())
+
+
+@case("CP964")
+def _cp964(tmp: Path, world: World) -> Any:
+    world(2)
+    return (ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(PlainShardComms())
+            .use(Float8(all_gather="float8")), llama())
+
+
+@case("CP966")
+def _cp966(tmp: Path, world: World) -> Any:
+    world(2)  # float8 matmuls in hardware asked for on CPU ranks
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Float8(emulate=False)), llama()
+
+
+@case("CP967")
+def _cp967(tmp: Path, world: World) -> Any:
+    world(2)  # torchao as if it were not installed (the test patches the check)
+    return ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).use(Float8()), llama()
 
 
 @case("CP410")
@@ -775,6 +835,47 @@ def _same(a: Any, b: Any) -> bool:
 # -- the tests ----------------------------------------------------------------------------
 
 
+# -- the cases: fault-tolerant replica groups (ft) -----------------------------------------
+
+
+def _ft(world: World, mesh: MeshSpec, hsdp: bool = True, **options: Any) -> ParallelPlan:
+    from composer_par.plugins.ft import FaultTolerance
+
+    world(2)  # one replica group's launch: the dims other than dp_replicate
+    plan = ParallelPlan(mesh).use(HSDP()) if hsdp else ParallelPlan(mesh)
+    return plan.use(FSDP2()).use(FaultTolerance(**options))
+
+
+@case("CP971")
+def _cp971(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_shard=2, dp_replicate=2)), llama()
+
+
+@case("CP972")
+def _cp972(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), hsdp=False), llama()
+
+
+@case("CP973")
+def _cp973(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=-1)), llama()
+
+
+@case("CP974")
+def _cp974(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), min_replicas=3), llama()
+
+
+@case("CP975")
+def _cp975(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), group=2), llama()
+
+
+@case("CP976")
+def _cp976(tmp: Path, world: World) -> Any:
+    return _ft(world, MeshSpec(dp_replicate=2, dp_shard=2), method="ddp", sync_every=8), llama()
+
+
 def _error_codes() -> set[str]:
     """The catalog's error codes, but the trainer integrations' (CP7xx: Lightning's and
     Accelerate's strategies refuse their own settings when they are built, before a plan
@@ -808,6 +909,10 @@ def test_a_refused_apply_leaves_the_model_untouched(name: str, tmp_path: Path,
     code = _code(name)
     for variable, value in ALLOCATIONS.get(code, {}).items():
         monkeypatch.setenv(variable, value)
+    if code == "CP967":
+        from composer_par.plugins.float8 import torchao_api
+
+        monkeypatch.setattr(torchao_api, "installed", lambda: False)
     if code == "CP230":
         # the installed torch as if it were a release FSDP2's internals were not checked on
         from composer_par.plugin import torch_private

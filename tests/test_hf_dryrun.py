@@ -72,15 +72,27 @@ def test_problems_are_named_before_launch() -> None:
 
 
 def test_a_forward_fake_tensors_cannot_run_is_reported_not_checked() -> None:
-    # Mixtral's experts pick their tokens with data-dependent ops (and a grouped matmul
-    # whose fake kernel wants bf16): its own unparallelized forward does not run on fake
-    # tensors either, which the result says; that is not the plan's failure.
-    result = dry_run(fsdp_tp(), "tests.hf_workers:mixtral", world_size=WORLD, ranks=[5])
+    # The demo's mixture-of-experts Llama counts its tokens per expert with bincount, a
+    # data-dependent op: its own unparallelized forward does not run on fake tensors
+    # either, which the result says; that is not the plan's failure.
+    plan = (ParallelPlan(MeshSpec(dp_shard=WORLD)).use(FSDP2()).use(MetaInit()))
+    result = dry_run(plan, "composer_par.tools.demo:demo_moe_model", world_size=WORLD,
+                     ranks=[5])
     assert result.ok, format_result(result)
     status, detail = result.ranks[0].forward or ("", "")
     assert status == "not checked", detail
     assert "unparallelized, does not run on fake tensors either" in detail
     assert "first step not checked:" in format_result(result)
+
+
+def test_grouped_experts_run_their_fake_step_in_bfloat16() -> None:
+    # transformers' experts call grouped_mm, whose fake kernel takes bfloat16 only: the
+    # step (and its reduction check) runs on a bfloat16 copy of the model, and says so.
+    result = dry_run(fsdp_tp(), "tests.hf_workers:mixtral", world_size=WORLD, ranks=[5])
+    assert result.ok, format_result(result)
+    status, detail = result.ranks[0].forward or ("", "")
+    assert status == "ran" and detail.endswith("takes bfloat16 only)"), detail
+    assert result.ranks[0].reductions == ()
 
 
 # -- torchtitan's Llama 3 naming ----------------------------------------------------------

@@ -109,14 +109,14 @@ def test_cp407_is_reported_beside_a_plan_problem() -> None:
     # tp 4 on 2 KV heads, with a style TP does not honour in the model's own plan: the
     # head count is still checked (and the style falls back: CP420, a warning).
     model = hf_workers.build("llama")
-    model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.q_proj": "mla_kv_a_proj"}
+    model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.q_proj": "ep_router"}
     plan = ParallelPlan(MeshSpec(dp_shard=16, tp=4)).use(FSDP2()).use(TP()).use(MetaInit())
     report = plan.validate(model, world_size=64)
     # (and FSDP2 follows the model's own FSDP plan: CP425, an info)
     assert sorted(report.codes()) == ["CP407", "CP420", "CP425"], report.format()
     assert "num_key_value_heads=2" in only(report, "CP407").message
     fallback = only(report, "CP420")
-    assert "'mla_kv_a_proj'" in fallback.message and "self_attn.q_proj" in fallback.message
+    assert "'ep_router'" in fallback.message and "self_attn.q_proj" in fallback.message
     # and beside a pattern that matches nothing (CP408)
     typo = {**hf_workers.HANDWRITTEN, "model.layers.*.self_attn.q_projj": "colwise"}
     plan = ParallelPlan(MeshSpec(dp_shard=16, tp=4)).use(FSDP2()).use(TP(plan=typo))

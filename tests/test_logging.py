@@ -206,7 +206,9 @@ def test_only_rank_0_warns_about_the_default_groups_timeout(
         rank: int, caplog: pytest.LogCaptureFixture, fake_world: object,
         monkeypatch: pytest.MonkeyPatch, nothing_warned_yet: None) -> None:
     fake_world(2, rank=rank)  # type: ignore[operator]
-    monkeypatch.setattr(mesh_module, "_group_timeout",
+    from composer_par.plugin import torch_private
+
+    monkeypatch.setattr(torch_private, "group_timeout",
                         lambda group, device_type: timedelta(seconds=1800))
     MeshSpec(dp_shard=2).build("cpu", timeout=5.0)
     assert len(timeout_warnings(caplog.records)) == (1 if rank == 0 else 0)

@@ -173,7 +173,7 @@ def test_catalogs_hold_the_core_and_every_installed_plugin() -> None:
              "activation_checkpoint": {"CP224", "CP411", "CP422", "CP423"},
              "meta_init": {"CP224", "CP404"},
              "tp": {"CP212", "CP213", "CP214", "CP406", "CP407", "CP408", "CP409", "CP420",
-                    "CP421", "CP431"},
+                    "CP421", "CP431", "CP432", "CP433"},
              "load_safetensors": {f"CP41{i}" for i in range(4, 10)},
              "load_checkpoint": {f"CP41{i}" for i in range(4, 10)},
              "ep": {"CP801", "CP802", "CP803", "CP804", "CP805", "CP806"}}

@@ -208,16 +208,52 @@ def test_hugging_face_rowwise_rep_is_rowwise_with_a_replicated_input() -> None:
 
 
 def test_unsupported_hugging_face_style_falls_back_for_its_modules_cp420() -> None:
-    plan = {**tp_workers.HF_BASE_TP_PLAN, "layers.*.mlp.up_proj": "mla_kv_a_proj"}
+    # An expert-parallel style in a tp plan: the module computed whole trains as one
+    # process does.
+    plan = {**tp_workers.HF_BASE_TP_PLAN, "layers.*.mlp.up_proj": "grouped_gemm"}
     with torch.device("meta"):
         model = tp_workers.hf_like_llama(tp_plan=plan)
     report = tp_plan(TP()).validate(model, world_size=2)
     finding = only(report, "CP420")
     assert report.ok and finding.severity.value == "warning"
-    assert "mla_kv_a_proj" in finding.message and "model.layers.*.mlp.up_proj" in finding.message
+    assert "grouped_gemm" in finding.message and "model.layers.*.mlp.up_proj" in finding.message
     resolved = {p: s.style for p, _, s in resolve(TP(), model, 2).entries}
     assert "model.layers.0.mlp.up_proj" not in resolved  # left whole
     assert resolved["model.layers.0.mlp.gate_proj"] == "colwise"  # the rest applies
+
+
+def test_a_hugging_face_style_tp_does_not_know_is_refused_cp433() -> None:
+    # Left whole beside the split heads, its module could get only this rank's part of
+    # its gradient: not a fallback, a refusal.
+    plan = {**tp_workers.HF_BASE_TP_PLAN, "layers.*.self_attn.k_proj": "mla_k_rope_proj"}
+    with torch.device("meta"):
+        model = tp_workers.hf_like_llama(tp_plan=plan)
+    report = tp_plan(TP()).validate(model, world_size=2)
+    finding = only(report, "CP433")
+    assert not report.ok and finding.severity.value == "error"
+    assert "'mla_k_rope_proj'" in finding.message
+    assert "model.layers.*.self_attn.k_proj" in finding.message
+    assert "CP420" not in report.codes()
+
+
+def test_a_latent_projection_without_its_rotary_width_is_refused_cp432() -> None:
+    # The model's config has no qk_rope_head_dim, and the entry gives no rope_dim.
+    plan = {**tp_workers.HF_BASE_TP_PLAN, "layers.*.self_attn.k_proj": "mla_kv_a_proj"}
+    with torch.device("meta"):
+        model = tp_workers.hf_like_llama(tp_plan=plan)
+    report = tp_plan(TP()).validate(model, world_size=2)
+    [finding] = [f for f in report.findings if f.code == "CP432"]
+    assert finding.severity.value == "error" and "qk_rope_head_dim" in finding.message
+    assert "model.layers.*.self_attn.k_proj" in finding.message
+    # Given by the entry: applied, with the width it names.
+    explicit = {"model.layers.*.self_attn.q_proj": "colwise",
+                "model.layers.*.self_attn.k_proj": {"style": "mla_kv_a_proj", "rope_dim": 4}}
+    resolved = {p: s for p, _, s in resolve(TP(plan=explicit), model, 2).entries}
+    assert resolved["model.layers.0.self_attn.k_proj"].rope_dim == 4
+    too_wide = {**explicit, "model.layers.*.self_attn.k_proj": {
+        "style": "mla_kv_a_proj", "rope_dim": 4096}}
+    report = tp_plan(TP(plan=too_wide)).validate(model, world_size=2)
+    assert "rope_dim 4096" in only(report, "CP432").message
 
 
 class GPTBlock(nn.Module):

@@ -177,7 +177,9 @@ def lightning_trainer(sync: str) -> dict[str, Any]:
             counts.append(_kinds(self.counter))
 
     lit = Lit()
-    trainer = L.Trainer(strategy=TrainerStrategy(_plan(), gradient_sync=sync), devices=_world(),
+    # The collectives counted are the training's own: the replica check left out.
+    strategy = TrainerStrategy(_plan(), gradient_sync=sync, check_replicas_every=None)
+    trainer = L.Trainer(strategy=strategy, devices=_world(),
                         accelerator="cpu", max_epochs=1, accumulate_grad_batches=ACCUMULATE,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
@@ -196,7 +198,8 @@ def fabric_no_backward_sync(sync: str) -> dict[str, Any]:
     from composer_par.testing.comm_count import CommCounter
 
     plan = _plan()
-    fabric = Fabric(strategy=FabricStrategy(plan, gradient_sync=sync), devices=_world(),
+    strategy = FabricStrategy(plan, gradient_sync=sync, check_replicas_every=None)
+    fabric = Fabric(strategy=strategy, devices=_world(),
                     accelerator="cpu")
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -228,6 +231,7 @@ def accelerate_accumulate(sync: str) -> dict[str, Any]:
     _fresh_accelerate_state()
     plan = _plan()
     accelerator, model = prepare_accelerator(plan, _build("llama"), gradient_sync=sync,
+                                             check_replicas_every=None,
                                              gradient_accumulation_steps=ACCUMULATE)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -281,6 +285,7 @@ def hf_trainer(sync: str, directory: str) -> dict[str, Any]:
         train_sampling_strategy="sequential", save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0)
     trainer = PlanTrainer(_plan(), model=_build("hf"), args=args, gradient_sync=sync,
+                          check_replicas_every=None,
                           train_dataset=Rows(),
                           optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": LR}),
                           callbacks=[Count()])

@@ -15,7 +15,7 @@ gradients once, after the last microbatch; the FSDP2 plugin's ``reshard_after_fo
 is left as the user set it (docs/pp.md says why and what each choice costs).
 
 This package imports torch only inside functions: the plugin class is importable on a
-laptop, and its rules (CP601-CP611) run there.
+laptop, and its rules (CP601-CP612) run there.
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ RULES = (
          "module holding the config, or drop the per-layer setting",
          "a Hugging Face model with config.layer_types whose layers were moved into an "
          "nn.ModuleDict keyed by name, under pp = 2"),
+    Rule("CP612", _E, "a stage cannot tell which tensor is its hidden state",
+         "keep what the forward does between the embedding and the first block (or "
+         "between the last block and the modules after it) inside a module, or give the "
+         "stages explicit module lists",
+         "a model whose forward takes the mean over the sequence of the embedding's "
+         "output, outside any module, before its blocks, under pp = 2"),
 )
 
 
@@ -409,6 +415,7 @@ class PP(Plugin):
         except LayerConfigError as exc:  # validation refuses it first
             raise PipelineError(Finding("CP611", str(exc), fix=exc.fix,
                                         plugin=self.name)) from None
+        boundaries = self._boundaries(ctx.model, split, layout[rank], model_name)
         _, built = build_parts(ctx.model, split.stages, split.shared, layout[rank], ctx.blocks)
         parts = [StagePart(stage, module, blocks, owned) for stage, module, blocks, owned in built]
         for part in parts:
@@ -428,7 +435,8 @@ class PP(Plugin):
                     "microbatch count", plugin=self.name))
             return build_schedule(schedule=info.name, microbatches=count,
                                   num_stages=split_count, device=device, group=group,
-                                  parts=[(p.stage, p.module) for p in parts], loss_fn=loss_fn)
+                                  parts=[(p.stage, p.module) for p in parts], loss_fn=loss_fn,
+                                  boundaries=boundaries)
 
         def check_batch(batch: int) -> None:
             if batch < microbatches or batch % microbatches:
@@ -449,6 +457,27 @@ class PP(Plugin):
         held = "; ".join(f"stage {p.stage}: {len(p.blocks)} block(s)" for p in parts)
         return (f"{split_count} stages over {self.dim}({size}), {info.name} with "
                 f"{microbatches} microbatches; this rank: {held}")
+
+    @staticmethod
+    def _boundaries(model: nn.Module, split: StageSplit, local: Sequence[int],
+                    model_name: str) -> dict[int, Any]:
+        """Each local stage's boundary (:mod:`.boundary`), its first block hooked: made
+        on the whole model, before the split prunes it."""
+        from .boundary import StageBoundary, install
+        from .split import units_after_blocks
+
+        modules = {clean_name(n): m for n, m in model.named_modules()}
+        after = frozenset(units_after_blocks(model, [b for bs in split.blocks for b in bs]))
+        last = len(split.stages) - 1
+        out = {}
+        for stage in local:
+            path = split.blocks[stage][0] if split.blocks[stage] else ""
+            first = modules.get(path) if stage > 0 and path else None
+            if first is not None:
+                install(first)
+            out[stage] = StageBoundary(stage, model_name, first, path,
+                                       after if stage < last else frozenset())
+        return out
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str:

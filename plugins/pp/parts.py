@@ -10,7 +10,8 @@ out, so the stage runs the model's own ``forward`` unchanged:
 * any other module is replaced by a plain callable (not a module: no walk over modules
   sees it) that hands back its first argument. A stage that lacks the embedding thus
   passes the hidden state it received through ``self.tok_embeddings(...)``, and one that
-  lacks the norm and output head returns its last block's output.
+  lacks the norm and output head sends on its last block's output (what the forward
+  does outside modules around them runs on the stage holding them: :mod:`.boundary`).
 
 With one stage per rank the part is the model object itself, pruned in place. With
 several, the model is pruned to the union of the rank's stages (it holds the parameters:
@@ -42,6 +43,10 @@ class OnAnotherStage:
         self.path = path
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .boundary import note_handed
+
+        # A module after the blocks: what it is given is the hidden state the stage sends.
+        note_handed(self.path, args, kwargs)
         if args:
             return args[0]
         if kwargs:

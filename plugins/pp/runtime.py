@@ -17,6 +17,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from composer_par.plugin import torch_private
 
+from .boundary import StageBoundary
+
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
     # The split-backward schedules detach a stage's outputs in place after the input
@@ -64,13 +66,15 @@ class _Stage(PipelineStage):
     the model's output (:func:`model_output_loss`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, boundary: StageBoundary | None = None, **kwargs: Any
+                 ) -> None:
         self._model_outputs: dict[int, Any] = {}
+        self.boundary = boundary
         super().__init__(*args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        out, carried = self._carrying(super().forward_maybe_with_nosync, args, kwargs)
-        sent = _with_carried(stage_output(out), carried)
+        out, carried, hidden = self._carrying(super().forward_maybe_with_nosync, args, kwargs)
+        sent = _with_carried(stage_output(out) if hidden is None else _owned(hidden), carried)
         self._keep(sent, out)
         return sent
 
@@ -79,31 +83,51 @@ class _Stage(PipelineStage):
 
         # Shape inference on placeholder inputs: no microbatch, so no auxiliary loss.
         with aux_losses_paused():
-            out, carried = self._carrying(
+            out, carried, hidden = self._carrying(
                 lambda *a, **k: super(_Stage, self)._compute_outputs(*a, module=module, **k),
                 args, kwargs)
-        sent = _with_carried(stage_output(out), carried)
+        sent = _with_carried(stage_output(out) if hidden is None else _owned(hidden), carried)
         # The metadata inference calls the loss too, on a lone output taken out of its
         # tuple.
         self._keep(sent[0] if isinstance(sent, tuple) and len(sent) == 1 else sent, out)
         return sent
 
     def _carrying(self, forward: Callable[..., Any], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> tuple[Any, torch.Tensor | None]:
-        """``forward(*args, **kwargs)`` and what a carrying model leaves for the next
-        stage (composer_par.aux_loss: pooled loss statistics, received as the last
-        argument after the first stage)."""
+                  kwargs: dict[str, Any]) -> tuple[Any, torch.Tensor | None, Any]:
+        """``forward(*args, **kwargs)``, what a carrying model leaves for the next stage
+        (composer_par.aux_loss: pooled loss statistics, received as the last argument
+        after the first stage), and the hidden state to send on in place of the model's
+        output (:mod:`.boundary`; None: the output is what is sent)."""
         from composer_par.plugin.pipeline import carries, stage_carry
 
         if not carries(self.submod):
-            return forward(*args, **kwargs), None
+            out, hidden = self._bounded(forward, args, kwargs)
+            return out, None, hidden
         incoming = None
         if not self.is_first:
             *rest, incoming = args
             args = tuple(rest)
         with stage_carry(incoming, self.is_last) as carry:
-            out = forward(*args, **kwargs)
-        return out, None if self.is_last else carry.outgoing
+            out, hidden = self._bounded(forward, args, kwargs)
+        return out, None if self.is_last else carry.outgoing, hidden
+
+    def _bounded(self, forward: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        from . import PipelineError
+        from .boundary import BoundaryError, running, sent_hidden_state
+
+        boundary = self.boundary
+        try:
+            with running(boundary, args):
+                out = forward(*args, **kwargs)
+                hidden = sent_hidden_state(boundary, out)
+        except BoundaryError as exc:
+            from composer_par.plugin import Finding
+
+            raise PipelineError(Finding("CP612", str(exc), fix=exc.fix, plugin="pp")) from None
+        if boundary is not None:
+            boundary.say_once()
+        return out, hidden
 
     def _keep(self, given: Any, out: Any) -> None:
         if self.is_last:
@@ -167,12 +191,17 @@ def keep_unsharded_until_backward(part: nn.Module, modules: Sequence[nn.Module])
 def build_schedule(
     *, schedule: str, microbatches: int, num_stages: int, parts: Sequence[tuple[int, nn.Module]],
     device: torch.device, group: Any, loss_fn: Callable[..., torch.Tensor],
+    boundaries: Mapping[int, StageBoundary] | None = None,
 ) -> Any:
     """The torch schedule over this rank's parts (``(stage index, module)``, in order).
 
     ``loss_fn(outputs, targets)`` is given, for each microbatch, what the model's forward
-    returned on the last stage: the same kind of object as the unsplit model returns."""
-    stages = [_Stage(module, index, num_stages, device, group=group) for index, module in parts]
+    returned on the last stage: the same kind of object as the unsplit model returns.
+    ``boundaries``: each stage's :class:`~.boundary.StageBoundary` (where its hidden state
+    enters and leaves it)."""
+    boundaries = boundaries or {}
+    stages = [_Stage(module, index, num_stages, device, group=group,
+                     boundary=boundaries.get(index)) for index, module in parts]
     last = next((stage for stage in stages if stage.is_last), None)
     if last is not None:
         loss_fn = model_output_loss(last, loss_fn)

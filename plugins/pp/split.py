@@ -118,6 +118,16 @@ def _units(model: nn.Module, block_paths: Sequence[str]) -> _Units:
     return _Units(tuple(order), tuple(shared), sizes)
 
 
+def units_after_blocks(model: nn.Module, block_paths: Sequence[str]) -> list[str]:
+    """The units (subtrees owning parameters or persistent buffers) after the last block,
+    in module order: the final norm and the output head of a language model."""
+    order = _units(model, block_paths).order
+    last = max((i for i, (_, kind) in enumerate(order) if kind == "block"), default=None)
+    if last is None:
+        return []
+    return [path for path, kind in order[last + 1:] if kind == "unit"]
+
+
 def root_parameters(model: nn.Module) -> list[str]:
     """Parameters registered on the root module itself: no stage can own them alone."""
     return [n for n, p in model._parameters.items() if p is not None]
@@ -371,4 +381,4 @@ def tied_across(model: nn.Module, split: StageSplit) -> list[tuple[str, str, int
 
 
 __all__ = ["SplitError", "StageSplit", "balanced", "compute_split", "pp_plan_paths",
-           "root_parameters", "tied_across"]
+           "root_parameters", "tied_across", "units_after_blocks"]

@@ -238,7 +238,7 @@ class TP(Plugin):
                 "which they do not take. Set sequence_parallel = false (TP still splits "
                 "attention and the dense layers)")
         mesh = ctx.submesh(self.dim)
-        apply_resolution(resolution, mesh)
+        apply_resolution(resolution, mesh, ctx.hooks.parallel_style)
         localized = set_local_head_counts(resolution.local_heads)
         replicated = replicate_rest(resolution, mesh) if self.replicate_rest else 0
         retie(resolution)

@@ -4,6 +4,7 @@ then the parameters no style touched replicated as DTensors over the tp mesh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .styles import LOCAL_FORWARD_STYLES, PARAMETER_STYLES, SHARD_LAYOUT, StyleSpec
@@ -73,14 +74,14 @@ def torch_style(spec: StyleSpec) -> Any:
     if spec.style == "replicate":
         return replicate_style()
     if spec.style in LOCAL_STYLES:
-        return local_style(spec.style, spec.split_factor or 2)
+        return local_style(spec.style, spec.split_factor or 2, spec.rope_dim)
     raise AssertionError(spec.style)
 
 
 #: Our own styles (ParallelStyle subclasses over DTensor, below), by the style they serve.
 LOCAL_STYLES = {*LOCAL_FORWARD_STYLES, "packed_colwise", "packed_rowwise", "local_colwise",
                 "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
-                "identity_expert", "all_reduce", "sequence_region"}
+                "identity_expert", "all_reduce", "sequence_region", "mla_kv_a_proj"}
 
 
 def parameter_placement(style: str, ndim: int, split_factor: int | None = None) -> Any:
@@ -129,7 +130,10 @@ def leave_distributed(resolution: Resolution) -> list[str]:
     return left
 
 
-def apply_resolution(resolution: Resolution, mesh: DeviceMesh) -> None:
+def apply_resolution(resolution: Resolution, mesh: DeviceMesh,
+                     restyle: Callable[[Any, Any], Any] | None = None) -> None:
+    """``parallelize_module`` with each entry's style; ``restyle(module, style)`` may give
+    another plugin's style for a module it converted (``composer_par_parallel_style``)."""
     import torch.nn as nn
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -144,7 +148,8 @@ def apply_resolution(resolution: Resolution, mesh: DeviceMesh) -> None:
         owner.register_parameter(attr, nn.Parameter(
             distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad))
     for _, module, spec in resolution.entries:
-        parallelize_module(module, mesh, torch_style(spec))
+        style = torch_style(spec)
+        parallelize_module(module, mesh, restyle(module, style) if restyle else style)
 
 
 def retie(resolution: Resolution) -> int:
@@ -194,18 +199,21 @@ def replicate_rest(resolution: Resolution, mesh: DeviceMesh) -> int:
 
 _REPLICATE_STYLE: Any = None
 _LOCAL_IO = "_composer_par_tp_local_io"
+_LOCAL_PARAMS = "_composer_par_tp_local_params"
 
 
 def replicate_style() -> Any:
     """A ParallelStyle (built on first use: torch is imported lazily) that replicates a
     module's own parameters over the mesh and hands back local outputs for local inputs;
     buffers (e.g. RoPE tables) stay plain tensors. Given local inputs only, the module
-    runs on its parameters' local values: those inputs are the same on every tp rank (a
-    replicated activation; a module on a tp-sharded one is 'replicate_grad_allreduce'),
-    so each rank computes the same values and the same full gradient, which is what the
-    replicated parameters' gradient is. That is what DTensor would compute from inputs
-    wrapped as replicated, without its dispatch on every op of every norm, every step.
-    DTensor inputs (a sequence-parallel residual stream) go through DTensor."""
+    runs on its parameters' (and any DTensor buffers') local values: those inputs are the
+    same on every tp rank (a replicated activation; a module on a tp-sharded one is
+    'replicate_grad_allreduce'), so each rank computes the same values and the same full
+    gradient, which is what the replicated parameters' gradient is. That is what DTensor
+    would compute from inputs wrapped as replicated, without its dispatch on every op of
+    every norm, every step, and ops DTensor cannot propagate (grouped_mm outside bf16: its
+    meta kernel refuses float32) run as in one process. DTensor inputs (a
+    sequence-parallel residual stream) go through DTensor."""
     global _REPLICATE_STYLE
     if _REPLICATE_STYLE is None:
         _REPLICATE_STYLE = _make_replicate_style()
@@ -231,16 +239,20 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _inputs(module: nn.Module, inputs: Any, mesh: Any) -> Any:
-            saved: dict[str, Any] = {}
             if not any(isinstance(t, DTensor) for t in tree_leaves(inputs)):
-                for name, param in module._parameters.items():
-                    if isinstance(param, DTensor):
-                        saved[name] = param
-                        module._parameters[name] = param.to_local()
-                module.__dict__.setdefault(_SAVED, []).append(saved)
-                module.__dict__[_LOCAL_IO] = False  # the outputs are local already
+                # Local inputs, replicated parameters: the forward runs on local tensors
+                # (the same values on every rank, the same Replicate gradients), so ops
+                # that DTensor cannot propagate (grouped_mm outside bf16: its meta kernel
+                # refuses float32) run as in one process.
+                saved: dict[str, Any] = {}
+                for table in (module._parameters, module._buffers):
+                    for name, value in table.items():
+                        if isinstance(value, DTensor):
+                            saved[name] = value
+                            table[name] = value.to_local()  # type: ignore[assignment]
+                module.__dict__.setdefault(_LOCAL_PARAMS, []).append(saved)
                 return inputs
-            module.__dict__.setdefault(_SAVED, []).append(saved)
+            module.__dict__.setdefault(_LOCAL_PARAMS, []).append(None)
             wrapped = False
 
             def wrap(t: Any) -> Any:
@@ -257,8 +269,13 @@ def _make_replicate_style() -> type:
 
         @staticmethod
         def _outputs(module: nn.Module, outputs: Any, mesh: Any) -> Any:
-            stack = module.__dict__.get(_SAVED) or [{}]
-            module._parameters.update(stack.pop())
+            stack = module.__dict__.get(_LOCAL_PARAMS) or [None]
+            saved = stack.pop()
+            if saved is not None:
+                for name, value in saved.items():
+                    table = module._parameters if name in module._parameters else module._buffers
+                    table[name] = value
+                return outputs
             if not module.__dict__.get(_LOCAL_IO, True):
                 return outputs
             return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, outputs)
@@ -277,13 +294,14 @@ _LOCAL_STYLE: Any = None
 _SAVED = "_composer_par_tp_saved_params"
 
 
-def local_style(kind: str, split_factor: int = 2) -> Any:
+def local_style(kind: str, split_factor: int = 2, rope_dim: int | None = None) -> Any:
     """The ParallelStyle of one of our own styles (see :data:`LOCAL_STYLES`), built on
-    first use (torch is imported lazily)."""
+    first use (torch is imported lazily). ``rope_dim``: the rotary part's width, for
+    ``mla_kv_a_proj``."""
     global _LOCAL_STYLE
     if _LOCAL_STYLE is None:
         _LOCAL_STYLE = _make_local_style()
-    return _LOCAL_STYLE(kind, split_factor)
+    return _LOCAL_STYLE(kind, split_factor, rope_dim)
 
 
 def _make_local_style() -> type:
@@ -318,20 +336,31 @@ def _make_local_style() -> type:
     def floating(t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t.is_floating_point()
 
+    def rotary_part_summed(output: Any, rope_dim: int | None, mesh: Any) -> Any:
+        """A latent-attention projection's output with its last ``rope_dim`` features'
+        gradient summed over tp: that part (the rotary key) goes to every local head
+        directly, so each rank's heads give only their part of its gradient; the rest
+        goes through a column-split projection, whose input gradient is summed already."""
+        assert rope_dim, "mla_kv_a_proj needs rope_dim (validation fills or refuses it)"
+        latent, rotary = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([latent, grad_sum(rotary, mesh)], dim=-1)
+
     # Styles whose forward runs on local tensors (the parameters' local parts).
     local_params = {"experts", "local", "packed_colwise", "packed_rowwise", "local_colwise",
                     "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
-                    "local_replicated"}
+                    "local_replicated", "mla_kv_a_proj"}
     # Styles whose floating inputs get their gradient summed over tp.
     summed_inputs = {"experts", "packed_colwise", "local_colwise"}
     # Styles whose floating outputs are summed over tp.
     summed_outputs = {"experts", "all_reduce", "packed_rowwise"}
 
     class LocalParallel(ParallelStyle):
-        def __init__(self, kind: str, split_factor: int = 2) -> None:
+        def __init__(self, kind: str, split_factor: int = 2, rope_dim: int | None = None
+                     ) -> None:
             super().__init__()
             self.kind = kind
             self.split_factor = split_factor
+            self.rope_dim = rope_dim
 
         def _placement(self, name: str, param: Any) -> Any:
             if self.kind in ("packed_colwise", "packed_rowwise", "local_colwise",
@@ -400,6 +429,8 @@ def _make_local_style() -> type:
                 module._parameters.update(stack.pop())
             if self.kind in summed_outputs:
                 return tree_map(lambda t: output_sum(t, mesh) if floating(t) else t, output)
+            if self.kind == "mla_kv_a_proj":
+                return rotary_part_summed(output, self.rope_dim, mesh)
             if self.kind == "sequence_region":
                 def shard(t: Any) -> Any:
                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):

@@ -3,6 +3,7 @@ plan from recognized module names (Llama in torchtitan or Hugging Face naming, G
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import Counter
 from collections.abc import Mapping
@@ -102,14 +103,17 @@ class Fallback:
 
 
 def translate_hf(plan: Mapping[str, Any], modules: Mapping[str, Any],
-                 parameters: Mapping[str, tuple[Any, str]]) -> tuple[
+                 parameters: Mapping[str, tuple[Any, str]],
+                 refused: list[Fallback] | None = None) -> tuple[
     list[tuple[str, StyleSpec]], list[Fallback]
 ]:
     """Hugging Face entries as ours. An entry may name modules or parameters (MoE expert
     weights); entries matching nothing are dropped (a class-level plan may name modules
-    this instance lacks). A style TP does not honour is a :class:`Fallback`: the modules
-    it names (a parameter's owner) keep their weights whole, and so does everything below
-    them, the other entries there included."""
+    this instance lacks). A style TP does not honour (:data:`HF_UNSUPPORTED`: the
+    expert-parallel ones) is a :class:`Fallback`: the modules it names (a parameter's
+    owner) keep their weights whole, and so does everything below them, the other entries
+    there included. A style TP does not know is appended to ``refused``: nothing says
+    whether its module left whole would train right beside what the plan splits."""
     import torch.nn as nn
 
     out: list[tuple[str, StyleSpec]] = []
@@ -121,10 +125,15 @@ def translate_hf(plan: Mapping[str, Any], modules: Mapping[str, Any],
             continue
         table = HF_STYLES.get(style) if isinstance(style, str) else None
         if table is None:
-            why = HF_UNSUPPORTED.get(style, "composer_par's TP has no such style") if (
-                isinstance(style, str)) else f"{style!r} is not a style name"
             owners = [n for n, _ in hits] + [n.rsplit(".", 1)[0] for n, _ in param_hits]
-            fallbacks.append(Fallback(pattern, str(style), why, tuple(dict.fromkeys(owners))))
+            if isinstance(style, str) and style in HF_UNSUPPORTED:
+                fallbacks.append(Fallback(pattern, style, HF_UNSUPPORTED[style],
+                                          tuple(dict.fromkeys(owners))))
+            elif refused is not None:
+                refused.append(Fallback(pattern, str(style), "composer_par's TP has no such "
+                                        "style" if isinstance(style, str) else
+                                        f"{style!r} is not a style name",
+                                        tuple(dict.fromkeys(owners))))
             continue
         table = dict(table)
         if hits and all(isinstance(m, nn.Embedding) for _, m in hits) and table["style"] in (
@@ -157,6 +166,8 @@ class AutoPlan:
     source: str
     problem: str | None = None
     fallbacks: tuple[Fallback, ...] = ()
+    # Entries of the model's own plan whose style TP does not know (CP433).
+    refused: tuple[Fallback, ...] = ()
 
 
 HF_SOURCE = "Hugging Face tp plan"
@@ -180,7 +191,9 @@ def auto_plan(
     hf = hf_tp_plan(model)
     family = _family(modules)
     if hf:
-        entries, fallbacks = translate_hf(hf, modules, parameters)
+        refused: list[Fallback] = []
+        entries, fallbacks = translate_hf(hf, modules, parameters, refused)
+        entries = [(p, with_rope_dim(spec, model)) for p, spec in entries]
         problem = None
         if not entries:
             problem = "the model's Hugging Face tp plan matches none of its modules"
@@ -188,7 +201,7 @@ def auto_plan(
                                                 for _, s in entries):
             problem = ("loss_parallel = true, but the model's Hugging Face tp plan has no "
                        "gathered output head (colwise_gather_output) to keep sharded")
-        return AutoPlan(entries, HF_SOURCE, problem, tuple(fallbacks))
+        return AutoPlan(entries, HF_SOURCE, problem, tuple(fallbacks), tuple(refused))
     if family in ("llama", "hf_llama"):
         entries, fallbacks = _llama_plan(model, modules, family, sequence_parallel)
         problem = None
@@ -230,6 +243,29 @@ def auto_plan(
         f"plan = \"auto\" found no Hugging Face tp plan on {type(model).__name__} and "
         "recognized none of its module names (Llama: wq/wk/wv/wo/w1/w2/w3 or "
         "q_proj/.../down_proj; GPT: mlp.c_fc/mlp.c_proj as nn.Linear)"))
+
+
+def rope_dim_of(model: Any) -> int | None:
+    """The width of a latent attention's rotary part from a Hugging Face model's (text)
+    config: ``qk_rope_head_dim``, which transformers' own style reads; None without one."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        # A config class whose text part needs arguments keeps its own fields.
+        with contextlib.suppress(TypeError, ValueError):
+            config = text()
+    value = getattr(config, "qk_rope_head_dim", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
+
+
+def with_rope_dim(spec: StyleSpec, model: Any) -> StyleSpec:
+    """An ``mla_kv_a_proj`` entry with its rotary width from the model's config, where
+    the entry gave none (validation refuses it still missing: CP432)."""
+    if spec.style != "mla_kv_a_proj" or spec.rope_dim is not None:
+        return spec
+    width = rope_dim_of(model)
+    return attrs.evolve(spec, rope_dim=width) if width is not None else spec
 
 
 def _family(modules: Mapping[str, Any]) -> str | None:

@@ -72,6 +72,16 @@ RULES = (
          "to say otherwise",
          "ParallelPlan(MeshSpec(tp=2)).use(TP(plan=qwen3_plan_without_q_norm))"
          ".use(MetaInit()).validate(qwen3)"),
+    Rule("CP432", Severity.ERROR,
+         "a latent-attention projection without the width of its rotary part",
+         "give the entry as {style = \"mla_kv_a_proj\", rope_dim = N} (N: the rotary key's "
+         "width, a Hugging Face config's qk_rope_head_dim), on the projection itself",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP(plan={\"layers.*.attn.kv_a\": "
+         "\"mla_kv_a_proj\"})).use(MetaInit()).validate(model_without_qk_rope_head_dim)"),
+    Rule("CP433", Severity.ERROR, "the model's own tp plan has a style TP does not know",
+         "give TP(plan={...}) explicitly with a style TP knows for those modules",
+         "ParallelPlan(MeshSpec(tp=2)).use(TP()).use(MetaInit())"
+         ".validate(model_whose_tp_plan_says_{'layers.*.mlp.up_proj': 'fancy_new_style'})"),
     Rule("CP431", Severity.ERROR,
          "the name fallback cannot give a split attention its local head counts",
          "give TP(plan={...}) explicitly with that attention left out, or use a model whose "
@@ -389,6 +399,52 @@ def fallback_findings(fallbacks: tuple[Fallback, ...], source: str) -> list[Find
             "every tp rank, and the rest of the plan is applied",
             fix=f"accept it (more memory per rank for {names}), or give TP(plan={{...}}) "
             "explicitly with styles for those modules (docs/tp.md)"))
+    return found
+
+
+def refused_style_findings(refused: Any) -> list[Finding]:
+    """CP433: entries of the model's own tp plan with a style TP does not know: left
+    whole beside what the plan splits, their modules could train on partial gradients."""
+    return [Finding(
+        "CP433",
+        f"the model's Hugging Face tp plan gives {fb.pattern!r} the style {fb.style!r}, "
+        f"which TP does not know ({fb.why}): left whole beside what the plan splits, "
+        f"{', '.join(dict.fromkeys(generalize(m) for m in fb.modules))} could compute on "
+        "split heads and get only this rank's part of its gradient",
+        fix="give TP(plan={...}) explicitly with a style TP knows for those modules "
+        "(docs/tp.md), or upgrade composer_par")
+        for fb in refused]
+
+
+def latent_findings(entries: list[tuple[str, Any, StyleSpec]]) -> list[Finding]:
+    """CP432: ``mla_kv_a_proj`` entries that do not say (and whose model's config does
+    not say) how wide the rotary part of the projection's output is, or that name
+    something other than a Linear wider than it."""
+    import torch.nn as nn
+
+    found = []
+    seen: set[str] = set()
+    for path, module, spec in entries:
+        if spec.style != "mla_kv_a_proj" or generalize(path) in seen:
+            continue
+        seen.add(generalize(path))
+        path = generalize(path)
+        if spec.rope_dim is None:
+            found.append(Finding(
+                "CP432", f"{path} takes 'mla_kv_a_proj', which sums the gradient of the "
+                "rotary part of its output over tp, and neither the entry (rope_dim) nor the "
+                "model's config (qk_rope_head_dim) says how many output features that is",
+                fix="give the entry as {style = \"mla_kv_a_proj\", rope_dim = N}, N the "
+                "rotary key's width"))
+        elif not isinstance(module, nn.Linear) or module.out_features <= spec.rope_dim:
+            what = (f"an nn.Linear with {module.out_features} output features"
+                    if isinstance(module, nn.Linear) else f"a {_type_name(module)}")
+            found.append(Finding(
+                "CP432", f"{path} takes 'mla_kv_a_proj' with rope_dim {spec.rope_dim}, and "
+                f"it is {what}: the style splits a Linear's output into a latent and a "
+                "rotary part",
+                fix="map the latent-attention projection itself (kv_a_proj_with_mqa), with "
+                "the rotary key's width as rope_dim"))
     return found
 
 

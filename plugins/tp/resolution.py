@@ -12,13 +12,15 @@ import attrs
 
 from composer_par.plugin import Finding
 
-from .auto import HF_SOURCE, NAME_SOURCES, OUTPUT_NAMES, Fallback, auto_plan
+from .auto import HF_SOURCE, NAME_SOURCES, OUTPUT_NAMES, Fallback, auto_plan, with_rope_dim
 from .findings import (
     fallback_findings,
     fit_finding,
     fit_findings,
     head_findings,
+    latent_findings,
     parameter_findings,
+    refused_style_findings,
     rest_findings,
     sharded_neighbour_findings,
     tie_findings,
@@ -94,6 +96,8 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
                 "give TP(plan={...}) explicitly: module-path patterns mapped to styles "
                 "(docs/tp.md)")))
         findings += fallback_findings(fallbacks, source)
+        findings += refused_style_findings(auto.refused)
+    parsed = [(pattern, with_rope_dim(spec, model)) for pattern, spec in parsed]
     # Expand: each module (parameter) takes the first entry that matches it (plan order).
     chosen: dict[str, tuple[str, StyleSpec]] = {}
     chosen_params: dict[str, tuple[str, StyleSpec]] = {}
@@ -130,11 +134,18 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
         (name, *parameters[name], _defaults(chosen_params[name][1], False, False))
         for name in parameters if name in chosen_params]
     rest = leftover(modules, entries, params)
-    entries, rest, neighbours = _sharded_neighbours(entries, rest)
+    if source != HF_SOURCE:
+        # A model's own tp plan is written for its forward: it names the norms that run on
+        # split heads itself (Qwen3's q_norm), and those it leaves out run on replicated
+        # tensors (DeepSeek's kv_a_layernorm, on the latent).
+        entries, rest, neighbours = _sharded_neighbours(entries, rest)
+    else:
+        neighbours = []
     position = {name: i for i, name in enumerate(modules)}
     entries.sort(key=lambda e: position[e[0]])
     findings += sharded_neighbour_findings(neighbours)
     findings += fit_findings(entries, tp_size)
+    findings += latent_findings(entries)
     findings += parameter_findings(params, entries, tp_size)
     findings += head_findings(model, modules, entries, tp_size, params)
     local_heads: list[LocalHeads] = []
@@ -205,8 +216,12 @@ def _sharded_neighbours(entries: list[Entry], rest: list[tuple[str, Any]]) -> tu
     activation, so their inputs are not the same on every tp rank and their gradients must
     be summed over tp ('replicate_grad_allreduce'). Every other module left over is
     replicated with its inputs declared identical."""
+    # A latent attention's norms run on its replicated latent (the output of its
+    # mla_kv_a_proj), not on the split heads beside them.
+    latent = {path.rsplit(".", 1)[0] if "." in path else "" for path, _, spec in entries
+              if spec.style == "mla_kv_a_proj"}
     parents = {path.rsplit(".", 1)[0] if "." in path else "" for path, _, spec in entries
-               if spec.style in SHARDED_OUTPUT_STYLES}
+               if spec.style in SHARDED_OUTPUT_STYLES} - latent
     moved, kept = [], []
     for name, module in rest:
         parent = name.rsplit(".", 1)[0] if "." in name else ""

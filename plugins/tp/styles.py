@@ -52,6 +52,10 @@ STYLES: dict[str, str] = {
     "sequence_region": "a module on the sequence-sharded residual stream whose children the "
     "plan splits: its first input is gathered once (kept a DTensor, so its children do not "
     "gather again) and a plain first output is sharded back onto the sequence",
+    "mla_kv_a_proj": "a latent-attention projection (DeepSeek's kv_a_proj_with_mqa) beside "
+    "split heads: weights replicated, computed on local tensors; its last rope_dim output "
+    "features (the rotary key every head shares, which skips the split kv_b_proj) get their "
+    "gradient summed over tp, since each rank's heads give only their part of it",
 }
 
 #: Styles that split a Linear / an Embedding, and which feature each splits.
@@ -62,7 +66,7 @@ LINEAR_STYLES = {"colwise": "out_features", "colwise_gather": "out_features",
 EMBEDDING_STYLES = {"embedding_rowwise": "num_embeddings", "embedding_colwise": "embedding_dim"}
 #: Styles that turn every parameter of the module into a DTensor.
 PARAM_STYLES = {*LINEAR_STYLES, *EMBEDDING_STYLES, "sequence_parallel", "replicate",
-                "replicate_grad_allreduce"}
+                "replicate_grad_allreduce", "mla_kv_a_proj"}
 #: Styles a plan may give a parameter (``experts.gate_up_proj``), and the tensor dim each
 #: splits, counted from the end (None: replicated).
 PARAMETER_STYLES: dict[str, int | None] = {
@@ -105,13 +109,14 @@ HF_STYLES: dict[str, dict[str, Any]] = {
     "local_colwise": {"style": "local_colwise"},
     "local_rowwise": {"style": "local_rowwise"},
     "local_packed_rowwise": {"style": "local_packed_rowwise"},
+    # The rotary part's width is read from the model's config (qk_rope_head_dim).
+    "mla_kv_a_proj": {"style": "mla_kv_a_proj"},
 }
 
-#: Hugging Face styles TP does not honour, and why; the plan falls back for the modules
-#: they name (CP420).
+#: Hugging Face styles TP does not honour, and why: expert-parallel styles, whose modules
+#: computed whole on every tp rank train as one process does; the plan falls back for the
+#: modules they name (CP420). A style in neither table is refused (CP433).
 HF_UNSUPPORTED: dict[str, str] = {
-    "mla_kv_a_proj": "it splits the output of a latent-attention projection by a config "
-    "field (qk_rope_head_dim) to sum the gradient of its rotary part",
     "ep_router": "an expert-parallel style (the model's _ep_plan), not tensor parallel",
     "ep_dispatch_experts": "an expert-parallel style (the model's _ep_plan), not tensor "
     "parallel",
@@ -139,6 +144,7 @@ STYLE_KEYS: dict[str, tuple[str, ...]] = {
     "local_colwise": (),
     "local_rowwise": (),
     "sequence_region": (),
+    "mla_kv_a_proj": ("rope_dim",),
 }
 ALL_KEYS = ("style", *sorted({k for keys in STYLE_KEYS.values() for k in keys}))
 
@@ -188,6 +194,7 @@ class StyleSpec:
     use_local_output: bool | None = None
     sequence_dim: int | None = None
     split_factor: int | None = None
+    rope_dim: int | None = None
 
     @classmethod
     def parse(cls, value: Any) -> StyleSpec:
@@ -248,6 +255,13 @@ class StyleSpec:
                                 f"projections packed in the weight); got {factor!r}")
             else:
                 kwargs["split_factor"] = factor
+        if "rope_dim" in table and "rope_dim" in allowed:
+            width = table["rope_dim"]
+            if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+                problems.append(f"rope_dim must be a positive int (the output features of "
+                                f"the rotary part); got {width!r}")
+            else:
+                kwargs["rope_dim"] = width
         problems += _pairing_problems(style, kwargs)
         if problems:
             raise ValueError("; ".join(problems))

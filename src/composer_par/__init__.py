@@ -18,7 +18,9 @@ from composer_par.plugins.activation_checkpoint import ActivationCheckpoint
 from composer_par.plugins.compile import Compile
 from composer_par.plugins.cp import CP
 from composer_par.plugins.ep import EP
+from composer_par.plugins.float8 import Float8
 from composer_par.plugins.fsdp2 import FSDP2, MixedPrecision
+from composer_par.plugins.ft import FaultTolerance
 from composer_par.plugins.hsdp import HSDP
 from composer_par.plugins.load_checkpoint import LoadCheckpoint
 from composer_par.plugins.load_safetensors import LoadSafetensors
@@ -45,7 +47,9 @@ __all__ = [
     "Compile",
     "Declaration",
     "Explanation",
+    "FaultTolerance",
     "Finding",
+    "Float8",
     "LoadCheckpoint",
     "LoadSafetensors",
     "MeshError",

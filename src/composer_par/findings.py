@@ -209,6 +209,13 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "add MetaInit(seed=...) to initialize, or a loader to load weights",
          "with torch.device(\"meta\"):\n    model = build_model()\n"
          "ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()).apply(model)"),
+    Rule("CP434", _E, "a gradient gets no reduction over a mesh dim it needs one over, or "
+         "one too many",
+         "give the module named a style whose gradient handling matches what its forward "
+         "computes on (e.g. \"replicate_grad_allreduce\" for a norm on split heads), or "
+         "keep it out of the split",
+         "composer-par validate plan.toml --model model:qwen3  # q_norm mapped to "
+         "\"replicate\" beside split heads"),
     Rule("CP501", _E, "the plan file could not be read",
          "check the path, and that the file is UTF-8 TOML",
          "composer-par validate /nonexistent/plan.toml"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,12 +21,13 @@ from composer_par.allocation import (
 from composer_par.blocks import Block, BlockSpec, find_blocks
 from composer_par.findings import Finding, PlanError, Report
 from composer_par.logging import get_logger
-from composer_par.mesh import DEFAULT_TIMEOUT_S, MeshError, MeshSpec, as_timeout
-from composer_par.plugin import STAGES, FoldedDim, Plugin, Role, Stage
+from composer_par.mesh import DEFAULT_TIMEOUT_S, INFER, MeshError, MeshSpec, as_timeout
+from composer_par.plugin import STAGES, FoldedDim, LaunchDim, Plugin, Role, Stage
 from composer_par.plugin.caller import HookCaller, HookError
 from composer_par.plugin.context import AppliedStep, ApplyContext
 from composer_par.plugin.fsdp_state import check_installed
 from composer_par.plugin.view import PlanView
+from composer_par.replicas import EVERY as REPLICA_CHECK_EVERY
 from composer_par.rules import (
     claim_rules,
     comm_hook_rules,
@@ -150,8 +152,8 @@ class ParallelPlan:
             return self._device_mesh
         world = world_size if world_size is not None else self.world_size() or 1
         self.check_allocation()
-        self._device_mesh = self.mesh.resolve(world).build(device_type,
-                                                           timeout=as_timeout(self.timeout))
+        self._device_mesh = self.launch_mesh().resolve(world).build(
+            device_type, timeout=as_timeout(self.timeout))
         return self._device_mesh
 
     def world_size(self) -> int | None:
@@ -165,7 +167,8 @@ class ParallelPlan:
         topology = self.effective_topology()
         if topology is not None:
             return topology.world_size
-        return self.mesh.world_size if self.mesh.is_resolved else None
+        launch = self.launch_mesh()
+        return launch.world_size if launch.is_resolved else None
 
     def effective_topology(self) -> Topology | None:
         return self.topology if self.topology is not None else Topology.from_env()
@@ -195,9 +198,58 @@ class ParallelPlan:
         if not report.ok:
             raise PlanError(Report.of(report.errors))
 
+    def job_topology(self, mesh: MeshSpec | None = None) -> Topology | None:
+        """The topology of the whole job over ``mesh`` (the plan's, resolved): one
+        launch's (:meth:`effective_topology`) repeated for each coordinate of the dims
+        that span launches, each launch on nodes of its own."""
+        topology = self.effective_topology()
+        launches = [d.dim for d in self.launch_dims()]
+        if topology is None or not launches:
+            return topology
+        mesh = mesh if mesh is not None else self.mesh
+        count = 1
+        for name in launches:
+            count *= mesh.size(name)
+        if count < 1:  # an unresolved size
+            return topology
+        return attrs.evolve(topology, nodes=topology.nodes * count)
+
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
         return self.hooks.replicate_dims()
+
+    def launch_dims(self) -> list[LaunchDim]:
+        """The mesh dims whose coordinates are separate launches of the plan
+        (fault-tolerant replica groups), in mesh order; none when a plugin's hooks are
+        broken (validation reports that)."""
+        try:
+            answered = {d.dim: d for d in self.hooks.launch_dims()}
+        except HookError:
+            return []
+        return [answered[n] for n in self.mesh.names if n in answered]
+
+    def launch_mesh(self) -> MeshSpec:
+        """The mesh one launch of the plan lays out: the plan's mesh with each dim that
+        spans launches (:meth:`launch_dims`) at size 1. A process's world size, rank
+        coordinates and DeviceMesh are this mesh's; without launch dims it is the plan's."""
+        spanning = {d.dim for d in self.launch_dims()}
+        if not spanning:
+            return self.mesh
+        return MeshSpec.from_pairs((n, 1 if n in spanning else s) for n, s in self.mesh.dims)
+
+    def resolved_mesh(self, world_size: int) -> MeshSpec:
+        """The plan's whole mesh, a ``-1`` resolved against one launch's ``world_size``
+        ranks (every launch's, without launch dims). Raises MeshError if it does not fit."""
+        launch = self.launch_mesh().resolve(world_size)
+        spanning = {d.dim for d in self.launch_dims()}
+        if not spanning:
+            return launch
+        unsized = [n for n in spanning if self.mesh.size(n) == INFER]
+        if unsized:
+            raise MeshError(f"mesh dim {unsized[0]!r} spans launches: its size (the number "
+                            "of launches) cannot be inferred from one launch's world size")
+        return MeshSpec.from_pairs((n, self.mesh.size(n) if n in spanning else s)
+                                   for n, s in launch.dims)
 
     def folded_dims(self) -> list[FoldedDim]:
         """The model-parallel mesh dims plugins ask data parallelism to fold in (context
@@ -222,12 +274,22 @@ class ParallelPlan:
         if rank is None:
             dist = sys.modules.get("torch.distributed")
             rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
-        mesh = self.mesh.resolve(world)
+        mesh = self.launch_mesh().resolve(world)
         coord = mesh.coordinate(rank)
+        # A dim that spans launches counts with this launch's coordinate along it.
+        launches = {d.dim: d for d in self.launch_dims()}
         index, count = 0, 1
         for name in self.data_parallel_dims():
-            index = index * mesh.size(name) + coord[name]
-            count *= mesh.size(name)
+            size, at = mesh.size(name), coord[name]
+            if name in launches:
+                launch = launches[name].index
+                if launch is None:
+                    raise MeshError(f"mesh dim {name!r} spans launches, and this process's "
+                                    f"coordinate along it is not known: give the plugin "
+                                    f"that owns the launches this launch's index")
+                size, at = self.mesh.size(name), launch
+            index = index * size + at
+            count *= size
         return index, count
 
     def plugin(self, name: str) -> Plugin | None:
@@ -256,7 +318,9 @@ class ParallelPlan:
             topology = allocation.topology()
         else:
             topology = None if found else self.effective_topology()
-        findings = found + mesh_rules(self.mesh, world, topology)
+        launch = self.launch_mesh()
+        findings = found + mesh_rules(launch, world, topology,
+                                      [d.dim for d in self.launch_dims()])
         try:
             hooks = self.hooks
         except HookError as exc:
@@ -269,8 +333,10 @@ class ParallelPlan:
             ))
             return Report.of(findings), None, []
         mesh = self.mesh
-        if world is not None and self.mesh.check_world_size(world) is None:
-            mesh = self.mesh.resolve(world)
+        if world is not None and launch.check_world_size(world) is None:
+            with contextlib.suppress(MeshError):  # a launch dim of size -1: its plugin says
+                mesh = self.resolved_mesh(world)
+                launch = launch.resolve(world)
         decls = hooks.declarations()
         block_specs = hooks.block_specs()
         materializers = [hooks.name_of(p) for p in hooks.implementers(Stage.MATERIALIZE)]
@@ -283,13 +349,15 @@ class ParallelPlan:
                 fix=f"keep one of {', '.join(splitters)}"))
         findings += plugin_rules(materializers, decls, block_specs)
         folded = [f.dim for f in hooks.folded_dims()]
-        findings += topology_rules(mesh, topology, decls, folded)
+        # The topology is one launch's: which dims cross its nodes.
+        findings += topology_rules(launch, topology, decls, folded)
         findings += comm_hook_rules(mesh, decls, hooks.comm_hooks())
         findings += hooks.validate_plan(mesh, topology)
         if allocation is not None:
             findings += allocation_findings(
-                mesh, wanted, allocation,
-                lambda t: [*topology_rules(mesh, t, decls, folded), *hooks.validate_plan(mesh, t)])
+                launch, wanted, allocation,
+                lambda t: [*topology_rules(launch, t, decls, folded),
+                           *hooks.validate_plan(mesh, t)])
         blocks: list[Block] = []
         if model is not None:
             spec = block_specs[0][1] if block_specs else None
@@ -334,14 +402,17 @@ class ParallelPlan:
         return ctx.model
 
     def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *,
-                      check_replicas_every: int | None = None, accumulate: int = 1,
+                      check_replicas_every: int | None = REPLICA_CHECK_EVERY,
+                      accumulate: int = 1,
                       sync: str = "last") -> TrainingStep:
         """The one training loop for every plan: ``step(inputs, targets)`` runs forward,
         loss and backward (through the pipeline schedule when the plan has one) and
         returns the global-batch mean loss; ``clip_grad_norm_`` clips across meshes and
         pipeline stages. ``model`` is what :meth:`apply` returned; ``loss_fn(outputs,
-        targets)`` gives the mean loss of a batch; ``check_replicas_every=N`` checks every
-        N-th step that replicated parameters are equal on every rank holding them;
+        targets)`` gives the mean loss of a batch; every ``check_replicas_every``-th step
+        (the first included; by default every :data:`composer_par.replicas.EVERY`-th,
+        ``None`` to opt out) checks that replicated parameters are equal on every rank
+        holding them;
         ``accumulate=k`` runs each step as ``k`` microbatches, gradients reduced as
         ``sync`` says (``"last"``: once per step, unsharded gradients held between
         microbatches; ``"reduce_scatter"``: reduce-scatter per microbatch, replicate
@@ -358,7 +429,7 @@ class ParallelPlan:
         import torch
 
         world = self.world_size() or 1
-        mesh = self.mesh.resolve(world)
+        mesh = self.launch_mesh().resolve(world)
         device_mesh = self._device_mesh
         if device_mesh is None and world > 1:
             device_mesh = mesh.build(timeout=as_timeout(self.timeout))
@@ -406,14 +477,15 @@ class ParallelPlan:
         hooks = self.hooks
         world = world_size if world_size is not None else self.world_size()
         mesh = self.mesh
-        if world is not None and self.mesh.check_world_size(world) is None:
-            mesh = self.mesh.resolve(world)
+        if world is not None and self.launch_mesh().check_world_size(world) is None:
+            with contextlib.suppress(MeshError):
+                mesh = self.resolved_mesh(world)
         labels = [s.label for s in STAGES]
         steps = sorted(
             ((stage, p.name, text) for p, stage, text in hooks.describe()),
             key=lambda s: labels.index(s[0]) if s[0] in labels else len(labels),
         )
-        topology = self.effective_topology()
+        topology = self.job_topology(mesh)
         groups: dict[str, list[tuple[int, ...]]] = {}
         crossing: dict[str, bool] = {}
         timelines: tuple[Timeline, ...] = ()

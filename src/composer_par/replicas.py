@@ -1,7 +1,13 @@
 """The replica check: every replicated parameter still equal on every rank holding it.
 
     check_replicas(model)                                   # raises ReplicaDriftError
-    step = plan.training_step(model, loss_fn, check_replicas_every=100)
+    step = plan.training_step(model, loss_fn)               # checks every EVERY-th step
+    step = plan.training_step(model, loss_fn, check_replicas_every=None)  # opted out
+    guard_optimizer(optimizer, model)                       # a trainer's own loop
+
+On by default: ``plan.training_step`` and every trainer adapter check before every
+:data:`EVERY`-th optimizer step (the first included), an interval at which the check
+costs at most 0.1 % of a training step (``benchmarks/bench_replica_check.py``).
 
 A parameter is replicated over a mesh dim when its DTensor placement on that dim is
 ``Replicate()``: TP's norms over ``tp``, FSDP2 parameters under HSDP over
@@ -42,6 +48,20 @@ if TYPE_CHECKING:
 # Integer dtype of each element width, to read a tensor's bits.
 _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
+#: The default interval of the check, in optimizer steps: one check costs well under a
+#: step even when every parameter is replicated (benchmarks/bench_replica_check.py), so
+#: at this interval it costs at most 0.1 % of a step.
+EVERY = 100
+
+
+def check_every(value: object) -> int | None:
+    """``value`` as a check interval (a positive int, or None: no check); ValueError."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"check_replicas_every must be a positive int or None (no check); "
+                         f"got {value!r}")
+    return value
+
 
 class ReplicaDriftError(RuntimeError):
     """Replicated parameters differ across the ranks that hold them.
@@ -59,9 +79,16 @@ class ReplicaDriftError(RuntimeError):
             + "\n".join(lines))
 
 
+# Elements read per pass: the int64 copies a pass makes stay this small, whatever the
+# parameter (an embedding of half a billion elements would otherwise need three int64
+# copies of itself at once).
+CHUNK = 1 << 22
+
+
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """Two int64 checksums of ``tensor``'s bits: their sum and their position-weighted
-    sum (see the module)."""
+    sum (see the module), read :data:`CHUNK` elements at a time (integer sums wrap
+    alike in any grouping, so the result is the same as in one pass)."""
     import torch
 
     flat = tensor.detach().contiguous().reshape(-1)
@@ -71,9 +98,14 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     if width not in _BITS:  # complex: read as pairs of its parts
         flat = torch.view_as_real(flat).reshape(-1)
         width = flat.element_size()
-    bits = flat.view(getattr(torch, _BITS[width])).to(torch.int64)
-    position = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-    return torch.stack([bits.sum(), (bits * position).sum()])
+    bits = flat.view(getattr(torch, _BITS[width]))
+    total = torch.zeros(2, dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), CHUNK):
+        part = bits[start:start + CHUNK].to(torch.int64)
+        position = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64,
+                                device=bits.device)
+        total += torch.stack([part.sum(), (part * position).sum()])
+    return total
 
 
 def _replicated(model: nn.Module, plain_group: Any
@@ -138,6 +170,28 @@ def check_replicas(model: nn.Module, *, plain_group: Any = "world") -> None:
         raise ReplicaDriftError(drifts)
 
 
+def guard_optimizer(optimizer: Any, model: nn.Module | Any, *, every: int | None = EVERY,
+                    plain_group: Any = "world") -> Any:
+    """Check the replicas of ``model`` (a module, or several in a list) before every
+    ``every``-th ``optimizer.step()`` (the first included), on every rank: what a
+    trainer adapter installs, so that a loop the user writes is guarded as
+    ``plan.training_step`` is. Returns the hook's handle (``.remove()`` it to stop), or
+    None with ``every=None``. ``plain_group``: as :func:`check_replicas`."""
+    every = check_every(every)
+    if every is None:
+        return None
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    taken = [0]
+
+    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if taken[0] % every == 0:
+            for each in models:
+                check_replicas(each, plain_group=plain_group)
+        taken[0] += 1
+
+    return optimizer.register_step_pre_hook(before_step)
+
+
 def _everyone_s(drifts: list[tuple[str, str, list[list[int]]]]
                 ) -> list[tuple[str, str, list[list[int]]]]:
     """The drifts every rank found, on every rank: a rank outside the groups that drifted
@@ -167,4 +221,5 @@ def _device_of_world() -> Any:
     return torch.device("cpu")
 
 
-__all__ = ["ReplicaDriftError", "check_replicas", "checksum"]
+__all__ = ["EVERY", "ReplicaDriftError", "check_every", "check_replicas", "checksum",
+           "guard_optimizer"]

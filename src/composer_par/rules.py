@@ -106,10 +106,16 @@ def _conflict_findings(decls: Sequence[Declaration]) -> list[Finding]:
     return found
 
 
-def mesh_rules(mesh: MeshSpec, world_size: int | None, topology: Topology | None) -> list[Finding]:
+def mesh_rules(mesh: MeshSpec, world_size: int | None, topology: Topology | None,
+               spanning: Sequence[str] = ()) -> list[Finding]:
+    """CP101 and CP102 for one launch's ``mesh`` (``spanning``: the dims whose coordinates
+    are separate launches, at size 1 in it)."""
     found: list[Finding] = []
     if world_size is not None:
         problem = mesh.check_world_size(world_size)
+        if problem and spanning:
+            problem += (f" ({', '.join(spanning)} {'spans' if len(spanning) == 1 else 'span'} "
+                        "separate launches: one launch holds the ranks of one coordinate)")
         if problem:
             found.append(
                 Finding(

@@ -5,8 +5,15 @@
     for inputs, targets in batches:                # this rank's shard (plan.data_shard())
         loss = step.step(inputs, targets)           # forward, loss, backward
         step.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        step.optimizer_step(optimizer)              # optimizer.step(), then zero_grad()
+
+``optimizer_step`` steps the optimizer unless a plugin discards the step (fault-tolerant
+replica groups: the quorum of groups decides, see docs/fault-tolerance.md); it returns
+whether the step applied, so a loop whose step was discarded runs the same batch again.
+A plan without such a plugin always applies: ``optimizer.step(); optimizer.zero_grad()``
+does the same there. Where a plugin can move the step count (a replica group that heals
+takes its peers'), ``step.begin()`` runs the plugins' step-begin hooks before the batch
+is chosen.
 
 The loop is the same with or without a pipeline. Without one, ``step`` calls the model
 on the batch and backpropagates the loss. With one (``plan.pipeline``), the plugin's
@@ -50,11 +57,13 @@ over. This rests on one property of every composer_par plan: apart from the pipe
 stage, ranks hold the same parameters, each either whole or sharded (DTensor ``Shard``)
 over some mesh dims.
 
-``check_replicas_every=N`` checks, before every N-th step (the first included), that each
-replicated parameter is still equal across the ranks holding it
-(:func:`composer_par.replicas.check_replicas`): the parameters as the optimizer left
-them after the step before. It raises :class:`composer_par.replicas.ReplicaDriftError`
-on every rank, naming the parameter, the mesh dim and the ranks.
+The replica check is on by default: before every ``check_replicas_every``-th step
+(the first included; default :data:`composer_par.replicas.EVERY`, an interval at which it
+costs at most 0.1 % of a step), each replicated parameter is checked to be still equal
+across the ranks holding it (:func:`composer_par.replicas.check_replicas`): the
+parameters as the optimizer left them after the step before. It raises
+:class:`composer_par.replicas.ReplicaDriftError` on every rank, naming the parameter, the
+mesh dim and the ranks. ``check_replicas_every=None`` opts out.
 
 Gradient accumulation: ``accumulate=k`` runs each step's per-rank batch as ``k`` equal
 microbatches (cut along dim 0 of the inputs, of the targets and of every keyword tensor
@@ -107,6 +116,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_par.gradient_sync import check_sync_policy, fsdp_units, set_gradient_sync
+from composer_par.replicas import EVERY as REPLICA_CHECK_EVERY
+from composer_par.replicas import check_every
 
 if TYPE_CHECKING:
     import torch
@@ -128,16 +139,12 @@ class TrainingStep:
 
     def __init__(self, plan: ParallelPlan, model: nn.Module,
                  loss_fn: Callable[..., torch.Tensor], *,
-                 check_replicas_every: int | None = None, accumulate: int = 1,
+                 check_replicas_every: int | None = REPLICA_CHECK_EVERY, accumulate: int = 1,
                  sync: str = "last") -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (outputs, targets) -> loss; got "
                             f"{loss_fn!r}")
-        if check_replicas_every is not None and (
-                isinstance(check_replicas_every, bool) or not isinstance(
-                    check_replicas_every, int) or check_replicas_every < 1):
-            raise ValueError(f"check_replicas_every must be a positive int or None; got "
-                             f"{check_replicas_every!r}")
+        check_every(check_replicas_every)
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int; got {accumulate!r}")
         check_sync_policy(sync)
@@ -149,6 +156,10 @@ class TrainingStep:
         self.accumulate = accumulate
         self.sync = sync
         self.steps = 0  # steps run so far
+        # Whether a step's forwards made auxiliary losses (a router's balancing loss):
+        # such a loss is taken per microbatch, which a comparison must match.
+        self.aux_losses_seen = False
+        self._begun = False  # begin() ran for the step not yet run
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
@@ -175,10 +186,18 @@ class TrainingStep:
         """
         from composer_par.aux_loss import collect_aux_losses
 
+        # A replica group that heals in begin() takes its peers' state, which the replica
+        # check then sees.
+        self.begin()
+        self._begun = False  # the next step begins anew
         every = self.check_replicas_every
         if every is not None and self.steps % every == 0:
             self.check_replicas()
         self.steps += 1
+        # Plugins forget what they derived from the parameters (float8's scales) when an
+        # optimizer step may have changed them: before the step, and after its backward.
+        hooks = self.plan.hooks
+        hooks.parameters_changed(self.model)
         # The gradient an auxiliary loss gets is the one its microbatch's loss gets: a
         # pipeline's schedule divides by its count after the pass, accumulation before.
         scale = 1.0 if self.pipeline is not None else 1.0 / self.accumulate
@@ -195,11 +214,34 @@ class TrainingStep:
                 loss.backward()
                 local, count = loss.detach().float().clone(), 1.0
                 microbatches = 1
+        hooks.parameters_changed(self.model)
         aux_total = aux.total()
+        self.aux_losses_seen = self.aux_losses_seen or aux_total is not None
         # Each rank's forwards recorded the auxiliary losses of its own blocks (with a
         # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
         extra = None if aux_total is None else aux_total.to(local.device) / microbatches
         return self._global_mean(local, count, extra)
+
+    def begin(self) -> None:
+        """Run the plugins' step-begin hooks now (``composer_par_step_begin``), before
+        the step's batch is chosen; :meth:`step` then does not run them again (without
+        this call it runs them first). A fault-tolerant plugin forms the step's quorum
+        here, and a replica group that heals takes its peers' step count, which decides
+        the batch."""
+        if not self._begun:
+            self.plan.hooks.step_begin(self.model)
+            self._begun = True
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless a plugin discards this step
+        (``composer_par_step_commit``: a fault-tolerant quorum that lost a replica group
+        mid-step), then ``optimizer.zero_grad()`` either way. Returns whether the step
+        applied; every rank of a launch gets the same answer."""
+        applied = self.plan.hooks.step_commit(self.model, optimizer)
+        if applied:
+            optimizer.step()
+        optimizer.zero_grad()
+        return applied
 
     def _accumulated_step(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
                           ) -> tuple[torch.Tensor, float]:
@@ -410,4 +452,28 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-__all__ = ["TrainingStep", "clip_grad_norm_", "total_grad_norm"]
+_TOLD = "_composer_par_tells_plugins"
+
+
+def tell_plugins_after_steps(plan: ParallelPlan, models: Sequence[nn.Module],
+                             optimizer: Any) -> bool:
+    """After every step of ``optimizer`` (a torch optimizer, or a wrapper holding one as
+    ``.optimizer``: accelerate's, Lightning's), tell ``plan``'s plugins that the
+    parameters of ``models`` changed (``composer_par_parameters_changed``): what the
+    trainer adapters do with each optimizer they set up, since they drive no
+    :class:`TrainingStep`. Once per optimizer; returns whether it was registered now."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if getattr(inner, _TOLD, False) or not hasattr(inner, "register_step_post_hook"):
+        return False
+    held = list(models)
+
+    def after_step(*_: Any) -> None:
+        for model in held:
+            plan.hooks.parameters_changed(model)
+
+    inner.register_step_post_hook(after_step)
+    setattr(inner, _TOLD, True)
+    return True
+
+
+__all__ = ["TrainingStep", "clip_grad_norm_", "tell_plugins_after_steps", "total_grad_norm"]

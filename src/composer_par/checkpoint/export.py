@@ -54,7 +54,7 @@ def local_chunk(tensor: Any) -> tuple[Any, tuple[int, ...]] | None:
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
-        return tensor, (0,) * tensor.dim()
+        return _plain(tensor), (0,) * tensor.dim()
     from composer_par.plugin import torch_private
 
     if tensor.device_mesh.get_coordinate() is None:
@@ -68,7 +68,20 @@ def local_chunk(tensor: Any) -> tuple[Any, tuple[int, ...]] | None:
     if tuple(local.shape) != tuple(shape):
         raise CheckpointError(f"local shard {list(local.shape)} is not the {list(shape)} "
                               "its placements give; cannot place it in the file")
-    return local, offset
+    return _plain(local), offset
+
+
+def _plain(tensor: Any) -> Any:
+    """A plain tensor of ``tensor``'s values: a wrapper subclass (torchao's float8
+    all-gather weight, which wraps the high-precision master weight) owns no storage of
+    its own to write from; its values are copied out through its own dispatch."""
+    import torch
+
+    if type(tensor) is torch.Tensor:
+        return tensor
+    plain = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    plain.copy_(tensor)
+    return plain
 
 
 def _whole_if_strided(tensor: Any) -> Any:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from composer_par.cli.common import EXIT_ERRORS, EXIT_OK, InputError, Output, bounded_int
+from composer_par.cli.common import (
+    EXIT_ERRORS,
+    EXIT_INPUT,
+    EXIT_OK,
+    InputError,
+    Output,
+    bounded_int,
+)
 
 
 def env_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,9 +119,12 @@ def selfcheck_arguments(parser: argparse.ArgumentParser) -> None:
                         help="factory(dataset, num_replicas=, rank=, seed=) -> the sample "
                         "ids a data-parallel rank reads (default: DistributedSampler)")
     parser.add_argument("--rtol", type=_tolerance, default=None,
-                        help="relative tolerance (default 1.3e-6, fp32)")
+                        help="relative tolerance of losses and final parameters (default: "
+                        "by the plan's compute dtype, 1.3e-6 in float32, 1.6e-2 in "
+                        "bfloat16)")
     parser.add_argument("--atol", type=_tolerance, default=None,
-                        help="absolute tolerance (default 1e-5)")
+                        help="absolute tolerance (default: by the compute dtype, 1e-5 in "
+                        "float32, 1e-4 in bfloat16)")
     parser.add_argument("--timeout", type=bounded_float(0.0, 3600.0), default=120.0,
                         help="process-group timeout in seconds (default 120)")
     parser.add_argument("--svg", metavar="FILE", type=Path,
@@ -124,7 +134,6 @@ def selfcheck_arguments(parser: argparse.ArgumentParser) -> None:
 def run_selfcheck(args: argparse.Namespace, out: Output) -> int:
     from composer_par.cli.plan_tools import model_code
     from composer_par.tools import selfcheck
-    from composer_par.tools.compare import ATOL, RTOL
     from composer_par.tools.demo import _quiet_numpy_warning
 
     _quiet_numpy_warning()
@@ -136,8 +145,7 @@ def run_selfcheck(args: argparse.Namespace, out: Output) -> int:
             plan=args.plan, model=args.model, ranks=ranks, steps=args.steps,
             warmup=args.warmup, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
             seed=args.seed, deterministic=args.deterministic, timeout=args.timeout,
-            sampler=args.sampler, rtol=RTOL if args.rtol is None else args.rtol,
-            atol=ATOL if args.atol is None else args.atol)
+            sampler=args.sampler, rtol=args.rtol, atol=args.atol)
         with model_code(args.plan):
             selfcheck.check_settings(settings)
         with model_code(args.model):
@@ -154,7 +162,9 @@ def run_selfcheck(args: argparse.Namespace, out: Output) -> int:
     out.result(doc, selfcheck.format_report(doc))
     if not doc["ok"]:
         out.note(f"selfcheck: {selfcheck.first_failure_text(doc)}")
-    return EXIT_OK if doc["ok"] else EXIT_ERRORS
+    # 2: a rank's model factory raised (the input, as when it raises here); 1: a rung
+    # differs or a rank failed.
+    return EXIT_OK if doc["ok"] else (EXIT_INPUT if doc["exit_code"] == 2 else EXIT_ERRORS)
 
 
 __all__ = ["compare_arguments", "env_arguments", "run_compare", "run_env",

@@ -1,10 +1,12 @@
 """``composer-par``: check and explain plans, list plugins and rule codes, estimate,
-suggest, dry-run, inspect, clean and convert checkpoints, and run a demo.
+suggest, dry-run, inspect, clean and convert checkpoints, run a demo, and run the
+lighthouse of fault-tolerant replica groups.
 
 This module holds the list of subcommands, the parser and :func:`main`; the subcommands
 live in modules by topic (:mod:`~composer_par.cli.plan_commands`,
 :mod:`~composer_par.cli.plan_tools`, :mod:`~composer_par.cli.checkpoint`,
-:mod:`~composer_par.cli.demo`) and share :mod:`~composer_par.cli.common`.
+:mod:`~composer_par.cli.demo`, :mod:`~composer_par.cli.lighthouse`) and share
+:mod:`~composer_par.cli.common`.
 
 Every subcommand has ``--help`` and ``--json`` (exactly one JSON document on stdout,
 whatever happens; messages go to stderr). Exit codes, the same for every subcommand:
@@ -36,6 +38,7 @@ from composer_par.cli import (
     demo,
     diagnostics,
     launch,
+    lighthouse,
     migrate,
     plan_commands,
     plan_tools,
@@ -90,6 +93,9 @@ COMMANDS: list[Command] = [
     Command("launch", "a plan's job for SLURM (sbatch), Kubernetes (Kubeflow TrainJob or "
             "PyTorchJob) or torchrun on each node; the script after --",
             launch.launch_arguments, launch.run_launch),
+    Command("lighthouse", "run torchft's lighthouse, where fault-tolerant replica groups "
+            "(the ft plugin) form each step's quorum", lighthouse.lighthouse_arguments,
+            lighthouse.run_lighthouse),
 ]
 
 # Commands whose words after "--" are another program's command line (kept whole, out of

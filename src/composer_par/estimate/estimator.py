@@ -260,8 +260,7 @@ def estimate(
         memory = memory_per_rank(layout, held, w, [(who, t) for who, part in answers
                                                    for t in part.memory_terms()],
                                  dtype=dtype, mode=mode, tp=tp, shard=shard)
-        found = [c for _, part in answers for c in part.collectives or ()]
-        return memory, hooked_collectives(plan, layout, held, w, found)
+        return memory, hooked_collectives(plan, layout, held, w, answers)
 
     ranks: tuple[RankEstimate, ...] = ()
     accumulation: tuple[SyncCost, ...] = ()

@@ -13,7 +13,7 @@ import attrs
 
 from composer_par.estimate.errors import EstimateError
 from composer_par.estimate.units import compute_dtype, optional_dtype
-from composer_par.mesh import MeshSpec
+from composer_par.mesh import MeshError, MeshSpec
 from composer_par.plugin.base import EstimateSettings, Role
 from composer_par.topology import Topology
 
@@ -99,10 +99,18 @@ class Layout:
         if world is None:
             raise EstimateError(f"{plan.mesh.equation()}: the world size is unknown; give "
                                 "--world-size or --nodes/--devices-per-node")
-        problem = plan.mesh.check_world_size(world)
+        # The world size is one launch's (every process's, without launch dims).
+        problem = plan.launch_mesh().check_world_size(world)
         if problem:
+            spanning = [d.dim for d in plan.launch_dims()]
+            if spanning:
+                problem += (f" ({', '.join(spanning)}: separate launches; the world size is "
+                            "one launch's)")
             raise EstimateError(problem)
-        mesh = plan.mesh.resolve(world)
+        try:
+            mesh = plan.resolved_mesh(world)
+        except MeshError as exc:
+            raise EstimateError(str(exc)) from None
         hooks = plan.hooks
         roles: dict[str, Role] = {}
         owners: dict[str, str] = {}
@@ -121,7 +129,7 @@ class Layout:
         options["folded_dims"] = tuple(f.dim for f in folded)
         options["distinct_sample_dims"] = tuple(f.dim for f in folded if f.distinct_samples)
         options.update(merge_settings(hooks.estimate_settings()))
-        return cls.build(mesh, plan.effective_topology(), roles, owners, **options)
+        return cls.build(mesh, plan.job_topology(mesh), roles, owners, **options)
 
     def reissue(self, mode: str) -> str:
         """What checkpointing ``mode`` issues again in backward: the plan's answer when

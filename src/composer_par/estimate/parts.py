@@ -11,7 +11,7 @@ knows no plugin by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -214,19 +214,22 @@ def held_shape(plan: ParallelPlan | None, layout: Layout, model: ModelShape) -> 
 
 
 def hooked_collectives(plan: ParallelPlan | None, layout: Layout, model: ModelShape,
-                       workload: Workload, collectives: list[Collective]) -> list[Collective]:
-    """``collectives`` with those of a mesh dim a comm hook customizes replaced by what
-    the hooking plugin says runs instead (``composer_par_estimate_comm_hook``)."""
+                       workload: Workload, parts: Sequence[tuple[str, EstimatePart]]
+                       ) -> list[Collective]:
+    """The collectives the plugins' ``parts`` state, those of a mesh dim a comm hook
+    customizes replaced by what the hooking plugin says runs instead
+    (``composer_par_estimate_comm_hook``); a plugin is not asked about its own."""
+    stated = [(who, c) for who, part in parts for c in part.collectives or ()]
     if plan is None:
-        return collectives
+        return [c for _, c in stated]
     hooks = plan.hooks.comm_hooks()
     if not hooks:
-        return collectives
+        return [c for _, c in stated]
     out: list[Collective] = []
-    for c in collectives:
+    for who, c in stated:
         hook = next((h for h in hooks if h.dim == c.dim
                      and getattr(h, _HOOKED.get(c.kind, ""), None)), None)
-        if hook is None or not hook.plugin:
+        if hook is None or not hook.plugin or hook.plugin == who:
             out.append(c)
             continue
         replaced = plan.hooks.estimate_comm_hook(hook.plugin, layout, model, workload, c)

@@ -160,8 +160,7 @@ def rank_estimate(
     for stage in rank.stages:
         parts = plugin_parts(plan, layout, stage.model, workload, stage)
         per_stage.append([(who, t) for who, part in parts for t in part.memory_terms()])
-        found = [c for _, part in parts for c in part.collectives or ()]
-        collectives += hooked_collectives(plan, layout, stage.model, workload, found)
+        collectives += hooked_collectives(plan, layout, stage.model, workload, parts)
     terms = rank_terms(per_stage)
     terms += [("", MemoryTerm("other", int(size), name))
               for name, size in rank.buffers.items()]

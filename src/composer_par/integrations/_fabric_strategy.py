@@ -17,7 +17,7 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
-from composer_par import checkpoint, training
+from composer_par import checkpoint, replicas, training
 from composer_par.gradient_sync import DeferredSync
 from composer_par.integrations.lightning import (
     FABRIC,
@@ -100,6 +100,11 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
     outside the block; ``"reduce_scatter"``; ``"every"``: not deferred); it is also the
     ``sync`` of :meth:`training_step` unless given there.
 
+    The replica check (:mod:`composer_par.replicas`) runs before every
+    ``check_replicas_every``-th step of each optimizer set up through the strategy (the
+    first included; ``None`` opts out), raising on every rank with the parameter, the
+    mesh dim and the ranks.
+
     The other arguments are ``ModelParallelStrategy``'s; given, they are checked against
     the plan (CP702, CP703, CP706): the plan decides them.
     """
@@ -111,10 +116,14 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
                  save_distributed_checkpoint: bool | None = None,
                  process_group_backend: str | None = None,
                  timeout: timedelta | float | None = None,
-                 gradient_sync: str = "last") -> None:
+                 gradient_sync: str = "last",
+                 check_replicas_every: int | None = replicas.EVERY) -> None:
         super().__init__(parallelize_fn=self._apply_plan,
                          process_group_backend=process_group_backend, timeout=plan.timeout)
         self.plan = plan
+        self._check_every = replicas.check_every(check_replicas_every)
+        self._applied_models: list[nn.Module] = []
+        self._guarded: list[Any] = []
         self._deferred_sync = DeferredSync(gradient_sync)
         self._backward_sync_control = _DeferredBackwardSync(self._deferred_sync)
         self._trainer_name = FABRIC
@@ -143,10 +152,25 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
     def _apply_plan(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _refuse_parallelized(module, FABRIC, "before fabric.setup_module")
         applied = self.plan.apply(module)
+        self._applied_models.append(applied)
         if self.plan.pipeline is not None:
             self._in_schedule = False
             applied.register_forward_pre_hook(self._outside_schedule)
         return applied
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        """Lightning's set-up of an optimizer; the replica check before every
+        ``check_replicas_every``-th step of it (the first included); and after each of
+        its steps the plan's plugins are told that the parameters changed (they refresh
+        what they derive from them: float8's scales)."""
+        optimizer = super().setup_optimizer(optimizer)
+        if self._check_every is not None and not any(optimizer is o for o in self._guarded):
+            replicas.guard_optimizer(
+                optimizer, self._applied_models, every=self._check_every,
+                plain_group=None if self.plan.pipeline is not None else "world")
+            self._guarded.append(optimizer)
+        training.tell_plugins_after_steps(self.plan, self._applied_models, optimizer)
+        return optimizer
 
     def _outside_schedule(self, module: nn.Module, args: Any) -> None:
         # A stage's forward alone returns hidden states, not the model's outputs: a loss
@@ -164,9 +188,13 @@ class FabricStrategy(_PlanMixin, ModelParallelStrategy):
         loss and backward of a step (through the pipeline schedule when the plan has
         one), returning the global-batch mean loss. The loop of a pipeline plan; any
         other plan may use it too. ``options`` are ``plan.training_step``'s
-        (``check_replicas_every``, ``accumulate``, ``sync``: by default the strategy's
-        ``gradient_sync``)."""
+        (``check_replicas_every``: by default the strategy's, left to the optimizers
+        set up through it when there are; ``accumulate``; ``sync``: by default the
+        strategy's ``gradient_sync``)."""
         options.setdefault("sync", self._deferred_sync.sync)
+        # An optimizer set up through the strategy checks the replicas already.
+        options.setdefault("check_replicas_every",
+                           None if self._guarded else self._check_every)
         module = getattr(model, "_forward_module", model)
         return _ScheduledStep(self, module, loss_fn, **options)
 

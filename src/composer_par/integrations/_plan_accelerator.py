@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from composer_par import checkpoint, training
+from composer_par import checkpoint, replicas, training
 from composer_par.findings import Finding
 from composer_par.gradient_sync import DeferredSync
 from composer_par.integrations.accelerate import (
@@ -59,11 +59,14 @@ class PlanAccelerator(accelerate.Accelerator):
     :class:`~composer_par.integrations.errors.IntegrationError` before anything is
     built. ``cpu`` defaults to True when the plan runs on CPU (gloo). ``gradient_sync``
     is the policy of :mod:`composer_par.gradient_sync` under which the backwards of
-    ``no_sync`` defer the plan's reductions."""
+    ``no_sync`` defer the plan's reductions. The replica check
+    (:mod:`composer_par.replicas`) runs before every ``check_replicas_every``-th step of
+    each prepared optimizer (the first included; ``None`` opts out)."""
 
     def __init__(self, plan: ParallelPlan, *, gradient_sync: str = "last",
-                 **kwargs: Any) -> None:
+                 check_replicas_every: int | None = replicas.EVERY, **kwargs: Any) -> None:
         deferred_sync = DeferredSync(gradient_sync)
+        check_every = replicas.check_every(check_replicas_every)
         world = world_size()
         refuse_errors(TRAINER, plan_findings(plan, world, TRAINER)
                       + accelerate_findings(plan, kwargs))
@@ -78,6 +81,8 @@ class PlanAccelerator(accelerate.Accelerator):
         self.state.parallelism_config = config
         self.state.device_mesh = mesh
         self._plan_models: list[nn.Module] = []
+        self._check_every = check_every
+        self._guarded: list[Any] = []
 
     def _plan_checks(self, world: int) -> None:
         """What accelerate's state says once built (a launch configuration, an earlier
@@ -149,6 +154,9 @@ class PlanAccelerator(accelerate.Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 self._check_optimizer(obj, models or self._plan_models)
+                # Plugins refresh what they derive from the parameters (float8's scales).
+                training.tell_plugins_after_steps(self.plan, models or self._plan_models, obj)
+                self._guard(obj)
         result = tuple(self._prepare_one(obj, first_pass=True, device_placement=d)
                        for obj, d in zip(args, device_placement, strict=True))
         result = tuple(self._prepare_one(obj, device_placement=d)
@@ -158,6 +166,14 @@ class PlanAccelerator(accelerate.Accelerator):
                     self._dataloaders, self._models, self._optimizers, self._schedulers)):
                 item._is_accelerate_prepared = True
         return result if len(result) > 1 else result[0]
+
+    def _guard(self, optimizer: Any) -> None:
+        """The replica check before every ``check_replicas_every``-th step of
+        ``optimizer`` (the first included), over the plan's models."""
+        if self._check_every is None or any(optimizer is o for o in self._guarded):
+            return
+        replicas.guard_optimizer(optimizer, self._plan_models, every=self._check_every)
+        self._guarded.append(optimizer)
 
     # -- data --------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import transformers
 from torch import nn
 from transformers.trainer import TRAINER_STATE_NAME
 
-from composer_par import checkpoint, training
+from composer_par import checkpoint, replicas, training
 from composer_par.checkpoint import steps
 from composer_par.checkpoint.dcp import resolve_for_all
 from composer_par.gradient_sync import check_sync_policy
@@ -36,15 +36,19 @@ class PlanTrainer(transformers.Trainer):
     parameters; ``optimizer_cls_and_kwargs`` or ``args.optim`` need no model. With
     ``gradient_accumulation_steps=k`` the first ``k - 1`` microbatches of each step defer
     the plan's FSDP2 / HSDP reductions under ``gradient_sync`` (a policy of
-    :mod:`composer_par.gradient_sync`: ``"last"``, ``"reduce_scatter"``, ``"every"``)."""
+    :mod:`composer_par.gradient_sync`: ``"last"``, ``"reduce_scatter"``, ``"every"``).
+    The replica check (:mod:`composer_par.replicas`) runs before every
+    ``check_replicas_every``-th optimizer step (the first included; ``None`` opts out)."""
 
     def __init__(self, plan: ParallelPlan, model: nn.Module | None = None,
                  args: transformers.TrainingArguments | None = None, *,
-                 gradient_sync: str = "last", **kwargs: Any) -> None:
+                 gradient_sync: str = "last",
+                 check_replicas_every: int | None = replicas.EVERY, **kwargs: Any) -> None:
         if model is None or args is None:
             raise TypeError("PlanTrainer needs model= (the plan applies it; model_init is not "
                             "supported) and args= (TrainingArguments)")
         self._gradient_sync = check_sync_policy(gradient_sync)
+        self._check_every = replicas.check_every(check_replicas_every)
         world = world_size()
         refuse_errors(TRAINER, plan_findings(plan, world, TRAINER)
                       + trainer_findings(plan, args))
@@ -70,6 +74,7 @@ class PlanTrainer(transformers.Trainer):
         # given the model); the plan's replaces it with the same arguments.
         super().create_accelerator_and_postprocess()
         self.accelerator = PlanAccelerator(self.plan, gradient_sync=self._gradient_sync,
+                                           check_replicas_every=self._check_every,
                                            **self._plan_accelerator_args)
         self.accelerator._plan_models.append(self._plan_model)
         self.gather_function = self.accelerator.gather_for_metrics

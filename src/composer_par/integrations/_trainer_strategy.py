@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 # Lightning's save_checkpoint names its argument ``checkpoint``: the module goes by ckpt.
 from composer_par import checkpoint as ckpt
-from composer_par import training
+from composer_par import replicas, training
 from composer_par.data import ResumableLoader
 from composer_par.findings import Finding
 from composer_par.gradient_sync import DeferredSync
@@ -61,6 +61,10 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
     ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are composer_par checkpoints of that
     submodule and the one optimizer, with Lightning's loop and callback state as JSON.
 
+    The replica check (:mod:`composer_par.replicas`) runs before every
+    ``check_replicas_every``-th step of each optimizer (the first included; ``None`` opts
+    out), raising on every rank with the parameter, the mesh dim and the ranks.
+
     With ``accumulate_grad_batches=k``, the backwards of the first ``k - 1`` batches defer
     the plan's FSDP2 reduce-scatters (and HSDP all-reduces) under ``gradient_sync``, a
     policy of :mod:`composer_par.gradient_sync` (``"last"``: one reduction per optimizer
@@ -73,9 +77,12 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
                  save_distributed_checkpoint: bool | None = None,
                  process_group_backend: str | None = None,
                  timeout: timedelta | float | None = None,
-                 gradient_sync: str = "last") -> None:
+                 gradient_sync: str = "last",
+                 check_replicas_every: int | None = replicas.EVERY) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=plan.timeout)
         self.plan = plan
+        self._check_every = replicas.check_every(check_replicas_every)
+        self._guarded: list[Any] = []
         self.module_name = module
         self._deferred_sync = DeferredSync(gradient_sync)
         self._applied: nn.Module | None = None
@@ -168,9 +175,23 @@ class TrainerStrategy(_PlanMixin, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # Plugins refresh what they derive from the parameters (float8's scales).
+            for optimizer in self.optimizers:
+                training.tell_plugins_after_steps(self.plan, [self._applied], optimizer)
+            self._guard_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _guard_optimizers(self) -> None:
+        """The replica check before every ``check_replicas_every``-th step of each
+        optimizer (the first included), installed once per optimizer."""
+        if self._check_every is None or self._applied is None:
+            return
+        for optimizer in self.optimizers:
+            if not any(optimizer is o for o in self._guarded):
+                replicas.guard_optimizer(optimizer, self._applied, every=self._check_every)
+                self._guarded.append(optimizer)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

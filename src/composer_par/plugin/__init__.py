@@ -68,7 +68,9 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   (:func:`join_small_units`, :class:`JoinedUnit`; :func:`small_remainder`: a root left
   holding small parameters only), for any plugin that shards or replicates by unit.
 * **Composition values**: folded dims (:class:`FoldedDim`: a model-parallel dim data
-  parallelism also reduces over, context and expert parallelism's), comm hooks
+  parallelism also reduces over, context and expert parallelism's), launch dims
+  (:class:`LaunchDim`: a mesh dim whose coordinates are separate launches, fault-tolerant
+  replica groups), comm hooks
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
   :func:`all_reduce_mean`), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
@@ -139,6 +141,7 @@ from composer_par.plugin.base import (
     Declaration,
     EstimateSettings,
     FoldedDim,
+    LaunchDim,
     Plugin,
     Role,
     ShardApart,
@@ -210,6 +213,7 @@ __all__ = [
     "GradBucket",
     "GradReducer",
     "JoinedUnit",
+    "LaunchDim",
     "MemoryTerm",
     "MeshSpec",
     "ModelShape",

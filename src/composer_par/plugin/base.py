@@ -72,6 +72,20 @@ class FoldedDim:
 
 
 @attrs.frozen
+class LaunchDim:
+    """A mesh dim whose coordinates are separate launches of the plan (the
+    ``composer_par_launch_dims`` hook): fault-tolerant replica groups, each its own job
+    with its own process group (its own ``torchrun``), which a plugin ties together
+    outside torch.distributed. One launch holds the ranks of one coordinate: the plan
+    lays out, checks and builds its mesh with this dim at size 1 (``plan.launch_mesh()``),
+    and counts the dim in its data shards with ``index``, this launch's coordinate
+    (None where it is not known: static validation)."""
+
+    dim: str
+    index: int | None = None
+
+
+@attrs.frozen
 class Declaration:
     """What a plugin tells the plan before anything runs (the declaration hook)."""
 

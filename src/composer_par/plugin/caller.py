@@ -35,7 +35,7 @@ import pluggy
 
 from composer_par.findings import CURRENT_PLUGIN, Finding
 from composer_par.plugin import hookspecs
-from composer_par.plugin.base import PROJECT, Declaration, FoldedDim, Plugin, Stage
+from composer_par.plugin.base import PROJECT, Declaration, FoldedDim, LaunchDim, Plugin, Stage
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -205,6 +205,13 @@ class HookCaller:
             out.extend(f for f in answer if f.dim not in {o.dim for o in out})
         return out
 
+    def launch_dims(self) -> list[LaunchDim]:
+        """Every plugin's launch dims, once each (the first answer for a dim kept)."""
+        out: list[LaunchDim] = []
+        for _, answer in self.answers("composer_par_launch_dims"):
+            out.extend(d for d in answer if d.dim not in {o.dim for o in out})
+        return out
+
     def shard_apart(self, model: nn.Module) -> list[Any]:
         """Every plugin's ``ShardApart`` answers for ``model``, in plan order."""
         return [a for _, answer in self.answers("composer_par_shard_apart", model=model)
@@ -217,6 +224,16 @@ class HookCaller:
             for hook in answer:
                 out.append(hook if hook.plugin else attrs.evolve(hook, plugin=self.name_of(plugin)))
         return out
+
+    def step_begin(self, model: nn.Module) -> None:
+        """Every plugin's ``composer_par_step_begin``, in plan order."""
+        self.call("composer_par_step_begin", model=model)
+
+    def step_commit(self, model: nn.Module, optimizer: Any) -> bool:
+        """Whether every plugin lets this step apply (no answer is False); every plugin is
+        asked, in plan order."""
+        answers = self.answers("composer_par_step_commit", model=model, optimizer=optimizer)
+        return all(answer is not False for _, answer in answers)
 
     def block_specs(self) -> list[tuple[str, BlockSpec]]:
         return [(self.name_of(p), spec) for p, spec in self.answers("composer_par_block_spec")]
@@ -270,6 +287,20 @@ class HookCaller:
             if impl.plugin.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
                 return impl.function(*(kwargs[a] for a in impl.argnames))
         return None
+    def parallel_style(self, module: nn.Module, style: Any) -> Any:
+        """The style plugins give ``module`` in place of ``style`` (the composition hook
+        ``composer_par_parallel_style``), or ``style`` when none answers."""
+        answers = self.answers("composer_par_parallel_style", module=module, style=style)
+        if len(answers) > 1:
+            names = " and ".join(self.name_of(p) for p, _ in answers)
+            raise RuntimeError(f"{names} each give {type(module).__name__} a tensor-parallel "
+                               "style of their own: at most one plugin may restyle a module")
+        return answers[0][1] if answers else style
+
+    def parameters_changed(self, model: nn.Module) -> None:
+        """Tell every plugin that ``model``'s parameters may change before its next
+        forward (``composer_par_parameters_changed``)."""
+        self.call("composer_par_parameters_changed", model=model)
 
     def describe(self) -> list[tuple[Plugin, str, str]]:
         described: dict[int, list[tuple[str, str]]] = {}

@@ -10,6 +10,8 @@ Kinds of hook:
 * **validation** -- findings about the plan (static, no torch) or the model.
 * **composition** -- how plugins cooperate without knowing each other: one plugin
   contributes (HSDP: its replicate dim), another asks (FSDP2: which dims to replicate over).
+* **training** -- what a plugin does around each step of ``plan.training_step``: before
+  the first forward, and whether the optimizer may apply the step (fault tolerance).
 * **stage** -- the eight steps of the apply order. ``ParallelPlan.apply`` calls them in
   the order of :class:`~composer_par.plugin.Stage`, never in registration order. Within a
   stage, plugins run in ``use()`` order adjusted by their declared ``after``/``before``.
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
         Declaration,
         EstimateSettings,
         FoldedDim,
+        LaunchDim,
         ShardApart,
     )
     from composer_par.plugin.comm import CommHook
@@ -129,6 +132,22 @@ def composer_par_folded_dims(plan: ParallelPlan) -> list[FoldedDim] | None:
 
 
 @hookspec
+def composer_par_launch_dims(plan: ParallelPlan) -> list[LaunchDim] | None:
+    """Mesh dims whose coordinates are separate launches of the plan (fault-tolerant
+    replica groups: each is its own job with its own process group).
+
+    Called: statically (must not import torch) whenever the plan lays out its mesh:
+    validation, ``apply``, ``data_shard``, ``explain``, ``estimate``.
+    Returns: :class:`~composer_par.plugin.LaunchDim` values, one per such dim the plugin
+    ties together. One launch then holds the ranks of one coordinate: its world size is
+    the mesh's product without these dims, its DeviceMesh has them at size 1 (so a
+    data-parallel plugin that owns one builds as it would for one replica, and a comm hook
+    on it does the reduction across launches), and ``plan.data_shard()`` counts them,
+    this launch at ``index``. The dims must be outermost; their plugin checks that.
+    """
+
+
+@hookspec
 def composer_par_shard_apart(plan: ParallelPlan, model: nn.Module) -> list[ShardApart] | None:
     """Modules that data parallelism must shard apart from their block, over its mesh
     without some model-parallel dims (expert parallelism's experts, over the data-parallel
@@ -196,6 +215,62 @@ def composer_par_state_dict_adapter(plan: ParallelPlan, model: nn.Module) -> Any
     name (see :mod:`composer_par.checkpoint.adapter`), or None. The answers of several
     plugins are applied one after the other, in the plan's order. Names only: a rank reads
     just its own slice of each tensor, so adapters cannot transform tensors.
+    """
+
+
+@hookspec
+def composer_par_parallel_style(plan: ParallelPlan, module: nn.Module, style: Any) -> Any:
+    """A tensor-parallel style to apply to ``module`` in place of ``style``, for a module
+    this plugin changed in the convert stage (float8's layers take torchao's float8 styles).
+
+    Called: by a tensor-parallel plugin at apply, for each module it is about to give a
+    torch ``ParallelStyle`` (``style``, already built), before ``parallelize_module``.
+    Returns: a ``ParallelStyle`` with the same layouts as ``style``, or None to keep it.
+    Two plugins answering for one module is an error (``RuntimeError`` naming both).
+    """
+
+
+# -- training ------------------------------------------------------------------------------
+
+
+@hookspec
+def composer_par_parameters_changed(plan: ParallelPlan, model: nn.Module) -> None:
+    """The parameters of ``model`` may change before its next forward: forget what was
+    derived from their values (float8's precomputed weight scales).
+
+    Called: by ``plan.training_step`` at the start of every step and after its backward
+    (an optimizer step comes next), and by the trainer adapters after every optimizer step
+    they drive; on every rank at the same points. ``model`` is what ``apply`` returned (or
+    a module holding it). Must be cheap, local (no collective: a rank may call it where
+    another calls nothing else) and idempotent; work that needs a collective is done
+    lazily, e.g. before the model's next forward, which every rank runs.
+    Returns: None.
+    """
+
+
+@hookspec
+def composer_par_step_begin(plan: ParallelPlan, model: nn.Module) -> None:
+    """Before each training step's first forward, on every rank.
+
+    Called: by :meth:`composer_par.training.TrainingStep.step` (``plan.training_step``)
+    once per step, with the model ``apply`` returned. A fault-tolerant plugin forms the
+    step's quorum of replica groups here, and a group that is behind takes a live peer's
+    state before it computes anything.
+    Returns: nothing.
+    """
+
+
+@hookspec
+def composer_par_step_commit(plan: ParallelPlan, model: nn.Module, optimizer: Any
+                             ) -> bool | None:
+    """Whether the optimizer may apply this step: after backward, before the optimizer
+    step, on every rank.
+
+    Called: by :meth:`composer_par.training.TrainingStep.optimizer_step` once per step,
+    with the model ``apply`` returned and the optimizer about to step; every plugin is
+    asked. Returns: False to discard the step (the optimizer does not step, and the
+    gradients are zeroed as after a step), True or None to let it apply. Every rank of a
+    launch must get the same answer (a fault-tolerant plugin's quorum decides it).
     """
 
 

@@ -7,7 +7,8 @@ and tensors for the dry run. Each such symbol is named once here, in :data:`SYMB
 (what it is, what composer_par does with it, and what each torch release changed), and
 reached by a function of this module; no other module of composer_par imports a private
 torch module or reads a private torch attribute (``tests/test_torch_private.py`` checks
-both, and that every symbol in the catalog exists on the installed torch).
+both, and that every symbol in the catalog exists on the installed torch). The internals
+of torchft the ft plugin relies on (the ``ft`` extra) are named here the same way.
 
 Two kinds of guarantee. Every symbol is checked to exist: a torch that lacks one fails
 where it is used with :class:`PrivateSymbolError`, naming the symbol and what needs it,
@@ -77,6 +78,7 @@ _COMPILE = "compile and wrappers"
 _FAKE = "fake tensors and process groups"
 _COUNT = "dispatch and memory tracking (testing)"
 _MODULE = "module and tensor internals"
+_FT = "fault-tolerant replicas (torch and torchft)"
 
 SYMBOLS: tuple[PrivateSymbol, ...] = (
     # -- FSDP2 state: the comm hooks and gradient divide factors (release-gated) --------
@@ -198,16 +200,31 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("torch.utils._pytree:tree_map", _MODULE,
                   "mapping over a module's nested inputs and outputs (TP styles)"),
     PrivateSymbol("torch.utils._pytree:tree_leaves", _MODULE,
-                  "the tensors among a module's nested inputs (TP styles)"),
+                  "the tensors among a module's nested inputs (TP styles; the reduction "
+                  "check's op arguments)"),
     PrivateSymbol("torch.storage:_dtype_to_storage_type_map", _MODULE,
                   "reading torch.save files without unpickling (dtype by storage name)"),
-    PrivateSymbol("Tensor._version", _MODULE, "whether an initializer wrote a parameter"),
+    PrivateSymbol("Tensor._version", _MODULE, "whether an initializer wrote a parameter; "
+                  "whether a float8 weight changed since its scale was precomputed"),
     PrivateSymbol("Tensor._is_view", _MODULE, "a pipeline stage's outputs sent as copies"),
+    PrivateSymbol("Tensor._backward_hooks", _MODULE,
+                  "whether a parameter's gradient is reduced by a hook (the reduction check)"),
+    PrivateSymbol("Tensor._post_accumulate_grad_hooks", _MODULE,
+                  "whether a parameter's gradient is reduced by a hook (the reduction check)"),
     PrivateSymbol("Module._parameters", _MODULE, "module surgery (accessed directly)"),
     PrivateSymbol("Module._buffers", _MODULE, "module surgery (accessed directly)"),
     PrivateSymbol("Module._modules", _MODULE, "module surgery (accessed directly)"),
     PrivateSymbol("Module._non_persistent_buffers_set", _MODULE,
                   "buffers a state dict leaves out (accessed directly)"),
+    # -- fault-tolerant replicas: torch's streaming format, torchft's transport layout ---
+    PrivateSymbol("torch.distributed._serialization:_streaming_load", _FT,
+                  "reading the state a healing replica group fetches with weights_only=True "
+                  "(the stream format torchft's HTTP transport writes)"),
+    PrivateSymbol("torchft.checkpointing.http_transport:HTTPTransport.recv_checkpoint", _FT,
+                  "its URL layout, which the weights-only fetch follows: a staged state "
+                  "whole (num_chunks=0) at <metadata><step>/full; torchft's own fetch "
+                  "unpickles with weights_only=False",
+                  ("torchft 0.2.0: the layout checked",)),
 )
 
 class PrivateSymbolError(RuntimeError):
@@ -263,10 +280,21 @@ def _reach(symbol: str) -> Any:
         why = f" (composer_par needs it for: {entry.why})" if entry else ""
         import torch
 
+        package = module_name.partition(".")[0]
+        version = torch.__version__ if package == "torch" else _version_of(package)
         raise PrivateSymbolError(
-            f"torch {torch.__version__} has no {module_name}.{path}{why}: it moved or went "
+            f"{package} {version} has no {module_name}.{path}{why}: it moved or went "
             "in this release; see composer_par.plugin.torch_private") from exc
     return found
+
+
+def _version_of(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _attribute(obj: Any, name: str) -> Any:
@@ -581,5 +609,29 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return int(tensor._version)
 
 
+def has_gradient_hooks(tensor: torch.Tensor) -> bool:
+    """Whether hooks run on ``tensor``'s gradient (``register_hook`` or
+    ``register_post_accumulate_grad_hook``): torch keeps no public list of them."""
+    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None)
+                or getattr(tensor, "_backward_hooks", None))
+
+
 def is_view(tensor: torch.Tensor) -> bool:
     return bool(tensor._is_view())
+
+
+# -- fault-tolerant replicas -------------------------------------------------------------
+
+
+def streaming_load(stream: Any) -> Any:
+    """What torch's streaming save wrote to ``stream`` (a torchft checkpoint transfer),
+    read with the weights-only unpickler: tensors, numbers, strings and containers only."""
+    return _reach("torch.distributed._serialization:_streaming_load")(stream, weights_only=True)
+
+
+def torchft_checkpoint_url(metadata: str, step: int) -> str:
+    """Where torchft's HTTP transport serves the whole state it staged for ``step``
+    (``metadata``: the serving transport's, its address)."""
+    _reach("torchft.checkpointing.http_transport:HTTPTransport.recv_checkpoint")
+    return f"{metadata}{step}/full"
+

@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     import torch
     import torch.nn as nn
 
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
-    from composer_par.plugin.base import Declaration, FoldedDim, Stage
+    from composer_par.plugin.base import Declaration, FoldedDim, LaunchDim, Stage
     from composer_par.plugin.caller import HookCaller
     from composer_par.plugin.comm import CommHook
     from composer_par.topology import Topology
@@ -46,6 +48,11 @@ class PlanView:
     def device(self) -> str | torch.device | None:
         """The materialization device the plan was given (None: the mesh's default)."""
         return self._plan.device
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long the plan's collectives wait before giving up (its ``timeout``)."""
+        return self._plan.timeout
 
     def world_size(self) -> int | None:
         """The number of ranks, if anything says it (mesh, process group, topology)."""
@@ -77,6 +84,11 @@ class PlanView:
     def data_parallel_dims(self) -> list[str]:
         """Mesh dims over which ranks read different samples, outermost first."""
         return self._plan.data_parallel_dims()
+
+    def launch_dims(self) -> list[LaunchDim]:
+        """The mesh dims whose coordinates are separate launches (fault-tolerant replica
+        groups), in mesh order."""
+        return self._plan.launch_dims()
 
     def comm_hooks(self) -> list[CommHook]:
         """Every plugin's comm hooks, each naming the plugin that gave it."""

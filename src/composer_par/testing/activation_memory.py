@@ -20,6 +20,8 @@ def held_for_backward(model: Any, forward: Callable[[], Any], *,
     forward's peak of them (temporaries included). Parameters, buffers, gradients and
     ``optimizer``'s states are tracked as such and not counted. Runs ``backward()`` on
     the loss afterwards, outside the tracker, so nothing is left holding the graph."""
+    import warnings
+
     import torch
 
     from composer_par.plugin import torch_private
@@ -31,7 +33,12 @@ def held_for_backward(model: Any, forward: Callable[[], Any], *,
         tracker.track_external(model, optimizer)
     else:
         tracker.track_external(model)
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        # Modules outside the model's tree have no path, only their class name: with the
+        # ``kernels`` package, transformers turns functions (rotary embedding's) into
+        # modules all named ``Func``, one called inside another, and the tracker warns
+        # that its module hierarchy may be wrong. The totals read here do not use it.
+        warnings.filterwarnings("ignore", "The module hierarchy tracking", UserWarning)
         loss = forward()
         now = tracker.get_tracker_snapshot("current")
         peak = tracker.get_tracker_snapshot("peak")

@@ -273,6 +273,7 @@ def _train_reference(case: ParityCase, device: str
     import torch
 
     from composer_par import MeshSpec, ParallelPlan
+    from composer_par.plugin import Stage
     from composer_par.plugins.meta_init import MetaInit
 
     task = _resolve(case.task)
@@ -282,7 +283,13 @@ def _train_reference(case: ParityCase, device: str
         raise ValueError("parity needs a plan that materializes with MetaInit")
     with torch.device("meta"):
         model = task.build()
-    model = ParallelPlan(MeshSpec()).use(attrs.evolve(meta_init, device=device)).apply(model)
+    # The plan's module swaps (float8) make the model the ranks train: the reference is
+    # that model on one process.
+    single = ParallelPlan(MeshSpec())
+    for plugin in plan.plugins:
+        if Stage.CONVERT in type(plugin).stages():
+            single.use(plugin)
+    model = single.use(attrs.evolve(meta_init, device=device)).apply(model)
     _, shards = plan.data_shard(0, case.world_size)
     optimizer = _optimizer(case, model.parameters())
     losses = []

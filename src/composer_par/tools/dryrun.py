@@ -183,6 +183,9 @@ class RankLayout:
     stages: tuple[tuple[int, int, int], ...] = ()
     # One forward and backward on fake tensors: "ran", "failed" or "not checked", and what.
     forward: tuple[str, str] | None = None
+    # The reduction check of that forward (composer_par.reduction_check): each problem
+    # found, as a CP434 message; empty when none (or not checked: see ``forward``).
+    reductions: tuple[str, ...] = ()
 
     @property
     def local_numel(self) -> int:
@@ -209,6 +212,7 @@ class RankLayout:
                                 for s, n, b in self.stages],
             "forward": ({"status": self.forward[0], "detail": self.forward[1]}
                         if self.forward else None),
+            "reductions": list(self.reductions),
             "params": [p.to_dict() for p in self.params],
         }
 
@@ -247,7 +251,7 @@ class DryRunResult:
     def ok(self) -> bool:
         return self.report.ok and all(
             r.failure is None and (r.forward is None or r.forward[0] != "failed")
-            for r in self.ranks)
+            and not r.reductions for r in self.ranks)
 
     def exit_code(self) -> int:
         code = self.report.exit_code()
@@ -327,7 +331,8 @@ def dry_run(
 
     for rank in wanted:
         model_for_rank = probe if rank == wanted[0] else build_on_meta(factory, spec)
-        layout, split = _dry_run_rank(plan, model_for_rank, mesh, world, rank, unparallelized)
+        layout, split = _dry_run_rank(plan, model_for_rank, mesh, world, rank, unparallelized,
+                                      lambda: _in_bfloat16(build_on_meta(factory, spec)))
         layouts.append(layout)
         pipeline = pipeline or split
     return DryRunResult(world, report, tuple(layouts), description, build_seconds, pipeline)
@@ -347,13 +352,35 @@ def _describe_model(model: nn.Module, plan: ParallelPlan) -> str:
             f"block(s){where})")
 
 
+def _in_bfloat16(model: nn.Module) -> nn.Module:
+    """``model`` (on meta) with its floating parameters and buffers in bfloat16."""
+    import torch
+
+    return model.to(torch.bfloat16)
+
+
+def _dry_plan(plan: ParallelPlan, device_mesh: Any, mesh: Any) -> ParallelPlan:
+    """``plan`` on ``device_mesh`` with its materializers swapped for stand-ins."""
+    from composer_par.plan import ParallelPlan as Plan
+
+    dry = Plan(device_mesh if device_mesh is not None else mesh, topology=plan.topology,
+               device="cpu")
+    for plugin in plan.plugins:
+        materializes = Stage.MATERIALIZE in plugin.stages()
+        dry.use(SkippedInDryRun(plugin) if materializes else plugin)
+    return dry
+
+
+# What torch's fake kernel of grouped_mm (transformers' experts) says outside bfloat16.
+_BF16_ONLY = "Expected inputs of BF16 type"
+
+
 def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
                   rank: int, unparallelized: Callable[[], tuple[str, str]] | None = None,
+                  in_bfloat16: Callable[[], nn.Module] | None = None,
                   ) -> tuple[RankLayout, PipelineSplit | None]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from composer_par.plan import ParallelPlan as Plan
 
     fake_store = _fake_store()
 
@@ -366,11 +393,7 @@ def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
     try:
         device_mesh = (init_device_mesh("cpu", mesh.sizes, mesh_dim_names=mesh.names)
                        if mesh.dims else None)
-        dry = Plan(device_mesh if device_mesh is not None else mesh, topology=plan.topology,
-                   device="cpu")
-        for plugin in plan.plugins:
-            materializes = Stage.MATERIALIZE in plugin.stages()
-            dry.use(SkippedInDryRun(plugin) if materializes else plugin)
+        dry = _dry_plan(plan, device_mesh, mesh)
         try:
             applied = _quietly(lambda: dry.apply(model))
         except Exception as exc:
@@ -382,15 +405,27 @@ def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
         split, stages = _pipeline(dry, params)
         seconds = time.perf_counter() - started
         forward = None
+        problems: list[Any] = []
         if split is None:  # a pipeline's schedule cannot run over the fake process group
-            forward = _quietly(lambda: forward_check(applied, mesh.sizes))
+            setup = reduction_setup(dry, device_mesh)
+            forward = _quietly(lambda: forward_check(applied, mesh.sizes, setup, problems))
+            if forward[0] == "failed" and _BF16_ONLY in forward[1] and in_bfloat16:
+                # Fake tensors run transformers' grouped experts in bfloat16 only: the
+                # same plan on a bfloat16 copy checks the step and its reductions.
+                again = _dry_plan(plan, device_mesh, mesh)
+                copy = _quietly(lambda: again.apply(in_bfloat16()))
+                forward = _quietly(lambda: forward_check(copy, mesh.sizes, setup, problems))
+                if forward[0] == "ran":
+                    forward = ("ran", forward[1] + " in bfloat16 (torch's fake grouped_mm, "
+                               "which transformers' experts call, takes bfloat16 only)")
             if forward[0] == "failed" and unparallelized is not None:
                 own = unparallelized()
                 if own[0] != "ran":  # not the plan's doing: fake tensors cannot run it
                     forward = ("not checked", "the model's own forward, unparallelized, "
                                f"does not run on fake tensors either ({own[1]})")
+        reductions = tuple(f"ERROR CP434: rank {rank}: {p.message()}" for p in problems)
         return RankLayout(rank, coordinate, node, params, steps, skipped, seconds,
-                          stages=stages, forward=forward), split
+                          stages=stages, forward=forward, reductions=reductions), split
     finally:
         dist.destroy_process_group()
 
@@ -450,10 +485,41 @@ def _scalar(output: Any) -> Any:
                     "backward from")
 
 
-def forward_check(model: nn.Module, sizes: Sequence[int]) -> tuple[str, str]:
+@attrs.frozen
+class ReductionSetup:
+    """What the reduction check needs of a plan on one rank: the mesh dims of size > 1,
+    this rank's group over each (its ranks), and the dims whose ranks read different
+    samples."""
+
+    dims: tuple[str, ...]
+    groups: dict[str, frozenset[int]]
+    data_dims: tuple[str, ...]
+    hooked_dims: tuple[str, ...] = ()  # folded dims: averaged by hooks without FSDP2
+
+
+def reduction_setup(plan: ParallelPlan, device_mesh: Any) -> ReductionSetup | None:
+    """The setup of the reduction check for ``plan`` on the mesh built for this rank."""
+    import torch.distributed as dist
+
+    if device_mesh is None:
+        return None
+    mesh = plan.mesh
+    dims = tuple(n for n in mesh.names if mesh.size(n) > 1)
+    groups = {n: frozenset(dist.get_process_group_ranks(device_mesh.get_group(n)))
+              for n in dims}
+    data = tuple(d for d in plan.data_parallel_dims() if d in dims)
+    folded = tuple(f.dim for f in plan.folded_dims() if f.dim in dims)
+    return ReductionSetup(dims, groups, data, folded)
+
+
+def forward_check(model: nn.Module, sizes: Sequence[int], setup: ReductionSetup | None = None,
+                  problems: list[Any] | None = None) -> tuple[str, str]:
     """One forward and backward of ``model`` (on meta, sharded or not) on fake tensors:
     ``("ran", what)``, ``("failed", the error)`` or ``("not checked", why)``. The model's
-    tensors become fake ones: use it for nothing after."""
+    tensors become fake ones: use it for nothing after. With ``setup``, the forward runs
+    under the reduction check (:mod:`composer_par.reduction_check`), whose problems are
+    appended to ``problems``; compiled blocks run eagerly for it (the check watches each
+    op)."""
     import logging
     import warnings
 
@@ -484,13 +550,33 @@ def forward_check(model: nn.Module, sizes: Sequence[int]) -> tuple[str, str]:
             # Inside loss parallel: vocabulary-sharded logits (TP loss_parallel) then take
             # their cross-entropy as a real step would; plain ones are unaffected.
             with loss_parallel():
-                _scalar(model(**inputs)).backward()
+                if setup is None or not setup.dims:
+                    _scalar(model(**inputs)).backward()
+                else:
+                    _checked_step(model, inputs, setup, problems)
     except Exception as exc:
         return "failed", _failure(exc)
     finally:
         fake_log.setLevel(level)
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in inputs.items())
     return "ran", f"one forward and backward ran on fake tensors ({shapes})"
+
+
+def _checked_step(model: nn.Module, inputs: dict[str, Any], setup: ReductionSetup,
+                  problems: list[Any] | None) -> None:
+    import torch
+
+    from composer_par.reduction_check import check_reductions
+
+    outputs: list[Any] = []
+    with torch.compiler.set_stance("force_eager"):
+        found = check_reductions(
+            model, lambda: outputs.append(model(**inputs)), dims=setup.dims,
+            groups=setup.groups, data_dims=setup.data_dims, inputs=list(inputs.values()),
+            hooked_dims=setup.hooked_dims)
+        _scalar(outputs[0]).backward()
+    if problems is not None:
+        problems.extend(found)
 
 
 def _pipeline(plan: ParallelPlan, params: Sequence[ParamLayout]
@@ -593,6 +679,11 @@ def format_rank(layout: RankLayout, *, full: bool = False) -> str:
         label = {"ran": "first step", "failed": "first step FAILED",
                  "not checked": "first step not checked"}[status]
         lines.append(f"  {label}: {detail}")
+        if status == "ran":
+            lines.append("  gradient reductions: " + (
+                f"{len(layout.reductions)} problem(s)" if layout.reductions else
+                "every gradient gets the sums over mesh dims its forward needs"))
+            lines.extend(f"    {message}" for message in layout.reductions)
     rows: list[tuple[str, ...]] = []
     groups: dict[tuple[Any, ...], list[ParamLayout]] = {}
     order: list[tuple[Any, ...]] = []

@@ -15,6 +15,20 @@ the baseline and within fp32 tolerance:
 * the loss of every step equals the baseline's;
 * every rank's full parameters after the last step equal the baseline's.
 
+Like is compared with like. The baseline runs the plan's precision policy (the
+parameter dtype its data-parallel plugin computes in, as the plan's estimate settings
+state it: parameters kept in float32, forwards on copies in that dtype), and where a
+rung's ranks each take a loss per micro-batch (a router's balancing loss) or compute in a
+lower precision, the baseline is run again for that rung with one micro-batch per data
+shard, in shard order. Tolerances are per compute dtype (:data:`TOLERANCES`) and stated
+in the report; initial parameters, stored in float32 whatever the compute dtype, are
+compared at float32's.
+
+Before the first multi-rank rung, rung 1 runs the reduction check of ``validate --model``
+(:mod:`composer_par.reduction_check`) on the plan as laid on every later rung, in this
+process, over torch's fake process group: a gradient that needs a sum over a mesh dim
+and gets none (or gets two) stops the ladder there, naming the parameter and the dim.
+
 It also reports, never judges: each rank's peak memory against ``estimate``'s figure for
 that layout (the ratio), the median step time after the warm-up steps, and the share of
 the last step spent in collectives (``torch.profiler``) with the top collectives.
@@ -26,10 +40,11 @@ innermost data-parallel mesh dim. Each fold is said.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +60,18 @@ if TYPE_CHECKING:
 
 # The order the checks run in: the first that fails names the rung's failure.
 CHECKS = ("plan", "initial parameters", "samples", "losses", "final parameters")
+
+#: (rtol, atol) of the losses and final parameters by the dtype a plan computes in.
+#: float32's are the parity tests'. In bfloat16 (8 bits of mantissa) every activation
+#: and gradient is rounded to 2**-9 relative; the rungs and the baseline round at the
+#: same places but sum the data shards' gradients in another order, which moves a
+#: rounding now and then by one unit: torch.testing's bfloat16 rtol (1.6e-2), and an atol
+#: for the parameters near zero that such a unit moves (lr times a gradient's unit).
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (RTOL, ATOL),
+    "bfloat16": (1.6e-2, 1e-4),
+    "float16": (1e-3, 1e-5),
+}
 
 
 class SelfcheckInputError(ValueError):
@@ -143,14 +170,33 @@ class Settings:
     deterministic: bool = True
     timeout: float = 120.0
     sampler: str | None = None
-    rtol: float = RTOL
-    atol: float = ATOL
+    # None: by the plan's compute dtype (TOLERANCES)
+    rtol: float | None = None
+    atol: float | None = None
 
-    def for_ranks(self, ranks: int) -> dict[str, Any]:
+    def for_ranks(self, ranks: int, **extra: Any) -> dict[str, Any]:
         return {"plan": self.plan, "model": self.model, "ranks": ranks, "steps": self.steps,
                 "warmup": self.warmup, "seq_len": self.seq_len, "batch": self.batch,
                 "lr": self.lr, "seed": self.seed, "deterministic": self.deterministic,
-                "timeout": self.timeout, "sampler": self.sampler}
+                "timeout": self.timeout, "sampler": self.sampler, **extra}
+
+
+def precision_of(spec: str) -> str | None:
+    """The dtype the plan's forwards compute in, as its plugins state it to the estimate
+    (``param_dtype``, e.g. FSDP2's mixed precision); None: the parameters' own."""
+    from composer_par.estimate.layout import merge_settings
+
+    plan = load_plan(spec)
+    dtype = merge_settings(plan.hooks.estimate_settings()).get("param_dtype")
+    return None if dtype in (None, "float32") else str(dtype)
+
+
+def tolerances(settings: Settings, dtype: str | None) -> tuple[float, float]:
+    """(rtol, atol) of the losses and final parameters: the flags', else the compute
+    dtype's."""
+    rtol, atol = TOLERANCES.get(dtype or "float32", TOLERANCES["float32"])
+    return (settings.rtol if settings.rtol is not None else rtol,
+            settings.atol if settings.atol is not None else atol)
 
 
 def check_settings(settings: Settings) -> None:
@@ -176,9 +222,11 @@ def check_settings(settings: Settings) -> None:
                 f"data-parallel ranks of the rung of {ranks} rank(s)")
 
 
-def run_rung(settings: Settings, ranks: int) -> list[dict[str, Any]]:
-    """Every rank's record of one rung, in rank order. Raises RungFailed when a rank
-    fails (its error named)."""
+def run_rung(settings: Settings, ranks: int, **extra: Any) -> list[dict[str, Any]]:
+    """Every rank's record of one rung, in rank order (``extra``: settings of the rank's
+    run beyond :class:`Settings`, as a baseline's micro-batches). Raises RungFailed when
+    a rank fails, naming each failed rank's error; the launcher's own logs of it are
+    held back (one line per failed rank is what the ladder says)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -191,17 +239,59 @@ def run_rung(settings: Settings, ranks: int) -> list[dict[str, Any]]:
                           run_id=f"selfcheck-{os.getpid()}-{ranks}", rdzv_backend="c10d",
                           rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2)
     try:
-        results = elastic_launch(config, rung_rank)(settings.for_ranks(ranks))
+        with _launcher_quiet():
+            results = elastic_launch(config, rung_rank)(settings.for_ranks(ranks, **extra))
     except ChildFailedError as exc:
         rank, _, message = _first_failure(exc)
-        raise RungFailed(ranks, rank, message) from None
+        every = [(r, _failure_text(f)) for r, f in sorted(exc.failures.items())]
+        raise RungFailed(ranks, rank, message, every) from None
     return [results[r] for r in sorted(results)]
 
 
+# torch's launcher logs each failed rank's whole traceback (and every sibling it stops):
+# the ladder names each failed rank in one line instead.
+_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing",
+                     "torch.distributed.launcher")
+
+
+@contextlib.contextmanager
+def _launcher_quiet() -> Iterator[None]:
+    import logging
+
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith(_LAUNCHER_LOGGERS)]
+    loggers += [logging.getLogger(name) for name in _LAUNCHER_LOGGERS]
+    levels = [(logger, logger.level) for logger in loggers]
+    for logger, _ in levels:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in levels:
+            logger.setLevel(level)
+
+
+def _failure_text(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    text = str(message).strip()
+    if not text:
+        text = f"exited with code {failure.exitcode}"
+    return text.splitlines()[0]
+
+
 class RungFailed(Exception):
-    def __init__(self, ranks: int, rank: int, message: str) -> None:
+    def __init__(self, ranks: int, rank: int, message: str,
+                 every: list[tuple[int, str]] | None = None) -> None:
         super().__init__(f"rank {rank} failed: {message}")
         self.ranks, self.rank, self.message = ranks, rank, message
+        self.every = every or [(rank, message.splitlines()[0] if message else "")]
+
+    @property
+    def model_code(self) -> bool:
+        """The model factory raised (the input's fault: exit 2)."""
+        return self.message.startswith("ModelCodeError")
 
 
 # -- the checks ------------------------------------------------------------------------------
@@ -222,12 +312,16 @@ class Failure:
 
 
 def check_rung(baseline: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
-               rtol: float = RTOL, atol: float = ATOL) -> list[tuple[str, Failure | None]]:
-    """Each check of :data:`CHECKS` with its failure (None: passed)."""
+               rtol: float = RTOL, atol: float = ATOL,
+               initial: tuple[float, float] = (RTOL, ATOL)
+               ) -> list[tuple[str, Failure | None]]:
+    """Each check of :data:`CHECKS` with its failure (None: passed). ``rtol``/``atol``
+    for the losses and final parameters; ``initial`` for the parameters after apply,
+    which are the plan's stored ones (float32) whatever it computes in."""
     base = baseline[0]
     return [
         ("plan", _check_plans(records)),
-        ("initial parameters", _check_params(base["initial"], records, "initial", rtol, atol,
+        ("initial parameters", _check_params(base["initial"], records, "initial", *initial,
                                              None)),
         ("samples", _check_samples(base["samples"], records)),
         ("losses", _check_losses(base["losses"], records[0]["losses"], rtol, atol)),
@@ -335,11 +429,13 @@ def summarize(records: Sequence[dict[str, Any]], checks: list[tuple[str, Failure
     if failed is not None:
         # torch's own words when deterministic mode meets an op without a deterministic
         # implementation: the op is named in the message.
-        check = ("determinism" if "does not have a deterministic implementation"
-                 in failed.message else "run")
+        check = ("model code" if failed.model_code else "determinism"
+                 if "does not have a deterministic implementation" in failed.message
+                 else "run")
         return {"ranks": failed.ranks, "ok": False, "failure": {
             "check": check, "message": f"rank {failed.rank} failed: {failed.message}",
-            "rank": failed.rank, "step": None, "parameter": None}}
+            "rank": failed.rank, "step": None, "parameter": None},
+            "failed_ranks": [{"rank": r, "message": m} for r, m in failed.every]}
     first = records[0]
     failure = next((f for _, f in checks or () if f is not None), None)
     peaks = [r["peak_bytes"] for r in records]
@@ -363,41 +459,106 @@ def summarize(records: Sequence[dict[str, Any]], checks: list[tuple[str, Failure
     }
 
 
+def reduction_checks(settings: Settings) -> list[dict[str, Any]]:
+    """The reduction check of ``validate --model`` on the plan as laid on every rung
+    after the first (its ranks 0 and last, over torch's fake process group, in this
+    process): per rung, the status of the step and the problems found."""
+    from composer_par.tools.dryrun import dry_run
+
+    out = []
+    for ranks in settings.ranks:
+        if ranks == 1:
+            continue
+        plan, _ = rung_plan(settings.plan, ranks, baseline=False)
+        result = dry_run(plan, settings.model, world_size=ranks)
+        statuses = {r.forward[0] for r in result.ranks if r.forward}
+        failures = [r.failure for r in result.ranks if r.failure]
+        out.append({
+            "ranks": ranks, "mesh": plan.mesh.to_dict(),
+            "status": ("failed" if failures or "failed" in statuses else
+                       "ran" if statuses == {"ran"} else "not checked"),
+            "detail": failures[0] if failures else next(
+                (r.forward[1] for r in result.ranks if r.forward), "no step (a pipeline)"),
+            "problems": [m for r in result.ranks for m in r.reductions]})
+    return out
+
+
+def _reduction_failure(checked: list[dict[str, Any]]) -> Failure | None:
+    for rung in checked:
+        if rung["problems"]:
+            first = rung["problems"][0]
+            # "ERROR CP434: rank R: PARAMETER: ..."
+            parts = first.split(": ")
+            rank = int(parts[1].split()[1]) if len(parts) > 2 else None
+            return Failure("reductions", f"on the layout of rung {rung['ranks']} "
+                           f"({_mesh_text(rung['mesh'])}): {first} "
+                           f"({len(rung['problems'])} problem(s) in all)",
+                           parameter=parts[2] if len(parts) > 2 else None, rank=rank)
+    return None
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{n}({s})" for n, s in mesh.items()) or "none"
+
+
 def run_ladder(settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
     """Every rung in turn, stopping at the first that differs; the JSON document."""
     rungs: list[dict[str, Any]] = []
-    baseline: list[dict[str, Any]] | None = None
+    baselines: dict[int, list[dict[str, Any]]] = {}
     started = time.perf_counter()
+    dtype = precision_of(settings.plan)
+    rtol, atol = tolerances(settings, dtype)
+    exit_code = 0
     for ranks in settings.ranks:
         label = f"rung {ranks} rank(s)" + (" (baseline)" if ranks == 1 else "")
         progress(f"{label}: training {settings.warmup} warm-up + {settings.steps} steps...")
         t0 = time.perf_counter()
         try:
-            records = run_rung(settings, ranks)
+            if ranks != 1:
+                compared = _baseline_for(settings, ranks, baselines, dtype, progress)
+            records = run_rung(settings, ranks, param_dtype=dtype)
         except RungFailed as exc:
             rung = summarize([], None, exc)
             rungs.append(rung)
-            progress(f"{label}: FAILED: {rung['failure']['message']}")
+            for rank, message in exc.every:
+                progress(f"{label}: FAILED on rank {rank}: {message}")
+            exit_code = 2 if exc.model_code else 1
             break
-        checks = None if baseline is None else check_rung(baseline, records, settings.rtol,
-                                                          settings.atol)
-        if baseline is None:
-            baseline = records
+        if ranks == 1:
+            baselines[1] = records
+            checks = None
+        else:
+            base, note = compared
+            checks = check_rung(base, records, rtol, atol)
         rung = summarize(records, checks)
+        if ranks == 1:
+            progress(f"{label}: checking the gradient reductions of the plan as laid on "
+                     "every rung (one step on fake tensors)...")
+            checked = reduction_checks(settings)
+            failure = _reduction_failure(checked)
+            rung["reductions"] = checked
+            rung["checks"] = [{"name": "reductions", "ok": failure is None,
+                               **({"failure": failure.to_dict()} if failure else {})}]
+            if failure is not None:
+                rung.update(ok=False, failure=failure.to_dict())
+        else:
+            rung["compared_with"] = note
         rung["seconds"] = round(time.perf_counter() - t0, 2)
         rungs.append(rung)
         for fold in rung["folds"]:
             progress(f"{label}: folded {fold}")
         progress(f"{label}: {row_text(rung)}")
         if not rung["ok"]:
+            exit_code = 1
             break
     failed = next((r for r in rungs if not r["ok"]), None)
     return {
-        "ok": failed is None, "exit_code": 0 if failed is None else 1,
+        "ok": failed is None, "exit_code": exit_code,
         "plan": settings.plan, "model": settings.model, "ranks": list(settings.ranks),
         "steps": settings.steps, "warmup": settings.warmup, "seq_len": settings.seq_len,
         "batch": settings.batch, "lr": settings.lr, "optimizer": "sgd",
-        "rtol": settings.rtol, "atol": settings.atol,
+        "compute_dtype": dtype or "float32", "rtol": rtol, "atol": atol,
+        "initial_rtol": RTOL, "initial_atol": ATOL,
         "first_failure": None if failed is None else {"rung": failed["ranks"],
                                                       **failed["failure"]},
         "rungs": rungs, "seconds": round(time.perf_counter() - started, 2),
@@ -407,12 +568,43 @@ def run_ladder(settings: Settings, progress: Callable[[str], None]) -> dict[str,
         "memory_note": ("peak: on CUDA max_memory_allocated, on CPU the growth of the "
                         "resident set over its size before the model was built; against "
                         "estimate's per-rank total for the layout"),
+        "tolerance_note": (f"tolerances: losses and final parameters rtol {rtol:g}, atol "
+                           f"{atol:g} ({dtype or 'float32'} compute"
+                           + (", given" if settings.rtol is not None
+                              or settings.atol is not None else "")
+                           + f"); initial parameters (float32 storage) rtol {RTOL:g}, atol "
+                           f"{ATOL:g}"),
     }
 
 
+def _baseline_for(settings: Settings, ranks: int, baselines: dict[int, list[dict[str, Any]]],
+                  dtype: str | None, progress: Callable[[str], None]
+                  ) -> tuple[list[dict[str, Any]], str]:
+    """The baseline rung ``ranks`` is compared with, and a sentence saying which: the
+    baseline itself, or, where the ranks take a loss per micro-batch (a router's
+    balancing loss) or compute below float32, the baseline run again as one micro-batch
+    per data shard of that rung (kept for other rungs of as many shards)."""
+    base = baselines[1]
+    plan, _ = rung_plan(settings.plan, ranks, baseline=False)
+    _, shards = plan.data_shard(0, ranks)
+    why = [w for w, need in (("its ranks each take a loss per micro-batch",
+                              bool(base[0].get("aux_losses"))),
+                             (f"it computes in {dtype}", dtype is not None)) if need]
+    if shards == 1 or not why:
+        return base, "the baseline"
+    if shards not in baselines:
+        progress(f"rung {ranks} rank(s): {' and '.join(why)}: the baseline again as "
+                 f"{shards} micro-batches, one per data shard...")
+        baselines[shards] = run_rung(settings, 1, param_dtype=dtype, micro_batches=shards)
+    return baselines[shards], (f"the baseline as {shards} micro-batches, one per data shard "
+                               f"({' and '.join(why)})")
+
+
 def row_text(rung: dict[str, Any]) -> str:
-    if rung.get("baseline"):
-        verdict = "baseline"
+    if rung.get("baseline") and rung["ok"]:
+        checked = rung.get("reductions") or []
+        verdict = "baseline" + (f"; gradient reductions checked on the layouts of "
+                                f"{len(checked)} rung(s)" if checked else "")
     elif rung["ok"]:
         verdict = "matches the baseline"
     else:
@@ -435,7 +627,7 @@ def format_report(doc: dict[str, Any]) -> str:
             cells.append((rung["ranks"], "-", "FAILED", "-", "-", "-", "-", "-"))
             continue
         mesh = " x ".join(f"{n}({s})" for n, s in rung["mesh"].items()) or "none"
-        state = "baseline" if rung["baseline"] else ("ok" if rung["ok"] else "DIFFERS")
+        state = ("DIFFERS" if not rung["ok"] else "baseline" if rung["baseline"] else "ok")
         ratios = [r for r in rung["memory_ratio"] if r is not None]
         cells.append((rung["ranks"], mesh, state, _mib(max(rung["peak_bytes"])),
                       _mib(rung["estimate_bytes"]), f"{max(ratios):.2f}" if ratios else "?",
@@ -446,6 +638,17 @@ def format_report(doc: dict[str, Any]) -> str:
         for top in rung.get("top_collectives", [])[:3]:
             lines.append(f"  rung {rung['ranks']}: {top['name']} x{top['calls']}: "
                          f"{top['seconds'] * 1e3:.2f} ms")
+    for rung in doc["rungs"]:
+        for checked in rung.get("reductions", []):
+            lines.append(f"  gradient reductions on the layout of rung {checked['ranks']} "
+                         f"({_mesh_text(checked['mesh'])}): "
+                         + (f"{len(checked['problems'])} problem(s)" if checked["problems"]
+                            else "every gradient gets the sums it needs"
+                            if checked["status"] == "ran"
+                            else f"{checked['status']}: {checked['detail']}"))
+        if rung.get("compared_with", "the baseline") != "the baseline":
+            lines.append(f"  rung {rung['ranks']} compared with {rung['compared_with']}")
+    lines.append(doc["tolerance_note"])
     lines.append(doc["timing_note"])
     lines.append(doc["memory_note"])
     settings = doc["rungs"][0].get("determinism") if doc["rungs"] else None
@@ -453,12 +656,12 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append("determinism: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     failure = doc["first_failure"]
     if failure is None:
-        lines.append(f"every rung matches the baseline (rtol {doc['rtol']:g}, atol "
-                     f"{doc['atol']:g})")
+        lines.append(f"every rung matches the baseline ({doc['compute_dtype']} compute: rtol "
+                     f"{doc['rtol']:g}, atol {doc['atol']:g})")
     else:
         where = ", ".join(f"{k} {failure[k]}" for k in ("step", "parameter", "rank")
                           if failure.get(k) is not None)
-        verb = ("failed" if failure["check"] == "run" else
+        verb = ("failed" if failure["check"] in ("run", "model code") else
                 f"differs: {failure['check']}")
         lines.append(f"rung {failure['rung']} {verb}"
                      + (f" ({where})" if where else "") + f": {failure['message']}")
@@ -537,6 +740,7 @@ def first_failure_text(doc: dict[str, Any]) -> str:
     return f"rung {failure['rung']}: {failure['check']}: {failure['message']}"
 
 
-__all__ = ["CHECKS", "Failure", "SelfcheckInputError", "Settings", "check_rung",
+__all__ = ["CHECKS", "TOLERANCES", "Failure", "SelfcheckInputError", "Settings", "check_rung",
            "check_settings", "default_ranks", "fold_mesh", "format_report", "load_plan",
-           "parse_ranks", "run_ladder", "rung_plan", "write_svg"]
+           "parse_ranks", "precision_of", "reduction_checks", "run_ladder", "rung_plan",
+           "tolerances", "write_svg"]

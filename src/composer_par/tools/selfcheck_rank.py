@@ -9,10 +9,13 @@ from ``torch.profiler``, the time its collectives took in the last step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +26,12 @@ if TYPE_CHECKING:
 
 # What deterministic mode sets (reported with the result, so the log says it).
 CUBLAS_WORKSPACE = ":4096:8"
+# Lines torch's profiler (kineto) writes to the process's stderr on every start and stop.
+PROFILER_NOISE = ("USDT:", "STAGE:")
+
+
+class ModelCodeError(RuntimeError):
+    """The model factory raised on a rank (the input's fault: selfcheck exits 2)."""
 # Profiler events of collectives: the backends' own ranges (gloo's and NCCL's, which
 # last from issue to completion) and, on CUDA, NCCL's kernels.
 COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
@@ -77,7 +86,7 @@ def _train(settings: dict[str, Any]) -> dict[str, Any]:
 
     from composer_par.hangs import name_stuck_ranks
     from composer_par.testing.parity import full_parameters
-    from composer_par.tools.dryrun import build_on_meta, resolve_factory
+    from composer_par.tools.dryrun import DryRunError, build_on_meta, resolve_factory
     from composer_par.tools.selfcheck import rung_plan
 
     ranks = settings["ranks"]
@@ -85,8 +94,11 @@ def _train(settings: dict[str, Any]) -> dict[str, Any]:
         rank = dist.get_rank()
         determinism = deterministic_settings(settings["seed"], settings["deterministic"])
         plan, folds = rung_plan(settings["plan"], ranks, baseline=ranks == 1)
-        factory = resolve_factory(settings["model"])
-        built = build_on_meta(factory, settings["model"])
+        try:
+            built = build_on_meta(resolve_factory(settings["model"]), settings["model"])
+        except DryRunError as exc:
+            raise ModelCodeError(f"rank {rank}: {exc}") from None
+        shards = settings.get("micro_batches", 1) if ranks == 1 else 1
         vocab = vocabulary_size(built)
         estimate = _estimate(plan, built, settings, ranks) if rank == 0 else None
         device = torch.device("cuda", torch.cuda.current_device()) \
@@ -94,11 +106,25 @@ def _train(settings: dict[str, Any]) -> dict[str, Any]:
         before = _memory_before(device)
         model = plan.apply(built)
         index, count = plan.data_shard()
-        initial = full_parameters(model)
+        with _gathers_quiet():
+            initial = full_parameters(model)
+        if ranks == 1 and settings.get("param_dtype"):
+            compute_in(model, getattr(torch, settings["param_dtype"]))
         optimizer = torch.optim.SGD(model.parameters(), lr=settings["lr"])
-        trainer = plan.training_step(model, causal_lm_loss)
+        # The rungs compare every rank's full parameters with the baseline's, which the
+        # replica check's comparison of copies is a part of: it would stop a drifted rank
+        # before the check that names it against the baseline.
+        trainer = plan.training_step(model, causal_lm_loss, check_replicas_every=None,
+                                     accumulate=shards)
         total = settings["warmup"] + settings["steps"]
-        batch_ids = sample_ids(settings, index, count, total)
+        if shards > 1:
+            # One micro-batch per data shard of the rung compared with, in shard order:
+            # what each of its ranks takes a per-micro-batch loss over.
+            per_shard = [sample_ids(settings, i, shards, total) for i in range(shards)]
+            batch_ids = [[i for shard in per_shard for i in shard[step]]
+                         for step in range(total)]
+        else:
+            batch_ids = sample_ids(settings, index, count, total)
         from composer_par.tools.demo import corpus_tokens
 
         data = corpus_tokens()
@@ -118,7 +144,8 @@ def _train(settings: dict[str, Any]) -> dict[str, Any]:
             _sync(device)
             times.append(time.perf_counter() - started)
             losses.append(float(loss))
-        final = full_parameters(model)
+        with _gathers_quiet():
+            final = full_parameters(model)
         timed = times[settings["warmup"]:]
         # The profiled last step runs slower; it is left out of the median when others are
         # timed.
@@ -132,7 +159,8 @@ def _train(settings: dict[str, Any]) -> dict[str, Any]:
             "step_times": times, "step_time_s": statistics.median(unprofiled),
             "peak_bytes": _peak_bytes(device, before), "estimate_bytes": estimate,
             "comm": comm, "determinism": determinism, "device": str(device),
-            "backend": dist.get_backend(),
+            "backend": dist.get_backend(), "aux_losses": trainer.aux_losses_seen,
+            "micro_batches": shards, "param_dtype": settings.get("param_dtype"),
         }
 
 
@@ -153,7 +181,7 @@ def _profiled_step(trainer: Any, optimizer: Any, tokens: torch.Tensor, device: t
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     started = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with _stderr_without(PROFILER_NOISE), profile(activities=activities) as prof:
         loss = _step(trainer, optimizer, tokens)
         _sync(device)
     step_us = (time.perf_counter() - started) * 1e6
@@ -173,6 +201,77 @@ def _profiled_step(trainer: Any, optimizer: Any, tokens: torch.Tensor, device: t
                   "share": min(1.0, busy / step_us) if step_us else 0.0,
                   "top": [{"name": e["name"], "calls": e["calls"],
                            "seconds": e["us"] / 1e6} for e in top[:5]]}
+
+
+@contextlib.contextmanager
+def _gathers_quiet() -> Iterator[None]:
+    """The check's gathers of full parameters without DTensor's warning that gathering a
+    strided shard takes two all-gathers (a cost of the check, not of the plan)."""
+    import logging
+
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _stderr_without(prefixes: tuple[str, ...]) -> Iterator[None]:
+    """The process's stderr (file descriptor 2: C++ writes there too) held in a file
+    while the block runs, then written out without the lines starting with
+    ``prefixes``."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(True)
+                    if not line.startswith(prefixes)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+def compute_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Run ``model``'s forwards on copies of its parameters cast to ``dtype``, as a
+    data-parallel plugin's mixed precision does (FSDP2's ``param_dtype``): the
+    parameters stay float32 and their gradients come back to them in float32 (the
+    reduction dtype of one process). Buffers stay as they are."""
+    owners = [(m, name) for m in model.modules() for name, p in m._parameters.items()
+              if p is not None and p.is_floating_point()]
+
+    def cast(module: nn.Module, args: Any) -> None:
+        copies: dict[int, Any] = {}
+        for owner, name in owners:
+            param = owner._parameters[name]
+            assert param is not None
+            if id(param) not in copies:
+                copies[id(param)] = param.to(dtype)
+            owner.__dict__.setdefault(_HELD, {})[name] = param
+            owner._parameters[name] = copies[id(param)]
+
+    def restore(module: nn.Module, args: Any, output: Any) -> None:
+        for owner, name in owners:
+            held = owner.__dict__.get(_HELD, {})
+            if name in held:
+                owner._parameters[name] = held.pop(name)
+
+    model.register_forward_pre_hook(cast)
+    model.register_forward_hook(restore, always_call=True)
+
+
+_HELD = "_selfcheck_float32_parameters"
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
