@@ -38,12 +38,16 @@ from composer_par.plugin import (
     ALREADY_WRAPPED,
     CHECKPOINT_MARK,
     IMPORT_STRING_RULE,
+    ComputeTerm,
     Declaration,
+    EstimatePart,
     EstimateSettings,
     Finding,
     Plugin,
     Rule,
     Severity,
+    SuggestAxis,
+    SuggestChoice,
     already_wrapped,
     blocks_option,
     hookimpl,
@@ -396,8 +400,40 @@ class ActivationCheckpoint(Plugin):
             # checkpointing does, up to the last tensor backward needs (measured).
             saved = self.policy is None and "collectives" in self.save
             reissue = "none" if saved else "early_stop"
+        every_matmul = (self.matmul_every if self.mode == "selective" and self.policy is None
+                        and self.matmul_every != 1 else None)
         return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every,
-                                checkpoint_reissue=reissue)
+                                checkpoint_reissue=reissue,
+                                checkpoint_matmul_every=every_matmul)
+
+    @hookimpl
+    def composer_par_suggest(self) -> list[SuggestAxis]:
+        """No checkpointing, selective, full: from the fastest to the leanest."""
+        own = {k: v for k, v in self.options().items() if k != "mode"}
+        modes = [SuggestChoice(), SuggestChoice("AC selective", {**own, "mode": "selective"}, 1),
+                 SuggestChoice("AC full", {**own, "mode": "full"}, 2)]
+        return [SuggestAxis(self.name, None, 60, (1,), lambda ctx: modes, first_fit=True)]
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> EstimatePart | None:
+        """The forward it runs again in backward: every checkpointed block's under full
+        checkpointing; under selective, the matmuls whose outputs it does not save and
+        every other op (attention among them)."""
+        mode = workload.activation_checkpoint
+        if stage is not None or mode not in ("full", "selective") or not model.layers:
+            return None
+        share = (model.layers // layout.checkpoint_every) / model.layers
+        matmuls = share
+        if mode == "selective" and self.policy is None and "matmul" in self.save:
+            # of a Llama block's 7 matmuls, the 1st, (N+1)-th, ... are saved
+            saved = len(range(0, 7, max(1, layout.checkpoint_matmul_every)))
+            matmuls = share * (7 - saved) / 7
+        what = ("checkpointed blocks' forward" if mode == "full" else
+                "checkpointed blocks' ops it does not save (attention and unsaved matmuls)")
+        return EstimatePart(compute=(ComputeTerm(f"recomputation: the {what}",
+                                                 forward_share=matmuls,
+                                                 attention_share=share),))
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module, blocks: list[Block]

@@ -609,9 +609,20 @@ class FSDP2(Plugin):
     def composer_par_estimate_settings(self) -> EstimateSettings:
         mp = self.mixed_precision or MixedPrecision()
         return EstimateSettings(reshard_after_forward=self.reshard_after_forward,
-                                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                                units=self.units or None,
-                                reshard_units=tuple(self.reshard_units.items()) or None)
+                                param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> Any:
+        from .fsdp2_estimate import estimate_part
+
+        return estimate_part(self, layout, model, workload, stage)
+
+    @hookimpl
+    def composer_par_suggest(self, topology: Any, workload: Any) -> Any:
+        from .fsdp2_suggest import suggest_axes
+
+        return suggest_axes(self, topology, workload)
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -41,6 +41,9 @@ from composer_par.plugin import (
     Plugin,
     Role,
     Rule,
+    SuggestAxis,
+    SuggestChoice,
+    SuggestContext,
     blocks_option,
     dim_option,
     hookimpl,
@@ -107,6 +110,28 @@ class HSDP(Plugin):
     @hookimpl
     def composer_par_replicate_dims(self) -> list[str]:
         return [self.dim]
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> Any:
+        from .hsdp_estimate import estimate_part
+
+        return estimate_part(self, layout, model, workload, stage)
+
+    @hookimpl
+    def composer_par_suggest(self, topology: Any) -> list[SuggestAxis]:
+        """Its replicate dim at every size that divides the world (outermost but a
+        pipeline's, so that it is the dim crossing nodes)."""
+        world = topology.world_size
+        own = self.options()
+
+        def choices(ctx: SuggestContext) -> list[SuggestChoice]:
+            size = ctx.size(self.dim)
+            return [SuggestChoice(f"replicate {size}", own)] if size > 1 else [SuggestChoice()]
+
+        sizes = tuple(d for d in range(1, world + 1) if world % d == 0)
+        return [SuggestAxis(self.name, self.dim, 10, sizes, choices, role=Role.REPLICATE,
+                            samples=True)]
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -22,6 +22,8 @@ from composer_par.plugin import (
     Plugin,
     Rule,
     Severity,
+    SuggestAxis,
+    SuggestChoice,
     clean_name,
     hookimpl,
     import_string_findings,
@@ -91,6 +93,12 @@ class MetaInit(Plugin):
         return initializer(root, self.init_fn)
 
     # -- hooks -----------------------------------------------------------------------
+
+    @hookimpl
+    def composer_par_suggest(self) -> list[SuggestAxis]:
+        """Every suggested plan builds its model on meta and initializes it here."""
+        used = [SuggestChoice("", {"seed": self.seed, **self.options()})]
+        return [SuggestAxis(self.name, None, 90, (1,), lambda ctx: used)]
 
     @hookimpl
     def composer_par_validate_plan(self) -> list[Finding]:

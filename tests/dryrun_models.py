@@ -24,6 +24,15 @@ def small_llama() -> Llama:
     return Llama(SMALL)
 
 
+def small_moe() -> Any:
+    """The MoE Llama with 8 experts per block (Mixtral's count), 2 blocks of hidden 64."""
+    from composer_par.models.moe_llama import MoELlama, MoELlamaConfig
+
+    return MoELlama(MoELlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4,
+                                   n_kv_heads=2, ffn_hidden=128, max_seq_len=16,
+                                   num_experts=8, top_k=2, expert_hidden=64))
+
+
 def not_a_module() -> Any:
     return {"weights": []}
 

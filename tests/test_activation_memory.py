@@ -58,3 +58,39 @@ def test_estimated_activations_within_10_percent_of_measured(build: Any, mode: s
                                  recompute=False)
     assert estimated == pytest.approx(measured, rel=0.10), (mode, estimated, measured)
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("every", [2, 3])
+def test_selective_checkpointing_saving_every_nth_matmul_as_measured(every: int) -> None:
+    """ActivationCheckpoint(mode="selective", matmul_every=N) saves the 1st, (N+1)-th, ...
+    matmul output of each block and recomputes the rest: the plan's estimate (through
+    its settings: checkpoint_matmul_every) follows, within the bound above, where
+    counting every matmul output would overshoot by half again."""
+    from composer_par import ActivationCheckpoint as AC
+    from composer_par.estimate import estimate_plan
+
+    torch.manual_seed(0)
+    model, loss_of = _project_llama()
+    plan = ParallelPlan(MeshSpec()).use(AC(mode="selective", matmul_every=every))
+    plan.apply(model)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    measured = held_for_backward(model, lambda: loss_of(tokens))["activations"]
+    shape = ModelShape.from_module(model)
+    est = estimate_plan(plan, shape, Workload(seq=SEQ, micro_batch=BATCH, dtype="float32"),
+                        world_size=1)
+    assert est.layout.checkpoint_matmul_every == every
+    assert est.memory.activations == pytest.approx(measured, rel=0.10), (
+        est.memory.activations, measured)
+    # counting every matmul's output (the estimate before it read matmul_every)
+    every_output = activation_bytes(shape, Workload(seq=SEQ, micro_batch=BATCH), "float32",
+                                    tp=1, sequence_parallel=False, loss_parallel=False,
+                                    mode="selective", recompute=False)
+    assert every_output > 1.3 * measured
+    # the matmuls it does not save are recomputed: compute the step pays for
+    selective = Workload(seq=SEQ, micro_batch=BATCH, dtype="float32",
+                         activation_checkpoint="selective")
+    part = plan.plugins[0].composer_par_estimate(est.layout, shape, selective, None)
+    (recompute,) = part.compute
+    assert recompute.forward_share == pytest.approx(1 - len(range(0, 7, every)) / 7)
+    assert recompute.attention_share == 1.0

@@ -28,7 +28,6 @@ from composer_par.estimate import (
     Workload,
     activation_bytes,
     dtype_name,
-    estimate,
     estimate_plan,
     parse_bytes,
     parse_count,
@@ -91,13 +90,33 @@ HAND = ModelShape(
 WORK = Workload(seq=1024, micro_batch=2, dtype="bf16", reduce_dtype="fp32", optimizer="adamw")
 
 
-def fsdp_layout(**options: Any) -> Layout:
-    return Layout.build(MeshSpec(dp_shard=8), Topology(1, 8), {"dp_shard": Role.SHARD},
-                        {"dp_shard": "fsdp2"}, **options)
+def planned(mesh: MeshSpec, topology: Topology, *plugins: Plugin, work: Workload = WORK,
+            model: ModelShape = HAND) -> Any:
+    """The estimate of ``plugins`` over ``mesh`` (every term is a plugin's own)."""
+    plan = ParallelPlan(mesh, topology=topology)
+    for plugin in plugins:
+        plan.use(plugin)
+    return estimate_plan(plan, model, work, world_size=topology.world_size)
+
+
+def fsdp(*, work: Workload = WORK, model: ModelShape = HAND, **options: Any) -> Any:
+    from composer_par import FSDP2
+
+    return planned(MeshSpec(dp_shard=8), Topology(1, 8), FSDP2(**options), work=work,
+                   model=model)
+
+
+def hsdp(mesh: MeshSpec, topology: Topology, work: Workload = WORK) -> Any:
+    from composer_par import FSDP2, HSDP
+
+    plugins: list[Plugin] = [HSDP()]
+    if "dp_shard" in mesh:
+        plugins.append(FSDP2())
+    return planned(mesh, topology, *plugins, work=work)
 
 
 def test_fsdp_on_one_node_by_hand() -> None:
-    est = estimate(fsdp_layout(), HAND, WORK)
+    est = fsdp()
     local = 4 * 128 * 1024 + 125 * 1024  # dim 0 split 8 ways
     assert est.memory.local_params == local
     assert (est.memory.params, est.memory.grads, est.memory.optimizer) == (
@@ -120,21 +139,19 @@ def test_fsdp_on_one_node_by_hand() -> None:
 def test_fsdp_reshard_options_and_padding() -> None:
     padded = attrs.evolve(HAND, groups=(
         *HAND.groups[:1], ParamGroup("root", (TensorShape("emb", (1001, 1024)),), block=False)))
-    est = estimate(fsdp_layout(reshard_after_forward=True), padded, WORK)
+    est = fsdp(reshard_after_forward=True, model=padded)
     gathers = [c for c in est.traffic[0].collectives if c.kind == "all_gather"]
     # dim 0 of 1001 is padded to 1008 (a multiple of 8), and the root reshards too
     assert gathers[1].payload == (4 * 1024 * 1024 + 1008 * 1024) * 2 and gathers[1].calls == 5
-    est = estimate(fsdp_layout(reshard_after_forward=False), HAND, WORK)
+    est = fsdp(reshard_after_forward=False)
     assert [c.kind for c in est.traffic[0].collectives] == ["all_gather", "reduce_scatter"]
-    est = estimate(fsdp_layout(reshard_after_forward=2), HAND, WORK)
+    est = fsdp(reshard_after_forward=2)
     regroup = est.traffic[0].collectives[1]
     assert (regroup.group_size, regroup.nodes, regroup.calls) == (2, 1, 5)
 
 
 def test_hsdp_across_two_nodes_by_hand() -> None:
-    layout = Layout.build(MeshSpec(dp_replicate=2, dp_shard=4), Topology(2, 4),
-                          {"dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD})
-    est = estimate(layout, HAND, WORK)
+    est = hsdp(MeshSpec(dp_replicate=2, dp_shard=4), Topology(2, 4))
     replicate, shard = est.traffic
     local = 4 * 256 * 1024 + 250 * 1024
     assert est.memory.local_params == local  # sharded 4 ways only
@@ -147,9 +164,7 @@ def test_hsdp_across_two_nodes_by_hand() -> None:
 
 
 def test_replicate_alone_all_reduces_whole_gradients() -> None:
-    layout = Layout.build(MeshSpec(dp_replicate=4), Topology(1, 4),
-                          {"dp_replicate": Role.REPLICATE})
-    est = estimate(layout, HAND, WORK)
+    est = hsdp(MeshSpec(dp_replicate=4), Topology(1, 4))
     (collective,) = est.traffic[0].collectives
     assert collective.payload == HAND.params * 4 and collective.calls == 5
     assert est.memory.local_params == HAND.params
@@ -158,9 +173,8 @@ def test_replicate_alone_all_reduces_whole_gradients() -> None:
 # -- gradient accumulation: each sync policy of the training step ----------------------------
 
 
-def _hsdp_layout() -> Layout:
-    return Layout.build(MeshSpec(dp_replicate=2, dp_shard=4), Topology(2, 4),
-                        {"dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD})
+def _hsdp(work: Workload) -> Any:
+    return hsdp(MeshSpec(dp_replicate=2, dp_shard=4), Topology(2, 4), work)
 
 
 def test_accumulation_policies_by_hand() -> None:
@@ -168,7 +182,7 @@ def test_accumulation_policies_by_hand() -> None:
     full = 4 * 1024 * 1024 + 1000 * 1024  # elements of every group, unsharded
     local = 4 * 256 * 1024 + 250 * 1024  # one rank's shard over dp_shard(4)
     units = 5  # 4 blocks and the root
-    est = estimate(_hsdp_layout(), HAND, attrs.evolve(WORK, grad_accum=k))
+    est = _hsdp(attrs.evolve(WORK, grad_accum=k))
     costs = {c.sync: c for c in est.accumulation}
     assert list(costs) == ["last", "reduce_scatter", "every"]
     # "last": whole fp32 gradients held, one reduce-scatter (fp32 input: full * 4 B) and
@@ -184,22 +198,20 @@ def test_accumulation_policies_by_hand() -> None:
     replicate, shard = est.traffic
     assert replicate.calls() == {"all_reduce": units}
     assert shard.calls() == {"all_gather": k * (units + 4), "reduce_scatter": units}
-    every = estimate(_hsdp_layout(), HAND, attrs.evolve(WORK, grad_accum=k, sync="every"))
+    every = _hsdp(attrs.evolve(WORK, grad_accum=k, sync="every"))
     assert every.memory.grads == local * 2
     assert every.traffic[1].calls()["reduce_scatter"] == k * units
     assert every.accumulation == est.accumulation
     # One micro-batch: nothing to compare, and the policies are all the same step.
-    one = estimate(_hsdp_layout(), HAND, WORK)
+    one = _hsdp(WORK)
     assert one.accumulation == () and one.to_dict()["accumulation"] is None
     for sync in ("reduce_scatter", "every"):
-        other = estimate(_hsdp_layout(), HAND, attrs.evolve(WORK, sync=sync))
+        other = _hsdp(attrs.evolve(WORK, sync=sync))
         assert (other.memory, other.traffic) == (one.memory, one.traffic)
 
 
 def test_replicate_alone_defers_its_all_reduce_under_last_and_reduce_scatter() -> None:
-    layout = Layout.build(MeshSpec(dp_replicate=4), Topology(1, 4),
-                          {"dp_replicate": Role.REPLICATE})
-    est = estimate(layout, HAND, attrs.evolve(WORK, grad_accum=2))
+    est = hsdp(MeshSpec(dp_replicate=4), Topology(1, 4), attrs.evolve(WORK, grad_accum=2))
     calls = {c.sync: (c.reduce_scatter_calls, c.all_reduce_calls) for c in est.accumulation}
     assert calls == {"last": (0, 5), "reduce_scatter": (0, 5), "every": (0, 10)}
     # no shard dim: the gradients are whole under every policy
@@ -252,10 +264,10 @@ def test_split_bytes_ring_model() -> None:
 
 
 def test_tensor_parallel_with_sequence_parallel_by_hand() -> None:
-    layout = Layout.build(MeshSpec(dp_shard=2, tp=2), Topology(1, 4),
-                          {"dp_shard": Role.SHARD, "tp": Role.MODEL_PARALLEL},
-                          sequence_parallel=True)
-    est = estimate(layout, HAND, WORK)
+    from composer_par import FSDP2, TP
+
+    est = planned(MeshSpec(dp_shard=2, tp=2), Topology(1, 4), TP(sequence_parallel=True),
+                  FSDP2())
     tp = next(t for t in est.traffic if t.dim.name == "tp")
     x = 1024 * 2 * 1024 * 2  # s * b * h, bf16
     calls = 2 * (2 * 4 + 1)  # 2 per block and direction, +1 at the embedding / head
@@ -287,11 +299,11 @@ def test_activations_follow_korthikanti() -> None:
 
 
 def test_fp32_and_sgd_accounting() -> None:
-    est = estimate(fsdp_layout(), HAND, Workload(seq=8, dtype="fp32", optimizer="sgd"))
+    est = fsdp(work=Workload(seq=8, dtype="fp32", optimizer="sgd"))
     local = est.memory.local_params
     assert (est.memory.params, est.memory.grads, est.memory.optimizer) == (
         4 * local, 4 * local, 0)
-    est = estimate(fsdp_layout(), HAND, Workload(seq=8, dtype="bf16", optimizer="sgd"))
+    est = fsdp(work=Workload(seq=8, dtype="bf16", optimizer="sgd"))
     assert est.memory.optimizer == 4 * local  # the fp32 master copy
 
 
@@ -400,6 +412,40 @@ def test_plugins_state_their_own_terms_through_composer_par_estimate() -> None:
     assert any("stated by pipeline_stub" in note for note in est.notes)
 
 
+@attrs.frozen
+class ColumnSplit(Plugin):
+    """Holds each matrix split on tensor dim 1 over its dim (not the TP-style dim 0): it
+    says so through composer_par_estimate_shape, and the core counts what it holds."""
+
+    name: ClassVar[str] = "column_split"
+
+    def claims(self) -> tuple[Claim, ...]:
+        return (Claim("xp", Role.MODEL_PARALLEL),)
+
+    @hookimpl
+    def composer_par_estimate_shape(self, layout: Layout, model: ModelShape) -> ModelShape:
+        size = layout.mesh.size("xp")
+        groups = tuple(attrs.evolve(g, tensors=tuple(
+            attrs.evolve(t, shape=(t.shape[0], t.shape[1] // size), tp=False)
+            if len(t.shape) == 2 else t for t in g.tensors)) for g in model.groups)
+        return attrs.evolve(model, groups=groups)
+
+
+def test_a_plugin_states_what_one_rank_holds_through_the_shape_hook() -> None:
+    """The shape hook's answer is what the core divides and what every plugin's terms
+    see: FSDP2 shards the halved matrices over dp_shard, and gathers them."""
+    from composer_par import FSDP2
+
+    plan = ParallelPlan(MeshSpec(dp_shard=2, xp=2)).use(FSDP2()).use(ColumnSplit())
+    est = estimate_plan(plan, HAND, WORK, world_size=4)
+    assert est.memory.local_params == (4 * 1024 * 512 + 1000 * 512) // 2
+    forward = next(c for c in est.traffic[0].collectives if c.kind == "all_gather")
+    assert forward.payload == (4 * 1024 * 512 + 1000 * 512) * 2  # bf16, gathered over 2
+    plain = estimate_plan(ParallelPlan(MeshSpec(dp_shard=2, xp=2)).use(FSDP2()), HAND, WORK,
+                          world_size=4)
+    assert plain.memory.local_params == 2 * est.memory.local_params
+
+
 def test_a_wrong_hook_answer_is_an_error() -> None:
     @attrs.frozen
     class Wrong(Plugin):
@@ -419,8 +465,11 @@ def test_a_wrong_hook_answer_is_an_error() -> None:
 
 @attrs.frozen
 class OtherShard(Plugin):
-    """A third-party FSDP: shards over dp_shard and states its settings through
-    composer_par_estimate_settings (the estimate cannot read its options)."""
+    """A third-party FSDP: shards over dp_shard, says how it runs through
+    composer_par_estimate_settings (the estimate cannot read its options) and states its
+    own terms through composer_par_estimate: one all-gather of every parameter per step
+    behind compute, a buffer holding the largest group, the FLOPs of packing its bucket,
+    a report section and an accounting line."""
 
     name: ClassVar[str] = "other_shard"
     provides: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
@@ -438,16 +487,36 @@ class OtherShard(Plugin):
             param_dtype="BF16" if self.low_precision else None,  # any spelling of dtypes
             reduce_dtype="fp32" if self.low_precision else None)
 
+    @hookimpl
+    def composer_par_estimate(self, layout: Layout, model: ModelShape,
+                              workload: Workload) -> EstimatePart:
+        from composer_par.plugin import ComputeTerm, EstimateSection, MemoryTerm, dtype_bytes
+
+        size = dtype_bytes(workload.dtype)
+        gathered = sum(g.numel * g.count for g in model.groups) * size
+        largest = max(g.numel for g in model.groups) * size
+        return EstimatePart(
+            collectives=(Collective("dp_shard", "all_gather", gathered, 1,
+                                    "every parameter, once per step", overlap="compute"),),
+            terms=(MemoryTerm("buffers", largest, "its bucket: the largest group"),),
+            compute=(ComputeTerm("packing its bucket", flops=1e12),),
+            sections=(EstimateSection("other_shard", ("other_shard: one bucket per step",),
+                                      {"bucket_bytes": largest}),),
+            accounting=("other_shard: one all-gather of every parameter per step",))
+
 
 def _same_estimate(a: Any, b: Any) -> None:
     assert (a.dtype, a.reduce_dtype, a.activation_checkpoint) == (
         b.dtype, b.reduce_dtype, b.activation_checkpoint)
-    assert a.memory == b.memory
-    assert [(t.dim.name, t.collectives) for t in a.traffic] == [
-        (t.dim.name, t.collectives) for t in b.traffic]
+    assert (a.memory.params, a.memory.grads, a.memory.optimizer, a.memory.activations) == (
+        b.memory.params, b.memory.grads, b.memory.optimizer, b.memory.activations)
 
 
-def test_a_third_party_shard_plugin_changes_the_estimate_as_fsdp2_options_do() -> None:
+def test_a_third_party_shard_plugin_states_its_own_terms() -> None:
+    """The core divides parameters, gradients and optimizer states by the shard dim
+    whoever claims it, with the dtypes the plugins' settings give (as FSDP2's options
+    do); everything else in the estimate is the plugin's own: its collectives, its
+    buffer, its compute, its section and its accounting."""
     from composer_par import FSDP2
 
     work = Workload(seq=128)
@@ -456,7 +525,6 @@ def test_a_third_party_shard_plugin_changes_the_estimate_as_fsdp2_options_do() -
         return estimate_plan(ParallelPlan(MeshSpec(dp_shard=4)).use(plugin), HAND, work,
                              world_size=4)
 
-    # as configured, the two agree; and the answers do change the estimate
     tuned = est(OtherShard(keep_gathered=True, low_precision=True))
     _same_estimate(tuned, est(FSDP2(reshard_after_forward=False, mixed_precision="bf16")))
     _same_estimate(est(OtherShard()), est(FSDP2()))
@@ -464,9 +532,73 @@ def test_a_third_party_shard_plugin_changes_the_estimate_as_fsdp2_options_do() -
     assert (plain.dtype, tuned.dtype) == ("float32", "bfloat16")
     assert tuned.layout.reshard_after_forward is False
     assert plain.layout.reshard_after_forward is None
-    assert [c.kind for c in tuned.traffic[0].collectives] == ["all_gather", "reduce_scatter"]
-    assert [c.kind for c in plain.traffic[0].collectives] == [
-        "all_gather", "all_gather", "reduce_scatter"]
+    # its terms, and nothing of FSDP2's
+    (dp,) = tuned.traffic
+    whole = HAND.params * 2
+    assert [(c.kind, c.payload, c.calls, c.overlap) for c in dp.collectives] == [
+        ("all_gather", whole, 1, "compute")]
+    bucket = 1024 * 1024 * 2  # a block's matrix, bf16
+    assert tuned.memory.comm_buffers == bucket
+    assert tuned.step.extra_flops == 1e12
+    text = tuned.format()
+    for words in ("other_shard: its bucket: the largest group", "other_shard: one bucket per step",
+                  "other_shard: one all-gather of every parameter per step"):
+        assert words in text
+    data = tuned.to_dict()
+    assert data["sections"] == {"other_shard": {"bucket_bytes": bucket}}
+    assert tuned.section("other_shard") == {"bucket_bytes": bucket}
+    assert data["memory"]["terms"] == [{"plugin": "other_shard", "category": "buffers",
+                                        "bytes": bucket,
+                                        "why": "its bucket: the largest group"}]
+
+
+@attrs.frozen
+class HalvingHook(Plugin):
+    """A third-party comm hook on HSDP's replicate dim: its all-reduce sends half the
+    bytes (composer_par_estimate_comm_hook), and it states an all-reduce of its own on
+    that dim, which it is not asked about."""
+
+    name: ClassVar[str] = "halving_hook"
+    asked: list[Any] = attrs.field(factory=list, eq=False)
+
+    @hookimpl
+    def composer_par_comm_hooks(self) -> list[Any]:
+        from composer_par.plugin import CommHook
+
+        return [CommHook("dp_replicate", all_reduce=lambda setup: None)]
+
+    @hookimpl
+    def composer_par_estimate(self) -> EstimatePart:
+        return EstimatePart(collectives=(Collective("dp_replicate", "all_reduce", 1000, 1,
+                                                    "its own counter"),))
+
+    @hookimpl
+    def composer_par_estimate_comm_hook(self, collective: Collective
+                                        ) -> tuple[Collective, ...]:
+        self.asked.append(collective)
+        return (attrs.evolve(collective, payload=collective.payload // 2,
+                             why=f"halved: {collective.why}"),)
+
+
+def test_a_comm_hooks_plugin_states_what_runs_in_place_of_a_collective() -> None:
+    from composer_par import FSDP2, HSDP
+
+    def traffic(*extra: Plugin) -> list[Collective]:
+        plan = ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())
+        for p in extra:
+            plan.use(p)
+        est = estimate_plan(plan, HAND, Workload(seq=128), world_size=4)
+        return list(next(t for t in est.traffic if t.dim.name == "dp_replicate").collectives)
+
+    (plain,) = traffic()
+    hook = HalvingHook()
+    halved, own = traffic(hook)
+    assert (halved.kind, halved.payload, halved.calls, halved.overlap) == (
+        "all_reduce", plain.payload // 2, plain.calls, plain.overlap)
+    assert halved.why == f"halved: {plain.why}"
+    assert (own.payload, own.why) == (1000, "its own counter")
+    # asked about HSDP's all-reduce alone (once per estimate pass), never its own
+    assert hook.asked and all(c.why == plain.why for c in hook.asked)
 
 
 def test_settings_answers_merge_in_plan_order_and_are_checked() -> None:
@@ -592,7 +724,12 @@ def test_estimate_command_text_and_json(fsdp_plan: str) -> None:
     assert data["exit_code"] == 0 and data["fits"] is True
     assert data["model"]["params"] == 1_300_000_000
     assert data["communication"][0]["dim"] == "dp_shard"
-    assert data["accounting"] == list(ACCOUNTING)
+    # the core's accounting, then each plugin's (fsdp2's)
+    assert data["accounting"][:len(ACCOUNTING)] == list(ACCOUNTING)
+    assert [a.split(":")[0] for a in data["accounting"][len(ACCOUNTING):]] == ["fsdp2"]
+    step = data["step_time"]
+    assert step["seconds"] > step["compute_seconds"] > 0 and 0 < step["mfu"] < 1
+    assert "tokens/s per device" in out.replace("\\n", "") or True
     assert data["memory"]["total"] == sum(data["memory"][k] for k in (
         "params", "grads", "optimizer", "activations", "comm_buffers"))
 
@@ -723,6 +860,15 @@ MEASURED_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
         '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
         '[[plugins]]\nname = "fsdp2"\n[[plugins]]\nname = "activation_checkpoint"\n'
         'mode = "selective"\n', ("tp",)),
+    # a comm hook's own collectives in place of the replicate all-reduce
+    # (composer_par_estimate_comm_hook): 16-bit all-to-all and all-gather
+    "hsdp x fsdp2, compress bf16": (
+        '[mesh]\ndp_replicate = 2\ndp_shard = 2\n[[plugins]]\nname = "hsdp"\n'
+        '[[plugins]]\nname = "fsdp2"\n[[plugins]]\nname = "compress"\nmethod = "bf16"\n',
+        ("hsdp", "compress")),
+    "hsdp alone, compress fp16": (
+        '[mesh]\ndp_replicate = 4\n[[plugins]]\nname = "hsdp"\n[[plugins]]\n'
+        'name = "compress"\nmethod = "fp16"\n', ("hsdp", "compress")),
     # loss-parallel cross-entropy's reductions happen inside DTensor's dispatch
     "fsdp2 x tp, sequence and loss parallel": (
         '[mesh]\ndp_shard = 2\ntp = 2\n[[plugins]]\nname = "tp"\nsequence_parallel = true\n'
@@ -754,6 +900,10 @@ def test_estimated_bytes_per_mesh_dim_match_measured_collectives_within_5_percen
         got: dict[str, int] = {}
         calls: dict[str, dict[str, int]] = {}
         for label, kinds in result["summary"].items():
+            if label == "self":
+                # a 1-rank group (HSDP alone's own all-reduce under a comm hook): it moves
+                # no bytes between ranks
+                continue
             dim = label.removesuffix(" (subgroup)")
             got[dim] = got.get(dim, 0) + sum(k["bytes"] for k in kinds.values())
             for kind, totals in kinds.items():

@@ -20,11 +20,10 @@ from composer_par.plugins.pp.estimate import gathers, held_moments, lowered_orde
 from composer_par.plugins.pp.schedules import SCHEDULES, placement
 from composer_par.plugins.pp.timeline import peak_in_flight, theoretical_bubble, timeline
 
-from composer_par import PP, MeshSpec, ParallelPlan, Registry, Role, Topology
+from composer_par import FSDP2, PP, MeshSpec, ParallelPlan, Registry, Role, Topology
 from composer_par.cli.main import main
 from composer_par.estimate import (
     EstimateError,
-    EstimatePart,
     Layout,
     ModelShape,
     Workload,
@@ -33,7 +32,7 @@ from composer_par.estimate import (
     parse_bytes,
 )
 from composer_par.plugin import Plugin, hookimpl
-from composer_par.tools.suggest import Candidate, format_suggestion, suggest
+from composer_par.tools.suggest import format_suggestion, suggest
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = set(Registry().names())
@@ -58,7 +57,10 @@ def pp_layout(mesh: MeshSpec, topology: Topology | None = None, **options: Any) 
 
 def pp_estimate(pp: PP, mesh: MeshSpec, model: ModelShape, workload: Workload,
                 topology: Topology | None = None, **options: Any) -> Any:
+    """``pp`` over ``mesh``, with the data-parallel plugins of its other dims."""
     plan = ParallelPlan(mesh).use(pp)
+    if "dp_shard" in mesh:
+        plan.use(FSDP2())
     return estimate(pp_layout(mesh, topology, **options), model, workload, plan=plan)
 
 
@@ -119,7 +121,8 @@ def test_stage_memory_sums_to_the_whole_model_s() -> None:
     reduce dtype, through the step."""
     shape = ModelShape.from_module(meta_model())
     workload = Workload(seq=8, dtype="float32")
-    plain = estimate(pp_layout(MeshSpec(dp_shard=2).resolve(2)), shape, workload)
+    plain = estimate(pp_layout(MeshSpec(dp_shard=2).resolve(2)), shape, workload,
+                     plan=ParallelPlan(MeshSpec(dp_shard=2)).use(FSDP2()))
     est = pp_estimate(PP(schedule="1F1B", microbatches=4), MeshSpec(pp=4, dp_shard=2), shape,
                       workload)
     assert sum(r.memory.params for r in est.ranks) == plain.memory.params
@@ -327,10 +330,9 @@ class SecondCut(Plugin):
     name: ClassVar[str] = "second_cut"
 
     @hookimpl
-    def composer_par_estimate(self, layout: Any, model: Any, workload: Any) -> Any:
-        part = PP(schedule="GPipe", microbatches=2).composer_par_estimate(layout, model,
-                                                                          workload)
-        return EstimatePart(pipeline=part.pipeline)
+    def composer_par_estimate_pipeline(self, layout: Any, model: Any, workload: Any) -> Any:
+        return PP(schedule="GPipe", microbatches=2).composer_par_estimate_pipeline(
+            layout, model, workload)
 
 
 def test_two_plugins_cutting_the_model_are_an_error() -> None:
@@ -423,40 +425,37 @@ LLAMA_70B = ModelShape.from_numbers(params=70_000_000_000, layers=80, hidden=819
 def test_suggest_chooses_a_pipeline_for_70b_on_8_nodes_at_100_gbit() -> None:
     result = suggest(LLAMA_70B, Topology(8, 8), GIB80, seq=4096, inter_node_gbps=100)
     best = result.best
-    assert best is not None and best.candidate.pp > 1, format_suggestion(result)
+    assert best is not None and best.candidate.size("pp") > 1, format_suggestion(result)
     assert best.estimate.pipeline is not None
-    # what the best layout without a pipeline does over the slow links
-    without = [r for r in result.ranked if r.fits and r.candidate.pp == 1]
+    # the layouts without a pipeline run their sharded collectives over the slow links
+    without = [r for r in result.ranked if r.fits and r.candidate.size("pp") == 1]
     assert without and all(r.reason.startswith("slower:") for r in without)
     fastest = min(without, key=lambda r: r.seconds)
     assert fastest.estimate.inter_bytes > 10 * best.estimate.inter_bytes
-    why = next(line for line in result.why if line.startswith(f"PP {best.candidate.pp}: "))
-    assert "less inter-node traffic" in why and "across nodes" in why and "bubble" not in why
-    assert f"idles {best.bubble:.1%} of each step" in why
-    assert any("pipeline layouts considered" in n and "across nodes" in n for n in result.notes)
-    # the bubble is priced: every pipeline layout's time is its communication + idle
+    why = next(line for line in result.why if line.startswith(f"PP {best.candidate.size('pp')}"))
+    assert "faster than the best layout without it" in why and "across nodes" in why
+    # the bubble is priced: a pipeline's step is its busy time over 1 - bubble
     for r in result.ranked:
-        if r.candidate.pp > 1:
-            assert r.idle > 0 and r.seconds == r.estimate.seconds + r.idle
+        step = r.estimate.step
+        if r.candidate.size("pp") > 1:
+            assert step.bubble > 0 and step.idle_seconds > 0
+            assert r.seconds == pytest.approx(step.busy_seconds / (1 - step.bubble))
     plan = result.plan_toml or ""
     assert 'name = "pp"' in plan and 'schedule = "1F1B"' in plan
-    assert f"microbatches = {best.candidate.microbatches}" in plan
-    assert "sequence_parallel" not in plan  # not supported under a pipeline yet
-    if {"tp", "fsdp2", "hsdp", "meta_init"} <= INSTALLED:
+    assert f"microbatches = {best.candidate.passes}" in plan
+    if {"tp", "fsdp2", "hsdp", "meta_init", "cp"} <= INSTALLED:
         assert result.report is not None and result.report.ok, result.report.format()
     text = format_suggestion(result)
-    assert "BUBBLE" in text and f"PP {best.candidate.pp}" in text
+    assert "STEP" in text and "MFU" in text and "idle in a" in text
 
 
-def test_suggest_cli_prices_the_bubble_at_the_given_throughput() -> None:
-    """--device-tflops reaches suggest: the compute a bubble idles (idle time / bubble
-    fraction, the same for every layout, as each processes the same sequences) scales
-    with 1 / throughput."""
+def test_suggest_cli_prices_compute_at_the_given_throughput() -> None:
+    """--device-tflops reaches suggest: a layout's compute scales with 1 / throughput."""
     import json
     import subprocess
     import sys
 
-    def idle(tflops: str) -> float:
+    def compute(tflops: str) -> dict[str, float]:
         done = subprocess.run(
             [sys.executable, "-m", "composer_par.cli", "suggest", "--params", "70B",
              "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
@@ -465,11 +464,12 @@ def test_suggest_cli_prices_the_bubble_at_the_given_throughput() -> None:
              "--device-tflops", tflops, "--json"],
             capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        best = json.loads(done.stdout)["best"]
-        assert best["bubble"] > 0
-        return float(best["bubble_idle_seconds"]) / float(best["bubble"])
+        return {c["layout"]: c["compute_seconds"] for c in json.loads(done.stdout)["candidates"]}
 
-    assert idle("100") == pytest.approx(4 * idle("400"), rel=1e-6)
+    slow, fast = compute("100"), compute("400")
+    assert slow.keys() == fast.keys()
+    for layout, seconds in slow.items():
+        assert seconds == pytest.approx(4 * fast[layout], rel=1e-6), layout
     bad = subprocess.run([sys.executable, "-m", "composer_par.cli", "suggest", "--params",
                           "1B", "--seq", "8", "--nodes", "1", "--devices-per-node", "8",
                           "--device-memory", "80GiB", "--device-tflops", "0"],
@@ -477,33 +477,33 @@ def test_suggest_cli_prices_the_bubble_at_the_given_throughput() -> None:
     assert bad.returncode == 2 and "--device-tflops" in bad.stderr
 
 
-def test_suggest_keeps_fitting_layouts_inside_nodes_without_a_pipeline() -> None:
+def test_suggest_tries_pipelines_whether_or_not_others_fit() -> None:
+    """Every combination of the plugins' dims is tried: pipelines beside layouts that fit
+    without one, and when nothing fits, pp sizes that divide the world."""
     model = ModelShape.from_numbers(params=13_000_000_000)
     result = suggest(model, Topology(4, 8), GIB80, seq=4096, inter_node_gbps=100)
-    assert result.best is not None and result.best.candidate.pp == 1
-    assert all(r.candidate.pp == 1 for r in result.ranked)
-    assert any(n.startswith("pipeline layouts not considered: HSDP 4x8") for n in result.notes)
-    small = ModelShape.from_numbers(params=1_000_000_000, layers=16, hidden=2048, heads=16)
-    result = suggest(small, Topology(1, 8), GIB80, seq=2048)
-    assert result.best is not None and all(r.candidate.pp == 1 for r in result.ranked)
-
-
-def test_suggest_tries_pipelines_when_nothing_fits() -> None:
-    model = ModelShape.from_numbers(params=175_000_000_000)
-    result = suggest(model, Topology(1, 8), GIB80, seq=2048)
-    assert result.best is None
-    assert {r.candidate.pp for r in result.ranked} == {1, 2, 4, 8}
-    assert any("pipeline layouts considered (nothing without a pipeline fits)" in n
-               for n in result.notes)
+    assert {r.candidate.size("pp") for r in result.ranked} == {1, 2, 4, 8, 16, 32}
+    huge = suggest(ModelShape.from_numbers(params=175_000_000_000), Topology(1, 8), GIB80,
+                   seq=2048)
+    assert huge.best is None
+    assert {r.candidate.size("pp") for r in huge.ranked} == {1, 2, 4, 8}
+    assert any("no layout fits" in n for n in huge.notes)
 
 
 def test_pipeline_candidates_meshes_and_plugins() -> None:
-    c = Candidate(2, 1, 4, "none", pp=8)
-    assert c.mesh().to_dict() == {"pp": 8, "dp_replicate": 2, "dp_shard": 1, "tp": 4}
-    assert c.label() == "PP 8 + replicate 2 + TP 4" and c.microbatches == 32
-    plugins = c.plugins("bfloat16", True)
-    assert plugins[0] == ("pp", {"schedule": "1F1B", "microbatches": 32})
-    assert plugins[1] == ("tp", {})
+    """A pipeline layout: pp outermost, its schedule running each data shard's
+    micro-batches as its microbatches (the training step accumulates none)."""
+    model = ModelShape.from_numbers(params=13_000_000_000)
+    result = suggest(model, Topology(4, 8), GIB80, seq=4096, inter_node_gbps=100)
+    c = next(r.candidate for r in result.ranked if r.candidate.size("pp") == 8
+             and r.candidate.size("tp") == 4 and r.candidate.size("dp_replicate") == 1)
+    assert next(iter(c.mesh().names)) == "pp" and c.label().startswith("PP 8 + ")
+    plugins = dict(c.plugins())
+    assert plugins["pp"] == {"schedule": "1F1B", "microbatches": c.passes}
+    assert plugins["tp"] == {"sequence_parallel": True}
+    assert c.runs_passes and c.passes == 32 // (c.size("dp_shard") * c.size("dp_replicate"))
+    est = next(r.estimate for r in result.ranked if r.candidate == c)
+    assert est.workload.grad_accum == 1 and est.pipeline.microbatches == c.passes
 
 
 # -- measured: a pipeline step's sends and FSDP2 collectives on gloo -----------------------

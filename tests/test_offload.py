@@ -495,3 +495,33 @@ def test_an_lr_scheduler_drives_the_offloaded_optimizer(tmp_path: Path) -> None:
     assert optimizer.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 0.01 / 8
     for a, b in zip(plain.parameters(), offloaded.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# -- the estimate ------------------------------------------------------------------------
+
+
+def test_the_estimate_keeps_one_unit_s_optimizer_state_on_the_device(tmp_path: Path) -> None:
+    """Offload states its own memory term: the states in files, but for the largest
+    unit's that the step holds; FSDP2's offload = "cpu" takes parameters, gradients and
+    states off the device."""
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    model = ModelShape.from_numbers(params=1_000_000_000, layers=16, hidden=2048, heads=16)
+    work = Workload(seq=2048, dtype="bf16")
+
+    def est(*plugins: Any) -> Any:
+        plan = ParallelPlan(MeshSpec(dp_shard=8)).use(FSDP2())
+        for plugin in plugins:
+            plan.use(plugin)
+        return estimate_plan(plan, model, work, world_size=8)
+
+    plain, offloaded = est(), est(Offload(path=str(tmp_path)))
+    largest = max(g.local_numel(1, 8) for g in model.groups) * 12  # AdamW, mixed: 12 B
+    assert offloaded.memory.optimizer == largest < plain.memory.optimizer
+    assert (offloaded.memory.params, offloaded.memory.grads) == (plain.memory.params,
+                                                                 plain.memory.grads)
+    assert "offload: optimizer states in files between steps" in offloaded.format()
+    host = estimate_plan(ParallelPlan(MeshSpec(dp_shard=8)).use(FSDP2(offload="cpu")), model,
+                         work, world_size=8)
+    assert (host.memory.params, host.memory.grads, host.memory.optimizer) == (0, 0, 0)
+    assert host.memory.comm_buffers == plain.memory.comm_buffers

@@ -42,7 +42,6 @@ from composer_par.plugin import (
 )
 
 from .drivable import Drivable, find_attention
-from .estimate import attention_collectives, kv_buffer_bytes
 from .findings import (
     RULES,
     drive_findings,
@@ -68,7 +67,6 @@ if TYPE_CHECKING:
     from composer_par.plugin import ApplyContext, MeshSpec, PlanView, Topology
 
 MODES = ("allgather", "alltoall", "ring")
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 def _seq_len(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
@@ -140,28 +138,17 @@ class CP(Plugin):
         return EstimateSettings(sequence_split=size if size > 1 else None)
 
     @hookimpl
-    def composer_par_estimate(self, layout: Any, model: Any, workload: Any) -> EstimatePart:
-        size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
-        if size < 2 or not model.heads:
-            return EstimatePart(collectives=())
-        dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
-        shape = {"size": size, "batch": workload.micro_batch, "seq": workload.seq,
-                 "heads": model.heads, "kv_heads": model.kv_heads or model.heads,
-                 "head_dim": model.hidden // model.heads,
-                 "dtype_bytes": _DTYPE_BYTES.get(dtype, 4)}
-        collectives = attention_collectives(self.dim, self.mode, layers=model.layers,
-                                            passes=workload.grad_accum, **shape)
-        # A layer's buffers stay saved for its backward, unless full checkpointing drops
-        # them (then one recomputed layer holds them at a time).
-        held = model.layers
-        if layout.activation_checkpoint == "full":
-            held -= model.layers // layout.checkpoint_every - 1
-        buffers = held * kv_buffer_bytes(self.mode, **shape)
-        return EstimatePart(
-            collectives=collectives, memory={f"cp {self.mode} buffers": buffers},
-            notes=(f"{self.dim}({size}): each rank holds {workload.seq // size} of every "
-                   f"sequence's {workload.seq} tokens (its activations), and in "
-                   f"{self.mode} per layer the buffers above",))
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> EstimatePart | None:
+        from .estimate import estimate_part
+
+        return estimate_part(self.dim, self.mode, layout, model, workload, stage)
+
+    @hookimpl
+    def composer_par_suggest(self, model: Any, topology: Any, workload: Any) -> Any:
+        from .suggest import suggest_axes
+
+        return suggest_axes(self, model, topology, workload, "mode" in self.options())
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:
@@ -229,13 +216,16 @@ def _has_data_parallel(plan: PlanView) -> bool:
 
 
 def _tp_size(plan: PlanView, mesh: MeshSpec) -> int:
-    """The size of the tensor-parallel dim (what splits heads before CP sees them)."""
+    """The size of the model-parallel dims that split tensors (what splits heads before
+    CP sees them): those claimed as model parallel that data parallelism does not fold
+    in (context and expert parallelism's own dims are folded)."""
+    folded = {f.dim for f in plan.folded_dims()}
     size = 1
     for decl in plan.declarations():
-        if decl.plugin == "tp":
-            for claim in decl.claims:
-                if claim.dim in mesh and mesh.size(claim.dim) > 0:
-                    size *= mesh.size(claim.dim)
+        for claim in decl.claims:
+            if (claim.role is Role.MODEL_PARALLEL and claim.dim not in folded
+                    and claim.dim in mesh and mesh.size(claim.dim) > 0):
+                size *= mesh.size(claim.dim)
     return size
 
 

@@ -1,11 +1,22 @@
 """What CP's attention moves per step, for ``composer-par estimate`` and the benchmark:
 the same logical payload bytes :class:`~composer_par.testing.comm_count.CommCounter`
 counts (an all-gather's gathered output, an all-to-all's input), and the K/V buffers
-each mode holds. Pure arithmetic: no torch."""
+each mode holds. The ranks wait for them (no overlap). Pure arithmetic: no torch."""
 
 from __future__ import annotations
 
-from composer_par.plugin import Collective
+from typing import Any
+
+from composer_par.plugin import Collective, EstimatePart, dtype_bytes, runs_of
+
+ACCOUNTING = (
+    "cp: each rank holds seq/cp tokens of every sequence; per layer and pass allgather "
+    "gathers K and V of the whole sequence (forward) and sends their gradients back by "
+    "all-to-all (backward), alltoall trades Q, K, V heads for sequence and the output "
+    "back (forward and backward), ring gathers K and V in forward and backward and "
+    "passes the fp32 K/V gradients cp times; the ranks wait for them (no overlap); "
+    "buffers: the other ranks' K and V (or the traded heads) per layer kept for backward",
+)
 
 
 def attention_collectives(dim: str, mode: str, *, size: int, layers: int, batch: int,
@@ -60,4 +71,30 @@ def kv_buffer_bytes(mode: str, *, size: int, batch: int, seq: int, heads: int,
     return (2 * heads + 2 * kv_heads) * token * seq // size
 
 
-__all__ = ["attention_collectives", "kv_buffer_bytes"]
+def estimate_part(dim: str, mode: str, layout: Any, model: Any, workload: Any,
+                  stage: Any) -> EstimatePart | None:
+    """CP's terms over ``dim`` in ``mode``: its attention collectives and K/V buffers."""
+    size = layout.mesh.size(dim) if dim in layout.mesh else 1
+    if size < 2 or not model.heads:
+        return None
+    shape = {"size": size, "batch": workload.micro_batch, "seq": workload.seq,
+             "heads": model.heads, "kv_heads": model.kv_heads or model.heads,
+             "head_dim": model.hidden // model.heads,
+             "dtype_bytes": dtype_bytes(workload.dtype)}
+    collectives = attention_collectives(dim, mode, layers=model.layers,
+                                        passes=runs_of(workload, stage), **shape)
+    # A layer's buffers stay saved for its backward, unless full checkpointing drops
+    # them (then one recomputed layer holds them at a time).
+    held = model.layers
+    if workload.activation_checkpoint == "full":
+        held -= model.layers // layout.checkpoint_every - 1
+    buffers = held * kv_buffer_bytes(mode, **shape)
+    notes = () if stage is not None else (
+        f"{dim}({size}): each rank holds {workload.seq // size} of every sequence's "
+        f"{workload.seq} tokens (its activations), and in {mode} per layer the buffers "
+        "above",)
+    return EstimatePart(collectives=collectives, memory={f"cp {mode} buffers": buffers},
+                        accounting=ACCOUNTING, notes=notes)
+
+
+__all__ = ["ACCOUNTING", "attention_collectives", "estimate_part", "kv_buffer_bytes"]

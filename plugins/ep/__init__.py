@@ -29,9 +29,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
-    Collective,
     EstimatePart,
-    EstimateSettings,
     Finding,
     FoldedDim,
     OptionError,
@@ -45,8 +43,6 @@ from composer_par.plugin import (
 )
 
 from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
-from .estimate import all_to_all_collectives, expert_tp_collectives
-from .expert_tp import kept_whole
 from .findings import (
     RULES,
     capacity_finding,
@@ -69,9 +65,6 @@ def _capacity_factor(value: Any) -> float | None:
         raise OptionError(f"capacity_factor must be a number > 0, or None for dropless; "
                           f"got {value!r}")
     return float(value)
-
-
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 def _expert_tp(value: Any) -> str | None:
@@ -139,73 +132,29 @@ class EP(Plugin):
                            paths=tuple(s.path for s in sites), without=(self.dim,))]
 
     @hookimpl
-    def composer_par_estimate_settings(self, plan: PlanView) -> EstimateSettings:
-        size = plan.mesh.size(self.dim) if self.dim in plan.mesh else 1
-        split = self.expert_tp if self.expert_tp is not None and self.expert_tp in plan.mesh \
-            else None
-        return EstimateSettings(experts_dim=self.dim if size != 1 else None,
-                                experts_split=split if size != 1 else None)
+    def composer_par_estimate_shape(self, layout: Any, model: Any) -> Any:
+        """Each rank's num_experts / ep experts of every MoE block, set apart from ep."""
+        from .estimate import experts_apart
+
+        size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
+        if size < 2 or not model.experts_params:
+            return None
+        split = (layout.mesh.size(self.expert_tp)
+                 if self.expert_tp is not None and self.expert_tp in layout.mesh else 1)
+        return experts_apart(model, self.dim, size, split)
 
     @hookimpl
-    def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any,
-                              workload: Any) -> EstimatePart:
-        """The token all-to-alls over ep (uniform routing: each rank receives as many
-        pairs as it sends), with ``expert_tp`` the all-reduces over that dim, and, with no
-        data-parallel plugin, the dense gradients' all-reduces over ep; the experts'
-        memory and data-parallel terms are the estimator's (``experts_dim``,
-        ``experts_split``)."""
-        size = layout.mesh.size(self.dim) if self.dim in layout.mesh else 1
-        moe = model.moe
-        if size < 2:
-            return EstimatePart(collectives=())
-        if moe is None:
-            return EstimatePart(collectives=(), notes=(
-                f"{self.dim}({size}): the model shape names no experts (give --model, or "
-                "a MoE --preset), so no all-to-all is counted",))
-        dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
-        tokens = workload.seq // layout.sequence_split * workload.micro_batch
-        mode = workload.activation_checkpoint or layout.activation_checkpoint or "none"
-        # A checkpointed block's recomputation runs its all-to-alls again under selective
-        # checkpointing too: they are c10d's own ops, which a policy saving the functional
-        # collectives' outputs does not save.
-        recomputed = moe.moe_layers // layout.checkpoint_every if mode != "none" else 0
-        collectives = all_to_all_collectives(
-            self.dim, size=size, moe_layers=moe.moe_layers, tokens=tokens, top_k=moe.top_k,
-            hidden=model.hidden, num_experts=moe.num_experts,
-            dtype_bytes=_DTYPE_BYTES.get(dtype, 4), passes=workload.grad_accum,
-            recomputed=recomputed)
-        split = layout.experts_split_size()
-        if split > 1:
-            whole_bias = tuple(t.numel // size for g in model.groups for t in g.tensors
-                               if t.experts and kept_whole(t.name.rsplit(".", 1)[-1])
-                               for _ in range(g.count))
-            collectives += expert_tp_collectives(
-                str(self.expert_tp), size=split, moe_layers=moe.moe_layers, tokens=tokens,
-                top_k=moe.top_k, hidden=model.hidden, dtype_bytes=_DTYPE_BYTES.get(dtype, 4),
-                passes=workload.grad_accum, recomputed=recomputed, whole_bias=whole_bias)
-        if not _has_data_parallel(plan):
-            # average_over: each dense parameter's gradient (this rank's part of it, under
-            # TP as the estimate splits it) all-reduced after each backward
-            tp = layout.tensor_parallel_size()
-            dense = [t for g in model.groups for t in g.tensors if not t.experts
-                     for _ in range(g.count)]
-            collectives += (Collective(
-                self.dim, "all_reduce",
-                sum(t.local_numel(tp, 1) for t in dense) * _DTYPE_BYTES.get(dtype, 4)
-                * workload.grad_accum,
-                len(dense) * workload.grad_accum,
-                "dense gradients averaged over ep, per parameter and backward (no "
-                "data-parallel plugin)"),)
-        per_rank = moe.num_experts // size
-        notes = [f"{self.dim}({size}): each rank holds {per_rank} of the {moe.num_experts} "
-                 f"experts of each of {moe.moe_layers} MoE block(s) and routes "
-                 f"{tokens} x {moe.top_k} (token, slot) pairs per block and micro-batch; "
-                 "the all-to-alls assume uniform routing (each rank receives as many pairs "
-                 "as it sends): the rank whose experts receive the most sets the pace"]
-        if self.capacity_factor is not None:
-            notes.append(f"capacity factor {self.capacity_factor:g}: the pairs it drops are "
-                         "not subtracted")
-        return EstimatePart(collectives=collectives, notes=tuple(notes))
+    def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> EstimatePart:
+        from .estimate import estimate_part
+
+        return estimate_part(self, layout, model, workload, stage, _has_data_parallel(plan))
+
+    @hookimpl
+    def composer_par_suggest(self, model: Any, topology: Any) -> Any:
+        from .suggest import suggest_axes
+
+        return suggest_axes(self, model, topology)
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -39,6 +39,7 @@ import attrs
 
 from composer_par.plugin import (
     EstimatePart,
+    EstimateSettings,
     Finding,
     OptionError,
     Plugin,
@@ -48,6 +49,7 @@ from composer_par.plugin import (
     bool_option,
     hookimpl,
     ordering_option,
+    runs_of,
 )
 
 from . import torchao_api
@@ -198,14 +200,23 @@ class Float8(Plugin):
         return steps
 
     @hookimpl
-    def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any,
-                              workload: Any) -> EstimatePart:
+    def composer_par_estimate_settings(self) -> EstimateSettings | None:
+        # The converted matmuls run at the device's float8 rate, unless emulated.
+        return None if self.emulate is True else EstimateSettings(matmul_dtype="float8")
+
+    @hookimpl
+    def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> EstimatePart:
         mesh = layout.mesh
         sharded = sharded_dims(plan, mesh)
         dim = sharded[0] if sharded else None
-        # Each block gathers in forward and, resharded after forward (torch's default for
-        # blocks), again in backward.
-        gathers = (1 if layout.reshard_after_forward is False else 2) * workload.grad_accum
+        if stage is not None and stage.block_gathers is not None:
+            gathers = stage.block_gathers
+        else:
+            # Each block gathers in forward and, resharded after forward (torch's default
+            # for blocks), again in backward, once per pass.
+            gathers = ((1 if layout.reshard_after_forward is False else 2)
+                       * runs_of(workload, stage))
         dtype = layout.param_dtype or model.dtype or workload.dtype or "float32"
         collectives, memory, notes = float8_terms(
             model, dim=dim, shard=layout.shard_size() if dim else 1, gathers=gathers,

@@ -57,7 +57,7 @@ from composer_par.plugin import (
     ordering_option,
 )
 
-from .estimate import plan_estimate
+from .estimate import in_place_of, plan_estimate
 from .findings import CATALOG, plan_findings
 from .lighthouse import LIGHTHOUSE_ENV, LighthouseUnreachable, lighthouse_address, normalize
 from .runtime import (
@@ -248,6 +248,10 @@ class FaultTolerance(Plugin):
     @hookimpl
     def composer_par_estimate(self, layout: Any, model: Any) -> EstimatePart:
         return plan_estimate(self.dim, self.method, self.sync_every, layout, model)
+
+    @hookimpl
+    def composer_par_estimate_comm_hook(self, collective: Any) -> tuple[Any, ...] | None:
+        return in_place_of(self.method, collective)
 
     # -- apply and the training step -----------------------------------------------------
 

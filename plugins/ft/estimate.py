@@ -11,7 +11,9 @@ Pure arithmetic: no torch.
   rank all-reduces its shard of the parameters (LocalSGD) or of the pseudo-gradients
   (DiLoCo: the weights at the last sync less the current ones), one all-reduce per
   parameter, in the parameters' dtype, after one quorum. Stated here per step (the sync's
-  bytes over ``sync_every``), replacing the built-in per-step all-reduce.
+  bytes over ``sync_every``); the gradient all-reduce the replicate dim's owner states
+  is not run (the plugin's comm hook answers ``composer_par_estimate_comm_hook`` with
+  nothing in its place).
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ def replica_estimate(dim: str, *, groups: int, method: str, sync_every: int,
         return EstimatePart(notes=(f"{quorum}; the gradient all-reduce over {dim} is "
                                    "torchft's, counted as the replicate dim's",))
     if groups < 2:
-        return EstimatePart(collectives=(), replaces=(dim,), notes=(
-            f"{method}: one replica group, nothing to average",))
+        return EstimatePart(notes=(f"{method}: one replica group, nothing to average",))
     what = "parameters" if method == "local_sgd" else "pseudo-gradients"
     payload = local_params * PARAM_BYTES // sync_every
     calls = max(1, tensors // sync_every)
@@ -54,8 +55,17 @@ def replica_estimate(dim: str, *, groups: int, method: str, sync_every: int,
         if host_memory:
             notes.append(f"diloco: the weights at the last sync in host memory "
                          f"({local_params * PARAM_BYTES} bytes per rank)")
-    return EstimatePart(collectives=(collective,), replaces=(dim,), memory=memory,
-                        notes=tuple(notes))
+    return EstimatePart(collectives=(collective,), memory=memory, notes=tuple(notes))
+
+
+def in_place_of(method: str, collective: Collective) -> tuple[Collective, ...] | None:
+    """What runs in place of ``collective``, a gradient all-reduce over the replica dim
+    that the plugin's comm hook takes over: torchft's all-reduce of the same bytes under
+    ``ddp`` (None: it stays as stated); under ``local_sgd`` / ``diloco`` nothing, the
+    periodic sync being the plugin's own term (:func:`replica_estimate`)."""
+    if method == "ddp" or collective.kind != "all_reduce":
+        return None
+    return ()
 
 
 def plan_estimate(dim: str, method: str, sync_every: int, layout: Any, model: Any
@@ -64,7 +74,9 @@ def plan_estimate(dim: str, method: str, sync_every: int, layout: Any, model: An
     ``composer_par_estimate`` hook is given): the elements and tensors of parameters one
     rank holds."""
     tp, shard = layout.tensor_parallel_size(), layout.shard_size()
-    local = (sum(g.local_numel(tp, shard) * g.count for g in model.groups)
+    # a group set apart (experts) is sharded over the shard dims without those it spans
+    local = (sum(g.local_numel(tp, layout.shard_size(g.apart) if g.apart else shard)
+                 * g.count for g in model.groups)
              if model.groups else -(-model.params // (tp * shard)))
     tensors = (sum(len(g.tensors) * g.count for g in model.groups) if model.groups
                else max(1, model.layers * (model.matrices_per_block or 1)))
@@ -73,4 +85,4 @@ def plan_estimate(dim: str, method: str, sync_every: int, layout: Any, model: An
                             local_params=local, tensors=tensors)
 
 
-__all__ = ["PARAM_BYTES", "plan_estimate", "replica_estimate"]
+__all__ = ["PARAM_BYTES", "in_place_of", "plan_estimate", "replica_estimate"]

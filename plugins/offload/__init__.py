@@ -137,6 +137,15 @@ class Offload(Plugin):
         return []
 
     @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> Any:
+        from .estimate import estimate_part
+
+        if self.optimizer != "nvme":
+            return None
+        return estimate_part(self.unit_bytes, layout, model, workload, stage)
+
+    @hookimpl
     def composer_par_describe(self) -> list[tuple[str, str]]:
         return [("finalize", f"optimizer state of each FSDP unit in files under {self.path}, "
                  "streamed through the step unit by unit (wrap the optimizer: "

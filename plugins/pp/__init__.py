@@ -27,6 +27,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    EstimatePart,
     Finding,
     Plugin,
     Role,
@@ -368,10 +369,27 @@ class PP(Plugin):
         return timeline(info.name, size, per_rank, self.microbatch_count(size), self.dim)
 
     @hookimpl
-    def composer_par_estimate(self, layout: Any, model: Any, workload: Any) -> Any:
-        from .estimate import estimate_part
+    def composer_par_estimate_pipeline(self, layout: Any, model: Any, workload: Any) -> Any:
+        from .estimate import estimate_pipeline
 
-        return estimate_part(self, layout, model, workload)
+        return estimate_pipeline(self, layout, model, workload)
+
+    @hookimpl
+    def composer_par_suggest(self, model: Any, topology: Any) -> Any:
+        from .suggest import suggest_axes
+
+        return suggest_axes(self, model, topology)
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> Any:
+        """Why there are no pipeline terms, when the plan cannot run its schedule."""
+        from .estimate import cuts, problem
+
+        if stage is not None or not cuts(self, layout):
+            return None
+        why = problem(self, layout, model, workload)
+        return EstimatePart(collectives=(), notes=(why,)) if why else None
 
     # -- stages ---------------------------------------------------------------------------
 

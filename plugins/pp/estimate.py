@@ -40,12 +40,10 @@ import attrs
 
 from composer_par.plugin import (
     Collective,
-    EstimatePart,
     EstimatePipeline,
     EstimateRank,
     EstimateStage,
-    Role,
-    dtype_name,
+    dtype_bytes,
     torch_private,
 )
 
@@ -57,10 +55,6 @@ if TYPE_CHECKING:
     from composer_par.plugin.pipeline import Timeline
 
     from . import PP
-
-# Bytes per element of the dtype names dtype_name returns.
-_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @attrs.frozen
 class _Unit:
@@ -309,41 +303,62 @@ def held_moments(line: Timeline, rank: int, stages: tuple[int, ...]
 
 
 def _activation_bytes(layout: Any, model: Any, workload: Any) -> int:
-    """Bytes of one stage output: what a stage sends per microbatch each way."""
-    dtype = workload.dtype or layout.param_dtype or model.dtype or "float32"
-    size = _BYTES[dtype_name(dtype)]
-    tp = 1
-    for d in layout.dims:
-        if d.role is Role.MODEL_PARALLEL and d.size > 1:
-            tp *= d.size
-    x = workload.seq * workload.micro_batch * model.hidden * size
+    """Bytes of one stage output: what a stage sends per microbatch each way (this rank's
+    tokens: a context-parallel rank's share of the sequence)."""
+    tp = layout.tensor_parallel_size()
+    tokens = workload.seq // layout.sequence_split * workload.micro_batch
+    x = tokens * model.hidden * dtype_bytes(workload.dtype)
     # A sequence-parallel output is a DTensor sharded over tp: torch sends the local shard.
     return x // tp if layout.sequence_parallel and tp > 1 else x
 
 
-def estimate_part(pp: PP, layout: Any, model: Any, workload: Any) -> EstimatePart | None:
-    """The pipeline's ``EstimatePart`` for ``layout``, or None without a pipeline dim."""
-    info = pp.info
-    mesh = layout.mesh
-    if info is None or pp.dim not in mesh.names or mesh.size(pp.dim) <= 1:
-        return None
-    size = mesh.size(pp.dim)
-    per_rank = pp.virtual_stages()
+def _microbatches(pp: PP, size: int, workload: Any) -> int:
     # The training step's accumulation runs grad_accum times the schedule's microbatches
     # in one schedule pass.
-    microbatches = pp.microbatch_count(size) * workload.grad_accum
-    problem = microbatch_problem(info, microbatches, size, per_rank)
-    if problem or (info.stages_per_rank is not None and per_rank != info.stages_per_rank):
+    return pp.microbatch_count(size) * workload.grad_accum
+
+
+def problem(pp: PP, layout: Any, model: Any, workload: Any) -> str | None:
+    """Why the pipeline states no terms for ``layout`` (what validation or the training
+    step refuses), or None."""
+    info = pp.info
+    assert info is not None
+    size = layout.mesh.size(pp.dim)
+    per_rank = pp.virtual_stages()
+    microbatches = _microbatches(pp, size, workload)
+    found = microbatch_problem(info, microbatches, size, per_rank)
+    if found or (info.stages_per_rank is not None and per_rank != info.stages_per_rank):
         who = (f"the training step refuses accumulate={workload.grad_accum} with it"
-               if problem and workload.grad_accum > 1 else "validation reports it")
-        return EstimatePart(collectives=(), notes=(
-            f"no pipeline terms: {problem or 'stages_per_rank does not fit the schedule'} "
-            f"({who})",))
+               if found and workload.grad_accum > 1 else "validation reports it")
+        return (f"no pipeline terms: {found or 'stages_per_rank does not fit the schedule'} "
+                f"({who})")
+    blocks = sum(g.count for g in model.groups if g.block and g.numel)
+    if blocks < size * per_rank:
+        return (f"{size * per_rank} pipeline stages need at least one block each, and the "
+                f"model has {blocks} block(s) (CP602): no pipeline terms")
+    return None
+
+
+def cuts(pp: PP, layout: Any) -> bool:
+    """Whether ``pp`` cuts the model over ``layout``'s mesh."""
+    mesh = layout.mesh
+    return pp.info is not None and pp.dim in mesh.names and mesh.size(pp.dim) > 1
+
+
+def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
+                      ) -> EstimatePipeline | None:
+    """The pipeline's stages, ranks, sends and bubble for ``layout``, or None without a
+    pipeline dim or when :func:`problem` says why not."""
+    if not cuts(pp, layout) or problem(pp, layout, model, workload):
+        return None
+    info = pp.info
+    assert info is not None
+    mesh = layout.mesh
+    size = mesh.size(pp.dim)
+    per_rank = pp.virtual_stages()
+    microbatches = _microbatches(pp, size, workload)
     num_stages = size * per_rank
-    try:
-        units, notes = _stage_units(model, pp.split, num_stages)
-    except _Unsplittable as exc:
-        return EstimatePart(collectives=(), notes=(str(exc),))
+    units, notes = _stage_units(model, pp.split, num_stages)
     shapes = [_stage_shape(model, u, s, s == num_stages - 1) for s, u in enumerate(units)]
     facts = _facts(info.name, size, per_rank, microbatches, pp.dim)
     line = facts.line
@@ -371,8 +386,8 @@ def estimate_part(pp: PP, layout: Any, model: Any, workload: Any) -> EstimatePar
         buffers = ({f"receive buffers ({microbatches} per direction and stage)":
                     receive * microbatches * x} if receive else {})
         ranks.append(EstimateRank(r, stages, facts.held[r], facts.peaks[r], sends, buffers))
-    pipeline = EstimatePipeline(pp.dim, line.title, tuple(ranks), line.bubble, microbatches)
-    return EstimatePart(collectives=(), pipeline=pipeline, notes=tuple(notes))
+    return EstimatePipeline(pp.dim, line.title, tuple(ranks), line.bubble, microbatches,
+                            tuple(notes))
 
 
 def _crossing(topology: Any, groups: list[tuple[int, ...]]) -> set[tuple[int, int]]:
@@ -402,8 +417,10 @@ def _sends(dim: str, rank: int, local: tuple[int, ...], rank_of: dict[int, int],
             out.append(Collective(
                 dim, "send", x * runs, runs,
                 f"{what} of stage {stage} to stage {peer_stage} ({dim} {rank} -> {peer}), "
-                "one per microbatch", group_size=2, nodes=2 if crosses else 1))
+                "one per microbatch", group_size=2, nodes=2 if crosses else 1,
+                overlap="compute"))
     return tuple(out)
 
 
-__all__ = ["estimate_part", "gathers", "held_moments", "lowered_order"]
+__all__ = ["cuts", "estimate_pipeline", "gathers", "held_moments", "lowered_order",
+           "problem"]

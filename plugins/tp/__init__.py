@@ -28,7 +28,7 @@ class is here.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -158,6 +158,19 @@ class TP(Plugin):
     def composer_par_estimate_settings(self) -> EstimateSettings:
         return EstimateSettings(sequence_parallel=self.sequence_parallel,
                                 loss_parallel=self.loss_parallel)
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> Any:
+        from .estimate import estimate_part
+
+        return estimate_part(self, layout, model, workload, stage)
+
+    @hookimpl
+    def composer_par_suggest(self, model: Any, topology: Any) -> Any:
+        from .suggest import suggest_axes
+
+        return suggest_axes(self, model, topology)
 
     @hookimpl
     def composer_par_describe(self, plan: PlanView) -> list[tuple[str, str]]:

@@ -50,6 +50,24 @@ def dtype_name(value: Any) -> str:
     return name
 
 
+def dtype_bytes(value: Any) -> int:
+    """Bytes per element of the dtype ``value`` names (:func:`dtype_name`)."""
+    return BYTES[dtype_name(value)]
+
+
+# The spellings of 8-bit float math (torch's two float8 formats, fp8): a dtype matrix
+# multiplications may run in (float8 training), never one a parameter is kept in.
+FLOAT8_NAMES = ("float8", "fp8", "float8_e4m3fn", "float8_e5m2")
+
+
+def compute_dtype_name(value: Any) -> str:
+    """:func:`dtype_name`, or ``"float8"`` for any of :data:`FLOAT8_NAMES`: the dtype a
+    matmul computes in."""
+    if isinstance(value, str) and value.strip().lower().removeprefix("torch.") in FLOAT8_NAMES:
+        return "float8"
+    return dtype_name(value)
+
+
 def optional_dtype_name(value: Any) -> str | None:
     """:func:`dtype_name`, with None passed through (an unset dtype)."""
     return None if value is None else dtype_name(value)
@@ -69,8 +87,11 @@ __all__ = [
     "ALIASES",
     "BYTES",
     "CANONICAL",
+    "FLOAT8_NAMES",
     "DtypeError",
     "accepted_names",
+    "compute_dtype_name",
+    "dtype_bytes",
     "dtype_name",
     "optional_dtype_name",
 ]

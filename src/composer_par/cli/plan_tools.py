@@ -104,6 +104,57 @@ _gbps = _positive_rate("Gbit/s", "bandwidth")
 _tflops = _positive_rate("TFLOP/s", "throughput")
 
 
+def _compute_dtype(text: str) -> str:
+    from composer_par.estimate import EstimateError
+    from composer_par.estimate.units import compute_dtype
+
+    try:
+        return compute_dtype(text)
+    except EstimateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _dim_size(text: str) -> tuple[str, int]:
+    """``DIM=N``: a mesh dim and the largest size suggest tries for it."""
+    dim, sep, size = text.partition("=")
+    if not sep or not dim.strip().isidentifier() or not size.strip().isdigit() \
+            or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"expected DIM=N (a mesh dim and a size >= 1, e.g. "
+                                         f"tp=4); got {text!r}")
+    return dim.strip(), int(size)
+
+
+def _plugin_option(text: str) -> tuple[str, str, Any]:
+    """``PLUGIN.OPTION=VALUE``: a plugin's option for suggest, the value as in a plan file
+    (TOML; a bare word is a string)."""
+    import tomllib
+
+    key, sep, value = text.partition("=")
+    plugin, dot, option = key.strip().partition(".")
+    if not sep or not dot or not plugin or not option.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected PLUGIN.OPTION=VALUE (e.g. "
+                                         f"pp.schedule=Interleaved1F1B); got {text!r}")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return plugin, option, parsed
+
+
+def _device_arguments(group: argparse._ArgumentGroup) -> None:
+    from composer_par.estimate.devices import DEVICES
+
+    group.add_argument("--device", choices=sorted(DEVICES), metavar="KIND",
+                       help="the device the step time is predicted on: "
+                       + ", ".join(sorted(DEVICES)) + " (default h100)")
+    group.add_argument("--device-tflops", type=_tflops, metavar="F",
+                       help="TFLOP/s the step's matmuls achieve per device (default: a share "
+                       "of the device's dense peak in the matmul dtype)")
+    group.add_argument("--matmul-dtype", type=_compute_dtype, metavar="DTYPE",
+                       help="the dtype the matmuls compute in, e.g. fp8 (default: what the "
+                       "plan's plugins say, else --dtype)")
+
+
 def _dtype(text: str) -> str:
     from composer_par.estimate import EstimateError, dtype_name
 
@@ -294,6 +345,7 @@ def estimate_arguments(parser: argparse.ArgumentParser) -> None:
                       "step's sync= (default last: once per step)")
     work.add_argument("--device-memory", type=_size, metavar="SIZE",
                       help="device memory, e.g. 80GiB: say whether it fits (exit 1 if not)")
+    _device_arguments(parser.add_argument_group("the step time"))
 
 
 def run_estimate(args: argparse.Namespace, out: Output) -> int:
@@ -309,11 +361,12 @@ def run_estimate(args: argparse.Namespace, out: Output) -> int:
                             reduce_dtype=args.reduce_dtype, optimizer=args.optimizer,
                             activation_checkpoint=args.activation_checkpoint,
                             grad_accum=args.grad_accum, sync=args.sync,
-                            attention=args.attention)
+                            attention=args.attention, matmul_dtype=args.matmul_dtype)
         est = estimate_plan(plan, shape, workload, world_size=world,
                             intra_node_gbps=args.intra_node_gbps,
                             inter_node_gbps=args.inter_node_gbps,
-                            device_memory=args.device_memory)
+                            device_memory=args.device_memory, device=args.device,
+                            device_tflops=args.device_tflops)
     except EstimateError as exc:
         raise InputError(str(exc)) from exc
     code = report.exit_code()
@@ -345,11 +398,19 @@ def suggest_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--dtype", type=_dtype, default="bfloat16", metavar="DTYPE",
                       help="bf16 (default), fp16 or fp32: 16-bit means FSDP2 mixed precision "
                       "with fp32 gradient reduction")
+    work.add_argument("--global-batch", type=_positive_int, metavar="N",
+                      help="sequences per step over all ranks (default: --micro-batch x the "
+                      "ranks); each layout's data shards split it")
+    work.add_argument("--max-size", type=_dim_size, action="append", default=[],
+                      metavar="DIM=N", help="the largest size to try for a mesh dim, e.g. "
+                      "tp=4 (repeatable)")
     work.add_argument("--max-tp", type=_positive_int, metavar="T",
-                      help="largest TP size to consider (default: the devices of a node)")
-    work.add_argument("--device-tflops", type=_tflops, metavar="F",
-                      help="achieved TFLOP/s per device, which prices a pipeline's bubble "
-                      "(default 400)")
+                      help="the same as --max-size tp=T")
+    work.add_argument("--option", type=_plugin_option, action="append", default=[],
+                      metavar="PLUGIN.OPTION=VALUE",
+                      help="make a plugin with this option for every layout it joins, e.g. "
+                      "pp.schedule=Interleaved1F1B (repeatable; the value as in a plan file)")
+    _device_arguments(where)
     work.add_argument("--top", type=_positive_int, default=10, metavar="N",
                       help="runners-up to list (default 10)")
     work.add_argument("--output", "-o", type=Path, metavar="FILE",
@@ -366,14 +427,20 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
                            "ranks")
     shape = model_shape(args, None)
     topology = Topology(nodes=args.nodes, devices_per_node=args.devices_per_node)
+    max_sizes = dict(args.max_size)
+    if args.max_tp is not None:
+        max_sizes["tp"] = args.max_tp
+    options: dict[str, dict[str, Any]] = {}
+    for plugin, option, value in args.option:
+        options.setdefault(plugin, {})[option] = value
     try:
         result = suggest(shape, topology, args.device_memory, seq=args.seq,
-                         micro_batch=args.micro_batch, dtype=args.dtype,
-                         optimizer=args.optimizer, intra_node_gbps=args.intra_node_gbps,
-                         inter_node_gbps=args.inter_node_gbps, max_tp=args.max_tp,
-                         attention=args.attention,
-                         **({} if args.device_tflops is None
-                            else {"device_tflops": args.device_tflops}))
+                         micro_batch=args.micro_batch, global_batch=args.global_batch,
+                         dtype=args.dtype, optimizer=args.optimizer,
+                         intra_node_gbps=args.intra_node_gbps,
+                         inter_node_gbps=args.inter_node_gbps, max_sizes=max_sizes,
+                         attention=args.attention, options=options, device=args.device,
+                         device_tflops=args.device_tflops, matmul_dtype=args.matmul_dtype)
     except EstimateError as exc:
         raise InputError(str(exc)) from exc
     code = EXIT_OK if result.best is not None else EXIT_ERRORS

@@ -1,10 +1,10 @@
 """The mesh as the estimator sees it: each mesh dim's size, role, owning plugin and the
 nodes its groups span, with the settings that change the estimate (which the plugins
-state through the ``composer_par_estimate_settings`` hook)."""
+state through the ``composer_par_estimate_settings`` hook, so that one plugin's terms
+can follow how another runs without reading its options)."""
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from composer_par.estimate.errors import EstimateError
-from composer_par.estimate.units import optional_dtype
+from composer_par.estimate.units import compute_dtype, optional_dtype
 from composer_par.mesh import MeshError, MeshSpec
 from composer_par.plugin.base import EstimateSettings, Role
 from composer_par.topology import Topology
@@ -50,26 +50,28 @@ class Layout:
     topology: Topology | None
     dims: tuple[DimInfo, ...]
     reshard_after_forward: bool | int | None = None
-    # Modules that are FSDP units of their own beside the blocks, and reshard_after_forward
-    # per unit (see EstimateSettings).
-    units: tuple[str | tuple[str, ...], ...] = ()
-    reshard_units: tuple[tuple[str, bool | int], ...] = ()
     param_dtype: str | None = None  # the data-parallel plugin's mixed precision
     reduce_dtype: str | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    sequence_split: int = 1  # context parallelism: tokens per rank are seq / this
-    # Expert parallelism: the mesh dim over which each rank holds num_experts / its size
-    # of every routed experts tensor (see EstimateSettings).
-    experts_dim: str | None = None
-    # Expert tensor parallelism: the mesh dim that splits each expert's weights further.
-    experts_split: str | None = None
+    sequence_split: int = 1  # tokens per rank are seq / this (context parallelism)
+    # The dtype the model's matrix multiplications compute in, when a plugin changes it
+    # (float8 training); None: the parameters' dtype.
+    matmul_dtype: str | None = None
     # Model-parallel dims data parallelism folds in (composer_par_folded_dims): they split
-    # no tensor, and a sharding plugin shards over them too.
+    # no tensor, and a sharding plugin shards over them too; ``distinct_sample_dims``:
+    # those of them whose ranks read different samples.
     folded_dims: tuple[str, ...] = ()
+    distinct_sample_dims: tuple[str, ...] = ()
     activation_checkpoint: str | None = None
     checkpoint_every: int = 1
     checkpoint_reissue: str | None = None  # see EstimateSettings; None: the mode's default
+    # Selective checkpointing saves the outputs of every N-th matmul of a block (1: all).
+    checkpoint_matmul_every: int = 1
+    # The mesh dim a plugin cuts the model into pipeline stages along (set by the
+    # estimator once the plugin stated its pipeline): the plugins are then asked for each
+    # stage's terms, and their whole-model answer serves the report only.
+    pipeline_dim: str | None = None
     plugins: tuple[str, ...] = ()
 
     @classmethod
@@ -123,7 +125,9 @@ class Layout:
         policies = [d.checkpointing for d in declarations if d.checkpointing]
         if policies:
             options["activation_checkpoint"] = _policy(policies[-1])
-        options["folded_dims"] = tuple(f.dim for f in plan.folded_dims())
+        folded = plan.folded_dims()
+        options["folded_dims"] = tuple(f.dim for f in folded)
+        options["distinct_sample_dims"] = tuple(f.dim for f in folded if f.distinct_samples)
         options.update(merge_settings(hooks.estimate_settings()))
         return cls.build(mesh, plan.job_topology(mesh), roles, owners, **options)
 
@@ -137,22 +141,21 @@ class Layout:
             return self.checkpoint_reissue
         return "early_stop" if mode == "full" else "none"
 
-    def reshard_of(self, unit: str) -> bool | int | None:
-        """``reshard_after_forward`` of the unit named ``unit`` (a block's path, an entry
-        of ``units``, ``"a + b"`` for modules sharded together, or ``root``): an entry of
-        ``reshard_units`` naming it or one of its paths, else the first pattern matching
-        one, else ``reshard_after_forward`` (None: torch's default)."""
-        names = {unit, *unit.split(" + ")}
-        for key, value in self.reshard_units:
-            if key in names:
-                return value
-        for key, value in self.reshard_units:
-            if set(key) & set("*?[") and any(fnmatch.fnmatchcase(n, key) for n in names):
-                return value
-        return self.reshard_after_forward
-
     def dims_with(self, role: Role) -> list[DimInfo]:
+        """The mesh dims of size > 1 whose owner claims them with ``role``."""
         return [d for d in self.dims if d.role is role and d.size > 1]
+
+    def claimed(self, role: Role) -> list[DimInfo]:
+        """The mesh dims claimed with ``role``, of any size (a size-1 shard dim still
+        shards over the dims data parallelism folds in)."""
+        return [d for d in self.dims if d.role is role]
+
+    def dim(self, name: str) -> DimInfo:
+        """The mesh dim named ``name``."""
+        for d in self.dims:
+            if d.name == name:
+                return d
+        raise EstimateError(f"no mesh dim {name!r} in {self.mesh.equation()}")
 
     def size_of(self, role: Role) -> int:
         return math.prod(d.size for d in self.dims_with(role))
@@ -164,27 +167,21 @@ class Layout:
                          if d.name not in self.folded_dims)
 
     def shard_size(self, without: tuple[str, ...] = ()) -> int:
-        """The ranks a sharded parameter is cut over: the shard dims and, with any, the
-        folded dims (less ``without``: a group sharded apart)."""
-        if not self.dims_with(Role.SHARD):
+        """The ranks a sharded parameter is cut over: the shard dims (of any size) and,
+        with any, the folded dims (less ``without``: a group sharded apart)."""
+        shards = self.claimed(Role.SHARD)
+        if not shards:
             return 1
         folded = math.prod(d.size for d in self.dims
                            if d.name in self.folded_dims and d.name not in without)
-        return self.size_of(Role.SHARD) * folded
+        return math.prod(d.size for d in shards) * folded
 
-    def experts_size(self) -> int:
-        """The ranks the routed experts are divided among (1 without expert parallelism)."""
-        if self.experts_dim is None or self.experts_dim not in self.mesh:
-            return 1
-        return self.mesh.size(self.experts_dim)
-
-    def experts_split_size(self) -> int:
-        """The ranks each expert's weights are split over (expert tensor parallelism; 1
-        without it or without expert parallelism)."""
-        if self.experts_size() == 1 or self.experts_split is None \
-                or self.experts_split not in self.mesh:
-            return 1
-        return self.mesh.size(self.experts_split)
+    def data_shards(self) -> int:
+        """The ranks that read different samples: the data-parallel dims and the folded
+        dims whose ranks read their own samples."""
+        dims = [d for d in self.dims if d.role in (Role.SHARD, Role.REPLICATE)
+                or d.name in self.distinct_sample_dims]
+        return math.prod(d.size for d in dims)
 
     def data_parallel_group(self, dim: DimInfo, without: tuple[str, ...] = ()
                             ) -> tuple[int, int | None]:
@@ -195,7 +192,7 @@ class Layout:
         folded = [d.name for d in self.dims if d.name in self.folded_dims and d.size > 1
                   and d.name not in without]
         takes = dim.role is Role.SHARD or (dim.role is Role.REPLICATE
-                                           and not self.dims_with(Role.SHARD))
+                                           and not self.claimed(Role.SHARD))
         if not folded or not takes:
             return dim.size, None
         names = (dim.name, *folded)
@@ -228,24 +225,19 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
             for key in ("param_dtype", "reduce_dtype"):
                 if key in fields:
                     fields[key] = optional_dtype(fields[key])
+            if "matmul_dtype" in fields:
+                fields["matmul_dtype"] = compute_dtype(fields["matmul_dtype"])
             if "activation_checkpoint" in fields:
                 fields["activation_checkpoint"] = _policy(fields["activation_checkpoint"])
             reissue = fields.get("checkpoint_reissue")
             if reissue is not None and reissue not in REISSUE:
                 raise EstimateError(f"checkpoint_reissue must be one of {list(REISSUE)}; got "
                                     f"{reissue!r}")
-            for key in ("experts_dim", "experts_split"):
-                name = fields.get(key)
-                if name is not None and not isinstance(name, str):
-                    raise EstimateError(f"{key} must be a mesh dim name; got {name!r}")
-            split = fields.get("sequence_split")
-            if split is not None and (isinstance(split, bool) or not isinstance(split, int)
-                                      or split < 1):
-                raise EstimateError(f"sequence_split must be an int >= 1; got {split!r}")
-            every = fields.get("checkpoint_every")
-            if every is not None and (isinstance(every, bool) or not isinstance(every, int)
-                                      or every < 1):
-                raise EstimateError(f"checkpoint_every must be an int >= 1; got {every!r}")
+            for key in ("sequence_split", "checkpoint_every", "checkpoint_matmul_every"):
+                value = fields.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                          or value < 1):
+                    raise EstimateError(f"{key} must be an int >= 1; got {value!r}")
         except EstimateError as exc:
             raise EstimateError(f"plugin {who!r}: composer_par_estimate_settings: {exc}"
                                 ) from None
@@ -265,8 +257,8 @@ def local_workload(layout: Layout, workload: Workload) -> Workload:
 
 
 def run_nodes(layout: Layout, dim: str, run: int) -> int:
-    """Nodes spanned by FSDP2's post-forward groups: runs of ``run`` consecutive members
-    of each group of ``dim``."""
+    """Nodes spanned by runs of ``run`` consecutive members of each group of ``dim`` (the
+    sub-groups a sharding plugin regroups to, as FSDP2's post-forward groups)."""
     if layout.topology is None:
         return 1
     widest = 1

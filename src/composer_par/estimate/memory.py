@@ -1,28 +1,26 @@
-"""Per-rank memory at peak: parameters, gradients and optimizer states as the plan shards
-them (ZeRO's accounting), activations (Korthikanti et al. 2022) and communication
-buffers."""
+"""Per-rank memory at peak: parameters, gradients and optimizer states as the plan's
+roles shard them (ZeRO's accounting), activations (Korthikanti et al. 2022, and counted
+from the block's structure for a Llama's make), and what the plugins add by category."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from composer_par.estimate.layout import Layout, local_workload
 from composer_par.estimate.model_shape import ModelShape
+from composer_par.estimate.parts import MemoryTerm
 from composer_par.estimate.units import bytes_of
 from composer_par.estimate.workload import AC_MODES, Workload
-from composer_par.plugin.base import Role
-
-if TYPE_CHECKING:
-    from composer_par.estimate.parts import EstimatePart
 
 
 @attrs.frozen
 class Memory:
-    """Per-rank bytes at peak, by component; ``activations_by_mode`` gives the
-    activations with each activation-checkpointing mode for comparison."""
+    """Per-rank bytes at peak, by category; ``activations_by_mode`` gives the
+    activations with each activation-checkpointing mode for comparison; ``terms``: what
+    each plugin added, by category (``(plugin, term)``), already in the totals."""
 
     params: int
     grads: int
@@ -32,36 +30,46 @@ class Memory:
     activations_by_mode: Mapping[str, int]
     extra: Mapping[str, int] = attrs.field(factory=dict)
     local_params: int = 0  # elements of parameters one rank holds
+    terms: tuple[tuple[str, MemoryTerm], ...] = ()
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations
                 + self.comm_buffers + sum(self.extra.values()))
 
+    def by_plugin(self, category: str) -> list[tuple[str, MemoryTerm]]:
+        """What the plugins added to ``category``."""
+        return [(who, t) for who, t in self.terms if t.category == category]
+
     def to_dict(self) -> dict[str, Any]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "comm_buffers": self.comm_buffers,
                 "extra": dict(self.extra), "total": self.total,
                 "activations_by_mode": dict(self.activations_by_mode),
-                "local_params": self.local_params}
+                "local_params": self.local_params,
+                "terms": [{"plugin": who, "category": t.category, "bytes": t.bytes,
+                           "why": t.why} for who, t in self.terms]}
 
 
 def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
-    expert_parallel: bool = False,
+    dispatched: bool = False, matmul_every: int = 1,
 ) -> int:
     """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
 
     ``recompute=False`` leaves out the one block that full checkpointing recomputes at a
     time (a rank holding several microbatches' activations recomputes one block).
-    ``expert_parallel``: a mixture-of-experts block's routed pairs travel by all-to-all
-    (one more hidden-sized tensor kept per pair)."""
+    ``dispatched``: a mixture-of-experts block's routed pairs travel to experts on other
+    ranks and back (one more hidden-sized tensor kept per pair, and where each went).
+    ``matmul_every``: selective checkpointing saves the output of the 1st, (N+1)-th, ...
+    matmul of a block (a Llama's make: q, k, v, o, gate, up, down)."""
     if _is_llama_like(model):
         return _llama_activation_bytes(model, workload, dtype, tp=tp,
                                        sequence_parallel=sequence_parallel,
                                        loss_parallel=loss_parallel, mode=mode, every=every,
-                                       recompute=recompute, expert_parallel=expert_parallel)
+                                       recompute=recompute, dispatched=dispatched,
+                                       matmul_every=matmul_every)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -117,7 +125,7 @@ _PAIR_INDEX_BYTES = 24
 _PAIR_INDEX_BYTES_EP = 44
 
 
-def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, expert_parallel: bool
+def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, dispatched: bool
              ) -> tuple[float, float, float]:
     """(full, selective, fixed bytes) per token of the feed-forward part of a block
     averaged over the blocks: elements kept (without checkpointing; selective
@@ -126,29 +134,35 @@ def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, expert_parallel: bool
     A MoE block keeps, per routed pair, the expert's input, its gate, activation, up and
     product (``4 f_e``), its output and, under expert parallelism, the pair's hidden
     state as it came back (``3h + 4 f_e``, ``4h + 4 f_e`` with EP); per token the
-    router's probabilities (fp32) and, for the shared expert, a gated MLP's ``4 f_s``.
+    router's probabilities (fp32) and, for the shared expert, a gated MLP's ``4 f_s``
+    (``dispatched``: the pairs travel to experts on other ranks).
     A dense block of the same model keeps ``4f``. Measured on the MoE Llama."""
     moe = model.moe
     assert moe is not None
     h, k, e = model.hidden, moe.top_k, moe.expert_ffn
-    c = 4 if expert_parallel else 3
+    c = 4 if dispatched else 3
     routed = k * (c * h + 4 * e) + 4 * moe.shared_ffn / t
     routed_selective = k * (2 * e + h) + moe.num_experts + (2 * moe.shared_ffn / t
                                                            + h if moe.shared_ffn else 0)
-    fixed = (moe.num_experts * 4 + k * (_PAIR_INDEX_BYTES_EP if expert_parallel
+    fixed = (moe.num_experts * 4 + k * (_PAIR_INDEX_BYTES_EP if dispatched
                                         else _PAIR_INDEX_BYTES)) / dtype_bytes
     f = model.ffn_hidden or 4 * h
-    dense = model.layers - moe.moe_layers
+    moe_blocks = model.moe_blocks
+    dense = model.layers - moe_blocks
     layers = max(1, model.layers)
-    full = (dense * 4 * f / t + moe.moe_layers * (routed + fixed)) / layers
-    selective = (dense * (2 * f / t + h) + moe.moe_layers * (routed_selective + fixed)) / layers
+    full = (dense * 4 * f / t + moe_blocks * (routed + fixed)) / layers
+    selective = (dense * (2 * f / t + h) + moe_blocks * (routed_selective + fixed)) / layers
     return full, selective, fixed
+
+
+# A Llama block's matmuls in forward order: selective checkpointing counts them so.
+_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _llama_activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int, recompute: bool,
-    expert_parallel: bool = False,
+    dispatched: bool = False, matmul_every: int = 1,
 ) -> int:
     """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
     autograd keeps for backward, counted from the block's structure (measured on the
@@ -168,7 +182,11 @@ def _llama_activation_bytes(
     one block's activations while it is recomputed; selective checkpointing keeps the
     block's input and the matmul outputs: q, k, v (``h + 2 h_kv``), the output projection's
     and the down projection's (``2h``) and the gate and up projections' (``2f``), divided
-    by ``tp`` where the matmul is split, and under TP the collectives' outputs.
+    by ``tp`` where the matmul is split, and under TP the collectives' outputs; with
+    ``matmul_every=N`` only the outputs of the block's 1st, (N+1)-th, ... matmul in
+    forward order (q, k, v, o, gate, up, down), the others recomputed from the block's
+    input (a MoE block's feed-forward part keeps the same share of its matmul outputs as
+    a dense block's gate, up and down would).
     """
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     a, f = model.heads or 1, model.ffn_hidden or 4 * h
@@ -180,7 +198,7 @@ def _llama_activation_bytes(
     # the matmul outputs selective checkpointing keeps of the MLP: gate, up, down
     mlp_selective = 2 * f / t + h
     if model.moe is not None:
-        mlp, mlp_selective, _ = _moe_mlp(model, t, bytes_of(dtype), expert_parallel)
+        mlp, mlp_selective, _ = _moe_mlp(model, t, bytes_of(dtype), dispatched)
     if t > 1 and sequence_parallel:
         norms = 2 * (2 * h / t + 1 / t + h)
         block_input = h / t
@@ -189,6 +207,14 @@ def _llama_activation_bytes(
         block_input = h
     full_block = norms + attention + mlp
     matmul_outputs = (h + 2 * kv) / t + h + mlp_selective
+    if matmul_every > 1:
+        saved = set(_MATMULS[::matmul_every])
+        outputs = {"q": h / t, "k": kv / t, "v": kv / t, "o": h}
+        if model.moe is None:
+            outputs.update(gate=f / t, up=f / t, down=h)
+        matmul_outputs = sum(size for name, size in outputs.items() if name in saved)
+        if model.moe is not None:
+            matmul_outputs += mlp_selective * len(saved & {"gate", "up", "down"}) / 3
     # Selective checkpointing saves collective outputs too (the plugin's default): under
     # TP the row-parallel outputs' all-reduces (2h), or with sequence parallelism the
     # gathered inputs (2h) and the reduce-scattered outputs (2h/t). Derived, not measured.
@@ -216,12 +242,6 @@ def _llama_activation_bytes(
     return int(total + logits)
 
 
-def unsharded_gradient_bytes(model: ModelShape, tp: int, reduce_bytes: int) -> int:
-    """The gradients FSDP2 keeps between backwards that do not reduce: every unit's whole
-    (split by TP only), in the reduce dtype."""
-    return sum(g.local_numel(tp, 1) * g.count for g in model.groups) * reduce_bytes
-
-
 def optimizer_bytes(optimizer: str, mixed: bool) -> int:
     if optimizer in ("adamw", "adam"):
         return 12 if mixed else 8
@@ -230,50 +250,55 @@ def optimizer_bytes(optimizer: str, mixed: bool) -> int:
     return 0
 
 
+def held_elements(layout: Layout, model: ModelShape, tp: int, shard: int) -> int:
+    """Elements of parameters one rank holds: each group split by ``tp`` and sharded
+    over ``shard`` ranks, a group set apart over the shard dims without the dims it
+    differs along."""
+    return sum(g.local_numel(tp, shard if not g.apart else layout.shard_size(g.apart))
+               * g.count for g in model.groups)
+
+
+def activations_by_mode(layout: Layout, model: ModelShape, workload: Workload, dtype: str,
+                        tp: int, mode: str, *, recompute: bool = True) -> dict[str, int]:
+    """One micro-batch's activations per rank with each checkpointing mode (``mode``'s
+    with the layout's every-N-th block and matmul saving, the others on every block)."""
+    return {m: activation_bytes(model, local_workload(layout, workload), dtype, tp=tp,
+                                sequence_parallel=layout.sequence_parallel,
+                                loss_parallel=layout.loss_parallel, mode=m,
+                                every=layout.checkpoint_every if m == mode else 1,
+                                recompute=recompute, dispatched=model.dispatched,
+                                matmul_every=(layout.checkpoint_matmul_every if m == mode
+                                              else 1))
+            for m in AC_MODES}
+
+
 def memory_per_rank(
     layout: Layout, model: ModelShape, workload: Workload,
-    parts: Sequence[tuple[str, EstimatePart]], *, dtype: str, reduce_dtype: str, mode: str,
-    tp: int, shard: int,
+    terms: Sequence[tuple[str, MemoryTerm]], *, dtype: str, mode: str, tp: int, shard: int,
+    by_mode: Mapping[str, int] | None = None,
 ) -> Memory:
-    """Per-rank bytes at peak with activation checkpointing ``mode`` (every
-    ``layout.checkpoint_every`` blocks), the other modes' activations for comparison, and
-    what the plugins state."""
+    """Per-rank bytes at peak of ``model`` as one rank holds it, with activation
+    checkpointing ``mode`` (``by_mode``: the activations per mode, when the caller
+    counted them), plus what the plugins state (``terms``, by category).
+
+    Parameters, gradients and optimizer states are divided as the roles of the plan's
+    mesh dims divide them (ZeRO's accounting): by the shard dims and the dims data
+    parallelism folds in, and, for the tensors model parallelism splits, its dims."""
     mixed = bytes_of(dtype) == 2
-    pbytes, abytes = bytes_of(dtype), bytes_of(dtype)
-    ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
-    every = layout.checkpoint_every
-    # a group sharded apart (expert parallelism's experts) over the shard dims without
-    # the dims it differs along
-    shards = {g.name: shard if not g.apart else layout.shard_size(g.apart)
-              for g in model.groups}
-    local = sum(g.local_numel(tp, shards[g.name]) * g.count for g in model.groups)
-    params_b = local * (2 if mixed else pbytes)
-    grads_b = local * (2 if mixed else pbytes)
-    if shard > 1 and workload.grad_accum > 1 and workload.sync == "last":
-        grads_b = unsharded_gradient_bytes(model, tp, rs_bytes)
-    optim_b = local * optimizer_bytes(workload.optimizer, mixed)
-    by_mode = {m: activation_bytes(model, local_workload(layout, workload), dtype, tp=tp,
-                                   sequence_parallel=layout.sequence_parallel,
-                                   loss_parallel=layout.loss_parallel, mode=m,
-                                   every=every if m == mode else 1,
-                                   expert_parallel=layout.experts_size() > 1)
-               for m in AC_MODES}
-    buffers = 0
-    blocks = [g for g in model.groups if g.block and g.numel]
-    largest = max((g.padded_numel(tp, shards[g.name]) for g in blocks), default=0)
-    if shard > 1:
-        # the unsharded parameters of the current and the prefetched group, and the
-        # unsharded gradients of one group before its reduce-scatter
-        buffers += 2 * largest * ag_bytes + largest * rs_bytes
-        root = [g for g in model.groups if not g.block and g.numel and g.name == "root"]
-        if root and layout.reshard_of("root") is None:
-            buffers += root[0].padded_numel(tp, shard) * ag_bytes  # the root stays unsharded
-    elif layout.dims_with(Role.REPLICATE):
-        buffers += largest * rs_bytes
-    if tp > 1:
-        buffers += 2 * workload.seq * workload.micro_batch * model.hidden * abytes
+    pbytes = 2 if mixed else bytes_of(dtype)
+    local = held_elements(layout, model, tp, shard)
+    if by_mode is None:
+        by_mode = activations_by_mode(layout, model, workload, dtype, tp, mode)
+    totals = {"params": local * pbytes, "grads": local * pbytes,
+              "optimizer": local * optimizer_bytes(workload.optimizer, mixed),
+              "activations": by_mode[mode], "buffers": 0}
     extra: dict[str, int] = {}
-    for who, part in parts:
-        for name, size in part.memory.items():
-            extra[f"{who}: {name}"] = int(size)
-    return Memory(params_b, grads_b, optim_b, by_mode[mode], buffers, by_mode, extra, local)
+    for who, term in terms:
+        if term.category == "other":
+            key = f"{who}: {term.why}" if who else term.why
+            extra[key] = extra.get(key, 0) + int(term.bytes)
+        else:
+            totals[term.category] += int(term.bytes)
+    return Memory(totals["params"], totals["grads"], totals["optimizer"],
+                  totals["activations"], totals["buffers"], dict(by_mode), extra, local,
+                  tuple(terms))

@@ -69,9 +69,11 @@ class ParamGroup:
     tensors: tuple[TensorShape, ...]
     block: bool = True
     count: int = 1  # identical groups (the blocks of an analytic model)
-    # Mesh dims the group's parameters differ along (expert parallelism's experts): data
-    # parallelism shards or replicates it over its dims without these.
+    # Mesh dims the group's parameters differ along (routed experts held apart, each rank
+    # its own): data parallelism shards or replicates it over its dims without these;
+    # ``parent``: the group they were set apart from (its block).
     apart: tuple[str, ...] = ()
+    parent: str | None = None
 
     @property
     def numel(self) -> int:
@@ -100,6 +102,7 @@ _CONFIG_KEYS = {
     "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
     "ffn_hidden": ("intermediate_size", "ffn_hidden", "ffn_dim", "n_inner", "dim_feedforward"),
     "vocab": ("vocab_size",),
+    "head_dim": ("head_dim",),
 }
 
 
@@ -124,6 +127,39 @@ class ModelShape:
     attention: str | None = None
     # A mixture-of-experts model's routed experts (None: a dense model).
     moe: MoEShape | None = None
+    # Attention's width per head when not hidden / heads (a head dim of its own; latent
+    # attention: the mean of its query-key and value widths, what its score and value
+    # products cost).
+    head_dim: int | None = None
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The width per head that attention's products run over."""
+        if self.head_dim:
+            return self.head_dim
+        return self.hidden // self.heads if self.heads else self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding (``vocab x hidden``; 0 without a vocabulary):
+        what FLOP counts leave out, as a lookup does no multiplication."""
+        return self.vocab * self.hidden if self.vocab else 0
+
+    @property
+    def moe_blocks(self) -> int:
+        """The blocks with routed experts in this shape (a pipeline stage's own; 0 for a
+        dense model): those holding experts tensors, or whose experts were set apart."""
+        if self.moe is None:
+            return 0
+        if not any(g.experts_numel for g in self.groups):
+            return min(self.moe.moe_layers, self.layers)  # a shape that names no tensors
+        return sum(g.count for g in self.groups if g.block and g.experts_numel)
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether routed experts are held apart from their blocks on other ranks, so each
+        routed (token, slot) pair travels to its expert and back."""
+        return any(g.apart and g.experts_numel for g in self.groups)
 
     @property
     def experts_params(self) -> int:
@@ -161,6 +197,7 @@ class ModelShape:
         moe: MoEShape | None = None,
         attention_params: int | None = None,
         tied_embeddings: bool = False,
+        head_dim: int | None = None,
     ) -> ModelShape:
         """An analytic transformer: ``layers`` identical blocks plus the rest (embeddings,
         output head). Missing sizes are derived, and listed in ``assumed``:
@@ -171,7 +208,8 @@ class ModelShape:
         * params from the shape when not given.
 
         ``attention_params``: one block's attention parameters when the count from the
-        heads is not theirs (a head dim other than hidden / heads, latent attention).
+        heads is not theirs (a head dim other than hidden / heads, latent attention);
+        ``head_dim``: attention's width per head then (see the field).
         ``moe``: the blocks ``moe.layers`` hold a router, ``moe.num_experts`` routed
         experts (fused as one ``[num_experts, ...]`` tensor) and the shared expert in
         place of the dense MLP of ``ffn_hidden``; ``layers`` and ``hidden`` are then
@@ -191,10 +229,10 @@ class ModelShape:
             if layers is None or hidden is None:
                 raise EstimateError("a mixture-of-experts model needs its layers and hidden "
                                     "size (--layers, --hidden)")
-            return cls._moe_numbers(layers=layers, hidden=hidden, heads=heads,
-                                    kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab,
-                                    moe=moe, attention_params=attention_params,
-                                    tied_embeddings=tied_embeddings)
+            return attrs.evolve(cls._moe_numbers(
+                layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                ffn_hidden=ffn_hidden, vocab=vocab, moe=moe, attention_params=attention_params,
+                tied_embeddings=tied_embeddings), head_dim=head_dim)
         if hidden is None:
             assert params is not None  # checked above
             if layers is not None:
@@ -212,9 +250,9 @@ class ModelShape:
         if hidden % heads:
             raise EstimateError(f"hidden ({hidden}) must be divisible by heads ({heads})")
         kv = kv_heads if kv_heads is not None else heads
-        head_dim = hidden // heads
+        per_head = hidden // heads
         attention = (attention_params if attention_params is not None
-                     else hidden * head_dim * (2 * heads + 2 * kv))
+                     else hidden * per_head * (2 * heads + 2 * kv))
         mlp = 3 * hidden * ffn_hidden if ffn_hidden else 8 * hidden * hidden
         per_block = attention + mlp + 2 * hidden
         embeddings = (1 if tied_embeddings else 2) * vocab * hidden + hidden if vocab else 0
@@ -233,7 +271,7 @@ class ModelShape:
                                      block=False))
         return cls(params=params, layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
                    ffn_hidden=ffn_hidden, vocab=vocab, groups=tuple(groups),
-                   source="numbers", assumed=tuple(assumed))
+                   source="numbers", assumed=tuple(assumed), head_dim=head_dim)
 
     @classmethod
     def _moe_numbers(
@@ -376,7 +414,7 @@ class ModelShape:
                    source=source or "model",
                    assumed=tuple(assumed),
                    attention=implementation if isinstance(implementation, str) else None,
-                   moe=moe)
+                   moe=moe, head_dim=found["head_dim"])
 
     def with_units(self, entries: Sequence[str | tuple[str, ...]]
                    ) -> tuple[ModelShape, list[str]]:
@@ -430,7 +468,7 @@ class ModelShape:
             "params": self.params, "layers": self.layers, "hidden": self.hidden,
             "heads": self.heads, "kv_heads": self.kv_heads, "ffn_hidden": self.ffn_hidden,
             "vocab": self.vocab, "dtype": self.dtype, "source": self.source,
-            "attention": self.attention,
+            "attention": self.attention, "head_dim": self.attention_head_dim,
             "moe": None if self.moe is None else {
                 **self.moe.to_dict(), "experts_params": self.experts_params,
                 "active_params": self.active_params},

@@ -2,19 +2,18 @@
 its own (:class:`RankEstimate`), from what the cutting plugin states
 (:class:`~composer_par.estimate.parts.EstimatePipeline`).
 
-A rank's memory is the built-in accounting (:mod:`.memory`) applied to the parameter
-groups of its stages, with two changes the plugin asks for:
+A rank's memory is the core's accounting (:mod:`.memory`) applied to the parameter
+groups of its stages, with its activations counted per stage: one microbatch's
+(:func:`.memory.activation_bytes` of the stage's blocks, and the logits on the stage
+that has them), weighted by the microbatches the rank holds at each moment the plugin
+lists; the heaviest moment counts, plus one block being recomputed under full
+checkpointing. Every plugin is asked for its terms once per stage
+(``composer_par_estimate`` with ``stage``: the stage's model shape and its runs): the
+collectives add up; memory terms add up across the rank's stages, except transient ones
+(held while one stage runs), of which the largest stage's counts.
 
-* activations: per stage, one microbatch's (:func:`.memory.activation_bytes` of the
-  stage's blocks, and the logits on the stage that has them), weighted by the
-  microbatches the rank holds at each moment the plugin lists; the heaviest moment
-  counts, plus one block being recomputed under full checkpointing;
-* a stage whose runtime ``accumulates`` gradients over the microbatches under a shard
-  dim keeps them unsharded (in the reduce dtype) and its parameters gathered until the
-  step's one reduction.
-
-Its communication is the built-in collectives of each stage, run as often as the stage
-says, plus the rank's point-to-point sends, timed as every other collective.
+Its communication is the plugins' collectives of each stage plus the rank's
+point-to-point sends, timed as every other collective.
 """
 
 from __future__ import annotations
@@ -24,25 +23,25 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.estimate.collectives import Collective, communication
+from composer_par.estimate.collectives import Collective
 from composer_par.estimate.errors import EstimateError
-from composer_par.estimate.experts import experts_apart
 from composer_par.estimate.layout import local_workload
 from composer_par.estimate.memory import Memory, activation_bytes, memory_per_rank
+from composer_par.estimate.parts import (
+    MemoryTerm,
+    held_shape,
+    hooked_collectives,
+    plugin_parts,
+)
 from composer_par.estimate.timing import DimTraffic, dim_traffic
-from composer_par.estimate.units import bytes_of
 from composer_par.estimate.workload import AC_MODES
 
 if TYPE_CHECKING:
     from composer_par.estimate.layout import Layout
     from composer_par.estimate.model_shape import ModelShape
-    from composer_par.estimate.parts import (
-        EstimatePart,
-        EstimatePipeline,
-        EstimateRank,
-        EstimateStage,
-    )
+    from composer_par.estimate.parts import EstimatePipeline, EstimateRank, EstimateStage
     from composer_par.estimate.workload import Workload
+    from composer_par.plan import ParallelPlan
 
 
 @attrs.frozen
@@ -96,88 +95,95 @@ def merged_model(whole: ModelShape, stages: Sequence[EstimateStage]) -> ModelSha
 def _activations(
     layout: Layout, rank: EstimateRank, workload: Workload, dtype: str, tp: int, mode: str,
 ) -> int:
-    every = layout.checkpoint_every
+    every, matmul_every = layout.checkpoint_every, layout.checkpoint_matmul_every
     sp, lp = layout.sequence_parallel, layout.loss_parallel
     workload = local_workload(layout, workload)
     per_stage = [activation_bytes(s.model, workload, dtype, tp=tp, sequence_parallel=sp,
-                                  loss_parallel=lp, mode=mode, every=every, recompute=False)
+                                  loss_parallel=lp, mode=mode, every=every, recompute=False,
+                                  dispatched=s.model.dispatched, matmul_every=matmul_every)
                  for s in rank.stages]
     held = max((sum(n * b for n, b in zip(moment, per_stage, strict=True))
                 for moment in rank.held), default=0)
     if mode == "full" and any(s.model.layers // every for s in rank.stages):
-        one = next(s.model for s in rank.stages if s.model.layers)
-        held += activation_bytes(attrs.evolve(one, layers=1, vocab=None), workload, dtype,
-                                 tp=tp, sequence_parallel=sp, loss_parallel=lp, mode="none")
+        # one block's activations while it is recomputed: the heaviest of the rank's
+        held += max(activation_bytes(one, workload, dtype, tp=tp, sequence_parallel=sp,
+                                     loss_parallel=lp, mode="none", dispatched=one.dispatched)
+                    for s in rank.stages for one in _single_blocks(s.model))
     return held
 
 
+def _single_blocks(model: ModelShape) -> list[ModelShape]:
+    """Each kind of block of ``model`` as a model of that one block (with the experts set
+    apart from it)."""
+    out = []
+    for g in model.groups:
+        if g.block and not g.apart:
+            partners = [attrs.evolve(a, count=1) for a in model.groups
+                        if a.apart and a.parent == g.name]
+            out.append(attrs.evolve(model, layers=1, vocab=None,
+                                    groups=(attrs.evolve(g, count=1), *partners)))
+    return out
+
+
+def rank_terms(per_stage: Sequence[Sequence[tuple[str, MemoryTerm]]]
+               ) -> list[tuple[str, MemoryTerm]]:
+    """The memory terms of a rank holding several stages: held terms summed over the
+    stages, transient ones the largest stage's (by plugin, category and why)."""
+    out: list[tuple[str, MemoryTerm]] = []
+    largest: dict[tuple[str, str, str], tuple[str, MemoryTerm]] = {}
+    for terms in per_stage:
+        for who, term in terms:
+            if not term.transient:
+                out.append((who, term))
+                continue
+            key = (who, term.category, term.why)
+            if key not in largest or term.bytes > largest[key][1].bytes:
+                largest[key] = (who, term)
+    return out + list(largest.values())
+
+
 def rank_estimate(
-    layout: Layout, whole: ModelShape, rank: EstimateRank, workload: Workload,
-    parts: Sequence[tuple[str, EstimatePart]], *, dtype: str, reduce_dtype: str, mode: str,
-    tp: int, shard: int, intra_gbps: float, inter_gbps: float,
+    plan: ParallelPlan, layout: Layout, whole: ModelShape, rank: EstimateRank,
+    workload: Workload, *, dtype: str, mode: str, tp: int, shard: int, intra_gbps: float,
+    inter_gbps: float, pipeline_plugin: str = "",
 ) -> RankEstimate:
     for moment in rank.held:
         if len(moment) != len(rank.stages):
             raise EstimateError(f"pipeline rank {rank.coordinate}: a held moment lists "
                                 f"{len(moment)} stage(s) of {len(rank.stages)}")
-    # Expert parallelism's experts: num_experts / ep of each of the stage's blocks.
-    rank = attrs.evolve(rank, stages=tuple(attrs.evolve(s, model=experts_apart(s.model, layout))
-                                           for s in rank.stages))
+    # Each stage's model as the model-parallel plugins leave one rank's view of it.
+    rank = attrs.evolve(rank, stages=tuple(
+        attrs.evolve(s, model=held_shape(plan, layout, s.model)) for s in rank.stages))
     model = merged_model(whole, rank.stages)
-    base = memory_per_rank(layout, model, workload, parts, dtype=dtype,
-                           reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard)
-    by_mode = {m: _activations(layout, rank, workload, dtype, tp, m) for m in AC_MODES}
-    grads, buffers = base.grads, base.comm_buffers
-    accumulating = [s for s in rank.stages if s.accumulates]
-    if shard > 1 and accumulating:
-        mixed = bytes_of(dtype) == 2
-        ag_bytes, rs_bytes = bytes_of(dtype), bytes_of(reduce_dtype)
-        pbytes = 2 if mixed else bytes_of(dtype)
-        grads = 0
-        gathered = 0
-        for stage in rank.stages:
-            for g in stage.model.groups:
-                if stage.accumulates:
-                    # unsharded over the shard dim (split by TP only) until the reduction
-                    grads += g.local_numel(tp, 1) * g.count * rs_bytes
-                    gathered += g.padded_numel(tp, shard) * g.count * ag_bytes
-                else:
-                    grads += g.local_numel(tp, shard) * g.count * pbytes
-        largest = max((g.padded_numel(tp, shard) for s in accumulating
-                       for g in s.model.groups if g.numel), default=0)
-        buffers = gathered + largest * rs_bytes
-        if tp > 1:
-            buffers += 2 * workload.seq * workload.micro_batch * model.hidden * ag_bytes
-    extra = dict(base.extra)
-    for name, size in rank.buffers.items():
-        extra[name] = int(size)
-    memory = attrs.evolve(base, grads=grads, comm_buffers=buffers, activations=by_mode[mode],
-                          activations_by_mode=by_mode, extra=extra)
+    per_stage: list[list[tuple[str, MemoryTerm]]] = []
     collectives: list[Collective] = []
-    for _, part in parts:
-        if part.collectives is not None:
-            collectives.extend(part.collectives)
     for stage in rank.stages:
-        found, _ = communication(layout, model, workload, parts, dtype=dtype,
-                                 reduce_dtype=reduce_dtype, mode=mode, tp=tp, shard=shard,
-                                 stage=stage)
-        collectives += found
+        parts = plugin_parts(plan, layout, stage.model, workload, stage)
+        per_stage.append([(who, t) for who, part in parts for t in part.memory_terms()])
+        collectives += hooked_collectives(plan, layout, stage.model, workload, parts)
+    terms = rank_terms(per_stage)
+    terms += [("", MemoryTerm("other", int(size), name))
+              for name, size in rank.buffers.items()]
+    by_mode = {m: _activations(layout, rank, workload, dtype, tp, m) for m in AC_MODES}
+    memory = memory_per_rank(layout, model, workload, terms, dtype=dtype, mode=mode, tp=tp,
+                             shard=shard, by_mode=by_mode)
     collectives += rank.sends
     traffic = dim_traffic(layout, collectives, intra_gbps, inter_gbps)
+    accumulates = shard > 1 and any(s.accumulates for s in rank.stages)
     return RankEstimate(rank.coordinate, tuple(s.label for s in rank.stages),
                         model.layers, model.params, memory, traffic, rank.in_flight,
-                        tuple(rank.sends), accumulates=shard > 1 and bool(accumulating))
+                        tuple(rank.sends), accumulates=accumulates)
 
 
 def pipeline_ranks(
-    layout: Layout, whole: ModelShape, pipeline: EstimatePipeline, workload: Workload,
-    parts: Sequence[tuple[str, EstimatePart]], **kwargs: Any,
+    plan: ParallelPlan, layout: Layout, whole: ModelShape, pipeline: EstimatePipeline,
+    workload: Workload, **kwargs: Any,
 ) -> tuple[RankEstimate, ...]:
     """Every coordinate of ``pipeline`` estimated (see the module docstring)."""
     if not pipeline.ranks:
         raise EstimateError(f"the pipeline over {pipeline.dim} states no ranks")
-    return tuple(rank_estimate(layout, whole, rank, workload, parts, **kwargs)
+    return tuple(rank_estimate(plan, layout, whole, rank, workload, **kwargs)
                  for rank in pipeline.ranks)
 
 
-__all__ = ["RankEstimate", "merged_model", "pipeline_ranks", "rank_estimate"]
+__all__ = ["RankEstimate", "merged_model", "pipeline_ranks", "rank_estimate", "rank_terms"]

@@ -12,6 +12,15 @@ from composer_par.estimate.model_shape import ModelShape
 from composer_par.estimate.moe_shape import MoEShape
 
 
+def _llama3(layers: int, hidden: int, heads: int, ffn: int) -> Callable[[], ModelShape]:
+    # meta-llama/Llama-3.1-{8B,70B,405B}: 8 K/V heads, vocabulary 128256, untied
+    def build() -> ModelShape:
+        return ModelShape.from_numbers(layers=layers, hidden=hidden, heads=heads, kv_heads=8,
+                                       ffn_hidden=ffn, vocab=128256)
+
+    return build
+
+
 def _mixtral_8x7b() -> ModelShape:
     # mistralai/Mixtral-8x7B-v0.1: 46.7 B parameters, 12.9 B active
     return ModelShape.from_numbers(
@@ -26,6 +35,7 @@ def _qwen3_30b_a3b() -> ModelShape:
     return ModelShape.from_numbers(
         layers=48, hidden=hidden, heads=heads, kv_heads=kv, vocab=151936,
         attention_params=hidden * head_dim * (2 * heads + 2 * kv) + 2 * head_dim,
+        head_dim=head_dim,
         moe=MoEShape(num_experts=128, top_k=8, expert_ffn=768, layers=tuple(range(48))))
 
 
@@ -39,12 +49,15 @@ def _deepseek_v3() -> ModelShape:
                  + heads * v * hidden)
     return ModelShape.from_numbers(
         layers=61, hidden=hidden, heads=heads, ffn_hidden=18432, vocab=129280,
-        attention_params=attention,
+        attention_params=attention, head_dim=(nope + rope + v) // 2,
         moe=MoEShape(num_experts=256, top_k=8, expert_ffn=2048, layers=tuple(range(3, 61)),
                      shared_ffn=2048))
 
 
 PRESETS: dict[str, Callable[[], ModelShape]] = {
+    "llama3-8b": _llama3(32, 4096, 32, 14336),
+    "llama3-70b": _llama3(80, 8192, 64, 28672),
+    "llama3-405b": _llama3(126, 16384, 128, 53248),
     "mixtral-8x7b": _mixtral_8x7b,
     "qwen3-30b-a3b": _qwen3_30b_a3b,
     "deepseek-v3": _deepseek_v3,

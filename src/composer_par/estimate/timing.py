@@ -1,5 +1,6 @@
 """Communication time: ring collectives, rail optimized (:func:`split_bytes`), over the
-intra- and inter-node bandwidths, summed per mesh dim: no overlap, no latency term."""
+intra- and inter-node bandwidths, summed per mesh dim (no latency term), and split by
+what each collective runs behind (its ``overlap``), which the step-time model uses."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ class DimTraffic:
     intra_bytes: float
     inter_bytes: float
     seconds: float
+    # of ``seconds``, the collectives that may run behind compute (overlap "compute")
+    overlapped_seconds: float = 0.0
+
+    @property
+    def exposed_seconds(self) -> float:
+        """The seconds of collectives nothing hides (overlap "none")."""
+        return self.seconds - self.overlapped_seconds
 
     def calls(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -42,6 +50,7 @@ class DimTraffic:
             "crosses_nodes": self.dim.crosses_nodes, "payload_bytes": self.payload,
             "calls": self.calls(), "intra_node_bytes": round(self.intra_bytes),
             "inter_node_bytes": round(self.inter_bytes), "seconds": self.seconds,
+            "overlapped_seconds": self.overlapped_seconds,
             "collectives": [c.to_dict() for c in self.collectives],
         }
 
@@ -95,6 +104,12 @@ def bandwidths(
     return float(intra), float(inter), tuple(assumed)
 
 
+def seconds_of(intra: float, inter: float, intra_gbps: float, inter_gbps: float) -> float:
+    """Seconds to send ``intra`` bytes inside the node and ``inter`` between nodes, one
+    after the other, at the bandwidths (Gbit/s per device)."""
+    return intra / (intra_gbps * 1e9 / 8) + inter / (inter_gbps * 1e9 / 8)
+
+
 def dim_traffic(
     layout: Layout, collectives: Sequence[Collective], intra_gbps: float, inter_gbps: float
 ) -> tuple[DimTraffic, ...]:
@@ -105,13 +120,15 @@ def dim_traffic(
         mine = tuple(c for c in collectives if c.dim == dim.name)
         if not mine:
             continue
-        intra = inter = 0.0
+        intra = inter = overlapped = 0.0
         for c in mine:
             group = c.group_size or dim.size
             nodes = c.nodes if c.nodes is not None else dim.nodes
             a, e = split_bytes(c.kind, c.payload, group, nodes)
             intra, inter = intra + a, inter + e
-        seconds = intra / (intra_gbps * 1e9 / 8) + inter / (inter_gbps * 1e9 / 8)
+            if c.overlap == "compute":
+                overlapped += seconds_of(a, e, intra_gbps, inter_gbps)
+        seconds = seconds_of(intra, inter, intra_gbps, inter_gbps)
         traffic.append(DimTraffic(dim, mine, sum(c.payload for c in mine), intra, inter,
-                                  seconds))
+                                  seconds, min(overlapped, seconds)))
     return tuple(traffic)

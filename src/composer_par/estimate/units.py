@@ -65,6 +65,14 @@ def optional_dtype(value: Any) -> str | None:
     return None if value is None else dtype_name(value)
 
 
+def compute_dtype(value: Any) -> str:
+    """A matmul's compute dtype: a dtype name, or ``"float8"`` (any spelling of it)."""
+    try:
+        return dtypes.compute_dtype_name(value)
+    except dtypes.DtypeError as exc:
+        raise EstimateError(f"{exc} (or float8 for 8-bit matmuls)") from None
+
+
 def bytes_of(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from composer_par.estimate.errors import EstimateError
-from composer_par.estimate.units import optional_dtype
+from composer_par.estimate.units import compute_dtype, optional_dtype
 from composer_par.gradient_sync import SYNC_POLICIES  # the training step's own (no torch)
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
@@ -30,7 +30,8 @@ class Workload:
     ``"reduce_scatter"`` reduce-scatters per micro-batch and replicate all-reduces once,
     ``"every"`` both per micro-batch). ``dtype`` None takes the plan's mixed precision,
     else the model's dtype, else float32; ``activation_checkpoint`` None takes the plan's
-    activation checkpointing plugin, else none."""
+    activation checkpointing plugin, else none; ``matmul_dtype`` None takes what the plan's
+    plugins say the matmuls compute in, else ``dtype``."""
 
     seq: int = attrs.field(validator=_positive_int)
     micro_batch: int = attrs.field(default=1, validator=_positive_int)
@@ -42,6 +43,9 @@ class Workload:
     grad_accum: int = attrs.field(default=1, validator=_positive_int)
     attention: str = attrs.field(default="sdpa", validator=attrs.validators.in_(ATTENTION))
     sync: str = attrs.field(default="last", validator=attrs.validators.in_(SYNC_POLICIES))
+    # The dtype the matmuls compute in (float8 training); None: the plan's, else ``dtype``.
+    matmul_dtype: str | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else compute_dtype(v))
 
     def reductions(self) -> tuple[int, int]:
         """The gradient reduce-scatters (shard dims) and replicate all-reduces each unit

@@ -113,16 +113,25 @@ from composer_par.blocks import (
 )
 from composer_par.checkpoint.claims import claim_directory, remove_dead_directories
 from composer_par.checkpoint.paths import open_regular
-from composer_par.dtypes import DtypeError, dtype_name
+from composer_par.dtypes import DtypeError, dtype_bytes, dtype_name
 
 # The estimator's modules import composer_par.plugin.base, not this package: no cycle.
 from composer_par.estimate.collectives import Collective
+from composer_par.estimate.layout import run_nodes
+from composer_par.estimate.memory import held_elements, optimizer_bytes
+from composer_par.estimate.model_shape import ModelShape, ParamGroup
 from composer_par.estimate.parts import (
+    ComputeTerm,
     EstimatePart,
     EstimatePipeline,
     EstimateRank,
+    EstimateSection,
     EstimateStage,
+    MemoryTerm,
+    runs_of,
 )
+from composer_par.estimate.timing import split_bytes
+from composer_par.estimate.units import format_bytes, format_count
 from composer_par.findings import Finding, Rule, Severity, did_you_mean
 from composer_par.mesh import MeshSpec
 from composer_par.outputs import logits_of
@@ -166,6 +175,7 @@ from composer_par.plugin.options import (
     int_option,
     ordering_option,
 )
+from composer_par.plugin.suggesting import SuggestAxis, SuggestChoice, SuggestContext
 from composer_par.plugin.view import PlanView
 from composer_par.plugin.wrapping import (
     ALREADY_WRAPPED,
@@ -173,6 +183,7 @@ from composer_par.plugin.wrapping import (
     already_wrapped,
     wrapped_block_findings,
 )
+from composer_par.tables import table
 from composer_par.ties import tied_outside
 from composer_par.topology import Topology
 
@@ -188,11 +199,13 @@ __all__ = [
     "Collective",
     "CommHook",
     "CommSetup",
+    "ComputeTerm",
     "Declaration",
     "DtypeError",
     "EstimatePart",
     "EstimatePipeline",
     "EstimateRank",
+    "EstimateSection",
     "EstimateSettings",
     "EstimateStage",
     "Finding",
@@ -201,9 +214,12 @@ __all__ = [
     "GradReducer",
     "JoinedUnit",
     "LaunchDim",
+    "MemoryTerm",
     "MeshSpec",
+    "ModelShape",
     "OptionError",
     "OwnUnit",
+    "ParamGroup",
     "PlanView",
     "Plugin",
     "Role",
@@ -211,6 +227,9 @@ __all__ = [
     "Severity",
     "ShardApart",
     "Stage",
+    "SuggestAxis",
+    "SuggestChoice",
+    "SuggestContext",
     "Topology",
     "all_reduce_mean",
     "already_wrapped",
@@ -221,8 +240,12 @@ __all__ = [
     "clean_name",
     "did_you_mean",
     "dim_option",
+    "dtype_bytes",
     "dtype_name",
     "dtype_option",
+    "format_bytes",
+    "format_count",
+    "held_elements",
     "hookimpl",
     "import_string_findings",
     "int_option",
@@ -231,12 +254,17 @@ __all__ = [
     "modules_by_clean_name",
     "names_near",
     "open_regular",
+    "optimizer_bytes",
     "ordering_option",
     "own_units",
     "path_matches",
     "remove_dead_directories",
+    "run_nodes",
+    "runs_of",
     "small_remainder",
+    "split_bytes",
     "split_sequence",
+    "table",
     "tied_outside",
     "wrapped_block_findings",
 ]

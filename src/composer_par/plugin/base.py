@@ -124,37 +124,31 @@ class ShardApart:
 
 @attrs.frozen
 class EstimateSettings:
-    """What a plugin tells ``composer-par estimate`` about how it runs (the
+    """What a plugin tells ``composer-par estimate`` about how it runs, where another
+    plugin's terms or the core's accounting depend on it (the
     ``composer_par_estimate_settings`` hook): each field None unless it decides it.
 
     The answers of a plan's plugins are merged in plan order, a later plugin's set field
-    over an earlier one's; fields no plugin sets keep the estimator's defaults.
+    over an earlier one's; fields no plugin sets keep the estimator's defaults. What only
+    the plugin's own terms need (its units, its buffers) stays in its own options.
     """
 
-    # Data-parallel sharding (FSDP2 and the like): torch's reshard_after_forward
-    # (True, False, or an int group size), and the mixed-precision dtypes by name.
+    # Data-parallel sharding (FSDP2 and the like): torch's reshard_after_forward (True,
+    # False, or an int group size: a pipeline counts its stages' all-gathers from it),
+    # and the mixed-precision dtypes by name.
     reshard_after_forward: bool | int | None = None
     param_dtype: str | None = None
     reduce_dtype: str | None = None
-    # Modules sharded as units of their own beside the blocks (a module path, or a tuple
-    # of the paths of modules sharded together, named "a + b"), and reshard_after_forward
-    # per unit: (unit name or path, fnmatch pattern or "root"; value) pairs, an exact name
-    # over patterns.
-    units: tuple[str | tuple[str, ...], ...] | None = None
-    reshard_units: tuple[tuple[str, bool | int], ...] | None = None
-    # Model parallelism (TP and the like).
+    # The dtype the model's matrix multiplications run in, when not the parameters'
+    # (float8 training): the step-time model runs them at that dtype's throughput.
+    matmul_dtype: str | None = None
+    # How tensor parallelism cuts a block's activations: with sequence parallelism the
+    # norms' tokens too; with loss parallelism the logits' vocabulary.
     sequence_parallel: bool | None = None
     loss_parallel: bool | None = None
-    # Context parallelism: each rank holds 1 / sequence_split of every sequence's tokens
-    # (its activations are those of seq / sequence_split tokens).
+    # Each rank holds 1 / sequence_split of every sequence's tokens (context
+    # parallelism): its activations are those of seq / sequence_split tokens.
     sequence_split: int | None = None
-    # Expert parallelism: the mesh dim whose ranks each hold num_experts / its size of
-    # every routed experts tensor (tensor dim 0), which a sharding plugin then shards
-    # over its dims without this one (composer_par_shard_apart's ``without``).
-    experts_dim: str | None = None
-    # Expert tensor parallelism: the mesh dim over which each routed expert's weights
-    # (its tensors of three or more tensor dims) are split further.
-    experts_split: str | None = None
     # Activation checkpointing: "none", "selective" or "full", on every N-th block.
     activation_checkpoint: str | None = None
     checkpoint_every: int | None = None
@@ -162,6 +156,9 @@ class EstimateSettings:
     # "none" (their outputs are saved), "early_stop" (up to the last tensor backward
     # needs, torch's default), "all" (the whole forward's).
     checkpoint_reissue: str | None = None
+    # Selective checkpointing saves the outputs of the 1st, (N+1)-th, ... matmul of each
+    # block (1: every matmul's).
+    checkpoint_matmul_every: int | None = None
 
     def set_fields(self) -> dict[str, Any]:
         """The fields this answer sets (not None)."""

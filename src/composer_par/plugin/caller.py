@@ -242,13 +242,51 @@ class HookCaller:
         """The name-mapping adapters plugins contribute, in the plan's order."""
         return [a for _, a in self.answers("composer_par_state_dict_adapter", model=model)]
 
-    def estimate_parts(self, layout: Layout, model: ModelShape, workload: Workload
-                       ) -> list[tuple[str, Any]]:
+    def estimate_pipelines(self, layout: Layout, model: ModelShape, workload: Workload
+                           ) -> list[tuple[str, Any]]:
+        """(plugin name, answer) for each plugin stating a pipeline, in plan order."""
+        answers = self.answers("composer_par_estimate_pipeline", layout=layout, model=model,
+                               workload=workload)
+        return [(self.name_of(p), answer) for p, answer in answers]
+
+    def estimate_shapes(self, layout: Layout, model: ModelShape) -> list[tuple[str, Any]]:
+        """(plugin name, answer) for each plugin stating the model one rank holds, in plan
+        order (the estimator applies each to the one before)."""
+        out: list[tuple[str, Any]] = []
+        for plugin in self.ordered():
+            answer = self._one(plugin, "composer_par_estimate_shape", layout=layout,
+                               model=model)
+            if answer is not None:
+                out.append((self.name_of(plugin), answer))
+                model = answer
+        return out
+
+    def estimate_parts(self, layout: Layout, model: ModelShape, workload: Workload,
+                       stage: Any = None) -> list[tuple[str, Any]]:
         """(plugin name, answer) for each plugin answering the estimate hook, in plan order."""
         answers = self.answers("composer_par_estimate", layout=layout, model=model,
-                               workload=workload)
+                               workload=workload, stage=stage)
         return [(self.name_of(p), part) for p, part in answers]
 
+    def estimate_comm_hook(self, plugin: str, layout: Layout, model: ModelShape,
+                           workload: Workload, collective: Any) -> Any:
+        """What the plugin named ``plugin`` (whose comm hook customizes ``collective``'s
+        mesh dim) says runs in place of ``collective``, or None."""
+        for p in self.plugins:
+            if self.name_of(p) == plugin:
+                return self._one(p, "composer_par_estimate_comm_hook", layout=layout,
+                                 model=model, workload=workload, collective=collective)
+        return None
+
+    def _one(self, plugin: Plugin, hook: str, **kwargs: Any) -> Any:
+        """``plugin``'s own answer to ``hook`` (None when it does not implement it)."""
+        caller = getattr(self._pm.hook, hook)
+        if "plan" not in kwargs and "plan" in _spec_args(caller):
+            kwargs["plan"] = self.plan
+        for impl in caller.get_hookimpls():
+            if impl.plugin.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                return impl.function(*(kwargs[a] for a in impl.argnames))
+        return None
     def parallel_style(self, module: nn.Module, style: Any) -> Any:
         """The style plugins give ``module`` in place of ``style`` (the composition hook
         ``composer_par_parallel_style``), or ``style`` when none answers."""

@@ -29,7 +29,15 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.blocks import BlockSpec
-    from composer_par.estimate import EstimatePart, Layout, ModelShape, Workload
+    from composer_par.estimate import (
+        Collective,
+        EstimatePart,
+        EstimatePipeline,
+        EstimateStage,
+        Layout,
+        ModelShape,
+        Workload,
+    )
     from composer_par.findings import Finding
     from composer_par.mesh import MeshSpec
     from composer_par.plan import ParallelPlan
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
     from composer_par.plugin.pipeline import Timeline
+    from composer_par.plugin.suggesting import SuggestAxis
     from composer_par.topology import Topology
 
 
@@ -344,51 +353,161 @@ def composer_par_timeline(plan: ParallelPlan, mesh: MeshSpec) -> Timeline | None
 
 
 # -- estimation --------------------------------------------------------------------------
-
-
-@hookspec
-def composer_par_estimate(
-    plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload
-) -> EstimatePart | None:
-    """This plugin's own terms of ``composer-par estimate`` (memory and communication).
-
-    Called: by :func:`composer_par.estimate.estimate_plan` (the ``estimate`` and
-    ``suggest`` commands), once per estimate; must not import torch, except to read
-    what only torch knows (the pipeline plugin reads a multi-stage schedule's order from
-    torch's schedule classes, as ``explain`` does). ``layout`` is the
-    :class:`~composer_par.estimate.Layout` (the resolved mesh, each mesh dim's role and
-    owner, which dims cross nodes), ``model`` the
-    :class:`~composer_par.estimate.ModelShape` (sizes and parameter groups), ``workload``
-    the :class:`~composer_par.estimate.Workload` (sequence, micro-batch, dtypes,
-    optimizer).
-    Returns: an :class:`~composer_par.estimate.EstimatePart`, or None to let the built-in
-    estimator of the role of each mesh dim this plugin claims apply (shard: FSDP,
-    replicate: HSDP / DDP, model parallel: TP). A part's ``collectives`` (logical payload
-    bytes per step and rank, see :mod:`composer_par.testing.comm_count`) replace the
-    built-in estimate of the plugin's claimed dims; ``memory`` adds per-rank bytes;
-    ``activation_checkpoint`` states the activation policy the plugin applies.
-    """
+#
+# ``composer-par estimate`` and ``suggest`` ask a plan's plugins in the order the plan
+# applies them: the plugin that cuts the model into pipeline stages
+# (composer_par_estimate_pipeline), the model-parallel plugins for the model one rank
+# holds (composer_par_estimate_shape), every plugin for its own terms
+# (composer_par_estimate), and a plugin whose comm hook customizes a mesh dim's
+# collectives for what runs instead (composer_par_estimate_comm_hook). Before any of them,
+# each plugin says how it runs where others' terms depend on it
+# (composer_par_estimate_settings). The estimator adds the answers to the core's
+# accounting (parameters, gradients and optimizer states as the claims' roles divide
+# them; activations of the model's blocks) and turns compute and communication into a
+# step time; it knows no plugin by name. ``suggest`` asks every installed plugin which
+# sizes and options of its own it may take (composer_par_suggest).
+#
+# None of these hooks may import torch (they run on a laptop), except to read what only
+# torch knows (a multi-stage pipeline schedule's order, as ``explain`` does).
+# docs/writing-plugins.md has a worked example of a plugin answering all of them.
 
 
 @hookspec
 def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | None:
-    """How this plugin runs, as far as it changes ``composer-par estimate``.
+    """How this plugin runs, where the core's accounting or another plugin's terms
+    depend on it.
 
-    Called: by :meth:`composer_par.estimate.Layout.from_plan` (the ``estimate`` and
-    ``suggest`` commands), once per estimate, before the layout is built; must not
-    import torch.
+    Called: by :meth:`composer_par.estimate.Layout.from_plan`, once per estimate, before
+    the layout is built.
     Returns: a :class:`~composer_par.plugin.EstimateSettings` setting the fields this
     plugin decides, each left None otherwise: a data-parallel sharding plugin its
     ``reshard_after_forward`` and mixed-precision ``param_dtype`` / ``reduce_dtype``
-    (dtype names), a model-parallel one ``sequence_parallel`` / ``loss_parallel``, a
-    context-parallel one ``sequence_split`` (each rank holds 1 / sequence_split of every
-    sequence's tokens), an expert-parallel one ``experts_dim`` (the mesh dim whose ranks
-    each hold num_experts / its size of every routed experts tensor) and
-    ``experts_split`` (the mesh dim that splits each expert's weights further), an
-    activation-checkpointing one ``activation_checkpoint`` (``"none"``, ``"selective"``
-    or ``"full"``) and ``checkpoint_every``. Or None. The answers are merged in plan
-    order, a later plugin's set field over an earlier one's; what no plugin sets keeps
-    the estimator's default (torch's reshard default, the workload's dtypes, no
-    sequence or loss parallelism, the declared ``checkpointing`` policy if any).
-    This is how the estimate learns these facts: it never reads a plugin's options.
+    (dtype names), a plugin changing the matmuls' precision ``matmul_dtype`` (float8),
+    a model-parallel one ``sequence_parallel`` / ``loss_parallel``, a context-parallel
+    one ``sequence_split`` (each rank holds 1 / sequence_split of every sequence's
+    tokens), an activation-checkpointing one ``activation_checkpoint`` (``"none"``,
+    ``"selective"`` or ``"full"``), ``checkpoint_every``, ``checkpoint_reissue`` and
+    ``checkpoint_matmul_every``. Or None. The answers are merged in plan order, a later
+    plugin's set field over an earlier one's; what no plugin sets keeps the estimator's
+    default. The estimate never reads a plugin's options: what the plugin's own terms
+    need stays with the plugin (its answer to ``composer_par_estimate`` reads them).
+    """
+
+
+@hookspec
+def composer_par_estimate_pipeline(
+    plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload
+) -> EstimatePipeline | None:
+    """The model cut into pipeline stages, if this plugin cuts it (stage 1b's estimate).
+
+    Called: once per estimate, first, with the whole ``model``. At most one plugin of a
+    plan may answer (two are an error).
+    Returns: an :class:`~composer_par.estimate.EstimatePipeline`: the mesh dim, the
+    stages each coordinate runs (each an :class:`~composer_par.estimate.EstimateStage`
+    with its part of ``model``, its passes per step, its all-gathers when the runtime
+    decides them), the microbatches each rank holds at its heaviest moments, its
+    point-to-point sends, the bubble and notes; or None. Every plugin is then asked for
+    its terms once per stage (``composer_par_estimate`` with ``stage``), and each rank is
+    estimated on its own; the report shows the fullest and the slowest.
+    """
+
+
+@hookspec
+def composer_par_estimate_shape(
+    plan: ParallelPlan, layout: Layout, model: ModelShape
+) -> ModelShape | None:
+    """The model as this plugin's transform leaves one rank's view of it (stage 2's
+    estimate), when it holds part of some tensors in a way the core cannot tell from
+    the claims' roles.
+
+    Called: once per estimate (and per pipeline stage), after the pipeline, in plan
+    order, each answer handed to the next plugin as ``model``. Tensors a
+    model-parallel dim splits the ordinary way (a TP-style split of every matrix's
+    dimension 0, ``TensorShape.tp``) need no answer: the core divides them by the
+    model-parallel dims. Expert parallelism answers: each MoE block's routed experts
+    move to a group of their own (``ParamGroup.apart`` names the dims they differ along,
+    ``parent`` the block), holding this rank's ``num_experts / ep`` of them; data
+    parallelism then shards that group over its dims without ``apart``.
+    Returns: the transformed :class:`~composer_par.estimate.ModelShape`, or None.
+    """
+
+
+@hookspec
+def composer_par_estimate(
+    plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload,
+    stage: EstimateStage | None,
+) -> EstimatePart | None:
+    """This plugin's own terms: what it costs in memory, communication and compute.
+
+    Called: once per estimate with ``stage`` None (the whole step), and, when a plugin
+    cut the model into pipeline stages (``layout.pipeline_dim``), once more per stage of
+    each pipeline rank with ``stage`` that :class:`~composer_par.estimate.EstimateStage`
+    and ``model`` its part; the whole-step answer then serves the report (sections,
+    notes, compute) and its memory and collectives are not counted. ``layout`` is the
+    :class:`~composer_par.estimate.Layout` (the resolved mesh, each mesh dim's role and
+    owner, which dims cross nodes, the merged settings), ``model`` the
+    :class:`~composer_par.estimate.ModelShape` as one rank holds it (after
+    ``composer_par_estimate_shape``), ``workload`` the
+    :class:`~composer_par.estimate.Workload` with its dtypes and checkpointing mode
+    resolved. A term counts ``runs_of(workload, stage)`` forward and backward passes.
+    Returns: an :class:`~composer_par.estimate.EstimatePart`, or None (nothing to add):
+
+    * ``collectives``: :class:`~composer_par.estimate.Collective` values, per step and
+      rank, on the mesh dims this plugin runs them over: kind, calls, logical payload
+      bytes (see :mod:`composer_par.testing.comm_count`), the group when not the dim's
+      own (``group_size``, ``nodes``) and what each runs behind (``overlap``:
+      ``"compute"`` when it overlaps the step's compute, ``"none"`` when the ranks wait
+      for it);
+    * ``terms``: :class:`~composer_par.estimate.MemoryTerm` values, bytes per rank by
+      category (``params``, ``grads``, ``optimizer``, ``activations``, ``buffers``,
+      ``other``; negative for bytes moved off the device; ``transient`` when held only
+      while one stage runs); ``memory``: named extra bytes (category ``other``);
+    * ``compute``: :class:`~composer_par.estimate.ComputeTerm` FLOPs per rank and step
+      beyond the model's forward and backward (recomputation);
+    * ``activation_checkpoint``: the activation policy the plugin applies, if it decides
+      it; ``sections``, ``accounting``, ``notes``: what the report shows of its terms
+      (a note beginning ``"risk:"`` is repeated by ``suggest`` for the layout it picks).
+
+    The core counts parameters, gradients and optimizer states as the roles of the
+    plan's claims divide them (a shard dim and the dims folded into it, the
+    model-parallel dims for the tensors they split) and the model's activations;
+    everything else a plugin causes is its own to state.
+    """
+
+
+@hookspec
+def composer_par_estimate_comm_hook(
+    plan: ParallelPlan, layout: Layout, model: ModelShape, workload: Workload,
+    collective: Collective,
+) -> tuple[Collective, ...] | None:
+    """What runs in place of ``collective`` once this plugin's comm hook customizes it.
+
+    Called: for each collective another plugin states on a mesh dim that one of this
+    plugin's :class:`~composer_par.plugin.comm.CommHook` values (``composer_par_comm_hooks``)
+    customizes, for the kind it customizes (``all_reduce``, ``all_gather``,
+    ``reduce_scatter``); only the hooking plugin is asked.
+    Returns: the collectives that run instead (e.g. a compressed all-reduce's all-to-all
+    and all-gather, keeping ``collective``'s overlap), or None to leave it as it is.
+    """
+
+
+@hookspec
+def composer_par_suggest(
+    model: ModelShape, topology: Topology, workload: Workload
+) -> list[SuggestAxis] | None:
+    """What ``composer-par suggest`` may try of this plugin: the sizes of its mesh dim and
+    the options it may run with.
+
+    Called: by :func:`composer_par.tools.suggest.suggest` on an instance of every installed
+    plugin, made with its default options (or those given with ``--option``), once per
+    suggestion; must not import torch.
+    Returns: :class:`~composer_par.plugin.SuggestAxis` values, or None: each names the
+    mesh dim it claims (or None: an option of the layout, as activation checkpointing's
+    mode), its position in the mesh (``order``, outermost first), the sizes worth trying
+    (1: without it), and ``choices(context)``: given every axis's size
+    (:class:`~composer_par.plugin.SuggestContext`), the ways it can run
+    (:class:`~composer_par.plugin.SuggestChoice`: a label, the plugin's options or None
+    when it is not used, a preference); none: these sizes do not suit it (TP not dividing
+    the heads, EP not dividing the experts). ``first_fit``: its choices run from the
+    fastest to the leanest in memory (suggest keeps the first that fits).
     """

@@ -111,6 +111,41 @@ class Compress(Plugin):
             return []  # configured off: the plan runs exactly as without this plugin
         return [CommHook(self.dim, all_reduce=self.reducer, description=self.summary())]
 
+    @hookimpl
+    def composer_par_estimate_comm_hook(self, layout: Any, model: Any, workload: Any,
+                                        collective: Any) -> tuple[Any, ...] | None:
+        """What the compressed all-reduce sends in place of the replicate dim's."""
+        from composer_par.plugin import dtype_bytes
+
+        from composer_par_compress.estimate import low_precision, powersgd
+
+        if self.method == "none" or collective.kind != "all_reduce":
+            return None
+        group = collective.group_size or layout.mesh.size(collective.dim)
+        if self.method == "powersgd":
+            return powersgd(collective, model, layout.tensor_parallel_size(),
+                            layout.shard_size(), self.rank, self.min_compress_numel)
+        return low_precision(collective, group, dtype_bytes(workload.reduce_dtype),
+                             self.method)
+
+    @hookimpl
+    def composer_par_suggest(self) -> list[Any]:
+        """Its method on the replicate dim it hooks, when that dim has ranks: with and
+        without it; opt-in (it changes the gradients training sees)."""
+        from composer_par.plugin import SuggestAxis, SuggestChoice
+
+        if self.method == "none":
+            return []
+        own = self.options()
+        label = f"compress {self.method}"
+
+        def choices(ctx: Any) -> list[Any]:
+            if ctx.size(self.dim) < 2:
+                return [SuggestChoice()]
+            return [SuggestChoice(), SuggestChoice(label, own)]
+
+        return [SuggestAxis(self.name, None, 70, (1,), choices, opt_in=True)]
+
     def reducer(self, setup: CommSetup) -> GradReducer:
         """The reducer for one apply (called by the owner of ``dim`` through the hook)."""
         if self.method == "powersgd":

@@ -29,20 +29,10 @@ import torch
 import torch.distributed as dist
 from composer_par.plugin import GradBucket, all_reduce_mean
 
+from composer_par_compress.estimate import compressible
+
 EPS = 1e-8
 DEPENDENT = 1e-4  # a column keeping less than this of its norm is in the others' span
-
-
-def compressible(shape: tuple[int, ...], rank: int, min_numel: int) -> bool:
-    """Whether a tensor of ``shape`` is sent as a rank-``rank`` factorization."""
-    if len(shape) < 2:
-        return False
-    rows = shape[0]
-    cols = 1
-    for size in shape[1:]:
-        cols *= size
-    numel = rows * cols
-    return numel > 0 and numel >= min_numel and 2 * (rows + cols) * rank <= numel
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
