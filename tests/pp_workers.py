@@ -619,7 +619,10 @@ def observed_order(schedule: str, per_rank: int, microbatches: int) -> list[tupl
             seen.append(("B", stage))
 
         part.module.register_forward_pre_hook(forward)
-        part.module.register_full_backward_hook(backward)
+        # A stage hands on the hidden state its last block made, not its forward's return
+        # value (the ops around the head run on the last stage only), so the backward is
+        # seen on that block.
+        part.blocks[-1][1].register_full_backward_hook(backward)
     step = plan.training_step(model, loss_fn_for(llama8))
     batch = llama8_b16.batch(0)
     step.step(batch, batch)  # the first step also runs torch's shape inference

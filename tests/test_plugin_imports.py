@@ -27,11 +27,18 @@ def _sources() -> list[Path]:
 
 
 def _plugin_of(path: Path) -> str | None:
-    """The built-in plugin a file belongs to: its module, or its package under plugins/."""
+    """The built-in plugin a file belongs to: its module, or its package under plugins/;
+    a module ``<plugin>_<job>.py`` beside a plugin module ``<plugin>.py`` is one of its
+    jobs (fsdp2_estimate.py belongs to fsdp2)."""
     if not path.is_relative_to(PLUGINS):
         return None
-    first = path.relative_to(PLUGINS).parts[0]
-    return first.removesuffix(".py")
+    return _owner(path.relative_to(PLUGINS).parts[0].removesuffix(".py"))
+
+
+def _owner(name: str) -> str:
+    """The plugin a top-level name under plugins/ belongs to (see :func:`_plugin_of`)."""
+    owner = name.split("_")[0]
+    return owner if owner != name and (PLUGINS / f"{owner}.py").exists() else name
 
 
 def _imports(path: Path, source: str) -> list[tuple[int, str]]:
@@ -77,7 +84,7 @@ def _problems(path: Path, source: str | None = None) -> list[str]:
                        "one of its advanced modules (take the name from composer_par.plugin)")
             continue
         if parts[:2] == ["composer_par", "plugins"] and len(parts) > 2:
-            if parts[2] != own:
+            if _owner(parts[2]) != own:
                 out.append(f"{where}: imports another built-in plugin")
             continue
         out.append(f"{where}: imports composer_par outside composer_par.plugin")

@@ -80,7 +80,7 @@ class StageBoundary:
         if not before and not after:
             return
         self._said = True
-        from composer_par.logging import get_logger
+        from composer_par.plugin import get_logger
 
         get_logger(__name__).info(
             "pipeline stage runs the ops around the embedding and the head only where "

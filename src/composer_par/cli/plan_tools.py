@@ -141,7 +141,7 @@ def _plugin_option(text: str) -> tuple[str, str, Any]:
     return plugin, option, parsed
 
 
-def _device_arguments(group: argparse._ArgumentGroup) -> None:
+def _device_arguments(group: Any) -> None:  # an argparse argument group
     from composer_par.estimate.devices import DEVICES
 
     group.add_argument("--device", choices=sorted(DEVICES), metavar="KIND",

@@ -133,6 +133,7 @@ from composer_par.estimate.parts import (
 from composer_par.estimate.timing import split_bytes
 from composer_par.estimate.units import format_bytes, format_count
 from composer_par.findings import Finding, Rule, Severity, did_you_mean
+from composer_par.logging import get_logger
 from composer_par.mesh import MeshSpec
 from composer_par.outputs import logits_of
 from composer_par.plugin.base import (
@@ -245,6 +246,7 @@ __all__ = [
     "dtype_option",
     "format_bytes",
     "format_count",
+    "get_logger",
     "held_elements",
     "hookimpl",
     "import_string_findings",
