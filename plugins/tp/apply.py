@@ -312,6 +312,7 @@ def _make_local_style() -> type:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    from composer_par.plugin.gradient_sum import sum_gradient
     from composer_par.plugin.torch_private import tree_map
 
     def grad_sum(t: Any, mesh: Any) -> Any:
@@ -321,10 +322,7 @@ def _make_local_style() -> type:
             if t.placements != (Replicate(),):
                 t = t.redistribute(placements=[Replicate()])
             return t.to_local(grad_placements=[Partial()])
-        if not (torch.is_grad_enabled() and t.requires_grad):
-            return t
-        return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
+        return sum_gradient(t, mesh)
 
     def output_sum(t: Any, mesh: Any) -> Any:
         """Forward sums this rank's partial output over tp; backward is the identity."""
@@ -397,11 +395,12 @@ def _make_local_style() -> type:
                 for name, param in module._parameters.items():
                     if isinstance(param, DTensor):
                         saved[name] = param
-                        # A norm on its rank's heads computes only its part of the weight
-                        # gradient: declared partial, it is summed over tp.
-                        module._parameters[name] = param.to_local(
-                            grad_placements=[Partial()] if kind == "replicate_grad_allreduce"
-                            else None)
+                        local = param.to_local()
+                        if kind == "replicate_grad_allreduce":
+                            # A norm on its rank's heads computes only its part of the
+                            # weight gradient: it is summed over tp.
+                            local = sum_gradient(local, mesh)
+                        module._parameters[name] = local
                 module.__dict__.setdefault(_SAVED, []).append(saved)
             if kind in summed_inputs:
                 args, kwargs = tree_map(

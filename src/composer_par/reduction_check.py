@@ -42,7 +42,9 @@ them back: a projection whose output is a latent part and a rotary part with dif
 gradient handling (DeepSeek's ``kv_a_proj_with_mqa`` under TP) types as it computes.
 
 Torch is imported inside functions only. ``DTensor.to_local`` and ``DTensor.from_local``
-are wrapped (public methods, restored after) while the check runs.
+are wrapped (public methods, restored after) while the check runs, and
+``composer_par.plugin.gradient_sum.sum_gradient`` (the same boundary without DTensor)
+is watched.
 """
 
 from __future__ import annotations
@@ -439,6 +441,33 @@ def _dtensor_boundaries(checker: _Checker) -> Iterator[None]:
             setattr(DTensor, name, descriptor)
 
 
+@contextlib.contextmanager
+def _summed_gradients(checker: _Checker) -> Iterator[None]:
+    """``composer_par.plugin.gradient_sum.sum_gradient`` typed and checked as the
+    ``from_local(Replicate)`` / ``to_local(grad_placements=Partial)`` pair it stands for:
+    its input must be the same on every rank of the dim and not summed already; its
+    result's gradient is summed there."""
+    from composer_par.plugin import gradient_sum
+
+    def typed(local: Any, out: Any, mesh: Any) -> None:
+        kind = checker.type_of(local)
+        dims = dict(kind.dims) if kind is not None else {}
+        params = kind.params if kind is not None else frozenset()
+        for dim in checker.covered(mesh, 0):
+            held = dims.get(dim)
+            if kind is not None and held == VAR:
+                checker.report(dim, "declared", params, "sum_gradient")
+            elif kind is not None and held == REP:
+                checker.report(dim, "double", params, "sum_gradient")
+            elif kind is not None and held == MIXED:
+                checker.report(dim, "double", kind.mixed[dim][0], "sum_gradient")
+            dims[dim] = REP
+        checker.set_type(out, _Type(dims, params))
+
+    with gradient_sum.watching(typed):
+        yield
+
+
 def _module_hooks(checker: _Checker, model: nn.Module) -> list[Any]:
     """Per module: the module stack, and its parameters typed as its forward uses them
     (a hook after every hook the plugins registered)."""
@@ -507,7 +536,7 @@ def check_reductions(model: nn.Module, run: Any, *, dims: Sequence[str],
     handles = _module_hooks(checker, model)
     mode = _mode_class()(checker)
     try:
-        with _dtensor_boundaries(checker), mode:
+        with _dtensor_boundaries(checker), _summed_gradients(checker), mode:
             run()
     finally:
         for handle in handles:
