@@ -949,3 +949,56 @@ def test_tensors_with_fewer_rows_than_shards_split_on_their_second_dim() -> None
     uneven = TensorShape("experts.w1", (8, 30, 32), tp=False, experts=True)
     assert uneven.local_numel(1, 32) == 30 * 32
     assert TensorShape("norm.weight", (16,), tp=False).local_numel(1, 32) == 1  # padded
+
+
+# -- the worked example of docs/writing-plugins.md ------------------------------------------
+
+
+def _documented_ema() -> type:
+    """The EMA plugin of docs/writing-plugins.md ("What it costs"), exactly as printed."""
+    import re
+
+    text = (ROOT / "docs" / "writing-plugins.md").read_text(encoding="utf-8")
+    section = text.split("### What it costs", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match, "docs/writing-plugins.md lost its estimate example"
+    namespace: dict[str, Any] = {}
+    exec(compile(match.group(1), "writing-plugins.md", "exec"), namespace)
+    return namespace["EMA"]
+
+
+def test_the_documented_plugin_states_its_terms_in_estimate() -> None:
+    """Its fp32 copy of each rank's shard, its compute and its accounting line appear in
+    the estimate; on the host it costs the device nothing."""
+    from composer_par import FSDP2
+
+    ema = _documented_ema()
+    plain = planned(MeshSpec(dp_shard=4), Topology(1, 4), FSDP2())
+    with_ema = planned(MeshSpec(dp_shard=4), Topology(1, 4), FSDP2(), ema())
+    on_host = planned(MeshSpec(dp_shard=4), Topology(1, 4), FSDP2(), ema(on_host=True))
+    shard = HAND.params // 4
+    assert with_ema.memory.total - plain.memory.total == 4 * shard
+    assert on_host.memory.total == plain.memory.total
+    assert with_ema.step.extra_flops == on_host.step.extra_flops == 3 * shard
+    assert "ema: an fp32 average of each rank's parameters, on the device" in with_ema.format()
+
+
+def test_the_documented_plugin_is_offered_by_suggest_only_when_asked() -> None:
+    """opt_in: suggest leaves it out unless given an option of it; asked, it keeps the
+    average on the device where that fits, on the host where it does not."""
+    from composer_par.tools.suggest import suggest
+
+    registry = Registry(extra=[_documented_ema()])
+    model = ModelShape.from_numbers(params=1_000_000_000, layers=16, hidden=2048, heads=16)
+    unasked = suggest(model, Topology(1, 8), parse_bytes("80GiB"), seq=2048,
+                      registry=registry)
+    assert not any("EMA" in r.candidate.label() for r in unasked.ranked)
+    asked = suggest(model, Topology(1, 8), parse_bytes("80GiB"), seq=2048, registry=registry,
+                    options={"ema": {"on_host": False}})
+    assert asked.ranked and all("EMA" in r.candidate.label() for r in asked.ranked)
+    assert all("on host" not in r.candidate.label() for r in asked.ranked)
+    tight = suggest(ModelShape.from_numbers(params=8_000_000_000, layers=32, hidden=4096,
+                                            heads=32),
+                    Topology(1, 8), parse_bytes("28GiB"), seq=2048, registry=registry,
+                    options={"ema": {"on_host": False}})
+    assert any("EMA on host" in r.candidate.label() for r in tight.ranked)

@@ -369,7 +369,7 @@ def composer_par_timeline(plan: ParallelPlan, mesh: MeshSpec) -> Timeline | None
 #
 # None of these hooks may import torch (they run on a laptop), except to read what only
 # torch knows (a multi-stage pipeline schedule's order, as ``explain`` does).
-# docs/writing-plugins.md has a worked example of a plugin answering all of them.
+# docs/writing-plugins.md ("What it costs") has a worked example, run by the tests.
 
 
 @hookspec
