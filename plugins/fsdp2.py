@@ -52,6 +52,7 @@ from composer_par.plugin import (
     modules_by_clean_name,
     ordering_option,
     own_units,
+    provided,
     small_remainder,
     tied_outside,
 )
@@ -383,7 +384,7 @@ class FSDP2(Plugin):
     def composer_par_validate_model(self, plan: PlanView, model: Any,
                                     blocks: list[Any]) -> list[Finding]:
         # A plugin providing expert parallelism applies the model's _ep_plan (CP427).
-        experts_parallel = any("expert_parallel" in d.provides for d in plan.declarations())
+        experts_parallel = provided(plan, "expert_parallel")
         found = self._own_plan_findings(model, blocks, experts_parallel)
         found += unchecked_torch_findings(internals_read(
             plan, [*plan.replicate_dims(), self.dim], self.gradient_divide_factor))

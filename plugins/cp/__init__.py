@@ -36,6 +36,7 @@ from composer_par.plugin import (
     Role,
     Rule,
     dim_option,
+    has_data_parallel,
     hookimpl,
     ordering_option,
     split_sequence,
@@ -191,7 +192,7 @@ class CP(Plugin):
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
-        if ctx.mesh.size(self.dim) == 1 or _has_data_parallel(ctx.plan):
+        if ctx.mesh.size(self.dim) == 1 or has_data_parallel(ctx.plan):
             return None
         from .grads import average_over
 
@@ -209,10 +210,6 @@ def _cuda_where_it_runs() -> bool | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return torch.cuda.is_available()
-
-
-def _has_data_parallel(plan: PlanView) -> bool:
-    return any("data_parallel" in d.provides for d in plan.declarations())
 
 
 def _tp_size(plan: PlanView, mesh: MeshSpec) -> int:

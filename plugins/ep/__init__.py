@@ -38,6 +38,7 @@ from composer_par.plugin import (
     Rule,
     ShardApart,
     dim_option,
+    has_data_parallel,
     hookimpl,
     ordering_option,
 )
@@ -76,10 +77,6 @@ def _expert_tp(value: Any) -> str | None:
         return value
     raise OptionError(f"expert_tp must be true (the tp mesh dim), a mesh dim name, or "
                       f"false; got {value!r}")
-
-
-def _has_data_parallel(plan: PlanView) -> bool:
-    return any("data_parallel" in d.provides for d in plan.declarations())
 
 
 @attrs.frozen
@@ -148,7 +145,7 @@ class EP(Plugin):
                               stage: Any) -> EstimatePart:
         from .estimate import estimate_part
 
-        return estimate_part(self, layout, model, workload, stage, _has_data_parallel(plan))
+        return estimate_part(self, layout, model, workload, stage, has_data_parallel(plan))
 
     @hookimpl
     def composer_par_suggest(self, model: Any, topology: Any) -> Any:
@@ -167,7 +164,7 @@ class EP(Plugin):
                   + ")" + ("" if self.expert_tp is None else
                            f"; each expert split over {self.expert_tp} (gate/up column-wise,"
                            f" down row-wise), partial outputs summed over {self.expert_tp}"))]
-        if not _has_data_parallel(plan):
+        if not has_data_parallel(plan):
             steps.append(("finalize", f"average the dense gradients over {self.dim}; divide "
                           f"the experts' by {self.dim}'s size"))
         return steps
@@ -242,7 +239,7 @@ class EP(Plugin):
         from .apply import average_over, dispatched_sites, divide_gradients
 
         size = ctx.mesh.size(self.dim)
-        if size == 1 or _has_data_parallel(ctx.plan):
+        if size == 1 or has_data_parallel(ctx.plan):
             return None
         sites = dispatched_sites(ctx.model)
         expert_ids = {id(getattr(s.module, n)) for s in sites for n in s.names}

@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.plugin import Finding, Plugin, Rule, Severity, hookimpl, int_option
+from composer_par.plugin import (
+    Finding,
+    Plugin,
+    Rule,
+    Severity,
+    has_data_parallel,
+    hookimpl,
+    int_option,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +118,7 @@ class Offload(Plugin):
                     "fsdp2"))
         if self.optimizer == "nvme":
             found += self._path_findings()
-        if not any("data_parallel" in d.provides for d in plan.declarations()):
+        if not has_data_parallel(plan):
             found.append(Finding(
                 "CP956", "no data-parallel plugin: offload cuts the optimizer's parameters "
                 f"into units of about unit_bytes = {self.unit_bytes} bytes of parameters",

@@ -37,6 +37,7 @@ from composer_par.plugin import (
     clean_name,
     did_you_mean,
     dim_option,
+    has_data_parallel,
     hookimpl,
     ordering_option,
 )
@@ -259,7 +260,7 @@ class PP(Plugin):
         """A folded dim (ep, cp) with no data-parallel plugin: its plugin averages the
         gradients over it by parameter hooks, which torch's weight backward bypasses (it
         writes ``.grad`` itself), so the gradients would stay per-rank, silently."""
-        if any("data_parallel" in d.provides for d in plan.declarations()):
+        if has_data_parallel(plan):
             return []
         folded = [f.dim for f in plan.folded_dims()
                   if f.dim in mesh and mesh.size(f.dim) != 1]

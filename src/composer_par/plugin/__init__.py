@@ -54,7 +54,9 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   example), :func:`did_you_mean`. Third parties use their own code prefix.
 * **What hooks read**: :class:`PlanView`, the read-only view of the plan hooks receive as
   ``plan`` (mesh, topology, world size, declarations, replicate dims, comm hooks; no plugin
-  objects, so no plugin reads another's options); :class:`ApplyContext`, what stage hooks
+  objects, so no plugin reads another's options; :func:`provided` asks it whether a plugin
+  provides a capability, :func:`has_data_parallel` whether one reduces gradients over the
+  data-parallel dims); :class:`ApplyContext`, what stage hooks
   receive (the model, the shared blocks, the mesh, ``submesh()``, the device, the typed
   ``data_parallel_modules`` and ``installed_comm_hooks``, the plan's one hook caller as
   ``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
@@ -149,6 +151,7 @@ from composer_par.plugin.base import (
     Stage,
     hookimpl,
 )
+from composer_par.plugin.capabilities import has_data_parallel, provided
 from composer_par.plugin.comm import (
     CommHook,
     CommSetup,
@@ -247,6 +250,7 @@ __all__ = [
     "format_bytes",
     "format_count",
     "get_logger",
+    "has_data_parallel",
     "held_elements",
     "hookimpl",
     "import_string_findings",
@@ -260,6 +264,7 @@ __all__ = [
     "ordering_option",
     "own_units",
     "path_matches",
+    "provided",
     "remove_dead_directories",
     "run_nodes",
     "runs_of",
