@@ -16,8 +16,9 @@ This package imports torch only inside functions: the static path must not. Its 
 ``layout`` (the load-balanced split and its inverse), ``comm`` (autograd-aware
 collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
 ``hf`` (Hugging Face's attention interface), ``ring`` (torch's ring attention, on
-CUDA), ``runtime`` (what a training loop uses),
-``grads`` (gradient averaging without data parallelism), ``findings`` (rule codes).
+CUDA), ``runtime`` (what a training loop uses), ``findings`` (rule codes). Without a
+data-parallel plugin, gradients are averaged over cp by the author package's
+``average_gradients``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from composer_par.plugin import (
     Plugin,
     Role,
     Rule,
+    average_gradients,
     dim_option,
     has_data_parallel,
     hookimpl,
@@ -194,9 +196,7 @@ class CP(Plugin):
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
         if ctx.mesh.size(self.dim) == 1 or has_data_parallel(ctx.plan):
             return None
-        from .grads import average_over
-
-        count = average_over(ctx.model, ctx.submesh(self.dim).get_group())
+        count = average_gradients(ctx.model.parameters(), ctx.submesh(self.dim).get_group())
         return (f"no data-parallel plugin: {count} parameter gradient(s) averaged over "
                 f"{self.dim} after each backward")
 

@@ -37,6 +37,7 @@ from composer_par.plugin import (
     Role,
     Rule,
     ShardApart,
+    average_gradients,
     dim_option,
     has_data_parallel,
     hookimpl,
@@ -236,7 +237,7 @@ class EP(Plugin):
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
-        from .apply import average_over, dispatched_sites, divide_gradients
+        from .apply import dispatched_sites, divide_gradients
 
         size = ctx.mesh.size(self.dim)
         if size == 1 or has_data_parallel(ctx.plan):
@@ -246,7 +247,7 @@ class EP(Plugin):
         experts = [p for p in ctx.model.parameters() if id(p) in expert_ids]
         dense = [p for p in ctx.model.parameters() if id(p) not in expert_ids]
         group = ctx.submesh(self.dim).get_group()
-        averaged = average_over(dense, group, size)
+        averaged = average_gradients(dense, group)
         divided = divide_gradients(experts, size)
         return (f"no data-parallel plugin: {averaged} dense gradient(s) averaged over "
                 f"{self.dim}({size}), {divided} expert gradient(s) divided by {size}")

@@ -74,7 +74,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   (:class:`LaunchDim`: a mesh dim whose coordinates are separate launches, fault-tolerant
   replica groups), comm hooks
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
-  :func:`all_reduce_mean`), estimates
+  :func:`all_reduce_mean`; :func:`average_gradients`: a folded dim's gradients averaged
+  by its own plugin when no data-parallel plugin does it), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
   stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`);
   auxiliary losses (:func:`split_sequence`: a plugin that gives each rank part of every
@@ -168,6 +169,7 @@ from composer_par.plugin.fsdp_units import (
     own_units,
     small_remainder,
 )
+from composer_par.plugin.gradients import average_gradients
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
     OptionError,
@@ -237,6 +239,7 @@ __all__ = [
     "Topology",
     "all_reduce_mean",
     "already_wrapped",
+    "average_gradients",
     "blocks_option",
     "bool_option",
     "carries",
