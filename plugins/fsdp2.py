@@ -47,6 +47,7 @@ from composer_par.plugin import (
     did_you_mean,
     dim_option,
     dtype_option,
+    expert_parallel_plan,
     hookimpl,
     join_small_units,
     modules_by_clean_name,
@@ -127,11 +128,6 @@ RULES = (
          ".use(MetaInit()).validate(llama)"),
     UNCHECKED_TORCH_RULE,
 )
-
-def _ep_plan(model: Any) -> dict[str, Any]:
-    plan = getattr(model, "_ep_plan", None)
-    return dict(plan) if isinstance(plan, dict) else {}
-
 
 @attrs.frozen
 class MixedPrecision:
@@ -593,7 +589,7 @@ class FSDP2(Plugin):
                     f"{key} ({why})" for key, why in left)
             found.append(Finding("CP425", message,
                                  fix="nothing to do; pass blocks= to choose the units yourself"))
-        experts = _ep_plan(model)
+        experts = expert_parallel_plan(model)
         if experts and not experts_parallel:
             shown = ", ".join(f"{k}: {v}" for k, v in list(experts.items())[:3])
             found.append(Finding(

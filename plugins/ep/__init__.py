@@ -39,12 +39,13 @@ from composer_par.plugin import (
     ShardApart,
     average_gradients,
     dim_option,
+    expert_parallel_plan,
     has_data_parallel,
     hookimpl,
     ordering_option,
 )
 
-from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
+from .discovery import ExpertsSite, experts_site, find_experts
 from .findings import (
     RULES,
     capacity_finding,
@@ -180,7 +181,8 @@ class EP(Plugin):
         size = mesh.size(self.dim)
         sites = find_experts(model)
         if not sites:
-            return [no_experts_finding(type(model).__name__, self.dim, list(ep_plan(model)))]
+            named = list(expert_parallel_plan(model))
+            return [no_experts_finding(type(model).__name__, self.dim, named)]
         if size < 1:
             return []  # not known without a world size
         found = divisibility_findings(sites, size, self.dim)

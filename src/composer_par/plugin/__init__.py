@@ -68,7 +68,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   Face model's own FSDP plan read (:func:`own_units`, :class:`OwnUnit`,
   :data:`FSDP_STYLES`) and units of small parameters joined with a neighbour
   (:func:`join_small_units`, :class:`JoinedUnit`; :func:`small_remainder`: a root left
-  holding small parameters only), for any plugin that shards or replicates by unit.
+  holding small parameters only), for any plugin that shards or replicates by unit; the
+  model's expert-parallel plan (:func:`expert_parallel_plan`, its ``_ep_plan``).
 * **Composition values**: folded dims (:class:`FoldedDim`: a model-parallel dim data
   parallelism also reduces over, context and expert parallelism's), launch dims
   (:class:`LaunchDim`: a mesh dim whose coordinates are separate launches, fault-tolerant
@@ -170,6 +171,7 @@ from composer_par.plugin.fsdp_units import (
     small_remainder,
 )
 from composer_par.plugin.gradients import average_gradients
+from composer_par.plugin.model_plans import expert_parallel_plan
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
     OptionError,
@@ -250,6 +252,7 @@ __all__ = [
     "dtype_bytes",
     "dtype_name",
     "dtype_option",
+    "expert_parallel_plan",
     "format_bytes",
     "format_count",
     "get_logger",
