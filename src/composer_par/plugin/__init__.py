@@ -63,7 +63,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*`` one path component),
   :func:`modules_by_clean_name` (every module by its clean name, the outer of a wrapper
   pair kept); :func:`tied_outside` (the parameters a block shares with a module outside
-  it: one parameter cannot be in two FSDP units).
+  it: one parameter cannot be in two FSDP units), :func:`tied_registrations` (every
+  parameter registered under several names, each name with its module).
 * **FSDP units beside the blocks** (:mod:`composer_par.plugin.fsdp_units`): a Hugging
   Face model's own FSDP plan read (:func:`own_units`, :class:`OwnUnit`,
   :data:`FSDP_STYLES`) and units of small parameters joined with a neighbour
@@ -192,7 +193,7 @@ from composer_par.plugin.wrapping import (
     wrapped_block_findings,
 )
 from composer_par.tables import table
-from composer_par.ties import tied_outside
+from composer_par.ties import tied_outside, tied_registrations
 from composer_par.topology import Topology
 
 __all__ = [
@@ -279,5 +280,6 @@ __all__ = [
     "split_sequence",
     "table",
     "tied_outside",
+    "tied_registrations",
     "wrapped_block_findings",
 ]
