@@ -53,6 +53,7 @@ from composer_par.plugin import (
     modules_by_clean_name,
     ordering_option,
     own_units,
+    positive_number_option,
     provided,
     small_remainder,
     tied_outside,
@@ -242,16 +243,6 @@ def _units_shown(entries: tuple[UnitEntry, ...]) -> str:
     return repr([e if isinstance(e, str) else list(e) for e in entries])
 
 
-def _divide_factor(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise OptionError(f"gradient_divide_factor must be a number > 0 or None; got {value!r}")
-    if value == float("inf"):
-        raise OptionError("gradient_divide_factor must be finite; got inf")
-    return float(value)
-
-
 @attrs.frozen
 class Unit:
     """One ``fully_shard`` call: the unit's name (a block's or module's path, the model
@@ -313,7 +304,7 @@ class FSDP2(Plugin):
     )
     blocks: str | tuple[str, ...] | None = blocks_option()
     units: tuple[UnitEntry, ...] = attrs.field(default=(), converter=_unit_paths)
-    gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
+    gradient_divide_factor: float | None = positive_number_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 

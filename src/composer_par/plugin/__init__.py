@@ -44,7 +44,7 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   parallel, materialize, finalize).
 * **Options** that check what a plan file hands in and name the option when it is wrong:
   :func:`dim_option`, :func:`blocks_option`, :func:`ordering_option`, :func:`int_option`,
-  :func:`bool_option`, :func:`import_string_findings`
+  :func:`bool_option`, :func:`positive_number_option`, :func:`import_string_findings`
   (a ``"module:function"`` option checked without importing it; rule
   :data:`IMPORT_STRING_RULE`, CP224), :func:`dtype_option` (one table of dtype names for
   the project,
@@ -183,6 +183,7 @@ from composer_par.plugin.options import (
     import_string_findings,
     int_option,
     ordering_option,
+    positive_number_option,
 )
 from composer_par.plugin.suggesting import SuggestAxis, SuggestChoice, SuggestContext
 from composer_par.plugin.view import PlanView
@@ -271,6 +272,7 @@ __all__ = [
     "ordering_option",
     "own_units",
     "path_matches",
+    "positive_number_option",
     "provided",
     "remove_dead_directories",
     "run_nodes",
