@@ -29,6 +29,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    CodeRange,
     EstimatePart,
     EstimateSettings,
     Finding,
@@ -91,6 +92,8 @@ class CP(Plugin):
 
     name: ClassVar[str] = "cp"
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 821, 839, "context parallelism"),)
 
     dim: str = dim_option("cp")
     mode: str = attrs.field(default="allgather", validator=attrs.validators.in_(MODES))

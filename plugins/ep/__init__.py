@@ -29,6 +29,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    CodeRange,
     EstimatePart,
     Finding,
     FoldedDim,
@@ -99,6 +100,8 @@ class EP(Plugin):
     # FSDP2 reads this capability (not EP's options) to know the _ep_plan is applied.
     provides: ClassVar[frozenset[str]] = frozenset({"expert_parallel"})
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 801, 819, "expert parallelism"),)
 
     dim: str = dim_option("ep")
     capacity_factor: float | None = attrs.field(default=None, converter=_capacity_factor)

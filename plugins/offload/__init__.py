@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.plugin import (
+    CodeRange,
     Finding,
     Plugin,
     Rule,
@@ -99,6 +100,8 @@ class Offload(Plugin):
 
     name: ClassVar[str] = "offload"
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 951, 959, "optimizer state offloaded to NVMe"),)
 
     path: str | None = attrs.field(default=None, converter=_path)
     optimizer: str = attrs.field(default="nvme", validator=_one_of(OPTIMIZER_DEVICES))

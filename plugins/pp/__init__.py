@@ -27,6 +27,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    CodeRange,
     EstimatePart,
     Finding,
     Plugin,
@@ -164,6 +165,8 @@ class PP(Plugin):
     provides: ClassVar[frozenset[str]] = frozenset({"pipeline"})
     needs_blocks: ClassVar[bool] = True
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 601, 699, "pipeline parallelism"),)
 
     dim: str = dim_option("pp")
     schedule: str = attrs.field(default="1F1B", validator=_schedule_name)

@@ -51,7 +51,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   :func:`dtype_name`).
 * **Findings**: :class:`Finding` (code, message, fix; made inside a hook it names the
   plugin), :class:`Severity`, :class:`Rule` (a catalog entry: code, severity, meaning, fix,
-  example), :func:`did_you_mean`. Third parties use their own code prefix.
+  example), :class:`CodeRange` (the codes a plugin keeps for itself, its class attribute
+  ``code_ranges``), :func:`did_you_mean`. Third parties use their own code prefix.
 * **What hooks read**: :class:`PlanView`, the read-only view of the plan hooks receive as
   ``plan`` (mesh, topology, world size, declarations, replicate dims, comm hooks; no plugin
   objects, so no plugin reads another's options; :func:`provided` asks it whether a plugin
@@ -137,7 +138,7 @@ from composer_par.estimate.parts import (
 )
 from composer_par.estimate.timing import split_bytes
 from composer_par.estimate.units import format_bytes, format_count
-from composer_par.findings import Finding, Rule, Severity, did_you_mean
+from composer_par.findings import CodeRange, Finding, Rule, Severity, did_you_mean
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshSpec
 from composer_par.outputs import logits_of
@@ -206,6 +207,7 @@ __all__ = [
     "ApplyContext",
     "Block",
     "Claim",
+    "CodeRange",
     "Collective",
     "CommHook",
     "CommSetup",
