@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.blocks import Block, BlockSpec
+    from composer_par.plugin.base import Plugin
     from composer_par.plugin.registry import Registry
 
 CORE = "core"
@@ -40,20 +41,28 @@ CORE = "core"
 # -- the catalogs ----------------------------------------------------------------------------
 
 
-def catalogs(registry: Registry | None = None) -> list[tuple[str, Rule]]:
-    """``(source, rule)`` for every rule code of the core and of every installed plugin:
-    source is ``"core"`` or ``"<plugin> (<distribution>)"``. A plugin that fails to load
-    is left out (``composer-par plugins`` reports it). Loads no torch."""
+def _installed(registry: Registry | None) -> list[tuple[str, type[Plugin]]]:
+    """``(source, class)`` of every installed plugin that loads, source named
+    ``"<plugin> (<distribution>)"``."""
     from composer_par.plugin.registry import Registry, RegistryError
 
     registry = registry if registry is not None else Registry()
-    out: list[tuple[str, Rule]] = [(CORE, rule) for rule in CORE_RULES.values()]
+    out = []
     for name in registry.names():
         try:
             cls = registry.get(name)
         except RegistryError:
             continue
-        source = f"{name} ({registry.info(name).distribution})"
+        out.append((f"{name} ({registry.info(name).distribution})", cls))
+    return out
+
+
+def catalogs(registry: Registry | None = None) -> list[tuple[str, Rule]]:
+    """``(source, rule)`` for every rule code of the core and of every installed plugin:
+    source is ``"core"`` or ``"<plugin> (<distribution>)"``. A plugin that fails to load
+    is left out (``composer-par plugins`` reports it). Loads no torch."""
+    out: list[tuple[str, Rule]] = [(CORE, rule) for rule in CORE_RULES.values()]
+    for source, cls in _installed(registry):
         out.extend((source, rule) for rule in cls.rules)
     return out
 
@@ -62,16 +71,8 @@ def code_ranges(registry: Registry | None = None) -> list[tuple[str, CodeRange]]
     """``(source, range)`` for every range of rule codes the core and each installed
     plugin declare (:data:`~composer_par.findings.CORE_CODE_RANGES`, a plugin's
     ``code_ranges``), sources named as :func:`catalogs` names them. Loads no torch."""
-    from composer_par.plugin.registry import Registry, RegistryError
-
-    registry = registry if registry is not None else Registry()
     out: list[tuple[str, CodeRange]] = [(CORE, r) for r in CORE_CODE_RANGES]
-    for name in registry.names():
-        try:
-            cls = registry.get(name)
-        except RegistryError:
-            continue
-        source = f"{name} ({registry.info(name).distribution})"
+    for source, cls in _installed(registry):
         out.extend((source, r) for r in cls.code_ranges)
     return out
 
