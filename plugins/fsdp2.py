@@ -47,11 +47,14 @@ from composer_par.plugin import (
     did_you_mean,
     dim_option,
     dtype_option,
+    expert_parallel_plan,
     hookimpl,
     join_small_units,
     modules_by_clean_name,
     ordering_option,
     own_units,
+    positive_number_option,
+    provided,
     small_remainder,
     tied_outside,
 )
@@ -126,11 +129,6 @@ RULES = (
          ".use(MetaInit()).validate(llama)"),
     UNCHECKED_TORCH_RULE,
 )
-
-def _ep_plan(model: Any) -> dict[str, Any]:
-    plan = getattr(model, "_ep_plan", None)
-    return dict(plan) if isinstance(plan, dict) else {}
-
 
 @attrs.frozen
 class MixedPrecision:
@@ -245,16 +243,6 @@ def _units_shown(entries: tuple[UnitEntry, ...]) -> str:
     return repr([e if isinstance(e, str) else list(e) for e in entries])
 
 
-def _divide_factor(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise OptionError(f"gradient_divide_factor must be a number > 0 or None; got {value!r}")
-    if value == float("inf"):
-        raise OptionError("gradient_divide_factor must be finite; got inf")
-    return float(value)
-
-
 @attrs.frozen
 class Unit:
     """One ``fully_shard`` call: the unit's name (a block's or module's path, the model
@@ -316,7 +304,7 @@ class FSDP2(Plugin):
     )
     blocks: str | tuple[str, ...] | None = blocks_option()
     units: tuple[UnitEntry, ...] = attrs.field(default=(), converter=_unit_paths)
-    gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
+    gradient_divide_factor: float | None = positive_number_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
@@ -383,7 +371,7 @@ class FSDP2(Plugin):
     def composer_par_validate_model(self, plan: PlanView, model: Any,
                                     blocks: list[Any]) -> list[Finding]:
         # A plugin providing expert parallelism applies the model's _ep_plan (CP427).
-        experts_parallel = any("expert_parallel" in d.provides for d in plan.declarations())
+        experts_parallel = provided(plan, "expert_parallel")
         found = self._own_plan_findings(model, blocks, experts_parallel)
         found += unchecked_torch_findings(internals_read(
             plan, [*plan.replicate_dims(), self.dim], self.gradient_divide_factor))
@@ -592,7 +580,7 @@ class FSDP2(Plugin):
                     f"{key} ({why})" for key, why in left)
             found.append(Finding("CP425", message,
                                  fix="nothing to do; pass blocks= to choose the units yourself"))
-        experts = _ep_plan(model)
+        experts = expert_parallel_plan(model)
         if experts and not experts_parallel:
             shown = ", ".join(f"{k}: {v}" for k, v in list(experts.items())[:3])
             found.append(Finding(

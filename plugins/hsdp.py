@@ -48,6 +48,7 @@ from composer_par.plugin import (
     dim_option,
     hookimpl,
     ordering_option,
+    positive_number_option,
 )
 from composer_par.plugin.fsdp_state import (
     UNCHECKED_TORCH_RULE,
@@ -63,14 +64,6 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.plugin import ApplyContext, Declaration, MeshSpec, PlanView
-
-
-def _divide_factor(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"gradient_divide_factor must be a number > 0 or None; got {value!r}")
-    return float(value)
 
 
 def _declarations(plan: PlanView) -> list[Declaration]:
@@ -97,7 +90,7 @@ class HSDP(Plugin):
     rules: ClassVar[tuple[Rule, ...]] = (UNCHECKED_TORCH_RULE,)
 
     dim: str = dim_option("dp_replicate")
-    gradient_divide_factor: float | None = attrs.field(default=None, converter=_divide_factor)
+    gradient_divide_factor: float | None = positive_number_option()
     blocks: str | tuple[str, ...] | None = blocks_option()
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()

@@ -251,10 +251,17 @@ def test_cp216_no_reshard_under_hsdp_is_a_memory_warning() -> None:
         assert "CP216" not in codes(again.use(HSDP()).use(FSDP2(reshard_after_forward=value)))
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, True, "2"])
+@pytest.mark.parametrize("bad", [0, -1.0, True, "2", float("nan")])
 def test_gradient_divide_factor_is_validated(bad: Any) -> None:
     with pytest.raises(ValueError, match="gradient_divide_factor must be a number > 0"):
         HSDP(gradient_divide_factor=bad)
+
+
+def test_an_infinite_gradient_divide_factor_is_refused() -> None:
+    # Dividing by inf would zero every gradient, silently.
+    with pytest.raises(ValueError, match="gradient_divide_factor must be finite"):
+        HSDP(gradient_divide_factor=float("inf"))
+    assert HSDP(gradient_divide_factor=4).gradient_divide_factor == 4.0
 
 
 def test_plan_file_round_trip_and_bad_option() -> None:

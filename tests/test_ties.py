@@ -21,6 +21,7 @@ from composer_par.ties import (
     tie_groups,
     tied_names,
     tied_outside,
+    tied_registrations,
     to_empty_keeping_ties,
 )
 from tests import hf_workers
@@ -35,6 +36,8 @@ def test_gpt2_the_embedding_and_the_head_are_one_group() -> None:
     # named_modules order: the embedding first, where FSDP2 keeps the parameter too
     assert tie_groups(model) == [[(embedding, "weight"), (head, "weight")]]
     assert tied_names(model) == {"transformer.wte.weight": ["lm_head.weight"]}
+    assert tied_registrations(model) == [[("transformer.wte.weight", embedding, "weight"),
+                                          ("lm_head.weight", head, "weight")]]
 
 
 def test_bert_ties_and_the_blocks_that_would_split_them() -> None:
@@ -98,6 +101,8 @@ def test_names_are_the_models_own_through_a_wrapper() -> None:
     assert tied_names(model) == {"transformer.wte.weight": ["lm_head.weight"]}
     assert tied_outside(model, [("transformer", model.transformer)]) == [
         ("transformer", "transformer.wte.weight", "lm_head.weight")]
+    assert [[name for name, _, _ in group] for group in tied_registrations(model)] == [
+        ["transformer.wte.weight", "lm_head.weight"]]
     names = tied_names(model)
     model.to_empty(device="cpu")
     assert retie(model, names) == 1
@@ -108,6 +113,11 @@ def test_a_module_at_two_paths_is_named_at_each_and_tied_to_nothing() -> None:
     shared = nn.Linear(2, 2)
     model = nn.Sequential(shared, nn.ReLU(), shared)
     assert tie_groups(model) == []  # one registration: to_empty keeps it one tensor
+    assert tied_registrations(model) == []
+    # ... but two paths, which a pipeline split may put on two stages
+    assert tied_registrations(model, every_path=True) == [
+        [("0.weight", shared, "weight"), ("2.weight", shared, "weight")],
+        [("0.bias", shared, "bias"), ("2.bias", shared, "bias")]]
     assert tied_outside(model, [("0", shared)]) == []
     # the state dict names its tensors at both paths: a checkpoint holds them once
     assert tied_names(model) == {"0.weight": ["2.weight"], "0.bias": ["2.bias"]}
@@ -159,6 +169,14 @@ def test_random_trees_with_sharing(data: Any) -> None:
     groups = tie_groups(root)
     assert sorted(sorted((id(m), a) for m, a in g) for g in groups) == sorted(
         sorted((id(m), a) for m, a in g) for g in expected)
+    assert [[(m, a) for _, m, a in g] for g in tied_registrations(root)] == groups
+    every: dict[int, list[str]] = {}  # id -> every name, a module at two paths at each
+    for path, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                every.setdefault(id(param), []).append(f"{path}.{attr}" if path else attr)
+    assert [[name for name, _, _ in g] for g in tied_registrations(root, every_path=True)] \
+        == [names for names in every.values() if len(names) > 1]
     names = tied_names(root)
     to_empty_keeping_ties(root, torch.device("cpu"))
     for group in groups:  # every registration holds one parameter again

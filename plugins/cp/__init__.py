@@ -16,8 +16,9 @@ This package imports torch only inside functions: the static path must not. Its 
 ``layout`` (the load-balanced split and its inverse), ``comm`` (autograd-aware
 collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
 ``hf`` (Hugging Face's attention interface), ``ring`` (torch's ring attention, on
-CUDA), ``runtime`` (what a training loop uses),
-``grads`` (gradient averaging without data parallelism), ``findings`` (rule codes).
+CUDA), ``runtime`` (what a training loop uses), ``findings`` (rule codes). Without a
+data-parallel plugin, gradients are averaged over cp by the author package's
+``average_gradients``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    CodeRange,
     EstimatePart,
     EstimateSettings,
     Finding,
@@ -35,7 +37,9 @@ from composer_par.plugin import (
     Plugin,
     Role,
     Rule,
+    average_gradients,
     dim_option,
+    has_data_parallel,
     hookimpl,
     ordering_option,
     split_sequence,
@@ -88,6 +92,8 @@ class CP(Plugin):
 
     name: ClassVar[str] = "cp"
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 821, 839, "context parallelism"),)
 
     dim: str = dim_option("cp")
     mode: str = attrs.field(default="allgather", validator=attrs.validators.in_(MODES))
@@ -191,11 +197,9 @@ class CP(Plugin):
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
-        if ctx.mesh.size(self.dim) == 1 or _has_data_parallel(ctx.plan):
+        if ctx.mesh.size(self.dim) == 1 or has_data_parallel(ctx.plan):
             return None
-        from .grads import average_over
-
-        count = average_over(ctx.model, ctx.submesh(self.dim).get_group())
+        count = average_gradients(ctx.model.parameters(), ctx.submesh(self.dim).get_group())
         return (f"no data-parallel plugin: {count} parameter gradient(s) averaged over "
                 f"{self.dim} after each backward")
 
@@ -209,10 +213,6 @@ def _cuda_where_it_runs() -> bool | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return torch.cuda.is_available()
-
-
-def _has_data_parallel(plan: PlanView) -> bool:
-    return any("data_parallel" in d.provides for d in plan.declarations())
 
 
 def _tp_size(plan: PlanView, mesh: MeshSpec) -> int:

@@ -29,6 +29,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    CodeRange,
     EstimatePart,
     Finding,
     FoldedDim,
@@ -37,12 +38,15 @@ from composer_par.plugin import (
     Role,
     Rule,
     ShardApart,
+    average_gradients,
     dim_option,
+    expert_parallel_plan,
+    has_data_parallel,
     hookimpl,
     ordering_option,
 )
 
-from .discovery import ExpertsSite, ep_plan, experts_site, find_experts
+from .discovery import ExpertsSite, experts_site, find_experts
 from .findings import (
     RULES,
     capacity_finding,
@@ -78,10 +82,6 @@ def _expert_tp(value: Any) -> str | None:
                       f"false; got {value!r}")
 
 
-def _has_data_parallel(plan: PlanView) -> bool:
-    return any("data_parallel" in d.provides for d in plan.declarations())
-
-
 @attrs.frozen
 class EP(Plugin):
     """Expert parallelism: whole experts per rank, tokens moved by all-to-all.
@@ -100,6 +100,8 @@ class EP(Plugin):
     # FSDP2 reads this capability (not EP's options) to know the _ep_plan is applied.
     provides: ClassVar[frozenset[str]] = frozenset({"expert_parallel"})
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 801, 819, "expert parallelism"),)
 
     dim: str = dim_option("ep")
     capacity_factor: float | None = attrs.field(default=None, converter=_capacity_factor)
@@ -148,7 +150,7 @@ class EP(Plugin):
                               stage: Any) -> EstimatePart:
         from .estimate import estimate_part
 
-        return estimate_part(self, layout, model, workload, stage, _has_data_parallel(plan))
+        return estimate_part(self, layout, model, workload, stage, has_data_parallel(plan))
 
     @hookimpl
     def composer_par_suggest(self, model: Any, topology: Any) -> Any:
@@ -167,7 +169,7 @@ class EP(Plugin):
                   + ")" + ("" if self.expert_tp is None else
                            f"; each expert split over {self.expert_tp} (gate/up column-wise,"
                            f" down row-wise), partial outputs summed over {self.expert_tp}"))]
-        if not _has_data_parallel(plan):
+        if not has_data_parallel(plan):
             steps.append(("finalize", f"average the dense gradients over {self.dim}; divide "
                           f"the experts' by {self.dim}'s size"))
         return steps
@@ -182,7 +184,8 @@ class EP(Plugin):
         size = mesh.size(self.dim)
         sites = find_experts(model)
         if not sites:
-            return [no_experts_finding(type(model).__name__, self.dim, list(ep_plan(model)))]
+            named = list(expert_parallel_plan(model))
+            return [no_experts_finding(type(model).__name__, self.dim, named)]
         if size < 1:
             return []  # not known without a world size
         found = divisibility_findings(sites, size, self.dim)
@@ -239,17 +242,17 @@ class EP(Plugin):
 
     @hookimpl
     def composer_par_finalize(self, ctx: ApplyContext) -> str | None:
-        from .apply import average_over, dispatched_sites, divide_gradients
+        from .apply import dispatched_sites, divide_gradients
 
         size = ctx.mesh.size(self.dim)
-        if size == 1 or _has_data_parallel(ctx.plan):
+        if size == 1 or has_data_parallel(ctx.plan):
             return None
         sites = dispatched_sites(ctx.model)
         expert_ids = {id(getattr(s.module, n)) for s in sites for n in s.names}
         experts = [p for p in ctx.model.parameters() if id(p) in expert_ids]
         dense = [p for p in ctx.model.parameters() if id(p) not in expert_ids]
         group = ctx.submesh(self.dim).get_group()
-        averaged = average_over(dense, group, size)
+        averaged = average_gradients(dense, group)
         divided = divide_gradients(experts, size)
         return (f"no data-parallel plugin: {averaged} dense gradient(s) averaged over "
                 f"{self.dim}({size}), {divided} expert gradient(s) divided by {size}")

@@ -90,34 +90,6 @@ def install_dispatch(site: ExpertsSite, group: dist.ProcessGroup,
     return dispatch
 
 
-def average_over(params: Iterable[nn.Parameter], group: dist.ProcessGroup,
-                 size: int) -> int:
-    """After each backward, average each parameter's gradient over ``group``: what data
-    parallelism does for parameters equal on every rank of it. Returns the count."""
-
-    def hook(param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        if isinstance(grad, DTensor) and isinstance(param, DTensor) \
-                and grad.placements != param.placements:
-            # torch's backward of a vocabulary-split embedding (TP's rowwise) gives a
-            # replicated gradient of the whole table: this rank's rows are all it needs,
-            # and a slice of a replicated tensor moves nothing.
-            grad = grad.redistribute(param.device_mesh, param.placements)
-            param.grad = grad
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        dist.all_reduce(local, group=group)  # SUM: gloo has no AVG
-        local.div_(size)
-
-    count = 0
-    for param in params:
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(hook)
-            count += 1
-    return count
-
-
 def divide_gradients(params: Iterable[nn.Parameter], factor: int) -> int:
     """Divide each gradient reaching each parameter by ``factor`` before it accumulates
     (so accumulation over micro-batches stays a plain sum): an expert's gradient sums the

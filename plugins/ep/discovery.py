@@ -76,7 +76,3 @@ def find_experts(model: nn.Module) -> list[ExpertsSite]:
     return found
 
 
-def ep_plan(model: nn.Module) -> dict[str, Any]:
-    """A Hugging Face model's expert-parallel plan (``_ep_plan``), or {}."""
-    plan = getattr(model, "_ep_plan", None)
-    return dict(plan) if isinstance(plan, dict) else {}

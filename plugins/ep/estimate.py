@@ -349,7 +349,7 @@ def estimate_part(ep: Any, layout: Any, model: ModelShape, workload: Any, stage:
             top_k=moe.top_k, hidden=model.hidden, dtype_bytes=dtype, passes=runs,
             recomputed=recomputed, whole_bias=whole_bias)
     if not data_parallel:
-        # average_over: each dense parameter's gradient (this rank's part of it, under
+        # average_gradients: each dense parameter's gradient (this rank's part of it, under
         # TP as the estimate splits it) all-reduced after each backward
         tp = layout.tensor_parallel_size()
         dense = [t for g in model.groups if not g.apart for t in g.tensors if not t.experts

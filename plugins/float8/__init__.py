@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.plugin import (
+    CodeRange,
     EstimatePart,
     EstimateSettings,
     Finding,
@@ -116,6 +117,8 @@ class Float8(Plugin):
 
     name: ClassVar[str] = "float8"
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 961, 969, "float8 training"),)
 
     recipe: str = attrs.field(default="tensorwise", validator=attrs.validators.in_(RECIPES))
     modules: tuple[str, ...] | None = attrs.field(default=None, converter=_patterns)

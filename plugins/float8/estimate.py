@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_par.plugin import Collective
+from composer_par.plugin import Collective, dtype_bytes
 
 from .selection import MULTIPLE
 
-_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 #: Bytes of one amax in the precompute's all-reduce (the master weights' fp32).
 AMAX_BYTES = 4
 
@@ -50,7 +49,7 @@ def float8_terms(model: Any, *, dim: str | None, shard: int, gathers: int, param
     blocks = converted(model)
     elements = sum(n * c for n, _, c in blocks)
     count = sum(m * c for _, m, c in blocks)
-    width = _BYTES.get(param_dtype, 4)
+    width = dtype_bytes(param_dtype)
     notes = [f"float8 ({recipe}): {count} block matrices ({elements} elements) compute in "
              "float8; routed experts and the model's first and last layers stay in high "
              "precision"]

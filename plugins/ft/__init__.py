@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.plugin import (
+    CodeRange,
     CommHook,
     CommSetup,
     EstimatePart,
@@ -158,6 +159,8 @@ class FaultTolerance(Plugin):
     name: ClassVar[str] = "ft"
     requires: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
     rules: ClassVar[tuple[Rule, ...]] = CATALOG
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 971, 979, "fault-tolerant replica groups"),)
 
     dim: str = dim_option("dp_replicate")
     group: int | None = attrs.field(default=None, validator=_optional_group)

@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from composer_par.plugin import Finding, Plugin, Rule, Severity, hookimpl, int_option
+from composer_par.plugin import (
+    CodeRange,
+    Finding,
+    Plugin,
+    Rule,
+    Severity,
+    has_data_parallel,
+    hookimpl,
+    int_option,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +100,8 @@ class Offload(Plugin):
 
     name: ClassVar[str] = "offload"
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 951, 959, "optimizer state offloaded to NVMe"),)
 
     path: str | None = attrs.field(default=None, converter=_path)
     optimizer: str = attrs.field(default="nvme", validator=_one_of(OPTIMIZER_DEVICES))
@@ -110,7 +121,7 @@ class Offload(Plugin):
                     "fsdp2"))
         if self.optimizer == "nvme":
             found += self._path_findings()
-        if not any("data_parallel" in d.provides for d in plan.declarations()):
+        if not has_data_parallel(plan):
             found.append(Finding(
                 "CP956", "no data-parallel plugin: offload cuts the optimizer's parameters "
                 f"into units of about unit_bytes = {self.unit_bytes} bytes of parameters",

@@ -27,6 +27,7 @@ import attrs
 
 from composer_par.plugin import (
     Claim,
+    CodeRange,
     EstimatePart,
     Finding,
     Plugin,
@@ -37,6 +38,7 @@ from composer_par.plugin import (
     clean_name,
     did_you_mean,
     dim_option,
+    has_data_parallel,
     hookimpl,
     ordering_option,
 )
@@ -163,6 +165,8 @@ class PP(Plugin):
     provides: ClassVar[frozenset[str]] = frozenset({"pipeline"})
     needs_blocks: ClassVar[bool] = True
     rules: ClassVar[tuple[Rule, ...]] = RULES
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CP", 601, 699, "pipeline parallelism"),)
 
     dim: str = dim_option("pp")
     schedule: str = attrs.field(default="1F1B", validator=_schedule_name)
@@ -259,7 +263,7 @@ class PP(Plugin):
         """A folded dim (ep, cp) with no data-parallel plugin: its plugin averages the
         gradients over it by parameter hooks, which torch's weight backward bypasses (it
         writes ``.grad`` itself), so the gradients would stay per-rank, silently."""
-        if any("data_parallel" in d.provides for d in plan.declarations()):
+        if has_data_parallel(plan):
             return []
         folded = [f.dim for f in plan.folded_dims()
                   if f.dim in mesh and mesh.size(f.dim) != 1]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.plugin import clean_name, names_near
+from composer_par.plugin import clean_name, names_near, tied_registrations
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -363,20 +363,18 @@ def _children_paths(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def tied_across(model: nn.Module, split: StageSplit) -> list[tuple[str, str, int, int]]:
     """Parameters registered under two names that the split puts on different stages:
     ``(name, other name, its stage, the other's stage)``."""
-    first: dict[int, tuple[str, int | None]] = {}
+    def stage(name: str) -> int | None:
+        module = name.rpartition(".")[0]
+        return split.stage_of(module) if module else None
+
     out = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        for pname, param in module._parameters.items():
-            if param is None:
-                continue
-            full = clean_name(f"{name}.{pname}" if name else pname)
-            stage = split.stage_of(clean_name(name)) if name else None
-            if id(param) not in first:
-                first[id(param)] = (full, stage)
-            elif first[id(param)][1] != stage:
-                other, at = first[id(param)]
-                out.append((other, full, at if at is not None else -1,
-                            stage if stage is not None else -1))
+    for (first, _, _), *others in tied_registrations(model, every_path=True):
+        at = stage(first)
+        for name, _, _ in others:
+            there = stage(name)
+            if there != at:
+                out.append((first, name, at if at is not None else -1,
+                            there if there is not None else -1))
     return out
 
 

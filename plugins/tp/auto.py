@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from composer_par.plugin import clean_name
+from composer_par.plugin import clean_name, expert_parallel_plan
 
 from .patterns import generalize, matches
 from .styles import HF_STYLES, HF_UNSUPPORTED, StyleSpec
@@ -76,9 +76,7 @@ def fused_expert_entries(model: nn.Module, plan: Mapping[str, Any]) -> dict[str,
     models' tp plans (its answer for experts is expert parallelism); without them, TP
     would replicate every expert on every tp rank, where the same plan on 5.24 splits
     them. A plan with EP keeps EP's placement: TP leaves distributed modules alone."""
-    ep_plan = getattr(model, "_ep_plan", None)
-    if not isinstance(ep_plan, Mapping):
-        return {}
+    ep_plan = expert_parallel_plan(model)
     entries: dict[str, str] = {}
     for key, style in ep_plan.items():
         if style != "ep_dispatch_experts" or any(

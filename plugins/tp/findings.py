@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from composer_par.plugin import Finding, Rule, Severity
+from composer_par.plugin import Finding, Rule, Severity, tied_registrations
 
 from .patterns import generalize
 from .styles import (
@@ -325,7 +325,7 @@ def _parameter_placement(style: str, ndim: int, split_factor: int | None) -> str
 
 
 def tie_findings(
-    modules: Mapping[str, Any], entries: list[tuple[str, Any, StyleSpec]],
+    model: nn.Module, entries: list[tuple[str, Any, StyleSpec]],
     params: list[tuple[str, Any, str, StyleSpec]], rest: list[tuple[str, Any]],
     replicate_rest: bool,
 ) -> tuple[list[Finding], list[list[tuple[Any, str]]]]:
@@ -337,18 +337,12 @@ def tie_findings(
     by_module = {id(m): (path, spec) for path, m, spec in entries}
     by_param = {(id(owner), attr): spec for _, owner, attr, spec in params}
     rest_ids = {id(m) for _, m in rest}
-    owners: dict[int, list[tuple[str, Any, str]]] = defaultdict(list)
-    for name, module in modules.items():
-        for attr, param in module._parameters.items():
-            if param is not None:
-                owners[id(param)].append((name, module, attr))
     found, ties = [], []
-    for group in owners.values():
-        if len(group) < 2:
-            continue
+    for group in tied_registrations(model):
         layouts = []
-        for name, module, attr in group:
-            param = module._parameters[attr]
+        for full, module, attr in group:
+            name = full.rpartition(".")[0]  # the module's path, as TP's entries name it
+            param: Any = module._parameters[attr]
             spec = by_param.get((id(module), attr))
             style: str | None
             if spec is not None:

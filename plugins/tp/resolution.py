@@ -156,7 +156,7 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
         findings += refused
     if tp.replicate_rest:
         findings += rest_findings(modules, rest, entries)
-    tied, ties = tie_findings(modules, entries, params, rest, tp.replicate_rest)
+    tied, ties = tie_findings(model, entries, params, rest, tp.replicate_rest)
     findings += tied
     return Resolution(entries, findings, source, rest, params, ties, fallbacks, local_heads)
 

@@ -1,14 +1,11 @@
 """Findings, reports, and the catalog of rule codes.
 
-Every rule has a stable code. Codes group by what they look at:
-
-* ``CP1xx`` mesh and world size
-* ``CP2xx`` plugins: claims, ordering, requirements
-* ``CP3xx`` topology: which mesh dims cross nodes
-* ``CP4xx`` the model (found at apply or by ``validate --model``)
-* ``CP5xx`` the plan file itself (the CLI exits 2 on these)
-* ``CP9xx`` configs imported from other tools (``composer-par import``); ``CP981``-
-  ``CP989`` launching a plan on a scheduler (``composer-par launch``)
+Every rule has a stable code. Codes group by what they look at, in ranges kept as data
+(:class:`CodeRange`): the core's are :data:`CORE_CODE_RANGES` (the mesh, the plan file,
+trainer integrations, imported configs, scheduler jobs, and three areas any catalog may
+use: plugins as a whole, the topology, the model); each plugin that keeps codes of its
+own declares their range in its class attribute ``code_ranges`` (PP its ``CP6xx``).
+docs/rules.md tabulates them all, and a test holds every catalog to its ranges.
 
 The core's codes are :data:`CORE_RULES` (its checks live in :mod:`composer_par.rules`).
 Each plugin brings its own catalog, the class attribute ``rules`` of its plugin class,
@@ -24,6 +21,7 @@ import contextvars
 import difflib
 import enum
 import json
+import re
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
@@ -74,6 +72,63 @@ def _catalog(*rules: Rule) -> Mapping[str, Rule]:
         table[rule.code] = rule
     return MappingProxyType(table)
 
+
+_CODE = re.compile(r"([A-Z]+)(\d{3})")
+
+
+@attrs.frozen
+class CodeRange:
+    """A run of rule codes: ``prefix`` followed by the three-digit numbers ``first`` to
+    ``last``, and what the codes in it look at (``about``).
+
+    A catalog (the core's, a plugin's) keeps its codes inside the ranges it declares, or
+    inside a ``shared`` range: an area any catalog may add codes to, because every
+    plugin's rules look at it (options and claims, the topology, the model). No two
+    ranges overlap, so a new code's range says whose it is.
+    """
+
+    prefix: str = attrs.field(validator=attrs.validators.matches_re(r"[A-Z]+"))
+    first: int = attrs.field(validator=attrs.validators.and_(
+        attrs.validators.ge(0), attrs.validators.le(999)))
+    last: int = attrs.field(validator=attrs.validators.le(999))
+    about: str
+    shared: bool = False
+
+    @last.validator
+    def _not_before_first(self, attribute: Any, value: int) -> None:
+        if value < self.first:
+            raise ValueError(f"last ({value}) must be >= first ({self.first})")
+
+    def __contains__(self, code: object) -> bool:
+        match = _CODE.fullmatch(code) if isinstance(code, str) else None
+        return (match is not None and match[1] == self.prefix
+                and self.first <= int(match[2]) <= self.last)
+
+    def overlaps(self, other: CodeRange) -> bool:
+        return (self.prefix == other.prefix and self.first <= other.last
+                and other.first <= self.last)
+
+    def __str__(self) -> str:
+        """``CP4xx`` for a whole hundred (x01 to x99), else ``CP801-CP819``."""
+        if self.first % 100 == 1 and self.last == self.first + 98:
+            return f"{self.prefix}{self.first // 100}xx"
+        return f"{self.prefix}{self.first:03d}-{self.prefix}{self.last:03d}"
+
+
+# The core's ranges; each plugin declares its own (Plugin.code_ranges). Free numbers between
+# them are for new ranges.
+CORE_CODE_RANGES: tuple[CodeRange, ...] = (
+    CodeRange("CP", 101, 199, "the mesh and the world size"),
+    CodeRange("CP", 201, 299, "plugins: claims, ordering, requirements, options, hooks",
+              shared=True),
+    CodeRange("CP", 301, 399, "the topology: which mesh dims cross nodes", shared=True),
+    CodeRange("CP", 401, 499, "the model (model-aware pass)", shared=True),
+    CodeRange("CP", 501, 599, "the plan file itself (the CLI exits 2)"),
+    CodeRange("CP", 701, 709, "a plan inside Lightning Fabric or the Lightning Trainer"),
+    CodeRange("CP", 711, 719, "a plan inside accelerate or the Hugging Face Trainer"),
+    CodeRange("CP", 901, 949, "configs imported from other tools (composer-par import)"),
+    CodeRange("CP", 981, 989, "a plan's job written for a scheduler (composer-par launch)"),
+)
 
 _E, _W = Severity.ERROR, Severity.WARNING
 

@@ -4,7 +4,9 @@ Each function takes what it needs and returns findings; :mod:`composer_par.plan`
 collects them all. The core's codes are :data:`composer_par.findings.CORE_RULES`; each
 plugin lists its own in its class attribute ``rules``. :func:`catalogs` gathers them all
 (``composer-par rules``, docs/rules.md) and :func:`rule_conflicts` finds a code two
-catalogs give different meanings, which validation reports as CP222.
+catalogs give different meanings, which validation reports as CP222. :func:`code_ranges`
+gathers the ranges of codes the core and each plugin keep (:class:`CodeRange`), and
+:func:`range_problems` says where ranges overlap or a code lies outside its catalog's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
-from composer_par.findings import CORE_RULES, Finding, Rule, did_you_mean
+from composer_par.findings import (
+    CORE_CODE_RANGES,
+    CORE_RULES,
+    CodeRange,
+    Finding,
+    Rule,
+    did_you_mean,
+)
 from composer_par.mesh import INFER, MeshSpec
 from composer_par.plugin.base import Declaration, Role
 from composer_par.plugin.comm import RUNS, CommHook
@@ -23,6 +32,7 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
     from composer_par.blocks import Block, BlockSpec
+    from composer_par.plugin.base import Plugin
     from composer_par.plugin.registry import Registry
 
 CORE = "core"
@@ -31,22 +41,61 @@ CORE = "core"
 # -- the catalogs ----------------------------------------------------------------------------
 
 
-def catalogs(registry: Registry | None = None) -> list[tuple[str, Rule]]:
-    """``(source, rule)`` for every rule code of the core and of every installed plugin:
-    source is ``"core"`` or ``"<plugin> (<distribution>)"``. A plugin that fails to load
-    is left out (``composer-par plugins`` reports it). Loads no torch."""
+def _installed(registry: Registry | None) -> list[tuple[str, type[Plugin]]]:
+    """``(source, class)`` of every installed plugin that loads, source named
+    ``"<plugin> (<distribution>)"``."""
     from composer_par.plugin.registry import Registry, RegistryError
 
     registry = registry if registry is not None else Registry()
-    out: list[tuple[str, Rule]] = [(CORE, rule) for rule in CORE_RULES.values()]
+    out = []
     for name in registry.names():
         try:
             cls = registry.get(name)
         except RegistryError:
             continue
-        source = f"{name} ({registry.info(name).distribution})"
+        out.append((f"{name} ({registry.info(name).distribution})", cls))
+    return out
+
+
+def catalogs(registry: Registry | None = None) -> list[tuple[str, Rule]]:
+    """``(source, rule)`` for every rule code of the core and of every installed plugin:
+    source is ``"core"`` or ``"<plugin> (<distribution>)"``. A plugin that fails to load
+    is left out (``composer-par plugins`` reports it). Loads no torch."""
+    out: list[tuple[str, Rule]] = [(CORE, rule) for rule in CORE_RULES.values()]
+    for source, cls in _installed(registry):
         out.extend((source, rule) for rule in cls.rules)
     return out
+
+
+def code_ranges(registry: Registry | None = None) -> list[tuple[str, CodeRange]]:
+    """``(source, range)`` for every range of rule codes the core and each installed
+    plugin declare (:data:`~composer_par.findings.CORE_CODE_RANGES`, a plugin's
+    ``code_ranges``), sources named as :func:`catalogs` names them. Loads no torch."""
+    out: list[tuple[str, CodeRange]] = [(CORE, r) for r in CORE_CODE_RANGES]
+    for source, cls in _installed(registry):
+        out.extend((source, r) for r in cls.code_ranges)
+    return out
+
+
+def range_problems(entries: Sequence[tuple[str, Rule]],
+                   ranges: Sequence[tuple[str, CodeRange]]) -> list[str]:
+    """What breaks the ranges, one line each: two ranges that overlap, and a code
+    (``entries``: :func:`catalogs`) outside every range its source may use, its own
+    and the shared ones (``ranges``: :func:`code_ranges`)."""
+    problems = [f"{a} ({source_a}) overlaps {b} ({source_b})"
+                for i, (source_a, a) in enumerate(ranges)
+                for source_b, b in ranges[i + 1:] if a.overlaps(b)]
+    shared = [r for _, r in ranges if r.shared]
+    own: dict[str, list[CodeRange]] = defaultdict(list)
+    for source, r in ranges:
+        own[source].append(r)
+    for source, rule in entries:
+        allowed = [*own.get(source, ()), *shared]
+        if not any(rule.code in r for r in allowed):
+            mine = ", ".join(str(r) for r in own.get(source, ())) or "none"
+            problems.append(f"{rule.code} ({source}) lies outside its own ranges ({mine}) "
+                            "and the shared ones")
+    return problems
 
 
 def rule_conflicts(entries: Sequence[tuple[str, Rule]]) -> dict[str, list[tuple[str, Rule]]]:

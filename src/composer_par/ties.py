@@ -11,7 +11,8 @@ once, under its first name (:func:`tied_names`).
 
 Everything here is read from one walk, :func:`registrations`, over torch's
 ``named_modules(remove_duplicate=False)``: parents first, a module registered at two
-paths seen at each.
+paths seen at each. Plugins that check ties of their own (a pipeline split, TP's styles)
+read them from :func:`tied_registrations`, not from a walk of their own.
 """
 
 from __future__ import annotations
@@ -54,10 +55,24 @@ def _distinct(group: list[Registration]) -> list[Registration]:
     return list(seen.values())
 
 
-def _ties(model: nn.Module) -> list[list[Registration]]:
-    """Each Parameter held by two or more (module, attribute) registrations."""
-    groups = [_distinct(group) for group in registrations(model).values()]
+def _ties(model: nn.Module, *, every_path: bool = False) -> list[list[Registration]]:
+    """Each Parameter held by two or more (module, attribute) registrations (with
+    ``every_path``: two or more paths, a module registered at two paths counting twice)."""
+    found = registrations(model).values()
+    groups = list(found) if every_path else [_distinct(group) for group in found]
     return [group for group in groups if len(group) > 1]
+
+
+def tied_registrations(model: nn.Module, *, every_path: bool = False
+                       ) -> list[list[Registration]]:
+    """Each parameter registered under several names, as a group of ``(clean name, the
+    module holding it, the attribute it is held as)``, groups and names in
+    ``named_modules`` order (the first is where FSDP2 keeps the parameter too). A module
+    registered at two paths holds its parameters once, at its first path; with
+    ``every_path``, at each (what a pipeline split that puts the paths on two stages
+    needs: each stage would hold its own copy)."""
+    return [[(clean_name(name), module, attr) for name, module, attr in group]
+            for group in _ties(model, every_path=every_path)]
 
 
 def tie_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

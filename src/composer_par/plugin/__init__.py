@@ -44,35 +44,41 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   parallel, materialize, finalize).
 * **Options** that check what a plan file hands in and name the option when it is wrong:
   :func:`dim_option`, :func:`blocks_option`, :func:`ordering_option`, :func:`int_option`,
-  :func:`bool_option`, :func:`import_string_findings`
+  :func:`bool_option`, :func:`positive_number_option`, :func:`import_string_findings`
   (a ``"module:function"`` option checked without importing it; rule
   :data:`IMPORT_STRING_RULE`, CP224), :func:`dtype_option` (one table of dtype names for
   the project,
   :func:`dtype_name`).
 * **Findings**: :class:`Finding` (code, message, fix; made inside a hook it names the
   plugin), :class:`Severity`, :class:`Rule` (a catalog entry: code, severity, meaning, fix,
-  example), :func:`did_you_mean`. Third parties use their own code prefix.
+  example), :class:`CodeRange` (the codes a plugin keeps for itself, its class attribute
+  ``code_ranges``), :func:`did_you_mean`. Third parties use their own code prefix.
 * **What hooks read**: :class:`PlanView`, the read-only view of the plan hooks receive as
   ``plan`` (mesh, topology, world size, declarations, replicate dims, comm hooks; no plugin
-  objects, so no plugin reads another's options); :class:`ApplyContext`, what stage hooks
+  objects, so no plugin reads another's options; :func:`provided` asks it whether a plugin
+  provides a capability, :func:`has_data_parallel` whether one reduces gradients over the
+  data-parallel dims); :class:`ApplyContext`, what stage hooks
   receive (the model, the shared blocks, the mesh, ``submesh()``, the device, the typed
   ``data_parallel_modules`` and ``installed_comm_hooks``, the plan's one hook caller as
   ``ctx.hooks``); :class:`MeshSpec`, :class:`Topology`, :class:`Block`,
   :func:`clean_name`, :func:`path_matches` (a module-path glob, ``*`` one path component),
   :func:`modules_by_clean_name` (every module by its clean name, the outer of a wrapper
   pair kept); :func:`tied_outside` (the parameters a block shares with a module outside
-  it: one parameter cannot be in two FSDP units).
+  it: one parameter cannot be in two FSDP units), :func:`tied_registrations` (every
+  parameter registered under several names, each name with its module).
 * **FSDP units beside the blocks** (:mod:`composer_par.plugin.fsdp_units`): a Hugging
   Face model's own FSDP plan read (:func:`own_units`, :class:`OwnUnit`,
   :data:`FSDP_STYLES`) and units of small parameters joined with a neighbour
   (:func:`join_small_units`, :class:`JoinedUnit`; :func:`small_remainder`: a root left
-  holding small parameters only), for any plugin that shards or replicates by unit.
+  holding small parameters only), for any plugin that shards or replicates by unit; the
+  model's expert-parallel plan (:func:`expert_parallel_plan`, its ``_ep_plan``).
 * **Composition values**: folded dims (:class:`FoldedDim`: a model-parallel dim data
   parallelism also reduces over, context and expert parallelism's), launch dims
   (:class:`LaunchDim`: a mesh dim whose coordinates are separate launches, fault-tolerant
   replica groups), comm hooks
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
-  :func:`all_reduce_mean`), estimates
+  :func:`all_reduce_mean`; :func:`average_gradients`: a folded dim's gradients averaged
+  by its own plugin when no data-parallel plugin does it), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
   stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`);
   auxiliary losses (:func:`split_sequence`: a plugin that gives each rank part of every
@@ -132,7 +138,7 @@ from composer_par.estimate.parts import (
 )
 from composer_par.estimate.timing import split_bytes
 from composer_par.estimate.units import format_bytes, format_count
-from composer_par.findings import Finding, Rule, Severity, did_you_mean
+from composer_par.findings import CodeRange, Finding, Rule, Severity, did_you_mean
 from composer_par.logging import get_logger
 from composer_par.mesh import MeshSpec
 from composer_par.outputs import logits_of
@@ -149,6 +155,7 @@ from composer_par.plugin.base import (
     Stage,
     hookimpl,
 )
+from composer_par.plugin.capabilities import has_data_parallel, provided
 from composer_par.plugin.comm import (
     CommHook,
     CommSetup,
@@ -165,6 +172,8 @@ from composer_par.plugin.fsdp_units import (
     own_units,
     small_remainder,
 )
+from composer_par.plugin.gradients import average_gradients
+from composer_par.plugin.model_plans import expert_parallel_plan
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
     OptionError,
@@ -175,6 +184,7 @@ from composer_par.plugin.options import (
     import_string_findings,
     int_option,
     ordering_option,
+    positive_number_option,
 )
 from composer_par.plugin.suggesting import SuggestAxis, SuggestChoice, SuggestContext
 from composer_par.plugin.view import PlanView
@@ -185,7 +195,7 @@ from composer_par.plugin.wrapping import (
     wrapped_block_findings,
 )
 from composer_par.tables import table
-from composer_par.ties import tied_outside
+from composer_par.ties import tied_outside, tied_registrations
 from composer_par.topology import Topology
 
 __all__ = [
@@ -197,6 +207,7 @@ __all__ = [
     "ApplyContext",
     "Block",
     "Claim",
+    "CodeRange",
     "Collective",
     "CommHook",
     "CommSetup",
@@ -234,6 +245,7 @@ __all__ = [
     "Topology",
     "all_reduce_mean",
     "already_wrapped",
+    "average_gradients",
     "blocks_option",
     "bool_option",
     "carries",
@@ -244,9 +256,11 @@ __all__ = [
     "dtype_bytes",
     "dtype_name",
     "dtype_option",
+    "expert_parallel_plan",
     "format_bytes",
     "format_count",
     "get_logger",
+    "has_data_parallel",
     "held_elements",
     "hookimpl",
     "import_string_findings",
@@ -260,6 +274,8 @@ __all__ = [
     "ordering_option",
     "own_units",
     "path_matches",
+    "positive_number_option",
+    "provided",
     "remove_dead_directories",
     "run_nodes",
     "runs_of",
@@ -268,5 +284,6 @@ __all__ = [
     "split_sequence",
     "table",
     "tied_outside",
+    "tied_registrations",
     "wrapped_block_findings",
 ]

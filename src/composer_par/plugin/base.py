@@ -14,7 +14,7 @@ import attrs
 import pluggy
 
 from composer_par.blocks import BlockSpec
-from composer_par.findings import Rule, register_catalog
+from composer_par.findings import CodeRange, Rule, register_catalog
 
 PROJECT = "composer_par"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -182,6 +182,10 @@ class Plugin:
     # takes its severity from here unless it gives one. Third parties: a prefix of their
     # own (e.g. "ACME101"), so no code means two things.
     rules: ClassVar[tuple[Rule, ...]] = ()
+    # The ranges of rule codes the plugin keeps for itself (PP's CP6xx); its other codes
+    # lie in the core's shared ranges (CP2xx options and claims, CP3xx topology, CP4xx the
+    # model). No two plugins' ranges overlap, nor one of the core's.
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_par.findings import Finding, Rule, Severity
 from composer_par.plugin import torch_private
+from composer_par.plugin.capabilities import provided
 from composer_par.plugin.comm import CommHook, CommSetup, GradBucket, GradReducer, InstalledCommHook
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def internals_read(plan: PlanView, dims: Sequence[str], factor: float | None, *,
         uses.append(f"gradient_divide_factor={factor:g}")
     uses += [f"{hook.plugin}'s comm hook on {hook.dim}" for hook in plan.comm_hooks()
              if hook.all_reduce is not None and hook.dim in dims]
-    if apart and any("expert_parallel" in d.provides for d in plan.declarations()):
+    if apart and provided(plan, "expert_parallel"):
         uses.append("the experts expert parallelism shards apart")
     return uses
 

@@ -91,6 +91,30 @@ def int_option(default: int, *, low: int | None = None, high: int | None = None)
     return attrs.field(default=default, validator=_int_between(low, high))
 
 
+def _number_to_float(value: Any) -> Any:
+    # bool is an int in Python: left as it is, for the check to refuse.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _positive_finite(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, float) or not value > 0:  # NaN is not > 0
+        raise OptionError(f"{attribute.name} must be a number > 0 or None; got {value!r}")
+    if value == float("inf"):
+        raise OptionError(f"{attribute.name} must be finite; got inf")
+
+
+def positive_number_option() -> Any:
+    """An optional number option (None: unset), stored as a float: finite and > 0.
+
+    Refuses bools, strings, NaN and infinity, naming the option (a gradient divide factor
+    of ``inf`` would zero every gradient, silently)."""
+    return attrs.field(default=None, converter=_number_to_float, validator=_positive_finite)
+
+
 def _true_or_false(instance: Any, attribute: Any, value: Any) -> None:
     # Not bool(value): 0, 1 and "false" would silently mean something.
     if not isinstance(value, bool):

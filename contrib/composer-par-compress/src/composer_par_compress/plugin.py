@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 from composer_par.plugin import (
+    CodeRange,
     CommHook,
     CommSetup,
     DtypeError,
@@ -93,6 +94,8 @@ class Compress(Plugin):
     name: ClassVar[str] = "compress"
     requires: ClassVar[frozenset[str]] = frozenset({"data_parallel"})
     rules: ClassVar[tuple[Rule, ...]] = CATALOG
+    code_ranges: ClassVar[tuple[CodeRange, ...]] = (
+        CodeRange("CPC", 101, 199, "gradient compression on the replicate dim"),)
 
     method: str = attrs.field(default="bf16", converter=_method)
     dim: str = dim_option("dp_replicate")
