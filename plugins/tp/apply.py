@@ -312,7 +312,7 @@ def _make_local_style() -> type:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from composer_par.plugin.gradient_sum import sum_gradient
+    from composer_par.plugin import sum_gradient
     from composer_par.plugin.torch_private import tree_map
 
     def grad_sum(t: Any, mesh: Any) -> Any:

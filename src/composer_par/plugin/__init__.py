@@ -78,7 +78,8 @@ with ``[[plugins]] name = "freeze"``. What the package holds:
   replica groups), comm hooks
   (:class:`CommHook`, :class:`CommSetup`, :class:`GradBucket`, :class:`GradReducer`,
   :func:`all_reduce_mean`; :func:`average_gradients`: a folded dim's gradients averaged
-  by its own plugin when no data-parallel plugin does it), estimates
+  by its own plugin when no data-parallel plugin does it; :func:`sum_gradient`: a
+  tensor whose gradient is summed over a mesh dim in backward), estimates
   (:class:`EstimateSettings`, :class:`EstimatePart`, :class:`Collective`; a pipeline's
   stages: :class:`EstimatePipeline`, :class:`EstimateRank`, :class:`EstimateStage`);
   auxiliary losses (:func:`split_sequence`: a plugin that gives each rank part of every
@@ -173,6 +174,7 @@ from composer_par.plugin.fsdp_units import (
     small_remainder,
 )
 from composer_par.plugin.gradients import average_gradients
+from composer_par.plugin.gradient_sum import sum_gradient
 from composer_par.plugin.model_plans import expert_parallel_plan
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
@@ -282,6 +284,7 @@ __all__ = [
     "small_remainder",
     "split_bytes",
     "split_sequence",
+    "sum_gradient",
     "table",
     "tied_outside",
     "tied_registrations",
