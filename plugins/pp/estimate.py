@@ -372,7 +372,8 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
     root_reshard = not info.split_backward and reshard is not None and reshard is not False
     x = _activation_bytes(layout, model, workload)
     runs = microbatches
-    crossing = _crossing(layout.topology, mesh.rank_groups(pp.dim))
+    crossing = _crossing(layout.topology, layout.topology.node_patterns(mesh, (pp.dim,))
+                         if layout.topology is not None else [])
     ranks = []
     for r, local in enumerate(layout_of):
         stages = tuple(EstimateStage(
@@ -392,7 +393,7 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
 
 def _crossing(topology: Any, groups: list[tuple[int, ...]]) -> set[tuple[int, int]]:
     """The (coordinate, coordinate) pairs along pp whose ranks, in some pp group, are on
-    different nodes."""
+    different nodes (``groups``: one per way a pp group sits on the nodes)."""
     if topology is None:
         return set()
     out = set()
