@@ -346,3 +346,44 @@ def test_suggests_cp_for_llama_8b_at_128k_tokens_on_8_nodes() -> None:
     fastest_without = min((r for r in roomy.ranked if r.fits and r.candidate.size("cp") == 1),
                           key=lambda r: r.seconds)
     assert roomy.best.seconds < fastest_without.seconds
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+def test_progress_counts_every_layout() -> None:
+    """suggest reports (done, total) after each family: done grows to the total, which
+    counts every layout of the space (those estimated and the leaner ones passed over)."""
+    seen: list[tuple[int, int]] = []
+    result = suggest(MOE, Topology(2, 4), GIB80, seq=4096,
+                     progress=lambda done, total: seen.append((done, total)))
+    total = len(_layouts(MOE, Topology(2, 4), 8, Workload(seq=4096, dtype="bfloat16",
+                                                          reduce_dtype="float32")))
+    assert seen and {t for _, t in seen} == {total} and result.layouts == total
+    dones = [d for d, _ in seen]
+    assert dones == sorted(dones) and dones[-1] == total
+    assert len(result.ranked) < total  # the leaner choices past a fit are not estimated
+    assert f"({total - len(result.ranked)} more not estimated" in format_suggestion(result)
+
+
+def test_progress_line_goes_to_stderr_only() -> None:
+    from composer_par.cli.plan_tools import LayoutProgress
+
+    stream = io.StringIO()
+    progress = LayoutProgress(stream, quiet_for=0.0)
+    for done in range(0, 101, 5):
+        progress(done, 100)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    # not a terminal: one line per tenth, then how long it took
+    assert lines[0] == "suggest: 0 of 100 layouts (0%)"
+    assert lines[-2] == "suggest: 100 of 100 layouts (100%)" and len(lines) == 12
+    assert lines[-1].startswith("suggest: done in ")
+    quiet = io.StringIO()
+    progress = LayoutProgress(quiet)  # a search shorter than a second says nothing
+    progress(50, 100)
+    progress.close()
+    assert quiet.getvalue() == ""
+    # under --json, stdout is the JSON document alone
+    code, out, _ = run([*ARGV, "--json", "--no-progress"])
+    assert code == 0 and json.loads(out)["layouts"] >= len(json.loads(out)["candidates"])
