@@ -211,9 +211,13 @@ class _Facts:
     peaks: tuple[int, ...]
     held: tuple[tuple[tuple[int, ...], ...], ...]
     orders: tuple[tuple[tuple[str, int], ...], ...]
+    # per rank, (stage, resharded after forward) -> the stage's all-gathers in a step
+    gathered: tuple[dict[tuple[int, bool], int], ...]
 
 
-@functools.lru_cache(maxsize=32)
+# Suggest estimates many layouts with one schedule, size and microbatch count: their
+# simulated timelines are kept rather than simulated again.
+@functools.lru_cache(maxsize=256)
 def _facts(schedule: str, pp: int, per_rank: int, microbatches: int, dim: str) -> _Facts:
     info = SCHEDULES[schedule]
     line = timeline(schedule, pp, per_rank, microbatches, dim)
@@ -224,7 +228,9 @@ def _facts(schedule: str, pp: int, per_rank: int, microbatches: int, dim: str) -
     else:
         orders = tuple(tuple((_KIND[kind], stage) for a in row for kind, stage, _ in a.runs)
                        for row in line.actions)
-    return _Facts(line, peak_in_flight(line), held, orders)
+    gathered = tuple({(s, resharded): gathers(orders[r], s, resharded)
+                      for s in layout[r] for resharded in (False, True)} for r in range(pp))
+    return _Facts(line, peak_in_flight(line), held, orders, gathered)
 
 
 @functools.lru_cache(maxsize=32)
@@ -378,8 +384,8 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
     for r, local in enumerate(layout_of):
         stages = tuple(EstimateStage(
             f"stage {s}", shapes[s], runs=microbatches,
-            block_gathers=gathers(facts.orders[r], s, blocks_reshard),
-            root_gathers=gathers(facts.orders[r], s, root_reshard), accumulates=True)
+            block_gathers=facts.gathered[r][(s, blocks_reshard)],
+            root_gathers=facts.gathered[r][(s, root_reshard)], accumulates=True)
             for s in local)
         sends = _sends(pp.dim, r, local, rank_of, num_stages, crossing, x, runs)
         receive = sum(1 for s in local if s > 0 and rank_of[s - 1] != r)
