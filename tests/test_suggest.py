@@ -15,7 +15,7 @@ import pytest
 
 from composer_par import ParallelPlan, Registry, Role, Topology
 from composer_par.cli.main import main
-from composer_par.estimate import ModelShape, MoEShape, Workload, parse_bytes
+from composer_par.estimate import ModelShape, MoEShape, Workload, estimate_plan, parse_bytes
 from composer_par.plugin import (
     Claim,
     Collective,
@@ -25,7 +25,15 @@ from composer_par.plugin import (
     SuggestChoice,
     hookimpl,
 )
-from composer_par.tools.suggest import families, format_suggestion, plugin_axes, suggest
+from composer_par.tools.suggest import (
+    Ranked,
+    families,
+    format_suggestion,
+    plugin_axes,
+    rank_key,
+    suggest,
+    why_best,
+)
 
 GIB80 = parse_bytes("80GiB")
 INSTALLED = set(Registry().names())
@@ -192,6 +200,41 @@ def test_runners_up_say_why_they_lost_and_are_ranked_by_step_time() -> None:
     for r in result.ranked[:20]:
         step = r.estimate.step
         assert step.seconds >= step.compute_seconds + step.exposed_seconds
+
+
+def test_the_ranking_is_that_of_estimating_each_layout() -> None:
+    """suggest's fitting layouts, their order and the best are those of estimating every
+    layout of the space by itself (estimate_plan on the plan each stands for), from the
+    fastest choice of a first-fit axis to the first that fits; why the best won is
+    explained from those estimates."""
+    model, topology, memory = MOE, Topology(2, 4), 96 * 2**20
+    work = Workload(seq=4096, micro_batch=1, dtype="bfloat16", reduce_dtype="float32")
+    reference = []
+    for family in families(_axes(model, topology, work=work), topology, model, work,
+                           topology.world_size, {}):
+        for candidate in family:
+            plan = ParallelPlan(candidate.mesh(), topology=topology)
+            for name, options in candidate.plugins():
+                plan.use(Registry().get(name)(**options))
+            accumulate = 1 if candidate.runs_passes else candidate.passes
+            est = estimate_plan(plan, model, attrs.evolve(
+                work, grad_accum=accumulate, sync="every" if accumulate > 1 else "last"),
+                world_size=topology.world_size, device_memory=memory, device="h100")
+            reference.append(Ranked(candidate, est))
+            if est.fits:
+                break
+    fitting = sorted((r for r in reference if r.fits), key=rank_key)
+    assert fitting and any(not r.fits for r in reference)  # the memory decides something
+
+    def row(r: Ranked) -> tuple[Any, ...]:
+        return (r.candidate.key(), r.seconds, r.estimate.memory.total)
+
+    result = suggest(model, topology, memory, seq=4096)
+    assert [row(r) for r in result.ranked] == [row(r) for r in fitting] + [
+        row(r) for r in sorted((r for r in reference if not r.fits),
+                               key=lambda r: r.estimate.memory.total)]
+    assert result.best is not None and row(result.best) == row(fitting[0])
+    assert list(result.why) == why_best(fitting[0], reference, memory)
 
 
 @attrs.frozen
