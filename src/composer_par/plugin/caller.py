@@ -405,7 +405,8 @@ class _Proxy:
         self.plugin = plugin
         self.registered_name = registered_name
         self._hooks: list[str] = []
-        for attr in _hook_attributes(type(plugin)):
+        kind: Any = type(plugin)  # a class is hashable: the cache's key
+        for attr in _hook_attributes(kind):
             opts = _hook_options(inspect.getattr_static(plugin, attr, None))
             if opts is not None:
                 hook = opts.get("specname") or attr
@@ -429,7 +430,7 @@ def _hook_options(static: Any) -> dict[str, Any] | None:
     return opts if isinstance(opts, dict) and callable(function) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hook_attributes(cls: type) -> tuple[str, ...]:
     """The attributes of a plugin class that implement hooks, found once per class."""
     return tuple(attr for attr in dir(cls)
