@@ -15,7 +15,7 @@ import pytest
 
 from composer_par import ParallelPlan, Registry, Role, Topology
 from composer_par.cli.main import main
-from composer_par.estimate import ModelShape, MoEShape, Workload, parse_bytes
+from composer_par.estimate import ModelShape, MoEShape, Workload, estimate_plan, parse_bytes
 from composer_par.plugin import (
     Claim,
     Collective,
@@ -25,7 +25,15 @@ from composer_par.plugin import (
     SuggestChoice,
     hookimpl,
 )
-from composer_par.tools.suggest import families, format_suggestion, plugin_axes, suggest
+from composer_par.tools.suggest import (
+    Ranked,
+    families,
+    format_suggestion,
+    plugin_axes,
+    rank_key,
+    suggest,
+    why_best,
+)
 
 GIB80 = parse_bytes("80GiB")
 INSTALLED = set(Registry().names())
@@ -194,6 +202,41 @@ def test_runners_up_say_why_they_lost_and_are_ranked_by_step_time() -> None:
         assert step.seconds >= step.compute_seconds + step.exposed_seconds
 
 
+def test_the_ranking_is_that_of_estimating_each_layout() -> None:
+    """suggest's fitting layouts, their order and the best are those of estimating every
+    layout of the space by itself (estimate_plan on the plan each stands for), from the
+    fastest choice of a first-fit axis to the first that fits; why the best won is
+    explained from those estimates."""
+    model, topology, memory = MOE, Topology(2, 4), 96 * 2**20
+    work = Workload(seq=4096, micro_batch=1, dtype="bfloat16", reduce_dtype="float32")
+    reference = []
+    for family in families(_axes(model, topology, work=work), topology, model, work,
+                           topology.world_size, {}):
+        for candidate in family:
+            plan = ParallelPlan(candidate.mesh(), topology=topology)
+            for name, options in candidate.plugins():
+                plan.use(Registry().get(name)(**options))
+            accumulate = 1 if candidate.runs_passes else candidate.passes
+            est = estimate_plan(plan, model, attrs.evolve(
+                work, grad_accum=accumulate, sync="every" if accumulate > 1 else "last"),
+                world_size=topology.world_size, device_memory=memory, device="h100")
+            reference.append(Ranked(candidate, est))
+            if est.fits:
+                break
+    fitting = sorted((r for r in reference if r.fits), key=rank_key)
+    assert fitting and any(not r.fits for r in reference)  # the memory decides something
+
+    def row(r: Ranked) -> tuple[Any, ...]:
+        return (r.candidate.key(), r.seconds, r.estimate.memory.total)
+
+    result = suggest(model, topology, memory, seq=4096)
+    assert [row(r) for r in result.ranked] == [row(r) for r in fitting] + [
+        row(r) for r in sorted((r for r in reference if not r.fits),
+                               key=lambda r: r.estimate.memory.total)]
+    assert result.best is not None and row(result.best) == row(fitting[0])
+    assert list(result.why) == why_best(fitting[0], reference, memory)
+
+
 @attrs.frozen
 class Zigzag(Plugin):
     """A third-party model-parallel plugin: claims ``zz``, states its own collectives, and
@@ -346,3 +389,44 @@ def test_suggests_cp_for_llama_8b_at_128k_tokens_on_8_nodes() -> None:
     fastest_without = min((r for r in roomy.ranked if r.fits and r.candidate.size("cp") == 1),
                           key=lambda r: r.seconds)
     assert roomy.best.seconds < fastest_without.seconds
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+def test_progress_counts_every_layout() -> None:
+    """suggest reports (done, total) after each family: done grows to the total, which
+    counts every layout of the space (those estimated and the leaner ones passed over)."""
+    seen: list[tuple[int, int]] = []
+    result = suggest(MOE, Topology(2, 4), GIB80, seq=4096,
+                     progress=lambda done, total: seen.append((done, total)))
+    total = len(_layouts(MOE, Topology(2, 4), 8, Workload(seq=4096, dtype="bfloat16",
+                                                          reduce_dtype="float32")))
+    assert seen and {t for _, t in seen} == {total} and result.layouts == total
+    dones = [d for d, _ in seen]
+    assert dones == sorted(dones) and dones[-1] == total
+    assert len(result.ranked) < total  # the leaner choices past a fit are not estimated
+    assert f"({total - len(result.ranked)} more not estimated" in format_suggestion(result)
+
+
+def test_progress_line_goes_to_stderr_only() -> None:
+    from composer_par.cli.plan_tools import LayoutProgress
+
+    stream = io.StringIO()
+    progress = LayoutProgress(stream, quiet_for=0.0)
+    for done in range(0, 101, 5):
+        progress(done, 100)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    # not a terminal: one line per tenth, then how long it took
+    assert lines[0] == "suggest: 0 of 100 layouts (0%)"
+    assert lines[-2] == "suggest: 100 of 100 layouts (100%)" and len(lines) == 12
+    assert lines[-1].startswith("suggest: done in ")
+    quiet = io.StringIO()
+    progress = LayoutProgress(quiet)  # a search shorter than a second says nothing
+    progress(50, 100)
+    progress.close()
+    assert quiet.getvalue() == ""
+    # under --json, stdout is the JSON document alone
+    code, out, _ = run([*ARGV, "--json", "--no-progress"])
+    assert code == 0 and json.loads(out)["layouts"] >= len(json.loads(out)["candidates"])

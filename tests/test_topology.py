@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
 import pytest
@@ -206,3 +207,43 @@ def test_crossing_matches_the_span_of_ranks(layout: tuple[Topology, MeshSpec]) -
         # A dim that spans several nodes spans at most ceil(size * stride / per_node) + 1.
         stride = math.prod(mesh.sizes[mesh.names.index(name) + 1 :])
         assert max(spans) <= -(-mesh.size(name) * stride // topo.devices_per_node) + 1
+
+
+@st.composite
+def any_layouts(draw: st.DrawFn) -> tuple[Topology, MeshSpec, tuple[str, ...]]:
+    """Any mesh of 1 to 4 dims on any node shape that holds its ranks, and a subset of
+    its dims to flatten together."""
+    sizes = draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=4))
+    mesh = MeshSpec.from_pairs((f"d{i}", s) for i, s in enumerate(sizes))
+    per_node = draw(st.sampled_from(_divisors(mesh.world_size)))
+    names = tuple(draw(st.lists(st.sampled_from(mesh.names), min_size=1, unique=True)))
+    return Topology(mesh.world_size // per_node, per_node), mesh, names
+
+
+@settings(max_examples=200, deadline=None)
+@given(any_layouts())
+def test_node_patterns_stand_for_every_group(layout: tuple[Topology, MeshSpec, tuple[str, ...]]
+                                             ) -> None:
+    """Every group of the flattened dims sits on the nodes as one of the patterns does,
+    moved by whole nodes; the span is the widest group's, counted rank by rank."""
+    topo, mesh, names = layout
+    per_node = topo.devices_per_node
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(mesh.world_size):
+        coord = mesh.coordinate(rank)
+        groups.setdefault(tuple(v for n, v in coord.items() if n not in names), []).append(rank)
+
+    def shape(group: Sequence[int]) -> tuple[int, ...]:
+        first = group[0] // per_node
+        return tuple(r // per_node - first for r in group)
+
+    patterns = topo.node_patterns(mesh, names)
+    assert len(patterns) <= per_node
+    real = {tuple(g) for g in groups.values()}
+    assert all(p in real for p in patterns)
+    assert {shape(g) for g in groups.values()} == {shape(p) for p in patterns}
+    widest = max(len({r // per_node for r in g}) for g in groups.values())
+    assert topo.nodes_spanned(mesh, *names) == widest
+    if len(names) == 1:
+        assert sorted(patterns) == sorted(set(patterns))
+        assert set(patterns) <= set(mesh.rank_groups(names[0]))

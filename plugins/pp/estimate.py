@@ -211,9 +211,13 @@ class _Facts:
     peaks: tuple[int, ...]
     held: tuple[tuple[tuple[int, ...], ...], ...]
     orders: tuple[tuple[tuple[str, int], ...], ...]
+    # per rank, (stage, resharded after forward) -> the stage's all-gathers in a step
+    gathered: tuple[dict[tuple[int, bool], int], ...]
 
 
-@functools.lru_cache(maxsize=32)
+# Suggest estimates many layouts with one schedule, size and microbatch count: their
+# simulated timelines are kept rather than simulated again.
+@functools.lru_cache(maxsize=256)
 def _facts(schedule: str, pp: int, per_rank: int, microbatches: int, dim: str) -> _Facts:
     info = SCHEDULES[schedule]
     line = timeline(schedule, pp, per_rank, microbatches, dim)
@@ -224,7 +228,9 @@ def _facts(schedule: str, pp: int, per_rank: int, microbatches: int, dim: str) -
     else:
         orders = tuple(tuple((_KIND[kind], stage) for a in row for kind, stage, _ in a.runs)
                        for row in line.actions)
-    return _Facts(line, peak_in_flight(line), held, orders)
+    gathered = tuple({(s, resharded): gathers(orders[r], s, resharded)
+                      for s in layout[r] for resharded in (False, True)} for r in range(pp))
+    return _Facts(line, peak_in_flight(line), held, orders, gathered)
 
 
 @functools.lru_cache(maxsize=32)
@@ -372,13 +378,14 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
     root_reshard = not info.split_backward and reshard is not None and reshard is not False
     x = _activation_bytes(layout, model, workload)
     runs = microbatches
-    crossing = _crossing(layout.topology, mesh.rank_groups(pp.dim))
+    crossing = _crossing(layout.topology, layout.topology.node_patterns(mesh, (pp.dim,))
+                         if layout.topology is not None else [])
     ranks = []
     for r, local in enumerate(layout_of):
         stages = tuple(EstimateStage(
             f"stage {s}", shapes[s], runs=microbatches,
-            block_gathers=gathers(facts.orders[r], s, blocks_reshard),
-            root_gathers=gathers(facts.orders[r], s, root_reshard), accumulates=True)
+            block_gathers=facts.gathered[r][(s, blocks_reshard)],
+            root_gathers=facts.gathered[r][(s, root_reshard)], accumulates=True)
             for s in local)
         sends = _sends(pp.dim, r, local, rank_of, num_stages, crossing, x, runs)
         receive = sum(1 for s in local if s > 0 and rank_of[s - 1] != r)
@@ -392,7 +399,7 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
 
 def _crossing(topology: Any, groups: list[tuple[int, ...]]) -> set[tuple[int, int]]:
     """The (coordinate, coordinate) pairs along pp whose ranks, in some pp group, are on
-    different nodes."""
+    different nodes (``groups``: one per way a pp group sits on the nodes)."""
     if topology is None:
         return set()
     out = set()

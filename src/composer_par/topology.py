@@ -8,9 +8,10 @@ collectives run over the (much slower) inter-node links.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -89,9 +90,22 @@ class Topology:
             raise TopologyError(f"rank {rank} is outside {self.describe()}")
         return rank // self.devices_per_node
 
-    def nodes_spanned(self, mesh: MeshSpec, name: str) -> int:
-        """How many nodes the widest rank group of mesh dim ``name`` spans."""
-        return max(len({self.node_of(r) for r in g}) for g in mesh.rank_groups(name))
+    def nodes_spanned(self, mesh: MeshSpec, *names: str) -> int:
+        """How many nodes the widest rank group of mesh dim ``name`` spans (of several
+        mesh dims: of their groups flattened together)."""
+        return max(len({self.node_of(r) for r in g}) for g in self.node_patterns(mesh, names))
+
+    def node_patterns(self, mesh: MeshSpec, names: Sequence[str]) -> list[tuple[int, ...]]:
+        """The rank groups of the mesh dims ``names`` flattened together (the ranks that
+        differ only on them, ordered by their coordinates), one per way such a group sits
+        on the nodes: every other group is one of these moved by whole nodes, so how many
+        nodes a group spans, and which of its members share a node, are the same for it.
+        At most ``devices_per_node`` groups, however many ranks the mesh has."""
+        for name in names:
+            mesh.size(name)  # an unknown name is a MeshError naming the mesh's dims
+        if mesh.world_size > self.world_size:
+            raise TopologyError(f"{mesh.equation()} has more ranks than {self.describe()}")
+        return list(_node_patterns(mesh.dims, tuple(names), self.devices_per_node))
 
     def crosses_nodes(self, mesh: MeshSpec, name: str) -> bool:
         return self.nodes_spanned(mesh, name) > 1
@@ -101,3 +115,34 @@ class Topology:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+
+
+@functools.lru_cache(maxsize=4096)
+def _node_patterns(dims: tuple[tuple[str, int], ...], names: tuple[str, ...],
+                   per_node: int) -> tuple[tuple[int, ...], ...]:
+    """See :meth:`Topology.node_patterns`. A group is its first rank plus the same offsets
+    (its members' steps along ``names``); the nodes it spans depend only on that first
+    rank's remainder modulo ``per_node``, so one group per remainder is enough."""
+    strides: dict[str, int] = {}
+    step = 1
+    for name, size in reversed(dims):
+        strides[name] = step
+        step *= size
+    offsets = [0]
+    for name, size in dims:
+        if name in names:
+            offsets = [o + i * strides[name] for o in offsets for i in range(size)]
+    # The first ranks of the groups, one per remainder: along another dim the remainders
+    # repeat after per_node steps, so no more steps than that are needed to reach them all.
+    firsts = {0: 0}
+    for name, size in dims:
+        if name in names:
+            continue
+        reached: dict[int, int] = {}
+        for first in firsts.values():
+            for i in range(min(size, per_node)):
+                rank = first + i * strides[name]
+                reached.setdefault(rank % per_node, rank)
+        firsts = reached
+    return tuple(tuple(first + o for o in offsets) for first in sorted(firsts.values()))
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -413,8 +414,51 @@ def suggest_arguments(parser: argparse.ArgumentParser) -> None:
     _device_arguments(where)
     work.add_argument("--top", type=_positive_int, default=10, metavar="N",
                       help="runners-up to list (default 10)")
+    work.add_argument("--no-progress", action="store_true",
+                      help="no progress line on stderr (shown when the search takes over "
+                      "a second)")
     work.add_argument("--output", "-o", type=Path, metavar="FILE",
                       help="also write the best plan file here")
+
+
+class LayoutProgress:
+    """How many of suggest's layouts have been gone through, on stderr (stdout keeps the
+    answer, JSON or text): silent for the first second, then redrawn in place on a
+    terminal, one line per tenth otherwise."""
+
+    def __init__(self, stream: Any, *, quiet_for: float = 1.0) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.started = time.perf_counter()
+        self.quiet_for = quiet_for
+        self.last_draw = 0.0
+        self.last_tenth = -1
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.started < self.quiet_for and done < total:
+            return
+        line = f"suggest: {done:,} of {total:,} layouts ({done / max(total, 1):.0%})"
+        if self.tty:
+            if now - self.last_draw < 0.1 and done < total:
+                return
+            self.last_draw = now
+            self.stream.write("\r" + line)
+        else:
+            tenth = done * 10 // max(total, 1)
+            if tenth == self.last_tenth:
+                return
+            self.last_tenth = tenth
+            self.stream.write(line + "\n")
+        self.shown = True
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write(("\n" if self.tty else "") + f"suggest: done in "
+                              f"{time.perf_counter() - self.started:.1f} s\n")
+            self.stream.flush()
 
 
 def run_suggest(args: argparse.Namespace, out: Output) -> int:
@@ -433,6 +477,7 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
     options: dict[str, dict[str, Any]] = {}
     for plugin, option, value in args.option:
         options.setdefault(plugin, {})[option] = value
+    progress = None if args.no_progress else LayoutProgress(out.stderr)
     try:
         result = suggest(shape, topology, args.device_memory, seq=args.seq,
                          micro_batch=args.micro_batch, global_batch=args.global_batch,
@@ -440,9 +485,13 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
                          intra_node_gbps=args.intra_node_gbps,
                          inter_node_gbps=args.inter_node_gbps, max_sizes=max_sizes,
                          attention=args.attention, options=options, device=args.device,
-                         device_tflops=args.device_tflops, matmul_dtype=args.matmul_dtype)
+                         device_tflops=args.device_tflops, matmul_dtype=args.matmul_dtype,
+                         progress=progress)
     except EstimateError as exc:
         raise InputError(str(exc)) from exc
+    finally:
+        if progress is not None:
+            progress.close()
     code = EXIT_OK if result.best is not None else EXIT_ERRORS
     data = {"exit_code": code, **result.to_dict()}
     text = format_suggestion(result, top=args.top, paint=out.paint)
@@ -458,6 +507,7 @@ def run_suggest(args: argparse.Namespace, out: Output) -> int:
 
 
 __all__ = [
+    "LayoutProgress",
     "estimate_arguments",
     "explain_arguments",
     "layout_picture",

@@ -262,7 +262,7 @@ def run_nodes(layout: Layout, dim: str, run: int) -> int:
     if layout.topology is None:
         return 1
     widest = 1
-    for group in layout.mesh.rank_groups(dim):
+    for group in layout.topology.node_patterns(layout.mesh, (dim,)):
         for i in range(0, len(group), run):
             widest = max(widest, len({layout.topology.node_of(r) for r in group[i:i + run]}))
     return widest
@@ -273,9 +273,4 @@ def nodes_spanned_by(layout: Layout, names: tuple[str, ...]) -> int:
     (the ranks that differ only on them)."""
     if layout.topology is None:
         return 1
-    nodes: dict[tuple[int, ...], set[int]] = {}
-    for rank in range(layout.mesh.world_size):
-        coord = layout.mesh.coordinate(rank)
-        key = tuple(v for n, v in coord.items() if n not in names)
-        nodes.setdefault(key, set()).add(layout.topology.node_of(rank))
-    return max(len(found) for found in nodes.values())
+    return layout.topology.nodes_spanned(layout.mesh, *names)

@@ -23,6 +23,7 @@ change; hooks reach it as ``ctx.hooks`` or through the plan view they are given.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import os
 import sys
@@ -403,16 +404,37 @@ class _Proxy:
     def __init__(self, plugin: Plugin, registered_name: str) -> None:
         self.plugin = plugin
         self.registered_name = registered_name
-        for attr in dir(type(plugin)):
-            static = inspect.getattr_static(plugin, attr, None)
-            function = getattr(static, "__func__", static)
-            opts = getattr(function, _MARK, None)
-            if isinstance(opts, dict) and callable(function):
+        self._hooks: list[str] = []
+        kind: Any = type(plugin)  # a class is hashable: the cache's key
+        for attr in _hook_attributes(kind):
+            opts = _hook_options(inspect.getattr_static(plugin, attr, None))
+            if opts is not None:
                 hook = opts.get("specname") or attr
                 setattr(self, attr, _scoped(plugin, hook, getattr(plugin, attr), opts))
+                self._hooks.append(attr)
+
+    def __dir__(self) -> list[str]:
+        # pluggy registers what dir() lists: the hook functions alone, so that it need
+        # not inspect every attribute an object has (a plan builds a caller per layout
+        # suggest estimates).
+        return list(self._hooks)
 
     def __repr__(self) -> str:
         return f"<{self.registered_name}: {self.plugin!r}>"
+
+
+def _hook_options(static: Any) -> dict[str, Any] | None:
+    """The hookimpl options a class attribute carries (None: not a hook implementation)."""
+    function = getattr(static, "__func__", static)
+    opts = getattr(function, _MARK, None)
+    return opts if isinstance(opts, dict) and callable(function) else None
+
+
+@functools.cache
+def _hook_attributes(cls: type) -> tuple[str, ...]:
+    """The attributes of a plugin class that implement hooks, found once per class."""
+    return tuple(attr for attr in dir(cls)
+                 if _hook_options(inspect.getattr_static(cls, attr, None)) is not None)
 
 
 def _scoped(plugin: Plugin, hook: str, method: Callable[..., Any], opts: dict[str, Any]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -66,6 +66,9 @@ class Suggestion:
     why: tuple[str, ...]  # why the best has what it has
     notes: tuple[str, ...] = ()
     report: Report | None = None  # static validation of the suggested plan file
+    # the layouts gone through: estimated (``ranked``), or passed over unestimated (a
+    # leaner choice of a layout than one that fits)
+    layouts: int = 0
 
     @property
     def best(self) -> Ranked | None:
@@ -80,6 +83,7 @@ class Suggestion:
             "model": self.model.to_dict(),
             "workload": self.workload.to_dict(),
             "global_batch": self.global_batch,
+            "layouts": self.layouts,
             "best": best.to_dict() if best else None,
             "plan_toml": self.plan_toml,
             "why": list(self.why),
@@ -110,6 +114,23 @@ def _plan(candidate: Candidate, topology: Topology, registry: Registry) -> Any:
     return plan
 
 
+def estimate_family(family: Sequence[Candidate], estimate_one: Callable[[Candidate], Ranked],
+                    notes: list[str]) -> list[Ranked]:
+    """A family's layouts estimated from the fastest choice of its first-fit axes to the
+    first that fits (a leaner choice is never faster)."""
+    out: list[Ranked] = []
+    for candidate in family:
+        try:
+            ranked = estimate_one(candidate)
+        except EstimateError as exc:
+            notes.append(f"{candidate.label()}: not estimated ({exc})")
+            break
+        out.append(ranked)
+        if ranked.fits:
+            break
+    return out
+
+
 def suggest(
     model: ModelShape,
     topology: Topology,
@@ -129,6 +150,7 @@ def suggest(
     device: str | None = None,
     device_tflops: float | None = None,
     matmul_dtype: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Suggestion:
     """Rank every layout the installed plugins offer for ``model`` on ``topology`` by
     predicted step time (see the package docstring).
@@ -137,7 +159,8 @@ def suggest(
     ``max_sizes``: the largest size to try per mesh dim; ``options``: per plugin, the
     options it is made with (its suggest axes follow them); ``device`` /
     ``device_tflops`` / ``matmul_dtype``: the step-time model's device, achieved
-    throughput and matmul precision."""
+    throughput and matmul precision; ``progress(done, total)``: called as the layouts
+    are gone through (``total`` of them in all)."""
     from composer_par.plugin.registry import Registry
     from composer_par.tools.suggest.explain import reason_lost, why_best
     from composer_par.tools.suggest.report import plan_file, validate
@@ -157,23 +180,25 @@ def suggest(
                     reduce_dtype="float32" if mixed else None, optimizer=optimizer,
                     attention=attention, matmul_dtype=matmul_dtype)
     axes = plugin_axes(reg, options or {}, model, topology, base, notes)
+
+    def estimate_one(candidate: Candidate) -> Ranked:
+        accumulate = 1 if candidate.runs_passes else candidate.passes
+        work = attrs.evolve(base, grad_accum=accumulate,
+                            sync="every" if accumulate > 1 else "last")
+        return Ranked(candidate, estimate_plan(
+            _plan(candidate, topology, reg), model, work, world_size=topology.world_size,
+            device_memory=device_memory, device=device or "h100",
+            device_tflops=device_tflops))
+
+    space = list(families(axes, topology, model, base, batch, max_sizes or {}))
+    total = sum(len(family) for family in space)
     results: list[Ranked] = []
-    for family in families(axes, topology, model, base, batch, max_sizes or {}):
-        for candidate in family:
-            accumulate = 1 if candidate.runs_passes else candidate.passes
-            work = attrs.evolve(base, grad_accum=accumulate,
-                                sync="every" if accumulate > 1 else "last")
-            try:
-                est = estimate_plan(_plan(candidate, topology, reg), model, work,
-                                    world_size=topology.world_size,
-                                    device_memory=device_memory, device=device or "h100",
-                                    device_tflops=device_tflops)
-            except EstimateError as exc:
-                notes.append(f"{candidate.label()}: not estimated ({exc})")
-                break
-            results.append(Ranked(candidate, est))
-            if est.fits:
-                break  # a leaner choice of the first-fit axes is never faster
+    done = 0
+    for family in space:
+        results += estimate_family(family, estimate_one, notes)
+        done += len(family)
+        if progress is not None:
+            progress(done, total)
     if not results:
         raise EstimateError(f"no layout to consider on {topology.describe()}")
     fitting = sorted((r for r in results if r.fits), key=rank_key)
@@ -207,7 +232,7 @@ def suggest(
                      f"{format_bytes(smallest.estimate.memory.total)}; add devices, shorten "
                      "the sequence or the micro-batch")
     return Suggestion(topology, device_memory, model, base, batch, ranked, plan_toml,
-                      tuple(why), tuple(dict.fromkeys(notes)), report)
+                      tuple(why), tuple(dict.fromkeys(notes)), report, total)
 
 
 __all__ = ["Ranked", "Suggestion", "rank_key", "seconds", "suggest"]

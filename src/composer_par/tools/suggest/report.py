@@ -72,7 +72,9 @@ def format_suggestion(s: Suggestion, *, top: int = 10, paint: Any = None) -> str
              f"{s.global_batch} sequences per step (each data shard its share in "
              "micro-batches: accumulated, or a pipeline's microbatches)",
              f"considered {len(s.ranked)} layouts, {sum(r.fits for r in s.ranked)} fit; "
-             "ranked by predicted step time"]
+             "ranked by predicted step time"
+             + (f" ({s.layouts - len(s.ranked)} more not estimated: leaner choices of a "
+                "layout than one that fits)" if s.layouts > len(s.ranked) else "")]
     if s.best is not None:
         lines += ["", paint("best plan:", "ok")] + [f"  {w}" for w in s.why]
         lines += ["", "```toml", s.plan_toml.rstrip("\n") if s.plan_toml else "", "```"]
