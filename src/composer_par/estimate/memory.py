@@ -31,11 +31,15 @@ class Memory:
     extra: Mapping[str, int] = attrs.field(factory=dict)
     local_params: int = 0  # elements of parameters one rank holds
     terms: tuple[tuple[str, MemoryTerm], ...] = ()
+    # Held only at the start of backward, beside every activation: the loss's gradients
+    # (:func:`loss_gradient_bytes`); not among ``activations``, which are what autograd
+    # keeps at the end of forward.
+    loss_gradients: int = 0
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations
-                + self.comm_buffers + sum(self.extra.values()))
+                + self.comm_buffers + self.loss_gradients + sum(self.extra.values()))
 
     def by_plugin(self, category: str) -> list[tuple[str, MemoryTerm]]:
         """What the plugins added to ``category``."""
@@ -44,7 +48,8 @@ class Memory:
     def to_dict(self) -> dict[str, Any]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "comm_buffers": self.comm_buffers,
-                "extra": dict(self.extra), "total": self.total,
+                "loss_gradients": self.loss_gradients, "extra": dict(self.extra),
+                "total": self.total,
                 "activations_by_mode": dict(self.activations_by_mode),
                 "local_params": self.local_params,
                 "terms": [{"plugin": who, "category": t.category, "bytes": t.bytes,
@@ -242,6 +247,20 @@ def _llama_activation_bytes(
     return int(total + logits)
 
 
+def loss_gradient_bytes(model: ModelShape, workload: Workload, *, tp: int,
+                        loss_parallel: bool) -> int:
+    """What the loss adds at its peak, the start of backward, when every activation is
+    still held: the gradient of its log-softmax output (cross-entropy's backward writes
+    a dense fp32 tensor of the logits' size) and the one it computes from it for the
+    logits, two more fp32 copies of the logits beside the log-softmax output the
+    activations count (one rank's share of the vocabulary with loss parallelism).
+    ``workload``: one rank's (:func:`~.layout.local_workload`)."""
+    if not model.vocab:
+        return 0
+    logits = workload.seq * workload.micro_batch * model.vocab * 4
+    return 2 * logits // (tp if loss_parallel and tp > 1 else 1)
+
+
 def optimizer_bytes(optimizer: str, mixed: bool) -> int:
     if optimizer in ("adamw", "adam"):
         return 12 if mixed else 8
@@ -299,6 +318,8 @@ def memory_per_rank(
             extra[key] = extra.get(key, 0) + int(term.bytes)
         else:
             totals[term.category] += int(term.bytes)
+    loss = loss_gradient_bytes(model, local_workload(layout, workload), tp=tp,
+                               loss_parallel=layout.loss_parallel)
     return Memory(totals["params"], totals["grads"], totals["optimizer"],
                   totals["activations"], totals["buffers"], dict(by_mode), extra, local,
-                  tuple(terms))
+                  tuple(terms), loss_gradients=loss)

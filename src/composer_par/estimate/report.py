@@ -100,6 +100,9 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
         ("communication buffers", format_bytes(mem.comm_buffers),
          _how("", mem.by_plugin("buffers"))),
     ]
+    if mem.loss_gradients:
+        rows.append(("loss gradients", format_bytes(mem.loss_gradients),
+                     "at the start of backward: two fp32 copies of the logits"))
     rows += [(name, format_bytes(size), "") for name, size in mem.extra.items()]
     total = format_bytes(mem.total)
     verdict = ""
