@@ -59,7 +59,7 @@ class Memory:
 def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
-    dispatched: bool = False, matmul_every: int = 1,
+    dispatched: bool = False, matmul_every: int = 1, head: bool = True,
 ) -> int:
     """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
 
@@ -74,7 +74,7 @@ def activation_bytes(
                                        sequence_parallel=sequence_parallel,
                                        loss_parallel=loss_parallel, mode=mode, every=every,
                                        recompute=recompute, dispatched=dispatched,
-                                       matmul_every=matmul_every)
+                                       matmul_every=matmul_every, head=head)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -167,7 +167,7 @@ _MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 def _llama_activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int, recompute: bool,
-    dispatched: bool = False, matmul_every: int = 1,
+    dispatched: bool = False, matmul_every: int = 1, head: bool = True,
 ) -> int:
     """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
     autograd keeps for backward, counted from the block's structure (measured on the
@@ -238,7 +238,8 @@ def _llama_activation_bytes(
             per_token += full_block  # one block's activations while it is recomputed
     # After the blocks: the final norm (as a block's norms: 3h + 1 per token, or its
     # sequence-parallel share and the gathered input of the head).
-    per_token += (2 * h / t + 1 / t + h) if t > 1 and sequence_parallel else 3 * h + 1
+    if head:
+        per_token += (2 * h / t + 1 / t + h) if t > 1 and sequence_parallel else 3 * h + 1
     total = s * b * per_token * bytes_of(dtype)
     logits = 0.0
     if model.vocab:
