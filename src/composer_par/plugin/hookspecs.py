@@ -427,7 +427,9 @@ def composer_par_estimate_shape(
     model-parallel dims. Expert parallelism answers: each MoE block's routed experts
     move to a group of their own (``ParamGroup.apart`` names the dims they differ along,
     ``parent`` the block), holding this rank's ``num_experts / ep`` of them; data
-    parallelism then shards that group over its dims without ``apart``.
+    parallelism then shards that group over its dims without ``apart``. A plugin that
+    makes data parallelism gather some tensors narrower than the parameters marks them
+    (``TensorShape.gather_bytes``: float8's converted weights gather in one byte).
     Returns: the transformed :class:`~composer_par.estimate.ModelShape`, or None.
     """
 
