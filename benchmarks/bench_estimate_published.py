@@ -6,7 +6,10 @@ measured, each row naming its source:
 * torchtitan's own tables (benchmarks/llama3_h100_202412_torchtitan.md in
   github.com/pytorch/torchtitan: Llama 3.1 8B, 70B and 405B on H100s, 96 GB HBM2e at
   500 W, NVLink inside a node, 400 Gbit/s RDMA per GPU between nodes): peak memory
-  (torchtitan's reserved memory, the most of any rank) and tokens/s per GPU;
+  (torchtitan logs torch.cuda's max_memory_reserved, the caching allocator's segments,
+  the most of any rank) and tokens/s per GPU. The estimate counts allocated bytes, which
+  the reserved figure exceeds by the allocator's slack: no factor is applied for it, so
+  a ratio a little below 1 is what a right estimate shows;
 * Meta's Llama 3 paper (arXiv 2407.21783, Table 4: 405B on 8192 and 16384 H100 SXM
   80 GB, 400 Gbit/s RoCE): the layout and BF16 MFU;
 * DeepSeek-V3's technical report (arXiv 2412.19437: 2048 H800, NVLink 160 GB/s and
@@ -74,7 +77,8 @@ class Row:
 
 
 def _ac(mode: str) -> tuple[str, dict[str, Any]]:
-    # torchtitan's "selective" saves matmul outputs but every other one
+    # torchtitan's selective "op" policy saves every other matmul's output (and the
+    # attention kernels' outputs, which the plugin's selective mode recomputes)
     return ("activation_checkpoint", {"mode": mode, **({"matmul_every": 2}
                                                        if mode == "selective" else {})})
 
@@ -97,6 +101,7 @@ def _rows() -> list[Row]:
                               ("FSDP + compile + Float8", "float8", "torch.compile", 8380,
                                61.8)])):
         for label, matmul, missing, tokens, memory in results:
+            missing = ", ".join(m for m in (missing, "attention outputs saved") if m)
             rows.append(Row(f"8B {gpus} GPUs {label}", f"{TORCHTITAN} {table}", "llama3-8b",
                             gpus // 8, {"dp_shard": gpus}, (FSDP_BF16, _ac("selective")),
                             8192, 2, matmul_dtype=matmul, memory_gib=memory,
