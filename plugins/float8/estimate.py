@@ -1,6 +1,7 @@
-"""float8's terms of ``composer-par estimate`` and ``suggest``: the bytes its weight
-all-gathers move, the amax all-reduce of the scale precompute, and the memory of the
-gathered float8 weights. Pure arithmetic over the model shape: no torch.
+"""float8's terms of ``composer-par estimate`` and ``suggest``: the weights whose
+all-gathers move one byte an element (marked in the model shape for FSDP2's terms) and
+the amax all-reduce of the scale precompute. Pure arithmetic over the model shape: no
+torch.
 
 The weights float8 converts are the blocks' matrices (tensors of two tensor dims, not
 experts: those stay in high precision) whose dims are multiples of 16. Under FSDP2 with

@@ -24,8 +24,9 @@ ACCOUNTING: tuple[str, ...] = (
     "s*b*h*(10 + 24/t + 5*a*s/(h*t)); sequence parallel divides all by t; selective AC drops "
     "5*a*s/h; full AC keeps 2*s*b*h per block + one block's activations; fp32 doubles; the "
     "attention-score term 5*a*s/h counts only with eager attention (SDPA's flash and "
-    "memory-efficient kernels keep no scores); + s*b*vocab*4 for fp32 logits; a Llama's "
-    "blocks are counted from their structure (docs/estimate.md)",
+    "memory-efficient kernels keep no scores); + s*b*vocab*4 for fp32 logits, and at the "
+    "start of backward 2*s*b*vocab*4 more (the loss's fp32 gradients); a Llama's blocks "
+    "are counted from their structure (docs/estimate.md)",
     "communication: each plugin states its collectives per mesh dim. Bytes are logical "
     "payloads (all-gather: the gathered output; reduce-scatter: the full input; all-reduce: "
     "the tensor; all-to-all: the input)",
