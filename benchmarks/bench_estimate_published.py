@@ -77,10 +77,11 @@ class Row:
 
 
 def _ac(mode: str) -> tuple[str, dict[str, Any]]:
-    # torchtitan's selective "op" policy saves every other matmul's output (and the
-    # attention kernels' outputs, which the plugin's selective mode recomputes)
-    return ("activation_checkpoint", {"mode": mode, **({"matmul_every": 2}
-                                                       if mode == "selective" else {})})
+    # torchtitan's selective "op" policy saves every other matmul's output, the attention
+    # kernels' outputs and the reduce-scatters'
+    selective = {"matmul_every": 2, "save": ["matmul", "attention", "collectives"]}
+    return ("activation_checkpoint", {"mode": mode, **(selective if mode == "selective"
+                                                       else {})})
 
 
 FSDP_BF16 = ("fsdp2", {"mixed_precision": "bf16"})
@@ -101,7 +102,6 @@ def _rows() -> list[Row]:
                               ("FSDP + compile + Float8", "float8", "torch.compile", 8380,
                                61.8)])):
         for label, matmul, missing, tokens, memory in results:
-            missing = ", ".join(m for m in (missing, "attention outputs saved") if m)
             rows.append(Row(f"8B {gpus} GPUs {label}", f"{TORCHTITAN} {table}", "llama3-8b",
                             gpus // 8, {"dp_shard": gpus}, (FSDP_BF16, _ac("selective")),
                             8192, 2, matmul_dtype=matmul, memory_gib=memory,

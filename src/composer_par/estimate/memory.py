@@ -60,6 +60,7 @@ def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
     dispatched: bool = False, matmul_every: int = 1, head: bool = True,
+    saved_attention: bool = False,
 ) -> int:
     """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
 
@@ -68,13 +69,17 @@ def activation_bytes(
     ``dispatched``: a mixture-of-experts block's routed pairs travel to experts on other
     ranks and back (one more hidden-sized tensor kept per pair, and where each went).
     ``matmul_every``: selective checkpointing saves the output of the 1st, (N+1)-th, ...
-    matmul of a block (a Llama's make: q, k, v, o, gate, up, down)."""
+    matmul of a block (a Llama's make: q, k, v, o, gate, up, down).
+    ``head``: the layers after the blocks (the final norm) run here; a pipeline stage
+    without them says False. ``saved_attention``: selective checkpointing also saves
+    the attention kernel's output and log-sum-exp (counted for a Llama's make)."""
     if _is_llama_like(model):
         return _llama_activation_bytes(model, workload, dtype, tp=tp,
                                        sequence_parallel=sequence_parallel,
                                        loss_parallel=loss_parallel, mode=mode, every=every,
                                        recompute=recompute, dispatched=dispatched,
-                                       matmul_every=matmul_every, head=head)
+                                       matmul_every=matmul_every, head=head,
+                                       saved_attention=saved_attention)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -168,6 +173,7 @@ def _llama_activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int, recompute: bool,
     dispatched: bool = False, matmul_every: int = 1, head: bool = True,
+    saved_attention: bool = False,
 ) -> int:
     """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
     autograd keeps for backward, counted from the block's structure (measured on the
@@ -227,6 +233,10 @@ def _llama_activation_bytes(
     if t > 1:
         collective_outputs = 2 * h + (2 * h / t if sequence_parallel else 0)
     selective_block = block_input + matmul_outputs + collective_outputs
+    if saved_attention:
+        # the kernel's output (the rank's heads' share of h) and one fp32 log-sum-exp
+        # per head
+        selective_block += (h + a * 4 / bytes_of(dtype)) / t
     layers = model.layers
     checkpointed = layers // every if mode != "none" else 0
     per_token = (layers - checkpointed) * full_block
@@ -288,7 +298,9 @@ def activations_by_mode(layout: Layout, model: ModelShape, workload: Workload, d
                                 every=layout.checkpoint_every if m == mode else 1,
                                 recompute=recompute, dispatched=model.dispatched,
                                 matmul_every=(layout.checkpoint_matmul_every if m == mode
-                                              else 1))
+                                              else 1),
+                                saved_attention=(layout.checkpoint_saves_attention
+                                                 and m == mode))
             for m in AC_MODES}
 
 

@@ -104,7 +104,8 @@ def _activations(
     per_stage = [activation_bytes(s.model, workload, dtype, tp=tp, sequence_parallel=sp,
                                   loss_parallel=lp, mode=mode, every=every, recompute=False,
                                   dispatched=s.model.dispatched, matmul_every=matmul_every,
-                                  head=not whole.vocab or bool(s.model.vocab))
+                                  head=not whole.vocab or bool(s.model.vocab),
+                                  saved_attention=layout.checkpoint_saves_attention)
                  for s in rank.stages]
     held = max((sum(n * b for n, b in zip(moment, per_stage, strict=True))
                 for moment in rank.held), default=0)
