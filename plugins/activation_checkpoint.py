@@ -79,9 +79,16 @@ MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
 # into their arguments, and a selective checkpoint caches outputs, not mutations.
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
 
-# What selective mode can save, and what it saves unless told otherwise: both, so that a
-# recomputation in backward runs no collective again.
-SAVABLE = ("matmul", "collectives")
+# aten ops of the fused attention kernels (what scaled_dot_product_attention runs on each
+# device), whose outputs "attention" saves: the output and its log-sum-exp.
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention")
+
+# What selective mode can save, and what it saves unless told otherwise: matmul and
+# collective outputs, so that a recomputation in backward runs no collective again.
+SAVABLE = ("matmul", "collectives", "attention")
 DEFAULT_SAVE = ("matmul", "collectives")
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -98,6 +105,24 @@ def _matmul_overloads() -> frozenset[Any]:
         if packet is not None:
             found.update(getattr(packet, o) for o in packet.overloads())
     return frozenset(found)
+
+
+@functools.cache
+def _attention_overloads() -> frozenset[Any]:
+    import torch
+
+    aten = torch.ops.aten
+    found: set[Any] = set()
+    for name in ATTENTION_OPS:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            found.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(found)
+
+
+def is_attention(op: Any) -> bool:
+    """Whether ``op`` is one of the fused attention kernels."""
+    return op in _attention_overloads()
 
 
 def is_matmul(op: Any) -> bool:
@@ -122,6 +147,7 @@ def selective_policy(save: tuple[str, ...] = DEFAULT_SAVE, matmul_every: int = 1
     from torch.utils.checkpoint import CheckpointPolicy
 
     save_matmul, save_collectives = "matmul" in save, "collectives" in save
+    save_attention = "attention" in save
     seen = {False: 0, True: 0}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -134,6 +160,8 @@ def selective_policy(save: tuple[str, ...] = DEFAULT_SAVE, matmul_every: int = 1
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
         if save_collectives and is_collective(op):
+            return CheckpointPolicy.MUST_SAVE
+        if save_attention and is_attention(op):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -402,9 +430,12 @@ class ActivationCheckpoint(Plugin):
             reissue = "none" if saved else "early_stop"
         every_matmul = (self.matmul_every if self.mode == "selective" and self.policy is None
                         and self.matmul_every != 1 else None)
+        attention = (True if self.mode == "selective" and self.policy is None
+                     and "attention" in self.save else None)
         return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every,
                                 checkpoint_reissue=reissue,
-                                checkpoint_matmul_every=every_matmul)
+                                checkpoint_matmul_every=every_matmul,
+                                checkpoint_saves_attention=attention)
 
     @hookimpl
     def composer_par_suggest(self) -> list[SuggestAxis]:
@@ -424,16 +455,20 @@ class ActivationCheckpoint(Plugin):
         if stage is not None or mode not in ("full", "selective") or not model.layers:
             return None
         share = (model.layers // layout.checkpoint_every) / model.layers
-        matmuls = share
+        matmuls = attention = share
         if mode == "selective" and self.policy is None and "matmul" in self.save:
             # of a Llama block's 7 matmuls, the 1st, (N+1)-th, ... are saved
             saved = len(range(0, 7, max(1, layout.checkpoint_matmul_every)))
             matmuls = share * (7 - saved) / 7
+        if mode == "selective" and self.policy is None and "attention" in self.save:
+            attention = 0.0
         what = ("checkpointed blocks' forward" if mode == "full" else
-                "checkpointed blocks' ops it does not save (attention and unsaved matmuls)")
+                "checkpointed blocks' ops it does not save (attention and unsaved matmuls)"
+                if attention else "checkpointed blocks' ops it does not save (unsaved "
+                "matmuls)")
         return EstimatePart(compute=(ComputeTerm(f"recomputation: the {what}",
                                                  forward_share=matmuls,
-                                                 attention_share=share),))
+                                                 attention_share=attention),))
 
     @hookimpl
     def composer_par_validate_model(self, model: nn.Module, blocks: list[Block]
@@ -505,6 +540,8 @@ class ActivationCheckpoint(Plugin):
                          else f"1 in {self.matmul_every} matmul")
         if "collectives" in self.save:
             kinds.append("collective")
+        if "attention" in self.save:
+            kinds.append("attention")
         text = f"save {' and '.join(kinds)} outputs, recompute the rest"
         if "collectives" in self.save:
             text += " (no collective issued again in backward)"

@@ -103,14 +103,14 @@ def _collectives(s: _Sharding, model: ModelShape, group: int, nodes: int | None,
         for g in groups:
             times = stage.block_gathers if g.block else stage.root_gathers
             times = 2 if times is None else times
-            payload += g.padded_numel(tp, f) * g.count * s.ag_bytes * times
+            payload += g.gathered_bytes(tp, f, s.ag_bytes) * g.count * times
             count += g.count * times
         if count:
             out.append(Collective(dim, "all_gather", payload, count,
                                   "parameters, as the pipeline schedule runs the stage (a "
                                   "forward after a backward finds them gathered)"))
     else:
-        ag_fwd = sum(g.padded_numel(tp, f) * g.count for g in groups) * s.ag_bytes
+        ag_fwd = sum(g.gathered_bytes(tp, f, s.ag_bytes) * g.count for g in groups)
         out.append(Collective(dim, "all_gather", ag_fwd * micro, calls * micro,
                               "parameters, forward (every group)"))
         again = []
@@ -128,13 +128,13 @@ def _collectives(s: _Sharding, model: ModelShape, group: int, nodes: int | None,
             elif reshard > 1:
                 runs.setdefault(reshard, []).append(g)
         for size, members in sorted(runs.items()):
-            payload = sum(g.padded_numel(tp, f) * g.count for g in members) * s.ag_bytes
+            payload = sum(g.gathered_bytes(tp, f, s.ag_bytes) * g.count for g in members)
             out.append(Collective(dim, "all_gather", payload * micro,
                                   sum(g.count for g in members) * micro,
                                   f"parameters, backward (resharded to groups of {size})",
                                   group_size=size, nodes=run_nodes(s.layout, dim, size)))
         if again:
-            payload = sum(g.padded_numel(tp, f) * g.count for g in again) * s.ag_bytes
+            payload = sum(g.gathered_bytes(tp, f, s.ag_bytes) * g.count for g in again)
             out.append(Collective(dim, "all_gather", payload * micro,
                                   sum(g.count for g in again) * micro,
                                   "parameters, backward (groups resharded after forward)"))
@@ -206,12 +206,15 @@ def _memory(fsdp2: Any, s: _Sharding, model: ModelShape, workload: Any,
     groups = [g for g in model.groups if g.numel]
     blocks = [g for g in groups if g.block]
     largest = max((g.padded_numel(tp, shards[g.name]) for g in blocks), default=0)
+    # gathered as the parameters' dtype, or as narrower as a plugin says (float8)
+    gathered_block = max((g.gathered_bytes(tp, shards[g.name], s.ag_bytes) for g in blocks),
+                         default=0)
     sharded_grads = sum(g.local_numel(tp, shards[g.name]) * g.count for g in groups) * pbytes
     unsharded_grads = sum(g.local_numel(tp, 1) * g.count for g in groups) * s.rs_bytes
     terms: list[MemoryTerm] = []
     if stage is not None and stage.accumulates:
         largest = max((g.padded_numel(tp, shard) for g in groups), default=0)
-        gathered = sum(g.padded_numel(tp, shard) * g.count for g in groups) * s.ag_bytes
+        gathered = sum(g.gathered_bytes(tp, shard, s.ag_bytes) * g.count for g in groups)
         terms += [
             MemoryTerm("grads", unsharded_grads - sharded_grads,
                        f"gradients unsharded over the shard dims in {s.rs_bytes} B: "
@@ -224,12 +227,12 @@ def _memory(fsdp2: Any, s: _Sharding, model: ModelShape, workload: Any,
                        transient=True)]
     else:
         terms.append(MemoryTerm(
-            "buffers", 2 * largest * s.ag_bytes + largest * s.rs_bytes,
+            "buffers", 2 * gathered_block + largest * s.rs_bytes,
             "unsharded groups in flight: the one computing, the one prefetched and one "
             "group's gradients", transient=True))
         root = [g for g in groups if not g.block and g.name == "root"]
         if root and s.reshard("root") is None:
-            terms.append(MemoryTerm("buffers", root[0].padded_numel(tp, shard) * s.ag_bytes,
+            terms.append(MemoryTerm("buffers", root[0].gathered_bytes(tp, shard, s.ag_bytes),
                                     "the root's parameters, unsharded from forward to "
                                     "backward (torch's default)"))
         if stage is None and workload.grad_accum > 1 and workload.sync == "last":

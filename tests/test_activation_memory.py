@@ -94,3 +94,41 @@ def test_selective_checkpointing_saving_every_nth_matmul_as_measured(every: int)
     (recompute,) = part.compute
     assert recompute.forward_share == pytest.approx(1 - len(range(0, 7, every)) / 7)
     assert recompute.attention_share == 1.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("every", [1, 2])
+def test_selective_checkpointing_saving_the_attention_outputs_as_measured(every: int) -> None:
+    """save = ["matmul", "attention", "collectives"] (torchtitan's selective op policy,
+    with matmul_every 2): the attention kernel's output and log-sum-exp are kept too, and
+    the plan's estimate (through checkpoint_saves_attention) follows within the bound;
+    the attention is then not recomputed in backward."""
+    from composer_par import ActivationCheckpoint as AC
+    from composer_par.estimate import estimate_plan
+
+    torch.manual_seed(0)
+    model, loss_of = _project_llama()
+    plan = ParallelPlan(MeshSpec()).use(AC(mode="selective", matmul_every=every,
+                                           save=["matmul", "attention", "collectives"]))
+    plan.apply(model)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    measured = held_for_backward(model, lambda: loss_of(tokens))["activations"]
+    shape = ModelShape.from_module(model)
+    est = estimate_plan(plan, shape, Workload(seq=SEQ, micro_batch=BATCH, dtype="float32"),
+                        world_size=1)
+    assert est.layout.checkpoint_saves_attention
+    assert est.memory.activations == pytest.approx(measured, rel=0.10), (
+        est.memory.activations, measured)
+    # leaving the attention outputs out errs several times more
+    without = estimate_plan(ParallelPlan(MeshSpec()).use(AC(mode="selective",
+                                                            matmul_every=every)),
+                            shape, Workload(seq=SEQ, micro_batch=BATCH, dtype="float32"),
+                            world_size=1)
+    error = abs(est.memory.activations - measured)
+    assert abs(without.memory.activations - measured) > 3 * error, (
+        est.memory.activations, without.memory.activations, measured)
+    selective = Workload(seq=SEQ, micro_batch=BATCH, dtype="float32",
+                         activation_checkpoint="selective")
+    (recompute,) = plan.plugins[0].composer_par_estimate(est.layout, shape, selective,
+                                                         None).compute
+    assert recompute.attention_share == 0.0

@@ -304,6 +304,33 @@ def test_estimate_equals_a_real_steps_bytes(mode: str) -> None:
                            for c in predicted}, (rank, counted)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", MODES)
+def test_estimate_under_tp_equals_a_real_steps_bytes(mode: str) -> None:
+    """cp 2 x tp 2: each rank's attention runs on its tp share of the heads, and so do
+    the K/V CP moves; the plan's estimate (through the hooks) is the step's counted cp
+    collectives, call for call and byte for byte."""
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+    from composer_par.testing.parity import measure_comm
+    from tests.cp_workers import llama_kv4 as task
+
+    case = _cases("llama_kv4", "tp", 4)[MODES.index(mode)]
+    measured = measure_comm(attrs.evolve(case, steps=1), timeout=200)
+    shape = ModelShape.from_numbers(layers=task.n_layers, hidden=task.dim,
+                                    heads=task.n_heads, kv_heads=task.n_kv_heads,
+                                    ffn_hidden=4 * task.dim, vocab=task.vocab_size)
+    est = estimate_plan(ParallelPlan.from_toml(case.plan), shape,
+                        Workload(seq=task.seq_len, micro_batch=task.global_batch,
+                                 dtype="float32"), world_size=4)
+    (cp,) = [t for t in est.traffic if t.dim.name == "cp"]
+    predicted = {c.kind: {"calls": c.calls, "bytes": c.payload} for c in cp.collectives}
+    for rank in range(4):
+        counted = {kind: value for kind, value in measured.summary[rank]["cp"].items()
+                   if kind != "all_reduce"}  # CP's own gradient averaging, apart
+        assert counted == predicted, (rank, counted, predicted)
+
+
 def test_estimate_divides_activations_by_cp_and_adds_buffers() -> None:
     from composer_par import FSDP2
     from composer_par.estimate import ModelShape, Workload, estimate_plan

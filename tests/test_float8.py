@@ -319,6 +319,12 @@ def test_only_torchao_api_reaches_torchao() -> None:
 # -- estimate ------------------------------------------------------------------------------
 
 
+def _gathered(est: Any) -> int:
+    """The all-gather bytes of one step over dp_shard by ``est``."""
+    return sum(c.payload for t in est.traffic if t.dim.name == "dp_shard"
+               for c in t.collectives if c.kind == "all_gather")
+
+
 def test_estimate_states_the_gather_and_the_amax_all_reduce() -> None:
     from composer_par.estimate import ModelShape, Workload, estimate_plan
 
@@ -333,10 +339,16 @@ def test_estimate_states_the_gather_and_the_amax_all_reduce() -> None:
         shape, dim="dp_shard", shard=4, gathers=2, param_dtype="bfloat16",
         recipe="tensorwise", float8_gather=True)
     block = 4 * 256 * 256 + 3 * 256 * 512
-    assert memory == {"float8 weights of the running block, unsharded": block}
+    assert memory == {}  # FSDP2's terms count the unsharded float8 weights
     assert f"gather {4 * block} bytes per pass over the blocks instead of {8 * block}" \
         in notes[1]
     assert f"{4 * block * 2} bytes less per step (2 passes)" in notes[1]
+    # FSDP2's terms count the converted weights' all-gathers at one byte an element
+    # (the float8 plugin marks them in the shape): fp32 parameters here, 3 bytes less
+    # for each, in forward and again in backward
+    high = estimate_plan(ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()).use(
+        Float8(all_gather="high_precision")), shape, Workload(seq=1024), world_size=4)
+    assert _gathered(high) - _gathered(est) == 4 * block * 3 * 2
     rowwise = float8_terms(shape, dim="dp_shard", shard=4, gathers=2,
                            param_dtype="bfloat16", recipe="rowwise", float8_gather=False)
     assert rowwise[0] == () and "high precision" in rowwise[2][1]
@@ -400,6 +412,19 @@ def test_ep_x_fsdp2_parity_on_the_moe_llama_and_mixtral() -> None:
             workers.case(workers.MIXTRAL, "fsdp2_ep", "tensorwise", 4)], timeout=280)
 
 
+def _estimate_of(plan_text: str) -> Any:
+    """The estimate of ``plan_text`` on 2 ranks for the Llama task's model and batch."""
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    plan = ParallelPlan.from_toml(plan_text)
+    with torch.device("meta"):
+        model = llama.build()
+    shape = ModelShape.from_module(model, plan.block_spec())
+    return estimate_plan(plan, shape, Workload(seq=llama.seq_len,
+                                               micro_batch=llama.global_batch // 2),
+                         world_size=2)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_float8_all_gather_moves_half_the_bytes_of_bf16_and_one_amax_all_reduce() -> None:
@@ -424,6 +449,11 @@ def test_float8_all_gather_moves_half_the_bytes_of_bf16_and_one_amax_all_reduce(
         # blocks gather in forward and again in backward: 2 x (2 - 1) bytes per element
         assert hp["all_gather"] - f8[1]["all_gather"] == 2 * converted, (hp, f8[1])
         assert f8[1]["all_gather"] / hp["all_gather"] < 0.6
+    # and the plans' estimates count the same bytes
+    for text, steps in ((workers.plan("fsdp2", "tensorwise", fsdp2=mixed), float8),
+                        (workers.plan("fsdp2", "tensorwise", fsdp2=mixed, float8='all_gather'
+                                      ' = "high_precision"'), bf16)):
+        assert _gathered(_estimate_of(text)) == steps[0]["steps"][-1]["all_gather"], text
         for step in f8:
             amax = [b for b in step["all_reduce"] if b == 4 * weights]
             assert amax == [4 * weights], step["all_reduce"]  # one, of every amax

@@ -77,8 +77,12 @@ def estimate_part(dim: str, mode: str, layout: Any, model: Any, workload: Any,
     size = layout.mesh.size(dim) if dim in layout.mesh else 1
     if size < 2 or not model.heads:
         return None
+    # Tensor parallelism splits the heads: a rank's attention, and what CP moves for it,
+    # runs on its share of them (q, k and v are column-parallel).
+    tp = layout.tensor_parallel_size()
+    kv_heads = model.kv_heads or model.heads
     shape = {"size": size, "batch": workload.micro_batch, "seq": workload.seq,
-             "heads": model.heads, "kv_heads": model.kv_heads or model.heads,
+             "heads": max(1, model.heads // tp), "kv_heads": max(1, kv_heads // tp),
              "head_dim": model.hidden // model.heads,
              "dtype_bytes": dtype_bytes(workload.dtype)}
     collectives = attention_collectives(dim, mode, layers=model.layers,

@@ -208,6 +208,16 @@ class Float8(Plugin):
         return None if self.emulate is True else EstimateSettings(matmul_dtype="float8")
 
     @hookimpl
+    def composer_par_estimate_shape(self, plan: PlanView, layout: Any, model: Any) -> Any:
+        """The converted weights gather in float8 (one byte each) under FSDP2 with the
+        tensorwise recipe: marked so in the shape, for FSDP2's terms to count."""
+        from .estimate import gathered_in_float8
+
+        if not self.float8_gather(plan, layout.mesh):
+            return None
+        return gathered_in_float8(model)
+
+    @hookimpl
     def composer_par_estimate(self, plan: PlanView, layout: Any, model: Any, workload: Any,
                               stage: Any) -> EstimatePart:
         mesh = layout.mesh

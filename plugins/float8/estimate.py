@@ -1,12 +1,14 @@
-"""float8's terms of ``composer-par estimate`` and ``suggest``: the bytes its weight
-all-gathers move, the amax all-reduce of the scale precompute, and the memory of the
-gathered float8 weights. Pure arithmetic over the model shape: no torch.
+"""float8's terms of ``composer-par estimate`` and ``suggest``: the weights whose
+all-gathers move one byte an element (marked in the model shape for FSDP2's terms) and
+the amax all-reduce of the scale precompute. Pure arithmetic over the model shape: no
+torch.
 
 The weights float8 converts are the blocks' matrices (tensors of two tensor dims, not
 experts: those stay in high precision) whose dims are multiples of 16. Under FSDP2 with
-the tensorwise recipe each gathers one byte per element; its scale is computed before the
-all-gather from the amax of every shard (the precompute: one fp32 amax per weight, all
-of them in one all-reduce per step), so no scale is gathered."""
+the tensorwise recipe each gathers one byte per element (the plugin marks them so in the
+model shape, ``TensorShape.gather_bytes``, and FSDP2's terms count them so); its scale
+is computed before the all-gather from the amax of every shard (the precompute: one fp32
+amax per weight, all of them in one all-reduce per step), so no scale is gathered."""
 
 from __future__ import annotations
 
@@ -20,6 +22,24 @@ from .selection import MULTIPLE
 AMAX_BYTES = 4
 
 
+def _converts(tensor: Any) -> bool:
+    return (len(tensor.shape) == 2 and not tensor.experts
+            and all(d % MULTIPLE == 0 for d in tensor.shape))
+
+
+def gathered_in_float8(model: Any) -> Any:
+    """``model`` with the weights float8 converts marked as gathering one byte per
+    element (``TensorShape.gather_bytes``), so FSDP2's terms count them so: its
+    all-gathers and the unsharded blocks it holds."""
+    import attrs
+
+    groups = tuple(
+        attrs.evolve(g, tensors=tuple(attrs.evolve(t, gather_bytes=1) if _converts(t) else t
+                                      for t in g.tensors)) if g.block else g
+        for g in model.groups)
+    return attrs.evolve(model, groups=groups)
+
+
 def converted(model: Any) -> list[tuple[int, int, int]]:
     """``(elements, matrices, count)`` per block group: the elements and the number of
     the matrices float8 converts in one block of the group (multiples of 16), and how
@@ -28,8 +48,7 @@ def converted(model: Any) -> list[tuple[int, int, int]]:
     for group in model.groups:
         if not group.block:
             continue
-        mine = [t for t in group.tensors if len(t.shape) == 2 and not t.experts
-                and all(d % MULTIPLE == 0 for d in t.shape)]
+        mine = [t for t in group.tensors if _converts(t)]
         if not mine:
             continue
         # A shape from numbers stacks a block's matrices into one tensor: its count is
@@ -62,17 +81,13 @@ def float8_terms(model: Any, *, dim: str | None, shard: int, gathers: int, param
     notes.append(
         f"float8 all-gather over {dim}: the converted weights gather {elements} bytes per "
         f"pass over the blocks instead of {elements * width} ({param_dtype}), {saved} bytes "
-        f"less per step ({gathers} passes) than the built-in FSDP2 estimate above counts "
-        "for them; scales are computed on every rank from the precomputed amaxes, none is "
-        "gathered")
+        f"less per step ({gathers} passes), as FSDP2's terms count them (and their unsharded "
+        "copies, one byte each); scales are computed on every rank from the precomputed "
+        "amaxes, none is gathered")
     collectives = (Collective(dim, "all_reduce", count * AMAX_BYTES, 1,
                               "float8 scale precompute: every converted weight's amax, "
                               "once per optimizer step"),)
-    # While a block runs, its converted weights are held unsharded in float8 (one byte
-    # each) beside nothing else: FSDP2 gathers them in place of their high-precision copy.
-    largest = max((n for n, _, _ in blocks), default=0)
-    memory = {"float8 weights of the running block, unsharded": largest}
-    return collectives, memory, tuple(notes)
+    return collectives, {}, tuple(notes)
 
 
-__all__ = ["AMAX_BYTES", "converted", "float8_terms"]
+__all__ = ["AMAX_BYTES", "converted", "float8_terms", "gathered_in_float8"]

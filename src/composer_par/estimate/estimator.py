@@ -223,8 +223,11 @@ def estimate(
     every = layout.checkpoint_every if workload.activation_checkpoint is None else 1
     matmul_every = (layout.checkpoint_matmul_every if workload.activation_checkpoint is None
                     else 1)
+    saves_attention = (layout.checkpoint_saves_attention
+                       and workload.activation_checkpoint is None)
     layout = attrs.evolve(layout, checkpoint_every=every,
-                          checkpoint_matmul_every=matmul_every)
+                          checkpoint_matmul_every=matmul_every,
+                          checkpoint_saves_attention=saves_attention)
     # What every plugin is told: the workload with its dtypes and checkpointing resolved.
     work = attrs.evolve(workload, dtype=dtype, reduce_dtype=reduce_dtype,
                         activation_checkpoint=mode)

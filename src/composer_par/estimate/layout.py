@@ -68,6 +68,8 @@ class Layout:
     checkpoint_reissue: str | None = None  # see EstimateSettings; None: the mode's default
     # Selective checkpointing saves the outputs of every N-th matmul of a block (1: all).
     checkpoint_matmul_every: int = 1
+    # ... and the attention kernel's outputs (see EstimateSettings).
+    checkpoint_saves_attention: bool = False
     # The mesh dim a plugin cuts the model into pipeline stages along (set by the
     # estimator once the plugin stated its pipeline): the plugins are then asked for each
     # stage's terms, and their whole-model answer serves the report only.
@@ -241,7 +243,7 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
         except EstimateError as exc:
             raise EstimateError(f"plugin {who!r}: composer_par_estimate_settings: {exc}"
                                 ) from None
-        for key in ("sequence_parallel", "loss_parallel"):
+        for key in ("sequence_parallel", "loss_parallel", "checkpoint_saves_attention"):
             if key in fields:
                 fields[key] = bool(fields[key])
         merged.update(fields)

@@ -31,11 +31,15 @@ class Memory:
     extra: Mapping[str, int] = attrs.field(factory=dict)
     local_params: int = 0  # elements of parameters one rank holds
     terms: tuple[tuple[str, MemoryTerm], ...] = ()
+    # Held only at the start of backward, beside every activation: the loss's gradients
+    # (:func:`loss_gradient_bytes`); not among ``activations``, which are what autograd
+    # keeps at the end of forward.
+    loss_gradients: int = 0
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations
-                + self.comm_buffers + sum(self.extra.values()))
+                + self.comm_buffers + self.loss_gradients + sum(self.extra.values()))
 
     def by_plugin(self, category: str) -> list[tuple[str, MemoryTerm]]:
         """What the plugins added to ``category``."""
@@ -44,7 +48,8 @@ class Memory:
     def to_dict(self) -> dict[str, Any]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "comm_buffers": self.comm_buffers,
-                "extra": dict(self.extra), "total": self.total,
+                "loss_gradients": self.loss_gradients, "extra": dict(self.extra),
+                "total": self.total,
                 "activations_by_mode": dict(self.activations_by_mode),
                 "local_params": self.local_params,
                 "terms": [{"plugin": who, "category": t.category, "bytes": t.bytes,
@@ -54,7 +59,8 @@ class Memory:
 def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
-    dispatched: bool = False, matmul_every: int = 1,
+    dispatched: bool = False, matmul_every: int = 1, head: bool = True,
+    saved_attention: bool = False,
 ) -> int:
     """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
 
@@ -63,13 +69,17 @@ def activation_bytes(
     ``dispatched``: a mixture-of-experts block's routed pairs travel to experts on other
     ranks and back (one more hidden-sized tensor kept per pair, and where each went).
     ``matmul_every``: selective checkpointing saves the output of the 1st, (N+1)-th, ...
-    matmul of a block (a Llama's make: q, k, v, o, gate, up, down)."""
+    matmul of a block (a Llama's make: q, k, v, o, gate, up, down).
+    ``head``: the layers after the blocks (the final norm) run here; a pipeline stage
+    without them says False. ``saved_attention``: selective checkpointing also saves
+    the attention kernel's output and log-sum-exp (counted for a Llama's make)."""
     if _is_llama_like(model):
         return _llama_activation_bytes(model, workload, dtype, tp=tp,
                                        sequence_parallel=sequence_parallel,
                                        loss_parallel=loss_parallel, mode=mode, every=every,
                                        recompute=recompute, dispatched=dispatched,
-                                       matmul_every=matmul_every)
+                                       matmul_every=matmul_every, head=head,
+                                       saved_attention=saved_attention)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -162,7 +172,8 @@ _MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 def _llama_activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int, recompute: bool,
-    dispatched: bool = False, matmul_every: int = 1,
+    dispatched: bool = False, matmul_every: int = 1, head: bool = True,
+    saved_attention: bool = False,
 ) -> int:
     """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
     autograd keeps for backward, counted from the block's structure (measured on the
@@ -222,6 +233,10 @@ def _llama_activation_bytes(
     if t > 1:
         collective_outputs = 2 * h + (2 * h / t if sequence_parallel else 0)
     selective_block = block_input + matmul_outputs + collective_outputs
+    if saved_attention:
+        # the kernel's output (the rank's heads' share of h) and one fp32 log-sum-exp
+        # per head
+        selective_block += (h + a * 4 / bytes_of(dtype)) / t
     layers = model.layers
     checkpointed = layers // every if mode != "none" else 0
     per_token = (layers - checkpointed) * full_block
@@ -233,13 +248,28 @@ def _llama_activation_bytes(
             per_token += full_block  # one block's activations while it is recomputed
     # After the blocks: the final norm (as a block's norms: 3h + 1 per token, or its
     # sequence-parallel share and the gathered input of the head).
-    per_token += (2 * h / t + 1 / t + h) if t > 1 and sequence_parallel else 3 * h + 1
+    if head:
+        per_token += (2 * h / t + 1 / t + h) if t > 1 and sequence_parallel else 3 * h + 1
     total = s * b * per_token * bytes_of(dtype)
     logits = 0.0
     if model.vocab:
         # the loss's log-softmax output, in fp32 (losses upcast the logits)
         logits = s * b * model.vocab * 4 / (t if loss_parallel else 1)
     return int(total + logits)
+
+
+def loss_gradient_bytes(model: ModelShape, workload: Workload, *, tp: int,
+                        loss_parallel: bool) -> int:
+    """What the loss adds at its peak, the start of backward, when every activation is
+    still held: the gradient of its log-softmax output (cross-entropy's backward writes
+    a dense fp32 tensor of the logits' size) and the one it computes from it for the
+    logits, two more fp32 copies of the logits beside the log-softmax output the
+    activations count (one rank's share of the vocabulary with loss parallelism).
+    ``workload``: one rank's (:func:`~.layout.local_workload`)."""
+    if not model.vocab:
+        return 0
+    logits = workload.seq * workload.micro_batch * model.vocab * 4
+    return 2 * logits // (tp if loss_parallel and tp > 1 else 1)
 
 
 def optimizer_bytes(optimizer: str, mixed: bool) -> int:
@@ -268,7 +298,9 @@ def activations_by_mode(layout: Layout, model: ModelShape, workload: Workload, d
                                 every=layout.checkpoint_every if m == mode else 1,
                                 recompute=recompute, dispatched=model.dispatched,
                                 matmul_every=(layout.checkpoint_matmul_every if m == mode
-                                              else 1))
+                                              else 1),
+                                saved_attention=(layout.checkpoint_saves_attention
+                                                 and m == mode))
             for m in AC_MODES}
 
 
@@ -299,6 +331,8 @@ def memory_per_rank(
             extra[key] = extra.get(key, 0) + int(term.bytes)
         else:
             totals[term.category] += int(term.bytes)
+    loss = loss_gradient_bytes(model, local_workload(layout, workload), tp=tp,
+                               loss_parallel=layout.loss_parallel)
     return Memory(totals["params"], totals["grads"], totals["optimizer"],
                   totals["activations"], totals["buffers"], dict(by_mode), extra, local,
-                  tuple(terms))
+                  tuple(terms), loss_gradients=loss)

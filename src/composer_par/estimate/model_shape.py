@@ -33,6 +33,10 @@ class TensorShape:
     # Routed experts fused on tensor dim 0 ([num_experts, ...]): expert parallelism
     # splits that dim, and TP leaves the tensor whole.
     experts: bool = False
+    # Bytes per element data parallelism's all-gathers move for this tensor when a plugin
+    # gathers it narrower than the parameters (float8's weights: one byte); None: the
+    # parameters' dtype.
+    gather_bytes: int | None = None
 
     @property
     def numel(self) -> int:
@@ -58,6 +62,8 @@ class TensorShape:
             out["position"] = self.position
         if self.experts:
             out["experts"] = True
+        if self.gather_bytes is not None:
+            out["gather_bytes"] = self.gather_bytes
         return out
 
 
@@ -85,6 +91,13 @@ class ParamGroup:
     def padded_numel(self, tp: int, shard: int) -> int:
         """Elements of the group's all-gather output on one TP rank (padding included)."""
         return self.local_numel(tp, shard) * shard
+
+    def gathered_bytes(self, tp: int, shard: int, width: int) -> int:
+        """Bytes of the group's all-gather output on one TP rank: ``width`` bytes per
+        element, or a tensor's own ``gather_bytes`` where a plugin set it."""
+        return sum(t.local_numel(tp, shard) * shard
+                   * (width if t.gather_bytes is None else t.gather_bytes)
+                   for t in self.tensors)
 
     def untouched_numel(self) -> int:
         """Elements of tensors TP does not split (norm weights, biases of 1 tensor dim)."""

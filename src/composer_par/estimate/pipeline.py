@@ -94,20 +94,26 @@ def merged_model(whole: ModelShape, stages: Sequence[EstimateStage]) -> ModelSha
 
 def _activations(
     layout: Layout, rank: EstimateRank, workload: Workload, dtype: str, tp: int, mode: str,
+    whole: ModelShape,
 ) -> int:
     every, matmul_every = layout.checkpoint_every, layout.checkpoint_matmul_every
     sp, lp = layout.sequence_parallel, layout.loss_parallel
     workload = local_workload(layout, workload)
+    # The final norm runs on the stage with the head (the logits); a model without a
+    # vocabulary names no such stage, and each stage counts it, as before the cut.
     per_stage = [activation_bytes(s.model, workload, dtype, tp=tp, sequence_parallel=sp,
                                   loss_parallel=lp, mode=mode, every=every, recompute=False,
-                                  dispatched=s.model.dispatched, matmul_every=matmul_every)
+                                  dispatched=s.model.dispatched, matmul_every=matmul_every,
+                                  head=not whole.vocab or bool(s.model.vocab),
+                                  saved_attention=layout.checkpoint_saves_attention)
                  for s in rank.stages]
     held = max((sum(n * b for n, b in zip(moment, per_stage, strict=True))
                 for moment in rank.held), default=0)
     if mode == "full" and any(s.model.layers // every for s in rank.stages):
         # one block's activations while it is recomputed: the heaviest of the rank's
         held += max(activation_bytes(one, workload, dtype, tp=tp, sequence_parallel=sp,
-                                     loss_parallel=lp, mode="none", dispatched=one.dispatched)
+                                     loss_parallel=lp, mode="none", dispatched=one.dispatched,
+                                     head=False)
                     for s in rank.stages for one in _single_blocks(s.model))
     return held
 
@@ -164,7 +170,8 @@ def rank_estimate(
     terms = rank_terms(per_stage)
     terms += [("", MemoryTerm("other", int(size), name))
               for name, size in rank.buffers.items()]
-    by_mode = {m: _activations(layout, rank, workload, dtype, tp, m) for m in AC_MODES}
+    by_mode = {m: _activations(layout, rank, workload, dtype, tp, m, whole)
+               for m in AC_MODES}
     memory = memory_per_rank(layout, model, workload, terms, dtype=dtype, mode=mode, tp=tp,
                              shard=shard, by_mode=by_mode)
     collectives += rank.sends

@@ -24,8 +24,9 @@ ACCOUNTING: tuple[str, ...] = (
     "s*b*h*(10 + 24/t + 5*a*s/(h*t)); sequence parallel divides all by t; selective AC drops "
     "5*a*s/h; full AC keeps 2*s*b*h per block + one block's activations; fp32 doubles; the "
     "attention-score term 5*a*s/h counts only with eager attention (SDPA's flash and "
-    "memory-efficient kernels keep no scores); + s*b*vocab*4 for fp32 logits; a Llama's "
-    "blocks are counted from their structure (docs/estimate.md)",
+    "memory-efficient kernels keep no scores); + s*b*vocab*4 for fp32 logits, and at the "
+    "start of backward 2*s*b*vocab*4 more (the loss's fp32 gradients); a Llama's blocks "
+    "are counted from their structure (docs/estimate.md)",
     "communication: each plugin states its collectives per mesh dim. Bytes are logical "
     "payloads (all-gather: the gathered output; reduce-scatter: the full input; all-reduce: "
     "the tensor; all-to-all: the input)",
@@ -100,6 +101,9 @@ def format_estimate(est: Estimate, paint: Any = None) -> str:
         ("communication buffers", format_bytes(mem.comm_buffers),
          _how("", mem.by_plugin("buffers"))),
     ]
+    if mem.loss_gradients:
+        rows.append(("loss gradients", format_bytes(mem.loss_gradients),
+                     "at the start of backward: two fp32 copies of the logits"))
     rows += [(name, format_bytes(size), "") for name, size in mem.extra.items()]
     total = format_bytes(mem.total)
     verdict = ""

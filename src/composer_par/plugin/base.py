@@ -159,6 +159,9 @@ class EstimateSettings:
     # Selective checkpointing saves the outputs of the 1st, (N+1)-th, ... matmul of each
     # block (1: every matmul's).
     checkpoint_matmul_every: int | None = None
+    # Selective checkpointing saves the attention kernel's outputs (the output and its
+    # log-sum-exp) instead of recomputing the attention in backward.
+    checkpoint_saves_attention: bool | None = None
 
     def set_fields(self) -> dict[str, Any]:
         """The fields this answer sets (not None)."""

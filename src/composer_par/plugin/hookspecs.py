@@ -386,11 +386,12 @@ def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | Non
     a model-parallel one ``sequence_parallel`` / ``loss_parallel``, a context-parallel
     one ``sequence_split`` (each rank holds 1 / sequence_split of every sequence's
     tokens), an activation-checkpointing one ``activation_checkpoint`` (``"none"``,
-    ``"selective"`` or ``"full"``), ``checkpoint_every``, ``checkpoint_reissue`` and
-    ``checkpoint_matmul_every``. Or None. The answers are merged in plan order, a later
-    plugin's set field over an earlier one's; what no plugin sets keeps the estimator's
-    default. The estimate never reads a plugin's options: what the plugin's own terms
-    need stays with the plugin (its answer to ``composer_par_estimate`` reads them).
+    ``"selective"`` or ``"full"``), ``checkpoint_every``, ``checkpoint_reissue``,
+    ``checkpoint_matmul_every`` and ``checkpoint_saves_attention``. Or None. The answers
+    are merged in plan order, a later plugin's set field over an earlier one's; what no
+    plugin sets keeps the estimator's default. The estimate never reads a plugin's
+    options: what the plugin's own terms need stays with the plugin (its answer to
+    ``composer_par_estimate`` reads them).
     """
 
 
@@ -427,7 +428,9 @@ def composer_par_estimate_shape(
     model-parallel dims. Expert parallelism answers: each MoE block's routed experts
     move to a group of their own (``ParamGroup.apart`` names the dims they differ along,
     ``parent`` the block), holding this rank's ``num_experts / ep`` of them; data
-    parallelism then shards that group over its dims without ``apart``.
+    parallelism then shards that group over its dims without ``apart``. A plugin that
+    makes data parallelism gather some tensors narrower than the parameters marks them
+    (``TensorShape.gather_bytes``: float8's converted weights gather in one byte).
     Returns: the transformed :class:`~composer_par.estimate.ModelShape`, or None.
     """
 
