@@ -17,7 +17,7 @@ def largest_memory(est: Estimate) -> str:
     mem = est.memory
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer states": mem.optimizer,
              "activations": mem.activations, "communication buffers": mem.comm_buffers,
-             **mem.extra}
+             "loss gradients": mem.loss_gradients, **mem.extra}
     name = max(parts, key=lambda k: parts[k])
     return f"{name} {format_bytes(parts[name])}"
 
