@@ -23,11 +23,10 @@ activation checkpointing, float8 matmuls); nothing is fitted to the rows: the de
 achieved share of its peak is the estimate's default. Targets: memory within +-15 %,
 tokens/s within +-25 % on every row that states them.
 
-Then ``suggest`` on the cluster shapes of Llama 3 405B and DeepSeek-V3: the rank of the
-published layout among its candidates (target: top 5) and the best's predicted step time
-against the published layout's (target: the published no more than 10 % slower).
+``suggest`` on the cluster shapes of Llama 3 405B and DeepSeek-V3 (``CLUSTERS`` below)
+is bench_suggest_published.py.
 
-    .venv/bin/python benchmarks/bench_estimate_published.py [--skip-suggest]
+    .venv/bin/python benchmarks/bench_estimate_published.py
 """
 
 from __future__ import annotations
@@ -256,57 +255,17 @@ def _published(candidate: Any, layout: dict[str, int]) -> bool:
     return sizes == {d: layout[d] for d in sizes} and data == layout["data"]
 
 
-def suggest_table() -> list[tuple[str, ...]]:
-    from composer_par.estimate import preset
-    from composer_par.tools.suggest import suggest
-    from composer_par.topology import Topology
-
-    out: list[tuple[str, ...]] = []
-    for c in CLUSTERS:
-        started = time.perf_counter()
-        result = suggest(preset(c.model), Topology(c.nodes, 8), int(c.memory_gib * 10**9),
-                         seq=c.seq, global_batch=c.global_batch, device=c.device,
-                         matmul_dtype=c.matmul_dtype, intra_node_gbps=c.intra_gbps,
-                         inter_node_gbps=NIC_400G, options=c.options, max_sizes=c.max_sizes)
-        fitting = [r for r in result.ranked if r.fits]
-        published = [(i, r) for i, r in enumerate(fitting) if _published(r.candidate,
-                                                                          c.published)]
-        best = result.best
-        if published and best is not None:
-            index, mine = published[0]
-            rank = f"{index + 1} of {len(fitting)}"
-            slower = mine.seconds / best.seconds
-            verdict = "ok" if index < 5 and slower <= 1.10 else "MISS"
-            out.append((c.name, best.candidate.label(), f"{best.seconds:.2f}s",
-                        mine.candidate.label(), f"{mine.seconds:.2f}s", rank,
-                        f"{slower:.2f} {verdict}", f"{time.perf_counter() - started:.0f}s",
-                        c.source))
-        else:
-            out.append((c.name, best.candidate.label() if best else "nothing fits", "-",
-                        "not among the fitting layouts", "-", "-", "MISS",
-                        f"{time.perf_counter() - started:.0f}s", c.source))
-    return out
-
-
 def main() -> None:
     from composer_par.tables import table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--skip-suggest", action="store_true",
-                        help="only the estimate rows (suggest on 16384 GPUs takes minutes)")
-    args = parser.parse_args()
+    parser.parse_args()
     print("predicted / published, per row (memory: GiB per GPU at peak; tokens/s per GPU; "
           f"MFU against the dense BF16 peak); targets: memory +-{MEMORY_TARGET:.0%}, "
           f"tokens/s and MFU +-{TOKENS_TARGET:.0%}")
     print(table(estimate_table(), ("ROW", "MEM", "PUB", "RATIO", "TOK/S", "PUB", "RATIO",
                                    "MFU", "PUB", "RATIO", "NOT MODELED", "TIME", "SOURCE"),
                 right=(1, 2, 4, 5, 7, 8)))
-    if args.skip_suggest:
-        return
-    print("\nsuggest on the published cluster shapes: the published layout's rank among the "
-          "fitting layouts (target top 5) and its step time over the best's (target <= 1.10)")
-    print(table(suggest_table(), ("CLUSTER", "BEST", "STEP", "PUBLISHED LAYOUT", "STEP",
-                                  "RANK", "PUB/BEST", "TIME", "SOURCE"), right=(2, 4)))
 
 
 if __name__ == "__main__":
