@@ -173,8 +173,8 @@ from composer_par.plugin.fsdp_units import (
     own_units,
     small_remainder,
 )
-from composer_par.plugin.gradients import average_gradients
 from composer_par.plugin.gradient_sum import sum_gradient
+from composer_par.plugin.gradients import average_gradients
 from composer_par.plugin.model_plans import expert_parallel_plan
 from composer_par.plugin.options import (
     IMPORT_STRING_RULE,
