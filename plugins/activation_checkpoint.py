@@ -95,25 +95,13 @@ _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*
 
 
 @functools.cache
-def _matmul_overloads() -> frozenset[Any]:
+def _overloads(names: tuple[str, ...]) -> frozenset[Any]:
+    """Every overload of the aten ops named (those this torch has)."""
     import torch
 
     aten = torch.ops.aten
     found: set[Any] = set()
-    for name in MATMUL_OPS:
-        packet = getattr(aten, name, None)
-        if packet is not None:
-            found.update(getattr(packet, o) for o in packet.overloads())
-    return frozenset(found)
-
-
-@functools.cache
-def _attention_overloads() -> frozenset[Any]:
-    import torch
-
-    aten = torch.ops.aten
-    found: set[Any] = set()
-    for name in ATTENTION_OPS:
+    for name in names:
         packet = getattr(aten, name, None)
         if packet is not None:
             found.update(getattr(packet, o) for o in packet.overloads())
@@ -122,12 +110,12 @@ def _attention_overloads() -> frozenset[Any]:
 
 def is_attention(op: Any) -> bool:
     """Whether ``op`` is one of the fused attention kernels."""
-    return op in _attention_overloads()
+    return op in _overloads(ATTENTION_OPS)
 
 
 def is_matmul(op: Any) -> bool:
     """Whether ``op`` (an aten OpOverload) is one of the matrix multiplications."""
-    return op in _matmul_overloads()
+    return op in _overloads(MATMUL_OPS)
 
 
 def is_collective(op: Any) -> bool:
