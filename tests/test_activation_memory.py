@@ -60,6 +60,23 @@ def test_estimated_activations_within_10_percent_of_measured(build: Any, mode: s
 
 
 
+def _measured_and_estimated(plugin: Any) -> tuple[ParallelPlan, ModelShape, Any, int]:
+    """The project's Llama under a plan of ``plugin`` alone: the plan, the model's shape,
+    the plan's estimate and the activations measured held for backward."""
+    from composer_par.estimate import estimate_plan
+
+    torch.manual_seed(0)
+    model, loss_of = _project_llama()
+    plan = ParallelPlan(MeshSpec()).use(plugin)
+    plan.apply(model)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    measured = held_for_backward(model, lambda: loss_of(tokens))["activations"]
+    shape = ModelShape.from_module(model)
+    est = estimate_plan(plan, shape, Workload(seq=SEQ, micro_batch=BATCH, dtype="float32"),
+                        world_size=1)
+    return plan, shape, est, measured
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("every", [2, 3])
 def test_selective_checkpointing_saving_every_nth_matmul_as_measured(every: int) -> None:
@@ -68,17 +85,9 @@ def test_selective_checkpointing_saving_every_nth_matmul_as_measured(every: int)
     its settings: checkpoint_matmul_every) follows, within the bound above, where
     counting every matmul output would overshoot by half again."""
     from composer_par import ActivationCheckpoint as AC
-    from composer_par.estimate import estimate_plan
 
-    torch.manual_seed(0)
-    model, loss_of = _project_llama()
-    plan = ParallelPlan(MeshSpec()).use(AC(mode="selective", matmul_every=every))
-    plan.apply(model)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-    measured = held_for_backward(model, lambda: loss_of(tokens))["activations"]
-    shape = ModelShape.from_module(model)
-    est = estimate_plan(plan, shape, Workload(seq=SEQ, micro_batch=BATCH, dtype="float32"),
-                        world_size=1)
+    plan, shape, est, measured = _measured_and_estimated(
+        AC(mode="selective", matmul_every=every))
     assert est.layout.checkpoint_matmul_every == every
     assert est.memory.activations == pytest.approx(measured, rel=0.10), (
         est.memory.activations, measured)
@@ -106,16 +115,8 @@ def test_selective_checkpointing_saving_the_attention_outputs_as_measured(every:
     from composer_par import ActivationCheckpoint as AC
     from composer_par.estimate import estimate_plan
 
-    torch.manual_seed(0)
-    model, loss_of = _project_llama()
-    plan = ParallelPlan(MeshSpec()).use(AC(mode="selective", matmul_every=every,
-                                           save=["matmul", "attention", "collectives"]))
-    plan.apply(model)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-    measured = held_for_backward(model, lambda: loss_of(tokens))["activations"]
-    shape = ModelShape.from_module(model)
-    est = estimate_plan(plan, shape, Workload(seq=SEQ, micro_batch=BATCH, dtype="float32"),
-                        world_size=1)
+    plan, shape, est, measured = _measured_and_estimated(
+        AC(mode="selective", matmul_every=every, save=["matmul", "attention", "collectives"]))
     assert est.layout.checkpoint_saves_attention
     assert est.memory.activations == pytest.approx(measured, rel=0.10), (
         est.memory.activations, measured)
