@@ -276,7 +276,8 @@ class FSDP2(Plugin):
     """Fully sharded data parallel (``torch.distributed.fsdp.fully_shard``).
 
     Options: ``dim`` (default ``dp_shard``); ``reshard_after_forward`` (bool, an int
-    world size to reshard to, or None for torch's default); ``reshard_units`` (the same
+    world size to reshard to, or None for torch's default, except that the last block
+    stays gathered for its backward: :meth:`kept_block`); ``reshard_units`` (the same
     per unit: ``{"root": False, "layers.47": False}``, keys unit paths or fnmatch patterns
     of them, ``root`` the root's unit; each over ``reshard_after_forward``);
     ``mixed_precision`` (:class:`MixedPrecision`, a table, or ``"bf16"``); ``offload``
@@ -503,17 +504,33 @@ class FSDP2(Plugin):
             fix=f"{advice}; or leave it: one all-gather and one reduce-scatter more per "
             "step, for a few bytes")]
 
-    def reshard_values(self, units: list[Unit]
+    def kept_block(self, units: list[Unit], *, part: bool = False) -> str | None:
+        """The block left unsharded from forward to backward by default: the last one.
+        Its backward follows its forward at once (only the head and the loss lie between),
+        so resharding it would only all-gather it again; torchtitan keeps it too. None
+        when a value is given for it (``reshard_after_forward``, a ``reshard_units``
+        entry), inside a pipeline stage (whose schedule runs other microbatches' forwards
+        in between), or with ``offload = "cpu"`` (chosen to save device memory)."""
+        blocks = [u for u in units if u.kind == "block"]
+        if (not blocks or part or self.offload == "cpu"
+                or self.reshard_after_forward is not None
+                or any(blocks[-1].matches(k) for k in self.reshard_units)):
+            return None
+        return blocks[-1].name
+
+    def reshard_values(self, units: list[Unit], *, part: bool = False
                        ) -> tuple[dict[str, bool | int | None], list[Finding]]:
         """Each unit's ``reshard_after_forward`` (None: torch's default), and the findings
         on ``reshard_units``: an entry naming no unit (CP428), two values for one (CP430).
 
         An exact path beats patterns; otherwise the table's entries, then the model plan's
         style for its units (unless ``reshard_after_forward`` is given), then
-        ``reshard_after_forward``."""
+        ``reshard_after_forward``; the last block, given none of them, stays gathered
+        (:meth:`kept_block`; ``part``: a pipeline stage's part)."""
         values: dict[str, bool | int | None] = {}
         found: list[Finding] = []
         used: set[str] = set()
+        kept = self.kept_block(units, part=part)
         for unit in units:
             exact = [k for k in self.reshard_units if not _GLOB & set(k) and unit.matches(k)]
             patterns = [k for k in self.reshard_units if _GLOB & set(k) and unit.matches(k)]
@@ -533,6 +550,8 @@ class FSDP2(Plugin):
                 value = self.reshard_units[chosen[0]]
             elif unit.style is not None and self.reshard_after_forward is None:
                 value = unit.style
+            elif unit.name == kept:
+                value = False
             values[unit.name] = value
         for key in self.reshard_units:
             if key not in used:
@@ -628,7 +647,10 @@ class FSDP2(Plugin):
         steps = [(
             "data_parallel",
             f"fully_shard each block{middle}, then the root, over mesh ({', '.join(dims)})"
-            + (f" with {opts}" if opts else ""),
+            + (f" with {opts}" if opts else "")
+            + ("" if self.reshard_after_forward is not None or self.offload == "cpu" else
+               "; the last block kept gathered from forward to backward unless "
+               "reshard_units names it or a pipeline stage holds it"),
         )]
         if self.gradient_divide_factor is not None:
             steps.append(("finalize", f"divide gradients by {self.gradient_divide_factor:g} "
@@ -667,7 +689,9 @@ class FSDP2(Plugin):
         units, problems = self.unit_list(ctx.model, ctx.blocks, part=ctx.pipeline is not None)
         if problems:  # validation refuses these first; a model changed since then
             raise ValueError(problems[0].message)
-        reshard = self.reshard_values(units)[0]
+        part = ctx.pipeline is not None
+        reshard = self.reshard_values(units, part=part)[0]
+        kept = self.kept_block(units, part=part)
         joined = (model_plan_units(ctx.model, ctx.blocks)[1]
                   if self.blocks is None and not self.units else [])
         place = functools.partial(_shard_placement, mesh.size(mesh.ndim - 1))
@@ -705,9 +729,12 @@ class FSDP2(Plugin):
                                    for u in own))
         if joined:
             detail += "; joined: " + ", ".join(j.describe() for j in joined)
+        if kept is not None:
+            detail += (f"; the last block {kept} kept gathered from forward to backward "
+                       "(its backward follows at once: one all-gather less per step)")
         if self.reshard_units:
             # The units reshard_units changed, against what they would have had without it.
-            before = attrs.evolve(self, reshard_units={}).reshard_values(units)[0]
+            before = attrs.evolve(self, reshard_units={}).reshard_values(units, part=part)[0]
             detail += "; reshard_after_forward per unit: " + ", ".join(
                 f"{u.name}={reshard[u.name]}" for u in units
                 if (type(reshard[u.name]), reshard[u.name])

@@ -10,7 +10,8 @@ no torch.
   forward, and reduce-scatters its gradients once per backward that reduces (the
   training step's sync policy); groups set apart (expert parallelism's experts) over the
   group without the dims they differ along. ``reshard_after_forward`` (per unit with
-  ``reshard_units``): None (torch's default) reshards every group but the root's; True
+  ``reshard_units``): None (torch's default) reshards every group but the root's and the
+  last block's (kept for its backward, which follows at once); True
   or an int n >= the shard size every group it is given to; 1 < n < the shard size to
   runs of n ranks (a sub-group); False (and n = 1) none. All of them run behind compute
   (FSDP2 prefetches the next group's all-gather, and reduce-scatters while backward goes
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 
 ACCOUNTING = (
     "fsdp2: all-gather every parameter group (each block, its units, then the root) in "
-    "forward, again in backward when resharded after forward; reduce-scatter gradients "
+    "forward, again in backward when resharded after forward (by default all but the "
+    "root's and the last block's); reduce-scatter gradients "
     "once per backward that reduces; over the shard dim with the folded dims flattened in "
     "(groups set apart: without the dims they differ along); all of it behind compute; "
     "buffers: two groups gathered and one group's gradients",
@@ -84,6 +86,7 @@ class _Sharding:
     dim: Any  # DimInfo
     layout: Any
     reshard: Any  # the unit -> reshard_after_forward function
+    keeps_last: bool  # the last block stays gathered for its backward unless named
     tp: int
     ag_bytes: int
     rs_bytes: int
@@ -115,9 +118,13 @@ def _collectives(s: _Sharding, model: ModelShape, group: int, nodes: int | None,
                               "parameters, forward (every group)"))
         again = []
         runs: dict[int, list[Any]] = {}
+        last = next((g for g in reversed(groups) if g.block and not g.apart), None)
         for g in groups:
             reshard = s.reshard(g.name)
-            if reshard is None:
+            if reshard is None and g is last and s.keeps_last:
+                if g.count > 1:
+                    again.append(attrs.evolve(g, count=g.count - 1))
+            elif reshard is None:
                 if g.name != "root" or g.block:
                     again.append(g)
             elif isinstance(reshard, bool):
@@ -174,7 +181,8 @@ def estimate_part(fsdp2: Any, layout: Any, model: ModelShape, workload: Any,
 
     tp = layout.tensor_parallel_size()
     shard = layout.shard_size()
-    s = _Sharding(dim, layout, reshard, tp, dtype_bytes(workload.dtype),
+    keeps_last = fsdp2.reshard_after_forward is None and fsdp2.offload != "cpu"
+    s = _Sharding(dim, layout, reshard, keeps_last, tp, dtype_bytes(workload.dtype),
                   dtype_bytes(workload.reduce_dtype))
     micro = runs_of(workload, stage)
     scatters = (1 if stage.accumulates else stage.runs) if stage is not None \

@@ -13,12 +13,13 @@ RMSNorm, attention with wq/wk/wv/wo, RMSNorm, SwiGLU with w1/w3/w2) and the root
 parameters (``tok_embeddings``, ``norm``, ``output``). FSDP2 makes ``L + 1`` groups: one
 per block and the root's.
 
-FSDP2 per step, over its shard dim, with torch's default ``reshard_after_forward``
-(every group but the root's reshards after forward, since the root's parameters are
-needed first in backward):
+FSDP2 per step, over its shard dim, with its default ``reshard_after_forward`` (every
+group reshards after forward but two: the root's, as torch's default, since its
+parameters are needed first in backward; and the last block's, whose backward follows its
+forward at once):
 
 * forward: one all-gather per group: ``L + 1``;
-* backward: one all-gather per resharded group: ``L``;
+* backward: one all-gather per resharded group: ``L - 1``;
 * gradients: one reduce-scatter per group: ``L + 1``.
 
 HSDP adds, over its replicate dim, one all-reduce per group of the reduce-scattered
@@ -63,7 +64,7 @@ GROUPS = L + 1  # FSDP2 / replicate groups: each block, and the root
 
 # -- the golden counts, derived (see the module docstring) -----------------------------------
 
-FSDP2_DIM = {"all_gather": GROUPS + L, "reduce_scatter": GROUPS}  # 3 + 2 = 5, 3
+FSDP2_DIM = {"all_gather": GROUPS + L - 1, "reduce_scatter": GROUPS}  # 3 + 1 = 4, 3
 REPLICATE_DIM = {"all_reduce": GROUPS}  # 3
 TP_DIM = {"all_reduce": (2 * L + 1) + (5 * L + 1), "all_gather": 1}  # 5 + 11 = 16, 1
 # Checkpointing recomputes wo's all-reduce, once per block (early stop spares w2's).
@@ -176,7 +177,7 @@ def test_golden_counts_on_8_ranks() -> None:
 
 def test_the_golden_numbers_follow_the_derivation() -> None:
     # The arithmetic of the docstring for the tasks' 2-block Llama, spelled out.
-    assert FSDP2_DIM == {"all_gather": 5, "reduce_scatter": 3}
+    assert FSDP2_DIM == {"all_gather": 4, "reduce_scatter": 3}
     assert REPLICATE_DIM == {"all_reduce": 3}
     assert TP_DIM == {"all_reduce": 16, "all_gather": 1}
     assert TP_DIM_RECOMPUTED == {"all_reduce": 18, "all_gather": 1}

@@ -391,14 +391,15 @@ def test_fsdp2_with_cp_shards_over_dp_shard_x_cp_in_the_estimate() -> None:
         quarter, 4 * quarter, 4 * quarter, 8 * quarter)  # fp32 AdamW: 4 + 4 + 8 B
     dp = next(t for t in est.traffic if t.dim.name == "dp_shard")
     whole = 4 * _PARAMS  # every block gathered whole, its gradients reduce-scattered, fp32
-    # forward all-gathers every block, backward again (resharded after forward), then
-    # one reduce-scatter per block
+    # forward all-gathers every block, backward all but the last again (resharded after
+    # forward; the last stays gathered for its backward), then one reduce-scatter per block
+    again = whole // _LAYERS * (_LAYERS - 1)
     assert {(c.kind, c.payload, c.calls, c.group_size, c.nodes) for c in dp.collectives} == {
-        ("all_gather", whole, _LAYERS, 4, 2), ("all_gather", whole, _LAYERS, 4, 2),
+        ("all_gather", whole, _LAYERS, 4, 2), ("all_gather", again, _LAYERS - 1, 4, 2),
         ("reduce_scatter", whole, _LAYERS, 4, 2)}
     # a ring over 4 ranks sends 3/4 of each payload; on 2 nodes of 2, half of that leaves
     # the node over this rank's own link
-    sent = 3 * whole * 3 / 4
+    sent = (2 * whole + again) * 3 / 4
     assert (dp.intra_bytes, dp.inter_bytes) == pytest.approx((sent / 2, sent / 2))
 
 

@@ -342,13 +342,14 @@ def test_estimate_states_the_gather_and_the_amax_all_reduce() -> None:
     assert memory == {}  # FSDP2's terms count the unsharded float8 weights
     assert f"gather {4 * block} bytes per pass over the blocks instead of {8 * block}" \
         in notes[1]
-    assert f"{4 * block * 2} bytes less per step (2 passes)" in notes[1]
+    assert f"{4 * block * 2} bytes less per step at most (2 passes" in notes[1]
     # FSDP2's terms count the converted weights' all-gathers at one byte an element
     # (the float8 plugin marks them in the shape): fp32 parameters here, 3 bytes less
-    # for each, in forward and again in backward
+    # for each, in forward (4 blocks) and again in backward (all but the last block,
+    # which FSDP2 keeps gathered for it)
     high = estimate_plan(ParallelPlan(MeshSpec(dp_shard=4)).use(FSDP2()).use(
         Float8(all_gather="high_precision")), shape, Workload(seq=1024), world_size=4)
-    assert _gathered(high) - _gathered(est) == 4 * block * 3 * 2
+    assert _gathered(high) - _gathered(est) == block * 3 * (4 + 3)
     rowwise = float8_terms(shape, dim="dp_shard", shard=4, gathers=2,
                            param_dtype="bfloat16", recipe="rowwise", float8_gather=False)
     assert rowwise[0] == () and "high precision" in rowwise[2][1]
@@ -446,9 +447,13 @@ def test_float8_all_gather_moves_half_the_bytes_of_bf16_and_one_amax_all_reduce(
         f8, hp = float8[rank]["steps"], bf16[rank]["steps"][0]
         assert hp["gather_dtypes"] == ["bfloat16"]
         assert "uint8" in f8[0]["gather_dtypes"]
-        # blocks gather in forward and again in backward: 2 x (2 - 1) bytes per element
-        assert hp["all_gather"] - f8[1]["all_gather"] == 2 * converted, (hp, f8[1])
-        assert f8[1]["all_gather"] / hp["all_gather"] < 0.6
+        # every block gathers in forward, all but the last (kept gathered) again in
+        # backward: 2 - 1 bytes less per element each time
+        passes = 2 * llama.n_layers - 1
+        assert hp["all_gather"] - f8[1]["all_gather"] == passes * converted // llama.n_layers, (
+            hp, f8[1])
+        # the rest (norms, embedding, head) gathers in bf16 either way
+        assert f8[1]["all_gather"] / hp["all_gather"] < 0.65
     # and the plans' estimates count the same bytes
     for text, steps in ((workers.plan("fsdp2", "tensorwise", fsdp2=mixed), float8),
                         (workers.plan("fsdp2", "tensorwise", fsdp2=mixed, float8='all_gather'

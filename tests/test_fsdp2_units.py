@@ -9,9 +9,11 @@ The golden counts are derived from the unit list a plan makes of the tasks' Llam
 ``tok_embeddings``, ``norm``, ``output``), as in tests/test_collective_counts.py: per
 step, over the shard dim, one all-gather per unit in forward, one more in backward per
 unit resharded after forward (over the shard dim for True, over a subgroup for an int,
-none for False), and one reduce-scatter per unit. torch's default (``None``) reshards
-every unit but the root. A module of ``units=`` leaves the root's unit, so as long as the
-root keeps a parameter of its own (``norm``), each such module adds exactly one unit.
+none for False), and one reduce-scatter per unit. FSDP2's default (``None``) reshards
+every unit but the root (torch's default) and the last block (whose backward follows its
+forward at once), unless ``reshard_units`` names that block. A module of ``units=`` leaves
+the root's unit, so as long as the root keeps a parameter of its own (``norm``), each
+such module adds exactly one unit.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ Unit = tuple[str, "bool | int"]  # (name, reshard_after_forward as FSDP2 resolve
 def units_of(extra: tuple[str, ...] = (), reshard: dict[str, bool | int] | None = None,
              default: bool | int | None = None) -> list[Unit]:
     """The units FSDP2 makes of the task's Llama, bottom-up, each with its resolved
-    reshard_after_forward: ``default`` for every unit (None: torch's, True for all but the
-    root), then ``reshard`` by exact name."""
+    reshard_after_forward: ``default`` for every unit (None: FSDP2's, True for all but the
+    root and the last block), then ``reshard`` by exact name."""
     names = [*BLOCKS, *extra, "root"]
     out = []
     for name in names:
-        value: bool | int = (name != "root") if default is None else default
+        value: bool | int = (name not in ("root", BLOCKS[-1])) if default is None else default
         out.append((name, (reshard or {}).get(name, value)))
     return out
 
@@ -112,20 +114,20 @@ def test_golden_counts_are_derived_as_documented() -> None:
     # The derivation itself, spelled out for the cases above (so a wrong helper cannot
     # make a wrong golden count agree with a wrong measurement).
     assert COUNT_CASES["embedding unit, layers checkpointed"][1] == {
-        "dp_shard": {"all_gather": 4 + 3, "reduce_scatter": 4}}
+        "dp_shard": {"all_gather": 4 + 2, "reduce_scatter": 4}}
     assert COUNT_CASES["embedding and head units, root and last block kept"][1] == {
         "dp_shard": {"all_gather": 5 + 3, "reduce_scatter": 5}}
     assert COUNT_CASES["root resharded"][1] == {
-        "dp_shard": {"all_gather": 3 + 3, "reduce_scatter": 3}}
+        "dp_shard": {"all_gather": 3 + 2, "reduce_scatter": 3}}
     assert COUNT_CASES["blocks kept by a pattern, root resharded"][1] == {
         "dp_shard": {"all_gather": 3 + 1, "reduce_scatter": 3}}
     assert COUNT_CASES["last block resharded to runs of 2"][1] == {
         "dp_shard": {"all_gather": 3 + 1, "reduce_scatter": 3},
         "dp_shard (subgroup)": {"all_gather": 1}}
     assert COUNT_CASES["torchtitan's units, root without parameters"][1] == {
-        "dp_shard": {"all_gather": 4 + 3, "reduce_scatter": 4}}
+        "dp_shard": {"all_gather": 4 + 2, "reduce_scatter": 4}}
     assert COUNT_CASES["hsdp x fsdp2 2x2, embedding unit"][1] == {
-        "dp_shard": {"all_gather": 4 + 3, "reduce_scatter": 4},
+        "dp_shard": {"all_gather": 4 + 2, "reduce_scatter": 4},
         "dp_replicate": {"all_reduce": 4}}
 
 
@@ -369,8 +371,15 @@ def test_modules_sharded_together_are_one_unit_named_by_their_paths() -> None:
     # a key naming one module of the unit names the unit
     by_path = attrs.evolve(fsdp, reshard_units={"output": False})
     assert by_path.reshard_values(units) == (
-        {**{b: None for b in BLOCKS}, "tok_embeddings": None, "norm + output": False,
-         "root": None}, [])
+        {**{b: None for b in BLOCKS[:-1]}, BLOCKS[-1]: False, "tok_embeddings": None,
+         "norm + output": False, "root": None}, [])
+    # the last block stays gathered by default, but not inside a pipeline stage, nor when
+    # a value is given for it
+    assert by_path.reshard_values(units, part=True)[0][BLOCKS[-1]] is None
+    assert attrs.evolve(by_path, reshard_units={"layers.*": True}).reshard_values(
+        units)[0][BLOCKS[-1]] is True
+    assert attrs.evolve(by_path, reshard_after_forward=True).reshard_values(
+        units)[0][BLOCKS[-1]] is True
     text = ParallelPlan(MeshSpec(dp_shard=2)).use(fsdp).use(MetaInit()).to_toml()
     assert 'units = ["tok_embeddings", ["norm", "output"]]' in text
     assert ParallelPlan.from_toml(text).plugin("fsdp2") == fsdp

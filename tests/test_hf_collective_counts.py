@@ -11,12 +11,14 @@ after forward, the final norm and the head kept whole; FSDP2 follows it and shar
 norm (one weight of one tensor dim) in one unit with the head, as transformers' own
 ``apply_fully_sharded_data_parallelism`` does. The units: 2 blocks, ``model.embed_tokens``,
 ``model.norm + lm_head`` (kept), and the root, which holds no parameter and communicates
-nothing: ``U = L + 2`` units with parameters, ``L + 1`` of them resharded after forward.
+nothing: ``U = L + 2`` units with parameters, ``L`` of them resharded after forward: the
+embedding and every block but the last, which FSDP2 keeps gathered for its backward (it
+follows at once), as torchtitan does; transformers reshards it.
 
-FSDP2 per step over dp_shard: ``U`` all-gathers in forward, ``L + 1`` in backward (none
-for the kept unit), ``U`` reduce-scatters: 4 + 3 = 7 and 4. With the norm a unit of its
-own (the model's plan read entry by entry) it was 9 and 5; transformers' own FSDP2 makes
-the same 7 and 4 (measured side by side in tests/test_bench_vs_transformers.py).
+FSDP2 per step over dp_shard: ``U`` all-gathers in forward, ``L`` in backward (none for
+the kept units), ``U`` reduce-scatters: 4 + 2 = 6 and 4. With the norm a unit of its own
+(the model's plan read entry by entry) it was 9 and 5; transformers' own FSDP2 makes 7
+and 4 (measured side by side in tests/test_bench_vs_transformers.py).
 
 TP (composer_par's auto plan: the embedding rowwise, q/k/v and gate/up colwise, o and
 down rowwise, the head colwise with gathered logits), over tp per step:
@@ -43,8 +45,8 @@ pytest.importorskip("transformers")
 
 L = 2  # blocks of the matrix's models (hf_workers.COMMON)
 UNITS = L + 2  # the blocks, the embedding, the final norm with the head (the root: empty)
-RESHARDED = L + 1  # the blocks and the embedding (the norm and head kept whole)
-FSDP2_DIM = {"all_gather": UNITS + RESHARDED, "reduce_scatter": UNITS}  # 4 + 3 = 7, 4
+RESHARDED = L  # the embedding, the blocks but the last (the norm and head kept whole)
+FSDP2_DIM = {"all_gather": UNITS + RESHARDED, "reduce_scatter": UNITS}  # 4 + 2 = 6, 4
 
 
 def tp_dim(family: str) -> dict[str, int]:
@@ -63,7 +65,7 @@ STEPS = 3
 
 
 def test_golden_counts_are_derived_as_documented() -> None:
-    assert GOLDEN[("llama", "fsdp2")] == {"dp_shard": {"all_gather": 7, "reduce_scatter": 4}}
+    assert GOLDEN[("llama", "fsdp2")] == {"dp_shard": {"all_gather": 6, "reduce_scatter": 4}}
     assert GOLDEN[("llama", "fsdp2_tp")]["tp"] == {"all_reduce": 16, "all_gather": 1}
     assert GOLDEN[("qwen3", "fsdp2_tp")]["tp"] == {"all_reduce": 20, "all_gather": 1}
 

@@ -226,8 +226,8 @@ class Float8(Plugin):
         if stage is not None and stage.block_gathers is not None:
             gathers = stage.block_gathers
         else:
-            # Each block gathers in forward and, resharded after forward (torch's default
-            # for blocks), again in backward, once per pass.
+            # Each block gathers in forward and, resharded after forward (the default for
+            # all blocks but the last), again in backward, once per pass: at most 2.
             gathers = ((1 if layout.reshard_after_forward is False else 2)
                        * runs_of(workload, stage))
         dtype = layout.param_dtype or model.dtype or workload.dtype or "float32"

@@ -81,7 +81,8 @@ def float8_terms(model: Any, *, dim: str | None, shard: int, gathers: int, param
     notes.append(
         f"float8 all-gather over {dim}: the converted weights gather {elements} bytes per "
         f"pass over the blocks instead of {elements * width} ({param_dtype}), {saved} bytes "
-        f"less per step ({gathers} passes), as FSDP2's terms count them (and their unsharded "
+        f"less per step at most ({gathers} passes; fewer where FSDP2 keeps a block gathered "
+        "for backward), as FSDP2's terms count them (and their unsharded "
         "copies, one byte each); scales are computed on every rank from the precomputed "
         "amaxes, none is gathered")
     collectives = (Collective(dim, "all_reduce", count * AMAX_BYTES, 1,
