@@ -93,7 +93,8 @@ class Topology:
     def nodes_spanned(self, mesh: MeshSpec, *names: str) -> int:
         """How many nodes the widest rank group of mesh dim ``name`` spans (of several
         mesh dims: of their groups flattened together)."""
-        return max(len({self.node_of(r) for r in g}) for g in self.node_patterns(mesh, names))
+        self.node_patterns(mesh, names)  # the names and the world size checked
+        return _widest_span(mesh.dims, tuple(names), self.devices_per_node)
 
     def node_patterns(self, mesh: MeshSpec, names: Sequence[str]) -> list[tuple[int, ...]]:
         """The rank groups of the mesh dims ``names`` flattened together (the ranks that
@@ -115,6 +116,15 @@ class Topology:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+
+
+@functools.lru_cache(maxsize=4096)
+def _widest_span(dims: tuple[tuple[str, int], ...], names: tuple[str, ...],
+                 per_node: int) -> int:
+    """See :meth:`Topology.nodes_spanned`: cached, as suggest asks it of the same few
+    meshes for every layout and a group may hold thousands of ranks."""
+    return max(len({r // per_node for r in g})
+               for g in _node_patterns(dims, names, per_node))
 
 
 @functools.lru_cache(maxsize=4096)
