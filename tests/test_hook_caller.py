@@ -209,6 +209,34 @@ def test_hooks_get_a_read_only_view_without_plugin_objects() -> None:
         view.mesh = MeshSpec()  # type: ignore[misc]
 
 
+def test_plans_of_the_same_plugin_objects_share_one_manager() -> None:
+    seen: list[Any] = []
+
+    @attrs.frozen
+    class Mesh(Plugin):
+        name: ClassVar[str] = "mesh"
+
+        @hookimpl
+        def composer_par_validate_plan(self, plan: Any) -> list[Finding]:
+            seen.append(plan.mesh)
+            return []
+
+    first = ParallelPlan(MeshSpec(dp_shard=2)).use(Mesh()).use(Says("s"))
+    second = ParallelPlan(MeshSpec(dp_shard=4))
+    for plugin in first.plugins:
+        second.use(plugin)
+    second.share_hooks(first)
+    assert second.hooks.manager is first.hooks.manager
+    # each plan's hooks see their own plan
+    first.validate()
+    second.validate()
+    assert seen == [MeshSpec(dp_shard=2), MeshSpec(dp_shard=4)]
+    # equal plugins are not the same objects: no sharing
+    third = ParallelPlan(MeshSpec(dp_shard=4)).use(Mesh()).use(Says("s"))
+    with pytest.raises(ValueError, match="different plugin objects"):
+        third.share_hooks(first)
+
+
 def test_nested_hook_calls_keep_attribution() -> None:
     """A hook that asks the plan view (another hook call) still names its own findings."""
 

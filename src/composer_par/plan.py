@@ -109,6 +109,13 @@ class ParallelPlan:
         self.plugins.append(plugin)
         return self
 
+    def share_hooks(self, other: ParallelPlan) -> None:
+        """Call hooks through ``other``'s caller (:meth:`HookCaller.for_plan`) instead of
+        building one: ``other`` holds these very plugin objects, in this order."""
+        if [id(p) for p in other.plugins] != [id(p) for p in self.plugins]:
+            raise ValueError("share_hooks: the plans hold different plugin objects")
+        self._caller = other.hooks.for_plan(self)
+
     @property
     def hooks(self) -> HookCaller:
         """The plan's one hook caller: built on first use, again only when the plugins

@@ -23,6 +23,7 @@ change; hooks reach it as ``ctx.hooks`` or through the plan view they are given.
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import inspect
 import os
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from composer_par.blocks import Block, BlockSpec
     from composer_par.estimate import Layout, ModelShape, Workload
     from composer_par.mesh import MeshSpec
+    from composer_par.plan import ParallelPlan
     from composer_par.plugin.comm import CommHook
     from composer_par.plugin.context import ApplyContext
     from composer_par.plugin.view import PlanView
@@ -118,6 +120,17 @@ class HookCaller:
             pm.trace.root.setwriter(sys.stderr.write)
             pm.enable_tracing()
         return pm
+
+    def for_plan(self, plan: ParallelPlan) -> HookCaller:
+        """This caller for another plan of these very plugin objects: pluggy's manager,
+        the proxies and the order shared, the plan view its own. Building a caller
+        registers every plugin with pluggy; suggest estimates thousands of plans of a
+        few plugin sets."""
+        from composer_par.plugin.view import PlanView
+
+        caller = copy.copy(self)
+        caller.plan = PlanView(plan, caller)
+        return caller
 
     @property
     def manager(self) -> pluggy.PluginManager:

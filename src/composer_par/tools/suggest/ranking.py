@@ -105,12 +105,23 @@ def rank_key(r: Ranked) -> tuple[float, int, int, float]:
     return (seconds(r), r.candidate.preference, r.estimate.memory.total, r.estimate.seconds)
 
 
-def _plan(candidate: Candidate, topology: Topology, registry: Registry) -> Any:
+def _plan(candidate: Candidate, topology: Topology, registry: Registry,
+          made: dict[str, Any]) -> Any:
+    """The candidate's plan. Layouts with the same plugin options (``made``: the first
+    plan of each) share its plugin objects and hook caller: only their meshes differ."""
     from composer_par.plan import ParallelPlan
 
     plan = ParallelPlan(candidate.mesh(), topology=topology)
-    for name, options in candidate.plugins():
-        plan.use(registry.get(name)(**options))
+    key = repr(candidate.plugins())
+    first = made.get(key)
+    if first is None:
+        for name, options in candidate.plugins():
+            plan.use(registry.get(name)(**options))
+        made[key] = plan
+    else:
+        for plugin in first.plugins:
+            plan.use(plugin)
+        plan.share_hooks(first)
     return plan
 
 
@@ -181,12 +192,14 @@ def suggest(
                     attention=attention, matmul_dtype=matmul_dtype)
     axes = plugin_axes(reg, options or {}, model, topology, base, notes)
 
+    made: dict[str, Any] = {}
+
     def estimate_one(candidate: Candidate) -> Ranked:
         accumulate = 1 if candidate.runs_passes else candidate.passes
         work = attrs.evolve(base, grad_accum=accumulate,
                             sync="every" if accumulate > 1 else "last")
         return Ranked(candidate, estimate_plan(
-            _plan(candidate, topology, reg), model, work, world_size=topology.world_size,
+            _plan(candidate, topology, reg, made), model, work, world_size=topology.world_size,
             device_memory=device_memory, device=device or "h100",
             device_tflops=device_tflops))
 
