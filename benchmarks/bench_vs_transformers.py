@@ -9,7 +9,8 @@ resharded after forward, the final norm with the head kept whole) over ``fsdp`` 
 ``dp_replicate``). composer_par's side is the same model class with the same weights
 under ``FSDP2()``, with ``TP()`` (its auto plan) over ``tp`` and ``HSDP()`` over
 ``dp_replicate``, FSDP2's units its default ones for the model (its own FSDP plan, a unit
-of small parameters joined with its neighbour). Every rank builds the same weights
+of small parameters joined with its neighbour, the last block kept gathered for its
+backward, which transformers reshards and gathers again). Every rank builds the same weights
 (transformers' init, seeded; rank 0 saves them for ``from_pretrained``); both sides see
 the same batches (each rank its data shard), take the mean loss of their shard, average
 gradients over data parallelism and step torch's AdamW.
