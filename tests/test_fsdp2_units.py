@@ -174,6 +174,21 @@ def test_each_unit_gets_its_modules_and_its_reshard_setting() -> None:
         assert "gradient divide factor 2 on 5 FSDP module(s)" in detail[("finalize", "fsdp2")]
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_by_default_the_last_block_alone_stays_gathered() -> None:
+    per_rank = run_ranks("tests.fsdp2_unit_workers:unit_settings", 2,
+                         args=(plan_toml("dp_shard = 2", 'name = "fsdp2"'),), timeout=160)
+    for got in per_rank:
+        # torch's own settings, as FSDP2 applied them: the root kept by torch's default,
+        # the last block by FSDP2's
+        assert {k: v["reshard"] for k, v in got["units"].items()} == {
+            "layers.0": True, "layers.1": False, "": False}
+        detail = {(stage, plugin): text for stage, plugin, text in got["log"]}
+        assert "the last block layers.1 kept gathered from forward to backward" in detail[
+            ("data_parallel", "fsdp2")]
+
+
 # -- gradients with a divide factor ------------------------------------------------------------
 
 
