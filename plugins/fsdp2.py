@@ -507,7 +507,8 @@ class FSDP2(Plugin):
     def kept_block(self, units: list[Unit], *, part: bool = False) -> str | None:
         """The block left unsharded from forward to backward by default: the last one.
         Its backward follows its forward at once (only the head and the loss lie between),
-        so resharding it would only all-gather it again; torchtitan keeps it too. None
+        so resharding it would only all-gather it again (torchtitan's Llama code long kept
+        it so; its current code and transformers' reshard it). None
         when a value is given for it (``reshard_after_forward``, a ``reshard_units``
         entry), inside a pipeline stage (whose schedule runs other microbatches' forwards
         in between), or with ``offload = "cpu"`` (chosen to save device memory)."""

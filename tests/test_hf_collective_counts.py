@@ -13,7 +13,7 @@ norm (one weight of one tensor dim) in one unit with the head, as transformers' 
 ``model.norm + lm_head`` (kept), and the root, which holds no parameter and communicates
 nothing: ``U = L + 2`` units with parameters, ``L`` of them resharded after forward: the
 embedding and every block but the last, which FSDP2 keeps gathered for its backward (it
-follows at once), as torchtitan does; transformers reshards it.
+follows at once); transformers (like torchtitan's current code) reshards it.
 
 FSDP2 per step over dp_shard: ``U`` all-gathers in forward, ``L`` in backward (none for
 the kept units), ``U`` reduce-scatters: 4 + 2 = 6 and 4. With the norm a unit of its own
