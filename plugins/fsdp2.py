@@ -513,11 +513,16 @@ class FSDP2(Plugin):
         entry), inside a pipeline stage (whose schedule runs other microbatches' forwards
         in between), or with ``offload = "cpu"`` (chosen to save device memory)."""
         blocks = [u for u in units if u.kind == "block"]
-        if (not blocks or part or self.offload == "cpu"
-                or self.reshard_after_forward is not None
+        if (not blocks or part or not self.keeps_last_block
                 or any(blocks[-1].matches(k) for k in self.reshard_units)):
             return None
         return blocks[-1].name
+
+    @property
+    def keeps_last_block(self) -> bool:
+        """Whether the options leave the last block gathered for its backward (outside a
+        pipeline stage, unless ``reshard_units`` names it): :meth:`kept_block`."""
+        return self.reshard_after_forward is None and self.offload != "cpu"
 
     def reshard_values(self, units: list[Unit], *, part: bool = False
                        ) -> tuple[dict[str, bool | int | None], list[Finding]]:
@@ -649,7 +654,7 @@ class FSDP2(Plugin):
             "data_parallel",
             f"fully_shard each block{middle}, then the root, over mesh ({', '.join(dims)})"
             + (f" with {opts}" if opts else "")
-            + ("" if self.reshard_after_forward is not None or self.offload == "cpu" else
+            + ("" if not self.keeps_last_block else
                "; the last block kept gathered from forward to backward unless "
                "reshard_units names it or a pipeline stage holds it"),
         )]

@@ -181,9 +181,8 @@ def estimate_part(fsdp2: Any, layout: Any, model: ModelShape, workload: Any,
 
     tp = layout.tensor_parallel_size()
     shard = layout.shard_size()
-    keeps_last = fsdp2.reshard_after_forward is None and fsdp2.offload != "cpu"
-    s = _Sharding(dim, layout, reshard, keeps_last, tp, dtype_bytes(workload.dtype),
-                  dtype_bytes(workload.reduce_dtype))
+    s = _Sharding(dim, layout, reshard, fsdp2.keeps_last_block, tp,
+                  dtype_bytes(workload.dtype), dtype_bytes(workload.reduce_dtype))
     micro = runs_of(workload, stage)
     scatters = (1 if stage.accumulates else stage.runs) if stage is not None \
         else workload.reductions()[0]
