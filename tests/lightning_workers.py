@@ -519,3 +519,9 @@ if __name__ == "__main__":
     # One file per rank: two processes printing to one pipe can interleave their lines.
     result = launched_by_fabric()
     Path(sys.argv[1], f"rank{result['rank']}.json").write_text(json.dumps(result))
+    # Left to interpreter exit, gloo's threads can abort the process ("terminate called
+    # without an active exception") under load: both ranks finish, then tear down.
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
