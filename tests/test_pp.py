@@ -12,7 +12,7 @@ import torch.nn as nn
 from composer_par.plugins.pp import SCHEDULES
 from composer_par.plugins.pp.parts import OnAnotherStage, StageModuleList, build_parts
 from composer_par.plugins.pp.schedules import microbatch_problem, placement
-from composer_par.plugins.pp.split import balanced, compute_split
+from composer_par.plugins.pp.split import SplitError, balanced, compute_split
 
 import composer_par
 from composer_par import FSDP2, PP, TP, MeshSpec, MetaInit, ParallelPlan, Topology
@@ -209,9 +209,10 @@ def test_cp207_two_pipeline_splitters() -> None:
 
 
 def test_cp602_more_stages_than_blocks() -> None:
-    plan = ParallelPlan(MeshSpec(pp=4)).use(PP(schedule="GPipe")).use(MetaInit())
-    (finding,) = plan.validate(meta(LLAMA2), world_size=4).findings
-    assert finding.code == "CP602" and "4 pipeline stages" in finding.message
+    # two blocks, the embedding and the head: four stages at most
+    plan = ParallelPlan(MeshSpec(pp=5)).use(PP(schedule="GPipe")).use(MetaInit())
+    (finding,) = plan.validate(meta(LLAMA2), world_size=5).findings
+    assert finding.code == "CP602" and "5 pipeline stages" in finding.message
     with pytest.raises(PlanError, match="CP602"):
         plan.apply(meta(LLAMA2))
 
@@ -288,6 +289,26 @@ def test_auto_split_of_the_llama() -> None:
     assert sum(split.params) == sum(p.numel() for p in model.parameters())
 
 
+def test_past_one_block_a_stage_the_ends_are_stages_of_their_own() -> None:
+    """Ten stages over eight blocks: the embedding alone on the first, the final norm and
+    head alone on the last (the Llama 3 405B pipeline's ends); nine: the heavier end
+    alone; eleven: CP602, naming how many stages the model can take."""
+    model = meta(llama8)
+    total = sum(p.numel() for p in model.parameters())
+    ten = compute_split(model, find_blocks(model), "auto", 10)
+    assert ten.stages[0] == ("tok_embeddings",) and ten.blocks[0] == ()
+    assert ten.stages[9] == ("norm", "output") and ten.blocks[9] == ()
+    assert ten.blocks[1:9] == tuple((f"layers.{i}",) for i in range(8))
+    assert sum(ten.params) == total
+    nine = compute_split(model, find_blocks(model), "auto", 9)
+    assert sum(len(b) for b in nine.blocks) == 8 and sum(nine.params) == total
+    empty = [i for i, b in enumerate(nine.blocks) if not b]
+    assert empty in ([0], [8])  # one end alone, the other with its block
+    with pytest.raises(SplitError, match="11 pipeline stages") as raised:
+        compute_split(model, find_blocks(model), "auto", 11)
+    assert raised.value.code == "CP602" and "at most 10 stages" in raised.value.fix
+
+
 def test_block_finder_finds_blocks_in_a_module_dict() -> None:
     class TitanStyle(nn.Module):
         def __init__(self) -> None:
@@ -333,6 +354,17 @@ def test_parts_run_the_models_own_forward_stage_by_stage() -> None:
     for stage in range(4):
         _, (( _, part, blocks, _),), _ = _llama_parts([stage])
         assert [p for p, _ in blocks] == [f"layers.{2 * stage}", f"layers.{2 * stage + 1}"]
+        hidden = part(hidden)
+    torch.testing.assert_close(hidden, reference(tokens))
+
+
+def test_parts_of_the_embedding_and_the_head_alone_run_the_models_forward() -> None:
+    reference, _, _ = _llama_parts([0], stages=10)
+    tokens = llama8.batch(0)
+    hidden = tokens
+    for stage in range(10):
+        _, ((_, part, blocks, _),), _ = _llama_parts([stage], stages=10)
+        assert len(blocks) == (0 if stage in (0, 9) else 1)
         hidden = part(hidden)
     torch.testing.assert_close(hidden, reference(tokens))
 

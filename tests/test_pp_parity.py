@@ -158,6 +158,21 @@ def test_four_stages_and_two_by_two_compositions() -> None:
     assert isinstance(torch_says, str) and "mesh" in torch_says.lower(), torch_says
 
 
+def test_the_embedding_and_the_head_as_stages_of_their_own() -> None:
+    """Three stages per rank over four blocks: the first stage runs only the embedding,
+    the last only the norm, the head and the loss (the split past one block a stage),
+    alone and under FSDP2 and TP with sequence parallelism."""
+    six = pp("Interleaved1F1B", stages_per_rank=3, microbatches=4)
+    check({"Llama": case(LLAMA4, "pp = 2", six, world=2),
+           "Hugging Face LlamaForCausalLM": case("hf_llama", "pp = 2", six, world=2,
+                                                 clip=0.5)}, timeout=600)
+    check({"PP x FSDP2": case(LLAMA4, "pp = 2\ndp_shard = 2", six, 'name = "fsdp2"',
+                              world=4, clip=0.5),
+           "PP x TP, sequence parallel": case(LLAMA4, "pp = 2\ntp = 2", six,
+                                              'name = "tp"\nsequence_parallel = true',
+                                              world=4)}, timeout=600)
+
+
 def test_pp_tp_sequence_parallel() -> None:
     """The first stage holds the embedding, the last the norm and head, a middle one
     blocks only: between stages the residual stream is each tp rank's sequence shard,

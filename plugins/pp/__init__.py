@@ -66,9 +66,10 @@ RULES = (
     Rule("CP601", _E, "unknown pipeline schedule",
          "use one of torch's schedule names (any case): " + ", ".join(SCHEDULES),
          _PLAN + "schedule = \"1f1bb\"\n"),
-    Rule("CP602", _E, "more pipeline stages than blocks",
-         "use at most as many stages (pp size x stages_per_rank) as the model has blocks",
-         "ParallelPlan(MeshSpec(pp=4)).use(PP()).validate(llama_with_2_blocks)"),
+    Rule("CP602", _E, "more pipeline stages than the split can fill",
+         "use at most as many stages (pp size x stages_per_rank) as the model has blocks, "
+         "plus one for what comes before the first block and one for what follows the last",
+         "ParallelPlan(MeshSpec(pp=5)).use(PP()).validate(llama_with_2_blocks)"),
     Rule("CP603", _E, "the microbatch count does not fit the schedule",
          "raise microbatches to what the message names, or pick another schedule",
          "[mesh]\npp = 4\n\n[[plugins]]\nname = \"pp\"\nschedule = \"1F1B\"\n"

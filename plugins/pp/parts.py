@@ -6,7 +6,7 @@ out, so the stage runs the model's own ``forward`` unchanged:
 * out of a container (ModuleList, ModuleDict, Sequential), the entry is deleted and the
   others keep their keys (``layers.2`` stays ``layers.2``, so names match checkpoints);
   a ModuleList still indexes by position among the entries left, and iterating runs
-  only them;
+  only them (none, on a stage that holds only the embedding or only the head);
 * any other module is replaced by a plain callable (not a module: no walk over modules
   sees it) that hands back its first argument. A stage that lacks the embedding thus
   passes the hidden state it received through ``self.tok_embeddings(...)``, and one that
@@ -122,7 +122,9 @@ def prune(module: nn.Module, keep: Collection[str], *, copy_containers: bool,
         path = clean_name(f"{prefix}.{name}" if prefix else name)
         if path in keep or not path:
             continue
-        if any(k.startswith(path + ".") for k in keep):
+        # A container with nothing kept is emptied, not stood in for: the forward loops
+        # over it (a stage holding only the embedding runs no layer).
+        if isinstance(child, _CONTAINERS) or any(k.startswith(path + ".") for k in keep):
             pruned = prune(child, keep, copy_containers=copy_containers, prefix=path)
             if pruned is not child:
                 root._modules[name] = pruned

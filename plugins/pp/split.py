@@ -9,6 +9,8 @@ them. Three ways to assign units to stages:
 * ``"auto"``: the blocks in contiguous runs, one or more per stage, balanced by
   parameter count with the units before the first block counted on the first stage and
   those after the last block on the last (between two blocks: with the block before);
+  with more stages than blocks, the units before the first block and those after the
+  last are stages of their own;
 * ``"pp_plan"``: the same, over the layer container a Hugging Face model names in its
   ``_pp_plan`` (``base_model_pp_plan`` of its config, under its base model prefix);
 * explicit: a list of module paths per stage, covering every parameter once.
@@ -232,13 +234,6 @@ def compute_split(model: nn.Module, blocks: Sequence[Block], split: Any,
 
 def _balanced_split(model: nn.Module, block_paths: list[str], num_stages: int,
                     how: str) -> StageSplit:
-    if len(block_paths) < num_stages:
-        where = "the pipeline plan's layer container" if how == "pp_plan" else "the model"
-        raise SplitError(
-            "CP602", f"{num_stages} pipeline stages need at least one block each, and "
-            f"{where} has {len(block_paths)} block(s)",
-            f"use at most {len(block_paths)} stages (pp size x stages_per_rank), or split "
-            "a model with more blocks")
     units = _units(model, block_paths)
     # Units between blocks travel with the block before them.
     lead: list[str] = []
@@ -252,12 +247,29 @@ def _balanced_split(model: nn.Module, block_paths: list[str], num_stages: int,
         else:
             groups[-1].append(path)
     # Units after the last block are the last stage's, not the last block's.
-    while len(groups[-1]) > 1:
+    while groups and len(groups[-1]) > 1:
         trail.insert(0, groups[-1].pop())
+    ends = [part for part in (lead, trail) if part]
+    if len(groups) + len(ends) < num_stages:
+        where = "the pipeline plan's layer container" if how == "pp_plan" else "the model"
+        most = len(groups) + len(ends)
+        raise SplitError(
+            "CP602", f"{num_stages} pipeline stages need a block each, or the parts before "
+            f"the first block or after the last, and {where} has {len(groups)} block(s) "
+            f"and {len(ends)} such part(s)",
+            f"use at most {most} stages (pp size x stages_per_rank), or split a model with "
+            "more blocks")
+    # More stages than blocks: the parts before the first block (the embedding) and
+    # after the last (the final norm and output head) become stages of their own, as in
+    # the Llama 3 405B pipeline, whose first and last stages ran only those.
+    alone = len(groups) < num_stages
+    if alone:
+        groups = ([lead] if lead else []) + groups + ([trail] if trail else [])
     costs = [sum(units.sizes[p] for p in g) for g in groups]
-    first = sum(units.sizes[p] for p in lead)
-    last = sum(units.sizes[p] for p in trail)
+    first = 0 if alone else sum(units.sizes[p] for p in lead)
+    last = 0 if alone else sum(units.sizes[p] for p in trail)
     counts = balanced(costs, num_stages, first, last)
+    block_set = set(block_paths)
     stages: list[list[str]] = []
     blocks: list[list[str]] = []
     start = 0
@@ -265,9 +277,10 @@ def _balanced_split(model: nn.Module, block_paths: list[str], num_stages: int,
         chunk = groups[start:start + count]
         start += count
         stages.append([p for g in chunk for p in g])
-        blocks.append([g[0] for g in chunk])
-    stages[0][:0] = lead
-    stages[-1].extend(trail)
+        blocks.append([g[0] for g in chunk if g[0] in block_set])
+    if not alone:
+        stages[0][:0] = lead
+        stages[-1].extend(trail)
     params = [sum(units.sizes[p] for p in s) for s in stages]
     return StageSplit(tuple(map(tuple, stages)), units.shared, tuple(params),
                       tuple(map(tuple, blocks)))

@@ -188,6 +188,10 @@ def auto_plan(
     """
     hf = hf_tp_plan(model)
     family = _family(modules)
+    if family is None and not (starts and ends) and _ends_only(modules):
+        # A pipeline stage holding only the embedding, or only the norm and head: their
+        # styles are the same under either Llama naming.
+        family = "llama"
     if hf:
         refused: list[Fallback] = []
         entries, fallbacks = translate_hf(hf, modules, parameters, refused)
@@ -280,6 +284,25 @@ def _family(modules: Mapping[str, Any]) -> str | None:
     if any(_gpt_style(n) for n, m in modules.items() if isinstance(m, nn.Linear)):
         return "gpt"
     return None
+
+
+def _ends_only(modules: Mapping[str, Any]) -> bool:
+    """Whether the only Linears and embeddings are a Llama's ends: the token embedding
+    and the output head, by name (what a pipeline stage without blocks holds)."""
+    import torch.nn as nn
+
+    found = False
+    for name, module in modules.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding):
+            if leaf not in EMBEDDING_NAMES:
+                return False
+            found = True
+        elif isinstance(module, nn.Linear):
+            if leaf not in OUTPUT_NAMES or name.count(".") > 1:
+                return False
+            found = True
+    return found
 
 
 def _gpt_style(name: str) -> str | None:
