@@ -8,7 +8,8 @@ memory and collective accounting to each rank's stages).
   on the last, those between two blocks with the block before; an explicit split by
   module paths assigns the shape's groups and tensors by name. A shape from numbers
   has no order: half of what lies outside its blocks goes to the first stage (the
-  embedding), half to the last (the final norm and the output head).
+  embedding), half to the last (the final norm and the output head). With more stages
+  than blocks, those two ends are stages of their own, as the split makes them.
 * **activations in flight**: the schedule's timeline (:mod:`.timeline`) says, for each
   rank, the moments when it holds the most stage-microbatch activations
   (:func:`.timeline.peak_in_flight` is their largest count); the estimator weighs each
@@ -76,10 +77,9 @@ def _stage_units(model: Any, split: Any, num_stages: int
     blocks = [g for g in model.groups if g.block and g.numel]
     outside = [t for g in model.groups if not g.block for t in g.tensors]
     count = sum(g.count for g in blocks)
-    if count < num_stages:
-        raise _Unsplittable(
-            f"{num_stages} pipeline stages need at least one block each, and the model "
-            f"has {count} block(s) (CP602): no pipeline terms")
+    why = _too_many_stages(model, num_stages)
+    if why:
+        raise _Unsplittable(why)
     notes: list[str] = []
     if not isinstance(split, str):
         named = _named_split(model, split, num_stages)
@@ -109,16 +109,45 @@ def _stage_units(model: Any, split: Any, num_stages: int
                      "(one from numbers): half are counted on the first stage (the "
                      "embedding), half on the last (the final norm and output head)")
     order = [attrs.evolve(u, tensors=tuple(between.get(i, ()))) for i, u in enumerate(order)]
+    # More stages than blocks: the ends are stages of their own (split.py's rule).
+    alone = count < num_stages
+    if alone:
+        order = ([_Unit(None, tuple(lead))] if lead else []) + order + (
+            [_Unit(None, tuple(trail))] if trail else [])
     counts = _balanced(tuple(u.numel for u in order), num_stages,
-                       sum(t.numel for t in lead), sum(t.numel for t in trail))
+                       0 if alone else sum(t.numel for t in lead),
+                       0 if alone else sum(t.numel for t in trail))
     stages: list[list[_Unit]] = []
     start = 0
     for n in counts:
         stages.append(order[start:start + n])
         start += n
-    stages[0].insert(0, _Unit(None, tuple(lead)))
-    stages[-1].append(_Unit(None, tuple(trail)))
+    if not alone:
+        stages[0].insert(0, _Unit(None, tuple(lead)))
+        stages[-1].append(_Unit(None, tuple(trail)))
     return stages, notes
+
+
+def stage_limit(model: Any) -> tuple[int, int]:
+    """``(blocks, ends)`` of a model shape: the most stages a split can make is their sum,
+    the ends being what lies outside the blocks before the first and after the last (in
+    a shape from numbers, without order: halves of it)."""
+    count = sum(g.count for g in model.groups if g.block and g.numel)
+    positions = {t.position for g in model.groups if not g.block for t in g.tensors}
+    ends = (any(p is None or p <= 0 for p in positions)
+            + any(p is None or p >= count for p in positions))
+    return count, ends
+
+
+def _too_many_stages(model: Any, num_stages: int) -> str | None:
+    """CP602's words when ``num_stages`` outnumber the blocks and the two ends, else
+    None."""
+    count, ends = stage_limit(model)
+    if count + ends >= num_stages:
+        return None
+    return (f"{num_stages} pipeline stages need a block each, or the parts before the "
+            f"first block or after the last, and the model has {count} block(s) and {ends} "
+            "such part(s) (CP602): no pipeline terms")
 
 
 class _Unsplittable(ValueError):
@@ -338,11 +367,7 @@ def problem(pp: PP, layout: Any, model: Any, workload: Any) -> str | None:
                if found and workload.grad_accum > 1 else "validation reports it")
         return (f"no pipeline terms: {found or 'stages_per_rank does not fit the schedule'} "
                 f"({who})")
-    blocks = sum(g.count for g in model.groups if g.block and g.numel)
-    if blocks < size * per_rank:
-        return (f"{size * per_rank} pipeline stages need at least one block each, and the "
-                f"model has {blocks} block(s) (CP602): no pipeline terms")
-    return None
+    return _too_many_stages(model, size * per_rank)
 
 
 def cuts(pp: PP, layout: Any) -> bool:

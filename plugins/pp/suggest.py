@@ -1,6 +1,7 @@
 """What ``composer-par suggest`` may try of PP: its dim at the sizes that divide the world
 and the node count, or that it divides (each stage on whole nodes, or each node holding
-whole stages), with at least one block per stage; its schedule (the plan's, 1F1B by
+whole stages), with a block per stage or the embedding or the head alone (the split's
+limit); its schedule (the plan's, 1F1B by
 default) running the data shard's micro-batches as its microbatches, and for a
 multi-stage schedule without ``stages_per_rank`` every power-of-two count of stages per
 rank the blocks allow. No torch for the single-stage schedules; the multi-stage ones
@@ -12,6 +13,7 @@ from typing import Any
 
 from composer_par.plugin import Role, SuggestAxis, SuggestChoice, SuggestContext
 
+from .estimate import stage_limit
 from .schedules import microbatch_problem
 
 #: Where PP's dim goes in a suggested mesh: outermost (its point-to-point sends are what
@@ -24,7 +26,8 @@ def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
     if info is None:
         return []
     nodes, world = topology.nodes, topology.world_size
-    sizes = tuple(d for d in range(1, world + 1) if world % d == 0 and d <= model.layers
+    most = sum(stage_limit(model))
+    sizes = tuple(d for d in range(1, world + 1) if world % d == 0 and d <= most
                   and (nodes % d == 0 or d % nodes == 0))
     own = {k: v for k, v in pp.options().items() if k not in ("microbatches",)}
 
@@ -32,7 +35,7 @@ def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
         if pp.stages_per_rank is not None or info.stages_per_rank is not None:
             return [pp.virtual_stages()]
         counts, v = [], 2
-        while size * v <= model.layers:
+        while size * v <= most:
             counts.append(v)
             v *= 2
         return counts
@@ -43,7 +46,7 @@ def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
             return [SuggestChoice()]
         out = []
         for per_rank in per_rank_counts(size) if info.multi else [1]:
-            if (size * per_rank > model.layers
+            if (size * per_rank > most
                     or microbatch_problem(info, ctx.passes, size, per_rank) is not None):
                 continue
             options = {**own, "schedule": info.name, "microbatches": ctx.passes}
