@@ -101,6 +101,28 @@ def test_stage_parameters_are_the_split_s(task: str, schedule: str, pp: int,
     assert sum(r.params for r in est.ranks) == shape.params
 
 
+@pytest.mark.parametrize(("task", "per_rank"), [("llama8", 5), ("hf_style", 3)])
+def test_past_one_block_a_stage_the_ends_are_stages_as_in_the_split(task: str,
+                                                                     per_rank: int) -> None:
+    """Two stages more than blocks: the estimate's first and last stages hold only the
+    embedding and only the norm and head, as the plugin's split makes them."""
+    from composer_par.blocks import find_blocks
+
+    model = meta_model(task)
+    shape = ModelShape.from_module(model)
+    plugin = PP(schedule="Interleaved1F1B", stages_per_rank=per_rank, microbatches=4)
+    split = plugin.compute_split(model, find_blocks(model), 2)
+    assert split.blocks[0] == split.blocks[-1] == ()
+    est = pp_estimate(plugin, MeshSpec(pp=2), shape, Workload(seq=8))
+    assert est.pipeline is not None
+    layout = placement(2, 2 * per_rank, SCHEDULES["Interleaved1F1B"].style)
+    for r in est.ranks:
+        assert r.params == sum(split.params[s] for s in layout[r.coordinate])
+        assert r.blocks == sum(len(split.blocks[s]) for s in layout[r.coordinate])
+    stages = [s for r in est.pipeline.ranks for s in r.stages]
+    assert sorted(s.model.layers for s in stages).count(0) == 2
+
+
 def test_an_explicit_split_is_followed_by_name() -> None:
     from composer_par.blocks import find_blocks
 
@@ -517,6 +539,9 @@ MEASURED = [
     '[mesh]\npp = 2\ndp_shard = 2\n[[plugins]]\nname = "pp"\nschedule = "ZBVZeroBubble"\n'
     'microbatches = 4\n[[plugins]]\nname = "fsdp2"\n',
     '[mesh]\npp = 4\n[[plugins]]\nname = "pp"\nschedule = "GPipe"\nmicrobatches = 4\n',
+    # 10 stages over 8 blocks: the embedding and the head on stages of their own
+    '[mesh]\npp = 2\ndp_shard = 2\n[[plugins]]\nname = "pp"\nschedule = "Interleaved1F1B"\n'
+    'stages_per_rank = 5\nmicrobatches = 4\n[[plugins]]\nname = "fsdp2"\n',
 ]
 
 
@@ -525,7 +550,8 @@ MEASURED = [
 def test_estimated_sends_and_collectives_match_a_real_pipeline_step() -> None:
     """On 4 gloo ranks, the bytes and calls of every point-to-point send over pp and of
     FSDP2's all-gathers and reduce-scatters over dp_shard in one step equal the estimate's
-    for that pp rank, for a single-stage, a looped, a V schedule and GPipe."""
+    for that pp rank, for a single-stage, a looped, a V schedule and GPipe, and with the
+    ends on stages of their own."""
     if "fsdp2" not in INSTALLED or "meta_init" not in INSTALLED:
         pytest.skip("fsdp2 and meta_init are needed")
     import torch
