@@ -28,6 +28,7 @@ from composer_par import FSDP2, HSDP, MeshSpec, MetaInit, ParallelPlan
 from composer_par.findings import Report
 from composer_par.plugin import CommHook, Plugin, hookimpl
 from composer_par.testing.distributed import run_ranks
+from composer_par.testing.parity import ATOL
 from composer_par.testing.tasks import llama
 from tests import float8_workers as workers
 from tests.composition_workers import check_cases
@@ -358,13 +359,20 @@ def test_estimate_states_the_gather_and_the_amax_all_reduce() -> None:
 # -- on gloo ranks -------------------------------------------------------------------------
 
 
-def _check(cases: list[Any], timeout: float) -> None:
-    for case, result in zip(cases, check_cases(cases, timeout=timeout), strict=True):
+# The resolution of float8 training, for comparisons past the first step where a rounding
+# boundary is crossed (test_fsdp2_x_tp_parity): one e4m3 step is an eighth of a value.
+FLOAT8_ATOL = 1e-4
+
+
+def _check(cases: list[Any], timeout: float, atols: list[float] | None = None) -> None:
+    """Each case against its reference: the fp32 tolerance, or the case's own in atols."""
+    results = check_cases(cases, timeout=timeout)
+    for case, result, atol in zip(cases, results, atols or [ATOL] * len(cases), strict=True):
         try:
-            result.assert_close()
+            result.assert_close(atol=atol)
         except AssertionError as exc:
             raise AssertionError(f"{case.task} {case.plan!r}: {exc}") from None
-        assert result.losses[-1] != result.losses[0], result.losses
+        assert len(result.losses) == 1 or result.losses[-1] != result.losses[0], result.losses
 
 
 @pytest.mark.distributed
@@ -391,9 +399,18 @@ def test_fsdp2_with_compile_parity() -> None:
 @pytest.mark.timeout(300)
 def test_fsdp2_x_tp_parity() -> None:
     """dp_shard 2 x tp 2 with torchao's float8 TP styles (tensorwise) and torch's (rowwise),
-    the weights 2-D DTensors gathered in float8 over dp_shard."""
-    _check([workers.case(workers.LLAMA, "fsdp2_tp", recipe, 4, ac=recipe == "rowwise")
-            for recipe in ("tensorwise", "rowwise")], timeout=280)
+    the weights 2-D DTensors gathered in float8 over dp_shard.
+
+    The rowwise recipe's first step is held to the fp32 tolerance, its third to float8's
+    resolution: it casts the weight gradient's operands to float8 with a scale per row,
+    and the last-bit fp32 differences TP's vocabulary-split embedding and head leave after
+    a step (7.5e-9 here) carry a few elements across a float8 rounding boundary, one e4m3
+    step each (2.4e-5 in a weight after three steps; rowwise_with_gw_hp, which keeps that
+    gradient in high precision, stays at 7.5e-9, as tp alone shows the same)."""
+    _check([workers.case(workers.LLAMA, "fsdp2_tp", "tensorwise", 4),
+            workers.case(workers.LLAMA, "fsdp2_tp", "rowwise", 4, ac=True, steps=1),
+            workers.case(workers.LLAMA, "fsdp2_tp", "rowwise", 4, ac=True)],
+           timeout=280, atols=[ATOL, ATOL, FLOAT8_ATOL])
     views = run_ranks(workers.tp_styles, 4, args=(workers.plan("fsdp2_tp", "tensorwise"),),
                       timeout=200)
     for view in views:
