@@ -369,6 +369,39 @@ def test_parts_of_the_embedding_and_the_head_alone_run_the_models_forward() -> N
     torch.testing.assert_close(hidden, reference(tokens))
 
 
+def test_a_block_that_is_a_container_is_deleted_and_a_layer_list_emptied() -> None:
+    """Blocks that are Sequentials in a ModuleList: another stage's block leaves the list
+    (no empty Sequential stays behind to run), and the stage of the embedding alone holds
+    an empty list, which its forward loops over without running anything."""
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+                                        for _ in range(4))
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(tokens)
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return self.head(hidden)
+
+    def part_of(stage: int) -> nn.Module:
+        model = Stack()
+        blocks = [(f"layers.{i}", model.layers[i]) for i in range(4)]
+        split = compute_split(model, blocks, "auto", 6)  # the embedding, 4 blocks, the head
+        _, ((_, part, _, _),) = build_parts(model, split.stages, split.shared, [stage],
+                                            blocks)
+        return part
+
+    assert list(part_of(2).layers._modules) == ["1"]
+    first = part_of(0)
+    assert len(first.layers) == 0
+    tokens = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(first(tokens), first.embed(tokens))
+
+
 def test_a_part_keeps_the_models_names_and_hides_the_other_stages() -> None:
     _, ((_, part, _, _),), union = _llama_parts([1])
     assert part is union

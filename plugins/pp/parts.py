@@ -122,9 +122,11 @@ def prune(module: nn.Module, keep: Collection[str], *, copy_containers: bool,
         path = clean_name(f"{prefix}.{name}" if prefix else name)
         if path in keep or not path:
             continue
-        # A container with nothing kept is emptied, not stood in for: the forward loops
-        # over it (a stage holding only the embedding runs no layer).
-        if isinstance(child, _CONTAINERS) or any(k.startswith(path + ".") for k in keep):
+        # A container held by a module (not an entry of another container, which is
+        # deleted) with nothing kept is emptied, not stood in for: the forward loops over
+        # it (a stage holding only the embedding runs no layer).
+        emptied = isinstance(child, _CONTAINERS) and not isinstance(root, _CONTAINERS)
+        if emptied or any(k.startswith(path + ".") for k in keep):
             pruned = prune(child, keep, copy_containers=copy_containers, prefix=path)
             if pruned is not child:
                 root._modules[name] = pruned

@@ -1,11 +1,11 @@
 """What ``composer-par suggest`` may try of PP: its dim at the sizes that divide the world
 and the node count, or that it divides (each stage on whole nodes, or each node holding
 whole stages), with a block per stage or the embedding or the head alone (the split's
-limit); its schedule (the plan's, 1F1B by
-default) running the data shard's micro-batches as its microbatches, and for a
-multi-stage schedule without ``stages_per_rank`` every power-of-two count of stages per
-rank the blocks allow. No torch for the single-stage schedules; the multi-stage ones
-import it when estimated (their order is torch's)."""
+limit); its schedule (the plan's, 1F1B by default) running the data shard's
+micro-batches as its microbatches, and for a multi-stage schedule without
+``stages_per_rank`` every power-of-two count of stages per rank that limit allows. No
+torch for the single-stage schedules; the multi-stage ones import it when estimated
+(their order is torch's)."""
 
 from __future__ import annotations
 
