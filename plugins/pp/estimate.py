@@ -133,10 +133,13 @@ def stage_limit(model: Any) -> tuple[int, int]:
     the ends being what lies outside the blocks before the first and after the last (in
     a shape from numbers, without order: halves of it)."""
     count = sum(g.count for g in model.groups if g.block and g.numel)
-    positions = {t.position for g in model.groups if not g.block for t in g.tensors}
-    ends = (any(p is None or p <= 0 for p in positions)
-            + any(p is None or p >= count for p in positions))
-    return count, ends
+    outside = [t for g in model.groups if not g.block for t in g.tensors]
+    # a tensor of unknown place gives the first stage half its rows (:func:`_halves`):
+    # none when it has one row
+    first = any(t.position <= 0 if t.position is not None
+                else (t.shape[0] if t.shape else 1) >= 2 for t in outside)
+    last = any(t.position is None or t.position >= count for t in outside)
+    return count, first + last
 
 
 def _too_many_stages(model: Any, num_stages: int) -> str | None:
