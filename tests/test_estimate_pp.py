@@ -366,6 +366,42 @@ def test_two_plugins_cutting_the_model_are_an_error() -> None:
         estimate(pp_layout(mesh.resolve(2)), shape, Workload(seq=64), plan=plan)
 
 
+@attrs.define
+class PerStageCost(Plugin):
+    """A third-party plugin stating one buffer per block of each stage it is asked
+    about, recording the stages it was asked about."""
+
+    name: ClassVar[str] = "per_stage_cost"
+    asked: list[Any] = attrs.field(factory=list)
+
+    @hookimpl
+    def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
+                              stage: Any) -> Any:
+        from composer_par.estimate import EstimatePart
+
+        if stage is None:
+            return None
+        self.asked.append(stage)
+        return EstimatePart(memory={"per-block buffer": 1000 * model.layers})
+
+
+def test_stages_equal_but_for_their_label_are_asked_once() -> None:
+    """Llama's 8 blocks on 8 stages, 2 a rank over pp 4: stages 1 to 6 hold one block
+    each and share an answer; the first (with the embedding) and the last (with the
+    head) are asked on their own. Every rank still counts its own stages' terms."""
+    shape = ModelShape.from_numbers(layers=8, hidden=256, heads=2, vocab=1000)
+    mesh = MeshSpec(pp=4)
+    cost = PerStageCost()
+    plan = ParallelPlan(mesh).use(PP(schedule="Interleaved1F1B", stages_per_rank=2,
+                                     microbatches=4)).use(cost)
+    est = estimate(pp_layout(mesh.resolve(4)), shape, Workload(seq=64), plan=plan)
+    assert len(est.ranks) == 4 and all(len(r.stages) == 2 for r in est.ranks)
+    distinct = {attrs.evolve(s, label="") for s in cost.asked}
+    assert len(cost.asked) == len(distinct) == 3
+    for rank in est.ranks:
+        assert rank.memory.extra["per_stage_cost: per-block buffer"] == 1000 * rank.blocks
+
+
 # -- the command ------------------------------------------------------------------------------
 
 PLAN = """[mesh]

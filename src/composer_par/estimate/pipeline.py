@@ -8,9 +8,10 @@ groups of its stages, with its activations counted per stage: one microbatch's
 that has them), weighted by the microbatches the rank holds at each moment the plugin
 lists; the heaviest moment counts, plus one block being recomputed under full
 checkpointing. Every plugin is asked for its terms once per stage
-(``composer_par_estimate`` with ``stage``: the stage's model shape and its runs): the
-collectives add up; memory terms add up across the rank's stages, except transient ones
-(held while one stage runs), of which the largest stage's counts.
+(``composer_par_estimate`` with ``stage``: the stage's model shape and its runs; stages
+equal but for their label are asked once): the collectives add up; memory terms add up
+across the rank's stages, except transient ones (held while one stage runs), of which
+the largest stage's counts.
 
 Its communication is the plugins' collectives of each stage plus the rank's
 point-to-point sends, timed as every other collective.
@@ -148,11 +149,33 @@ def rank_terms(per_stage: Sequence[Sequence[tuple[str, MemoryTerm]]]
     return out + list(largest.values())
 
 
+# A stage without its label -> its plugins' memory terms and collectives.
+StageAnswers = dict["EstimateStage", tuple[list[tuple[str, MemoryTerm]], list[Collective]]]
+
+
+def _stage_answers(plan: ParallelPlan, layout: Layout, stage: EstimateStage,
+                   workload: Workload, answers: StageAnswers
+                   ) -> tuple[list[tuple[str, MemoryTerm]], list[Collective]]:
+    """The plugins' memory terms and collectives for ``stage``, asked once per stage that
+    differs in more than its label: a pipeline of one layer a stage repeats one shape on
+    every rank (Llama 3 405B: 128 stages, 3 shapes), and suggest estimates thousands of
+    such layouts. The hook's contract says an answer depends on the stage's part of the
+    model, passes and gathers, not on its label."""
+    key = attrs.evolve(stage, label="")
+    if key not in answers:
+        parts = plugin_parts(plan, layout, stage.model, workload, stage)
+        answers[key] = ([(who, t) for who, part in parts for t in part.memory_terms()],
+                        hooked_collectives(plan, layout, stage.model, workload, parts))
+    return answers[key]
+
+
 def rank_estimate(
     plan: ParallelPlan, layout: Layout, whole: ModelShape, rank: EstimateRank,
     workload: Workload, *, dtype: str, mode: str, tp: int, shard: int, intra_gbps: float,
-    inter_gbps: float, pipeline_plugin: str = "",
+    inter_gbps: float, pipeline_plugin: str = "", answers: StageAnswers | None = None,
 ) -> RankEstimate:
+    """``rank`` estimated; ``answers``: the plugins' answers for stages already asked,
+    shared by the ranks of one pipeline (see :func:`_stage_answers`)."""
     for moment in rank.held:
         if len(moment) != len(rank.stages):
             raise EstimateError(f"pipeline rank {rank.coordinate}: a held moment lists "
@@ -164,9 +187,10 @@ def rank_estimate(
     per_stage: list[list[tuple[str, MemoryTerm]]] = []
     collectives: list[Collective] = []
     for stage in rank.stages:
-        parts = plugin_parts(plan, layout, stage.model, workload, stage)
-        per_stage.append([(who, t) for who, part in parts for t in part.memory_terms()])
-        collectives += hooked_collectives(plan, layout, stage.model, workload, parts)
+        stage_terms, stage_collectives = _stage_answers(plan, layout, stage, workload,
+                                                        {} if answers is None else answers)
+        per_stage.append(stage_terms)
+        collectives += stage_collectives
     terms = rank_terms(per_stage)
     terms += [("", MemoryTerm("other", int(size), name))
               for name, size in rank.buffers.items()]
@@ -189,7 +213,8 @@ def pipeline_ranks(
     """Every coordinate of ``pipeline`` estimated (see the module docstring)."""
     if not pipeline.ranks:
         raise EstimateError(f"the pipeline over {pipeline.dim} states no ranks")
-    return tuple(rank_estimate(plan, layout, whole, rank, workload, **kwargs)
+    answers: StageAnswers = {}
+    return tuple(rank_estimate(plan, layout, whole, rank, workload, answers=answers, **kwargs)
                  for rank in pipeline.ranks)
 
 

@@ -445,7 +445,10 @@ def composer_par_estimate(
     Called: once per estimate with ``stage`` None (the whole step), and, when a plugin
     cut the model into pipeline stages (``layout.pipeline_dim``), once more per stage of
     each pipeline rank with ``stage`` that :class:`~composer_par.estimate.EstimateStage`
-    and ``model`` its part; the whole-step answer then serves the report (sections,
+    and ``model`` its part. An answer for a stage depends on its part of the model, its
+    passes and gathers, not on its label: stages that differ only in their label are
+    asked once, and the answer serves each (a pipeline of one layer a stage repeats one
+    shape on every rank). The whole-step answer then serves the report (sections,
     notes, compute) and its memory and collectives are not counted. ``layout`` is the
     :class:`~composer_par.estimate.Layout` (the resolved mesh, each mesh dim's role and
     owner, which dims cross nodes, the merged settings), ``model`` the
