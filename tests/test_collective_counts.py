@@ -33,11 +33,14 @@ replicated), over tp:
   the embedding 1 (its vocabulary shards give partial rows): ``2L + 1`` all-reduces; the
   head gathers its vocabulary-sharded logits: 1 all-gather;
 * backward: each colwise layer's input gradient is partial (a sum over its output
-  shards) and is all-reduced where that layer turns its replicated input into a DTensor:
-  5 per block (wq, wk, wv, w1, w3), and the head 1: ``5L + 1`` all-reduces. Rowwise
-  layers and the embedding need nothing (a replicated gradient is sliced locally).
+  shards). Attention and the feed-forward each turn their replicated input into one
+  DTensor that their colwise layers share (``shared_input``): wq, wk and wv's partial
+  gradients add up, and so do w1 and w3's, and each sum is all-reduced once: 2 per
+  block, and the head 1: ``2L + 1`` all-reduces (one per colwise layer, as torch's
+  ColwiseParallel alone does, would be ``5L + 1``). Rowwise layers and the embedding need
+  nothing (a replicated gradient is sliced locally).
 
-So TP: ``7L + 2`` all-reduces and 1 all-gather per step.
+So TP: ``4L + 2`` all-reduces and 1 all-gather per step.
 
 Activation checkpointing recomputes a block's forward in backward, through the block's
 class forward, not its ``__call__``: FSDP's hooks on the block do not run again (no extra
@@ -66,9 +69,9 @@ GROUPS = L + 1  # FSDP2 / replicate groups: each block, and the root
 
 FSDP2_DIM = {"all_gather": GROUPS + L - 1, "reduce_scatter": GROUPS}  # 3 + 1 = 4, 3
 REPLICATE_DIM = {"all_reduce": GROUPS}  # 3
-TP_DIM = {"all_reduce": (2 * L + 1) + (5 * L + 1), "all_gather": 1}  # 5 + 11 = 16, 1
+TP_DIM = {"all_reduce": (2 * L + 1) + (2 * L + 1), "all_gather": 1}  # 5 + 5 = 10, 1
 # Checkpointing recomputes wo's all-reduce, once per block (early stop spares w2's).
-TP_DIM_RECOMPUTED = {"all_reduce": TP_DIM["all_reduce"] + L, "all_gather": 1}  # 18, 1
+TP_DIM_RECOMPUTED = {"all_reduce": TP_DIM["all_reduce"] + L, "all_gather": 1}  # 12, 1
 
 
 def plan_toml(mesh: str, *plugins: str) -> str:
@@ -161,7 +164,7 @@ def test_golden_counts_on_2_ranks() -> None:
 @pytest.mark.timeout(300)
 def test_without_early_stop_checkpointing_recomputes_both_rowwise_all_reduces() -> None:
     """The reason the checkpointed counts are +L, not +2L: torch's early stop."""
-    both = {"all_reduce": TP_DIM["all_reduce"] + 2 * L, "all_gather": 1}  # 20, 1
+    both = {"all_reduce": TP_DIM["all_reduce"] + 2 * L, "all_gather": 1}  # 14, 1
     # Selective checkpointing saves collective outputs: none again, early stop or not.
     plans = {name: (plan, {"tp": both if "full" in name else TP_DIM})
              for name, (plan, _) in TWO_RANKS.items() if "checkpointing" in name}
@@ -179,8 +182,8 @@ def test_the_golden_numbers_follow_the_derivation() -> None:
     # The arithmetic of the docstring for the tasks' 2-block Llama, spelled out.
     assert FSDP2_DIM == {"all_gather": 4, "reduce_scatter": 3}
     assert REPLICATE_DIM == {"all_reduce": 3}
-    assert TP_DIM == {"all_reduce": 16, "all_gather": 1}
-    assert TP_DIM_RECOMPUTED == {"all_reduce": 18, "all_gather": 1}
+    assert TP_DIM == {"all_reduce": 10, "all_gather": 1}
+    assert TP_DIM_RECOMPUTED == {"all_reduce": 12, "all_gather": 1}
     from composer_par.testing.tasks import llama
 
     assert llama.n_layers == L

@@ -81,7 +81,8 @@ def torch_style(spec: StyleSpec) -> Any:
 #: Our own styles (ParallelStyle subclasses over DTensor, below), by the style they serve.
 LOCAL_STYLES = {*LOCAL_FORWARD_STYLES, "packed_colwise", "packed_rowwise", "local_colwise",
                 "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
-                "identity_expert", "all_reduce", "sequence_region", "mla_kv_a_proj"}
+                "identity_expert", "all_reduce", "sequence_region", "shared_input",
+                "mla_kv_a_proj"}
 
 
 def parameter_placement(style: str, ndim: int, split_factor: int | None = None) -> Any:
@@ -351,6 +352,8 @@ def _make_local_style() -> type:
     summed_inputs = {"experts", "packed_colwise", "local_colwise"}
     # Styles whose floating outputs are summed over tp.
     summed_outputs = {"experts", "all_reduce", "packed_rowwise"}
+    # Styles on a module holding split layers that prepare its first input for them.
+    _REGIONS = ("sequence_region", "shared_input")
 
     class LocalParallel(ParallelStyle):
         def __init__(self, kind: str, split_factor: int = 2, rope_dim: int | None = None
@@ -367,7 +370,7 @@ def _make_local_style() -> type:
             return Replicate()  # experts/local/...: what no parameter entry split
 
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            if self.kind not in ("all_reduce", "identity_expert", "sequence_region"):
+            if self.kind not in ("all_reduce", "identity_expert", *_REGIONS):
                 for name, param in list(module.named_parameters(recurse=False)):
                     if isinstance(param, DTensor):
                         continue
@@ -375,7 +378,7 @@ def _make_local_style() -> type:
                         distribute_tensor(param, device_mesh, [self._placement(name, param)],
                                           src_data_rank=self.src_data_rank),
                         requires_grad=param.requires_grad))
-            first = _first_argument(module) if self.kind == "sequence_region" else None
+            first = _first_argument(module) if self.kind in _REGIONS else None
 
             def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
                 return self._pre(mod, args, kwargs, device_mesh, first)
@@ -411,15 +414,23 @@ def _make_local_style() -> type:
                     lambda t: t.to_local() if isinstance(t, DTensor) else t, (args, kwargs))
             elif kind == "identity_expert" and args:
                 args = (args[0] / mesh.size(), *args[1:])
-            elif kind == "sequence_region":
+            elif kind in _REGIONS:
                 def gather(t: Any) -> Any:
                     if isinstance(t, DTensor) and t.placements != (Replicate(),):
                         return t.redistribute(placements=[Replicate()])
                     return t
+
+                def share(t: Any) -> Any:
+                    # One DTensor for every child: their partial input gradients add
+                    # up, and its conversion back sums the total over tp once.
+                    if floating(t) and not isinstance(t, DTensor):
+                        return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                    return t
+                prepare = gather if kind == "sequence_region" else share
                 if args:
-                    args = (gather(args[0]), *args[1:])
+                    args = (prepare(args[0]), *args[1:])
                 elif first in kwargs:
-                    kwargs = {**kwargs, first: gather(kwargs[first])}
+                    kwargs = {**kwargs, first: prepare(kwargs[first])}
             return args, kwargs
 
         def _post(self, module: nn.Module, output: Any, mesh: Any) -> Any:
@@ -441,6 +452,16 @@ def _make_local_style() -> type:
                 if isinstance(output, tuple) and output:
                     return (shard(output[0]), *output[1:])
                 return shard(output)
+            if self.kind == "shared_input":
+                def local(t: Any) -> Any:
+                    # Its children hand out local outputs; a DTensor computed from the
+                    # shared input itself goes back as its replicated local value.
+                    if isinstance(t, DTensor):
+                        return t.redistribute(placements=[Replicate()]).to_local()
+                    return t
+                if isinstance(output, tuple) and output:
+                    return (local(output[0]), *output[1:])
+                return local(output)
             return output
 
         def __repr__(self) -> str:

@@ -6,13 +6,15 @@ buffers. Pure arithmetic: no torch.
 TP moves ``s*b*h`` activations (this rank's tokens) twice per block in forward and twice
 in backward: with sequence parallelism all-gather + reduce-scatter pairs (Megatron's
 count: the input gathered once per attention and once per MLP); without it all-reduces,
-backward all-reducing the input gradient of every column-parallel Linear that takes a
-replicated input (5 in a Llama block; a MoE block whose routed experts are held apart
-its attention's and its shared expert's only); once more at the embedding and at the
-output head; plus the gathered logits unless loss parallelism keeps them sharded (then
-its cross-entropy's three per-token reductions). A checkpointed block's recomputation
-issues its forward's collectives again, up to what the checkpointing plugin says
-(``checkpoint_reissue``). With sequence parallelism beside a sharding plugin, the norms'
+backward all-reducing the input gradient of the column-parallel Linears that take a
+replicated input: with the auto plan once per input they share (``shared_input``: the
+attention's, the MLP's, a shared expert's; one per row-parallel output, 2 in a Llama
+block), with an explicit plan once per Linear (5 in a Llama block; a MoE block whose
+routed experts are held apart its attention's and its shared expert's only); once more
+at the embedding and at the output head; plus the gathered logits unless loss
+parallelism keeps them sharded (then its cross-entropy's three per-token reductions). A
+checkpointed block's recomputation issues its forward's collectives again, up to what
+the checkpointing plugin says (``checkpoint_reissue``). With sequence parallelism beside a sharding plugin, the norms'
 gradients (partial sums over tp) are all-reduced before their reduce-scatter. The ranks
 wait for every one of them (no overlap).
 """
@@ -35,9 +37,10 @@ if TYPE_CHECKING:
 
 ACCOUNTING = (
     "tp: 2 forward + 2 backward s*b*h activation collectives per block (+2 per recomputed "
-    "block; without sequence parallel, one backward all-reduce per column-parallel Linear: "
-    "5 in a Llama block), +1 at the embedding and +1 at the output head each way, + the "
-    "gathered logits without loss parallel; all on the critical path; buffers 2*s*b*h",
+    "block; without sequence parallel, one backward all-reduce per input that "
+    "column-parallel Linears share, or with an explicit plan per Linear: 5 in a Llama "
+    "block), +1 at the embedding and +1 at the output head each way, + the gathered logits "
+    "without loss parallel; all on the critical path; buffers 2*s*b*h",
 )
 
 
@@ -65,8 +68,10 @@ def block_linears(model: ModelShape, moe_blocks: set[str]) -> tuple[int, int, in
 
 
 def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
-                micro: int) -> list[Collective]:
-    """The collectives over the tp dim ``dim`` of one step (``micro`` passes)."""
+                micro: int, shared_inputs: bool = True) -> list[Collective]:
+    """The collectives over the tp dim ``dim`` of one step (``micro`` passes).
+    ``shared_inputs``: column-parallel Linears sum the gradient of an input they share
+    once (the auto plan's ``shared_input``), not once each."""
     tokens = workload.seq // layout.sequence_split * workload.micro_batch
     act_bytes = dtype_bytes(workload.dtype)
     grad_bytes = dtype_bytes(workload.dtype)
@@ -106,11 +111,15 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
                                       count * micro, "gradients of sequence-parallel norms"))
     else:
         # forward: the row-parallel outputs (2 per dense block) and the embedding;
-        # backward: the input gradient of every column-parallel Linear that takes a
-        # replicated input (torch's ColwiseParallel reduces each separately) and of the
-        # output head. A recomputed block issues its forward's again but the MLP's
+        # backward: the input gradient of the column-parallel Linears that take a
+        # replicated input, and of the output head: once per input they share, which
+        # each row-parallel output closes (attention, the MLP, a shared expert), or with
+        # an explicit plan once per Linear (torch's ColwiseParallel reduces each
+        # separately). A recomputed block issues its forward's again but the MLP's
         # output (the last: early stop), or all of them.
         rowwise, colwise, mlp = block_linears(model, moe_blocks)
+        if shared_inputs:
+            colwise = min(colwise, rowwise)
         if recomputed:
             again = rowwise if reissue == "all" else rowwise - mlp
             recomputed = again * recomputed // max(1, layers)
@@ -118,8 +127,10 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
         per_block = (f"forward {rowwise // layers}, backward {colwise // layers} per block"
                      if layers and not rowwise % layers and not colwise % layers else
                      f"forward {rowwise}, backward {colwise} over {layers} blocks")
+        inputs = "shared " if shared_inputs else ""
         out.append(Collective(dim, "all_reduce", calls * x * micro, calls * micro,
-                              f"activations: {per_block} (one per column-parallel input), "
+                              f"activations: {per_block} (one per {inputs}column-parallel "
+                              "input), "
                               "+1 each way at the embedding / output head"
                               + ("; MoE blocks: attention and shared expert only"
                                  if moe_blocks else "")))
@@ -142,7 +153,8 @@ def estimate_part(tp: Any, layout: Any, model: ModelShape, workload: Any,
     """TP's terms for ``layout`` (its plugin object ``tp``: its dim)."""
     if tp.dim not in layout.mesh or layout.mesh.size(tp.dim) < 2:
         return None
-    found = collectives(layout, model, workload, tp.dim, runs_of(workload, stage))
+    found = collectives(layout, model, workload, tp.dim, runs_of(workload, stage),
+                        shared_inputs=tp.plan == "auto")
     tokens = workload.seq // layout.sequence_split * workload.micro_batch
     buffers = MemoryTerm("buffers", 2 * tokens * model.hidden * dtype_bytes(workload.dtype),
                          "activations gathered or being reduced over tp (2*s*b*h)",

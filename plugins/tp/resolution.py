@@ -28,6 +28,7 @@ from .findings import (
 from .heads import LocalHeads, local_head_counts
 from .patterns import generalize, matches, modules_by_name, names_near, parameters_by_name
 from .plan_map import PlanMap
+from .regions import shared_input_regions
 from .sequence import hf_sequence_parallel
 from .styles import (
     EMBEDDING_STYLES,
@@ -121,6 +122,8 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
             findings.append(Finding("CP408", problem, fix=(
                 "set sequence_parallel = false, or give TP(plan={...}) explicitly with the "
                 "norms mapped to \"sequence_parallel\" (docs/tp.md)")))
+    if source != "explicit plan" and not tp.sequence_parallel:
+        specs = shared_input_regions(specs, modules)
     # Loss parallel keeps the output head's logits sharded: the gathered projections at
     # the top of the model (Phi-3 gathers its fused qkv_proj inside attention too).
     gathered = [n for n in modules if n in specs and specs[n].style == "colwise_gather"]

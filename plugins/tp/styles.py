@@ -52,6 +52,9 @@ STYLES: dict[str, str] = {
     "sequence_region": "a module on the sequence-sharded residual stream whose children the "
     "plan splits: its first input is gathered once (kept a DTensor, so its children do not "
     "gather again) and a plain first output is sharded back onto the sequence",
+    "shared_input": "a module whose column-parallel children take the same replicated "
+    "input: that input becomes one replicated DTensor, so their partial input gradients add "
+    "up and are summed over tp once, not once per child",
     "mla_kv_a_proj": "a latent-attention projection (DeepSeek's kv_a_proj_with_mqa) beside "
     "split heads: weights replicated, computed on local tensors; its last rope_dim output "
     "features (the rotary key every head shares, which skips the split kv_b_proj) get their "
@@ -144,6 +147,7 @@ STYLE_KEYS: dict[str, tuple[str, ...]] = {
     "local_colwise": (),
     "local_rowwise": (),
     "sequence_region": (),
+    "shared_input": (),
     "mla_kv_a_proj": ("rope_dim",),
 }
 ALL_KEYS = ("style", *sorted({k for keys in STYLE_KEYS.values() for k in keys}))
