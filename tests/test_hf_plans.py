@@ -156,6 +156,27 @@ def test_tied_embeddings_stay_tied_or_the_plan_says_why() -> None:
     assert "leave both" in finding.fix
 
 
+# -- one gradient sum per shared input ------------------------------------------------------
+
+
+def test_attention_and_mlp_share_their_input_and_moe_blocks_do_not() -> None:
+    """Without sequence parallel the auto plan gives attention and the MLP
+    ``shared_input`` (their colwise layers' input gradients summed once); a
+    mixture-of-experts block, whose router stays replicated, keeps the sum per layer;
+    sequence parallel and an explicit plan get none."""
+    llama = styles("llama")
+    assert llama["model.layers.0.self_attn"] == "shared_input"
+    assert llama["model.layers.0.mlp"] == "shared_input"
+    assert llama["model.layers.0.self_attn.q_proj"] == "colwise"
+    qwen3 = styles("qwen3")  # its per-head q/k norms work on what q and k produce
+    assert qwen3["model.layers.0.self_attn"] == "shared_input"
+    mixtral = styles("mixtral")
+    assert mixtral["model.layers.0.self_attn"] == "shared_input"
+    assert "model.layers.0.mlp" not in mixtral
+    assert "shared_input" not in styles("llama", sequence_parallel=True).values()
+    assert "shared_input" not in styles("llama", plan=hf_workers.HANDWRITTEN).values()
+
+
 # -- sequence parallel ------------------------------------------------------------------
 
 
