@@ -14,9 +14,9 @@ routed experts are held apart its attention's and its shared expert's only); onc
 at the embedding and at the output head; plus the gathered logits unless loss
 parallelism keeps them sharded (then its cross-entropy's three per-token reductions). A
 checkpointed block's recomputation issues its forward's collectives again, up to what
-the checkpointing plugin says (``checkpoint_reissue``). With sequence parallelism beside a sharding plugin, the norms'
-gradients (partial sums over tp) are all-reduced before their reduce-scatter. The ranks
-wait for every one of them (no overlap).
+the checkpointing plugin says (``checkpoint_reissue``). With sequence parallelism beside
+a sharding plugin, the norms' gradients (partial sums over tp) are all-reduced before
+their reduce-scatter. The ranks wait for every one of them (no overlap).
 """
 
 from __future__ import annotations
