@@ -7,13 +7,15 @@ which applies the model's TP plan (``base_model_tp_plan`` and its head's) over `
 ``fully_shard`` after its FSDP plan (``_fsdp_plan``: each layer and the embedding
 resharded after forward, the final norm with the head kept whole) over ``fsdp`` (and
 ``dp_replicate``). composer_par's side is the same model class with the same weights
-under ``FSDP2()``, with ``TP()`` (its auto plan) over ``tp`` and ``HSDP()`` over
-``dp_replicate``, FSDP2's units its default ones for the model (its own FSDP plan, a unit
-of small parameters joined with its neighbour, the last block kept gathered for its
-backward, which transformers reshards and gathers again). Every rank builds the same weights
-(transformers' init, seeded; rank 0 saves them for ``from_pretrained``); both sides see
-the same batches (each rank its data shard), take the mean loss of their shard, average
-gradients over data parallelism and step torch's AdamW.
+under ``FSDP2()``, with ``TP()`` (its auto plan, which all-reduces the gradient of the
+input attention's q/k/v and the MLP's gate/up share once, where transformers does it per
+projection) over ``tp`` and ``HSDP()`` over ``dp_replicate``, FSDP2's units its default
+ones for the model (its own FSDP plan, a unit of small parameters joined with its
+neighbour, the last block kept gathered for its backward, which transformers reshards and
+gathers again). Every rank builds the same weights (transformers' init, seeded; rank 0
+saves them for ``from_pretrained``); both sides see the same batches (each rank its data
+shard), take the mean loss of their shard, average gradients over data parallelism and
+step torch's AdamW.
 
 Models: a Llama and a Qwen3 (per-head q/k norms), ``--layers`` blocks of hidden size
 ``--dim``. Modes on 4 gloo ranks: ``fsdp`` (fsdp 4), ``fsdp_tp`` (fsdp 2 x tp 2) and
