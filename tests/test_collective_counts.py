@@ -114,8 +114,30 @@ FOUR_RANKS: dict[str, tuple[str, dict[str, dict[str, int]]]] = {
         {"dp_shard": FSDP2_DIM, "tp": TP_DIM}),
 }
 
+# torchtitan's plan written out: an explicit plan gets what it says, one all-reduce per
+# colwise layer's input gradient (5L + 1), unless it gives attention and the feed-forward
+# shared_input itself (2L + 1, as the auto plan does).
+EXPLICIT_TP = """name = "tp"
+[plugins.plan]
+"tok_embeddings" = "embedding_rowwise"
+"layers.*.attention.wq" = "colwise"
+"layers.*.attention.wk" = "colwise"
+"layers.*.attention.wv" = "colwise"
+"layers.*.attention.wo" = "rowwise"
+"layers.*.feed_forward.w1" = "colwise"
+"layers.*.feed_forward.w3" = "colwise"
+"layers.*.feed_forward.w2" = "rowwise"
+"output" = "colwise_gather"
+"""
+SHARED_INPUT_TP = EXPLICIT_TP + (
+    '"layers.*.attention" = "shared_input"\n"layers.*.feed_forward" = "shared_input"\n')
+TP_DIM_PER_LAYER = {"all_reduce": (2 * L + 1) + (5 * L + 1), "all_gather": 1}  # 16, 1
+
 TWO_RANKS: dict[str, tuple[str, dict[str, dict[str, int]]]] = {
     "tp 2": (plan_toml("tp = 2", TP_), {"tp": TP_DIM}),
+    "tp 2, explicit plan": (plan_toml("tp = 2", EXPLICIT_TP), {"tp": TP_DIM_PER_LAYER}),
+    "tp 2, explicit plan with shared_input": (plan_toml("tp = 2", SHARED_INPUT_TP),
+                                              {"tp": TP_DIM}),
     "tp 2, full checkpointing": (plan_toml("tp = 2", TP_, AC_FULL), {"tp": TP_DIM_RECOMPUTED}),
     "tp 2, selective checkpointing": (plan_toml("tp = 2", TP_, AC_SELECTIVE),
                                       {"tp": TP_DIM}),
@@ -184,6 +206,7 @@ def test_the_golden_numbers_follow_the_derivation() -> None:
     assert REPLICATE_DIM == {"all_reduce": 3}
     assert TP_DIM == {"all_reduce": 10, "all_gather": 1}
     assert TP_DIM_RECOMPUTED == {"all_reduce": 12, "all_gather": 1}
+    assert TP_DIM_PER_LAYER == {"all_reduce": 16, "all_gather": 1}
     from composer_par.testing.tasks import llama
 
     assert llama.n_layers == L

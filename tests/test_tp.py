@@ -540,6 +540,22 @@ seed = 7
 """
 
 
+# torchtitan's plan written out, attention and the feed-forward given shared_input.
+SHARED_INPUT_PLAN = """[plugins.plan]
+"tok_embeddings" = "embedding_rowwise"
+"layers.*.attention" = "shared_input"
+"layers.*.attention.wq" = "colwise"
+"layers.*.attention.wk" = "colwise"
+"layers.*.attention.wv" = "colwise"
+"layers.*.attention.wo" = "rowwise"
+"layers.*.feed_forward" = "shared_input"
+"layers.*.feed_forward.w1" = "colwise"
+"layers.*.feed_forward.w3" = "colwise"
+"layers.*.feed_forward.w2" = "rowwise"
+"output" = "colwise_gather"
+"""
+
+
 def assert_trained(result: ParityResult) -> None:
     # The test would pass vacuously if nothing trained: losses must move.
     assert result.losses[-1] < result.losses[0] - 0.05, result.losses
@@ -554,8 +570,10 @@ def assert_trained(result: ParityResult) -> None:
         ("tests.tp_workers:llama_kv4", "tp = 4", "sequence_parallel = true", False, 4),
         (LLAMA, "dp_shard = 2\ntp = 2", "", True, 4),
         ("tests.tp_workers:hf_llama", "tp = 2", "", False, 2),
+        (LLAMA, "tp = 2", SHARED_INPUT_PLAN, False, 2),
     ],
-    ids=["tp2", "tp4-sequence-parallel", "fsdp2xtp-2x2", "tp2-hugging-face-plan"],
+    ids=["tp2", "tp4-sequence-parallel", "fsdp2xtp-2x2", "tp2-hugging-face-plan",
+         "tp2-explicit-shared-input"],
 )
 def test_tp_matches_single_process_sgd(
     task: str, mesh: str, tp_options: str, fsdp: bool, world: int
