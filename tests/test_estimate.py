@@ -278,6 +278,27 @@ def test_tensor_parallel_with_sequence_parallel_by_hand() -> None:
     assert est.memory.local_params == 4 * 256 * 1024 + 250 * 1024
 
 
+def test_tp_backward_all_reduces_once_per_shared_input_or_per_linear() -> None:
+    """Without sequence parallel, 2 forward all-reduces per block (+1 at the embedding)
+    and in backward one per input the column-parallel Linears share (the auto plan's
+    shared_input: 2 per block), or with an explicit plan one per Linear (5 of a Llama
+    block's 7 matrices), +1 at the head."""
+    from composer_par import TP
+
+    llama = attrs.evolve(HAND, matrices_per_block=7)
+    explicit = {"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise"}
+    shared = {**explicit, "layers.*.attention": "shared_input"}
+
+    def all_reduces(tp: TP) -> int:
+        est = planned(MeshSpec(tp=2), Topology(1, 2), tp, model=llama)
+        traffic = next(t for t in est.traffic if t.dim.name == "tp")
+        return sum(c.calls for c in traffic.collectives if c.kind == "all_reduce")
+
+    assert all_reduces(TP()) == (2 * 4 + 1) + (2 * 4 + 1)
+    assert all_reduces(TP(plan=explicit)) == (2 * 4 + 1) + (5 * 4 + 1)
+    assert all_reduces(TP(plan=shared)) == (2 * 4 + 1) + (2 * 4 + 1)
+
+
 def test_activations_follow_korthikanti() -> None:
     sbh = 1024 * 2 * 1024
     eager = attrs.evolve(WORK, attention="eager")

@@ -9,7 +9,7 @@ count: the input gathered once per attention and once per MLP); without it all-r
 backward all-reducing the input gradient of the column-parallel Linears that take a
 replicated input: with the auto plan once per input they share (``shared_input``: the
 attention's, the MLP's, a shared expert's; one per row-parallel output, 2 in a Llama
-block), with an explicit plan once per Linear (5 in a Llama block; a MoE block whose
+block), with an explicit plan without it once per Linear (5 in a Llama block; a MoE block whose
 routed experts are held apart its attention's and its shared expert's only); once more
 at the embedding and at the output head; plus the gathered logits unless loss
 parallelism keeps them sharded (then its cross-entropy's three per-token reductions). A
@@ -153,8 +153,11 @@ def estimate_part(tp: Any, layout: Any, model: ModelShape, workload: Any,
     """TP's terms for ``layout`` (its plugin object ``tp``: its dim)."""
     if tp.dim not in layout.mesh or layout.mesh.size(tp.dim) < 2:
         return None
+    # The auto plan gives shared_input where it fits; an explicit plan where it says so.
+    shared = tp.plan == "auto" or any(spec.style == "shared_input"
+                                      for _, spec in tp.entries()[0])
     found = collectives(layout, model, workload, tp.dim, runs_of(workload, stage),
-                        shared_inputs=tp.plan == "auto")
+                        shared_inputs=shared)
     tokens = workload.seq // layout.sequence_split * workload.micro_batch
     buffers = MemoryTerm("buffers", 2 * tokens * model.hidden * dtype_bytes(workload.dtype),
                          "activations gathered or being reduced over tp (2*s*b*h)",

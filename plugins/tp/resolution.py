@@ -123,6 +123,7 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
                 "set sequence_parallel = false, or give TP(plan={...}) explicitly with the "
                 "norms mapped to \"sequence_parallel\" (docs/tp.md)")))
     if source != "explicit plan" and not tp.sequence_parallel:
+        # Column-parallel layers on one replicated input: their gradients summed once.
         specs = shared_input_regions(specs, modules)
     # Loss parallel keeps the output head's logits sharded: the gathered projections at
     # the top of the model (Phi-3 gathers its fused qkv_proj inside attention too).
