@@ -75,8 +75,6 @@ def _stage_units(model: Any, split: Any, num_stages: int
                  ) -> tuple[list[list[_Unit]], list[str]]:
     """The model shape's units per stage, and notes on what had to be assumed."""
     blocks = [g for g in model.groups if g.block and g.numel]
-    outside = [t for g in model.groups if not g.block for t in g.tensors]
-    count = sum(g.count for g in blocks)
     why = _too_many_stages(model, num_stages)
     if why:
         raise _Unsplittable(why)
@@ -88,23 +86,8 @@ def _stage_units(model: Any, split: Any, num_stages: int
         notes.append("the split's module paths do not name this model shape's blocks and "
                      "tensors (a shape from numbers has none): split as \"auto\" instead")
     order = [_Unit(g) for g in blocks for _ in range(g.count)]
-    lead: list[Any] = []
-    trail: list[Any] = []
-    between: dict[int, list[Any]] = {}
-    unknown = [t for t in outside if t.position is None]
-    for t in outside:
-        if t.position is None:
-            continue
-        if t.position <= 0:
-            lead.append(t)
-        elif t.position >= count:
-            trail.append(t)
-        else:
-            between.setdefault(t.position - 1, []).append(t)
-    if unknown:
-        first, last = _halves(unknown)
-        lead += first
-        trail += last
+    count, lead, trail, between = _placed(model)
+    if any(t.position is None for g in model.groups if not g.block for t in g.tensors):
         notes.append("the parameters outside the blocks have no order in this model shape "
                      "(one from numbers): half are counted on the first stage (the "
                      "embedding), half on the last (the final norm and output head)")
@@ -128,18 +111,33 @@ def _stage_units(model: Any, split: Any, num_stages: int
     return stages, notes
 
 
+def _placed(model: Any) -> tuple[int, list[Any], list[Any], dict[int, list[Any]]]:
+    """``(blocks, lead, trail, between)`` of a model shape: the tensors outside the
+    blocks before the first, after the last, and after each block index; those of
+    unknown place (a shape from numbers) halved between the ends (:func:`_halves`)."""
+    count = sum(g.count for g in model.groups if g.block and g.numel)
+    lead: list[Any] = []
+    trail: list[Any] = []
+    between: dict[int, list[Any]] = {}
+    unknown: list[Any] = []
+    for t in (t for g in model.groups if not g.block for t in g.tensors):
+        if t.position is None:
+            unknown.append(t)
+        elif t.position <= 0:
+            lead.append(t)
+        elif t.position >= count:
+            trail.append(t)
+        else:
+            between.setdefault(t.position - 1, []).append(t)
+    first, last = _halves(unknown)
+    return count, lead + first, trail + last, between
+
+
 def stage_limit(model: Any) -> tuple[int, int]:
     """``(blocks, ends)`` of a model shape: the most stages a split can make is their sum,
-    the ends being what lies outside the blocks before the first and after the last (in
-    a shape from numbers, without order: halves of it)."""
-    count = sum(g.count for g in model.groups if g.block and g.numel)
-    outside = [t for g in model.groups if not g.block for t in g.tensors]
-    # a tensor of unknown place gives the first stage half its rows (:func:`_halves`):
-    # none when it has one row
-    first = any(t.position <= 0 if t.position is not None
-                else (t.shape[0] if t.shape else 1) >= 2 for t in outside)
-    last = any(t.position is None or t.position >= count for t in outside)
-    return count, first + last
+    the ends being what the split puts before the first block and after the last."""
+    count, lead, trail, _ = _placed(model)
+    return count, bool(lead) + bool(trail)
 
 
 def _too_many_stages(model: Any, num_stages: int) -> str | None:
