@@ -186,9 +186,10 @@ def rank_estimate(
     model = merged_model(whole, rank.stages)
     per_stage: list[list[tuple[str, MemoryTerm]]] = []
     collectives: list[Collective] = []
+    answers = {} if answers is None else answers
     for stage in rank.stages:
         stage_terms, stage_collectives = _stage_answers(plan, layout, stage, workload,
-                                                        {} if answers is None else answers)
+                                                        answers)
         per_stage.append(stage_terms)
         collectives += stage_collectives
     terms = rank_terms(per_stage)
