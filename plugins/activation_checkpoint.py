@@ -420,10 +420,13 @@ class ActivationCheckpoint(Plugin):
                         and self.matmul_every != 1 else None)
         attention = (True if self.mode == "selective" and self.policy is None
                      and "attention" in self.save else None)
+        collectives = (False if self.mode == "selective" and self.policy is None
+                       and "collectives" not in self.save else None)
         return EstimateSettings(activation_checkpoint=self.mode, checkpoint_every=self.every,
                                 checkpoint_reissue=reissue,
                                 checkpoint_matmul_every=every_matmul,
-                                checkpoint_saves_attention=attention)
+                                checkpoint_saves_attention=attention,
+                                checkpoint_saves_collectives=collectives)
 
     @hookimpl
     def composer_par_suggest(self) -> list[SuggestAxis]:

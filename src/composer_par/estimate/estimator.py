@@ -225,9 +225,12 @@ def estimate(
                     else 1)
     saves_attention = (layout.checkpoint_saves_attention
                        and workload.activation_checkpoint is None)
+    saves_collectives = (layout.checkpoint_saves_collectives
+                         or workload.activation_checkpoint is not None)
     layout = attrs.evolve(layout, checkpoint_every=every,
                           checkpoint_matmul_every=matmul_every,
-                          checkpoint_saves_attention=saves_attention)
+                          checkpoint_saves_attention=saves_attention,
+                          checkpoint_saves_collectives=saves_collectives)
     # What every plugin is told: the workload with its dtypes and checkpointing resolved.
     work = attrs.evolve(workload, dtype=dtype, reduce_dtype=reduce_dtype,
                         activation_checkpoint=mode)

@@ -70,6 +70,8 @@ class Layout:
     checkpoint_matmul_every: int = 1
     # ... and the attention kernel's outputs (see EstimateSettings).
     checkpoint_saves_attention: bool = False
+    # ... and the collectives' outputs (see EstimateSettings).
+    checkpoint_saves_collectives: bool = True
     # The mesh dim a plugin cuts the model into pipeline stages along (set by the
     # estimator once the plugin stated its pipeline): the plugins are then asked for each
     # stage's terms, and their whole-model answer serves the report only.
@@ -243,7 +245,8 @@ def merge_settings(answers: list[tuple[str, Any]]) -> dict[str, Any]:
         except EstimateError as exc:
             raise EstimateError(f"plugin {who!r}: composer_par_estimate_settings: {exc}"
                                 ) from None
-        for key in ("sequence_parallel", "loss_parallel", "checkpoint_saves_attention"):
+        for key in ("sequence_parallel", "loss_parallel", "checkpoint_saves_attention",
+                    "checkpoint_saves_collectives"):
             if key in fields:
                 fields[key] = bool(fields[key])
         merged.update(fields)

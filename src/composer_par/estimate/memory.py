@@ -60,7 +60,7 @@ def activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int = 1, recompute: bool = True,
     dispatched: bool = False, matmul_every: int = 1, head: bool = True,
-    saved_attention: bool = False,
+    saved_attention: bool = False, saved_collectives: bool = True,
 ) -> int:
     """Per-rank activation bytes of one micro-batch (Korthikanti et al. 2022).
 
@@ -72,14 +72,17 @@ def activation_bytes(
     matmul of a block (a Llama's make: q, k, v, o, gate, up, down).
     ``head``: the layers after the blocks (the final norm) run here; a pipeline stage
     without them says False. ``saved_attention``: selective checkpointing also saves
-    the attention kernel's output and log-sum-exp (counted for a Llama's make)."""
+    the attention kernel's output and log-sum-exp (counted for a Llama's make);
+    ``saved_collectives=False``: selective checkpointing issues tensor parallelism's
+    collectives again in backward instead of keeping their outputs (a Llama's make)."""
     if _is_llama_like(model):
         return _llama_activation_bytes(model, workload, dtype, tp=tp,
                                        sequence_parallel=sequence_parallel,
                                        loss_parallel=loss_parallel, mode=mode, every=every,
                                        recompute=recompute, dispatched=dispatched,
                                        matmul_every=matmul_every, head=head,
-                                       saved_attention=saved_attention)
+                                       saved_attention=saved_attention,
+                                       saved_collectives=saved_collectives)
     s, b, h = workload.seq, workload.micro_batch, model.hidden
     sbh = s * b * h
     eager = workload.attention == "eager" and model.heads
@@ -173,7 +176,7 @@ def _llama_activation_bytes(
     model: ModelShape, workload: Workload, dtype: str, *, tp: int, sequence_parallel: bool,
     loss_parallel: bool, mode: str, every: int, recompute: bool,
     dispatched: bool = False, matmul_every: int = 1, head: bool = True,
-    saved_attention: bool = False,
+    saved_attention: bool = False, saved_collectives: bool = True,
 ) -> int:
     """Per-rank activation bytes of one micro-batch of a Llama-like model: the tensors
     autograd keeps for backward, counted from the block's structure (measured on the
@@ -228,9 +231,10 @@ def _llama_activation_bytes(
             matmul_outputs += mlp_selective * len(saved & {"gate", "up", "down"}) / 3
     # Selective checkpointing saves collective outputs too (the plugin's default): under
     # TP the row-parallel outputs' all-reduces (2h), or with sequence parallelism the
-    # gathered inputs (2h) and the reduce-scattered outputs (2h/t). Derived, not measured.
+    # gathered inputs (2h) and the reduce-scattered outputs (2h/t); without them, backward
+    # issues the collectives again (measured on 2 ranks: tests/test_activation_memory.py).
     collective_outputs = 0.0
-    if t > 1:
+    if t > 1 and saved_collectives:
         collective_outputs = 2 * h + (2 * h / t if sequence_parallel else 0)
     selective_block = block_input + matmul_outputs + collective_outputs
     if saved_attention:
@@ -300,7 +304,9 @@ def activations_by_mode(layout: Layout, model: ModelShape, workload: Workload, d
                                 matmul_every=(layout.checkpoint_matmul_every if m == mode
                                               else 1),
                                 saved_attention=(layout.checkpoint_saves_attention
-                                                 and m == mode))
+                                                 and m == mode),
+                                saved_collectives=(layout.checkpoint_saves_collectives
+                                                   or m != mode))
             for m in AC_MODES}
 
 

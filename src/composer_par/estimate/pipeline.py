@@ -106,7 +106,8 @@ def _activations(
                                   loss_parallel=lp, mode=mode, every=every, recompute=False,
                                   dispatched=s.model.dispatched, matmul_every=matmul_every,
                                   head=not whole.vocab or bool(s.model.vocab),
-                                  saved_attention=layout.checkpoint_saves_attention)
+                                  saved_attention=layout.checkpoint_saves_attention,
+                                  saved_collectives=layout.checkpoint_saves_collectives)
                  for s in rank.stages]
     held = max((sum(n * b for n, b in zip(moment, per_stage, strict=True))
                 for moment in rank.held), default=0)

@@ -162,6 +162,9 @@ class EstimateSettings:
     # Selective checkpointing saves the attention kernel's outputs (the output and its
     # log-sum-exp) instead of recomputing the attention in backward.
     checkpoint_saves_attention: bool | None = None
+    # Selective checkpointing saves the outputs of the functional collectives (what
+    # tensor parallelism gathers and reduces) instead of issuing them again in backward.
+    checkpoint_saves_collectives: bool | None = None
 
     def set_fields(self) -> dict[str, Any]:
         """The fields this answer sets (not None)."""

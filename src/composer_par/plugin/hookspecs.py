@@ -387,7 +387,8 @@ def composer_par_estimate_settings(plan: ParallelPlan) -> EstimateSettings | Non
     one ``sequence_split`` (each rank holds 1 / sequence_split of every sequence's
     tokens), an activation-checkpointing one ``activation_checkpoint`` (``"none"``,
     ``"selective"`` or ``"full"``), ``checkpoint_every``, ``checkpoint_reissue``,
-    ``checkpoint_matmul_every`` and ``checkpoint_saves_attention``. Or None. The answers
+    ``checkpoint_matmul_every``, ``checkpoint_saves_attention`` and
+    ``checkpoint_saves_collectives``. Or None. The answers
     are merged in plan order, a later plugin's set field over an earlier one's; what no
     plugin sets keeps the estimator's default. The estimate never reads a plugin's
     options: what the plugin's own terms need stays with the plugin (its answer to
