@@ -48,6 +48,7 @@ from composer_par.plugin import (
     Severity,
     SuggestAxis,
     SuggestChoice,
+    SuggestContext,
     already_wrapped,
     blocks_option,
     hookimpl,
@@ -430,11 +431,23 @@ class ActivationCheckpoint(Plugin):
 
     @hookimpl
     def composer_par_suggest(self) -> list[SuggestAxis]:
-        """No checkpointing, selective, full: from the fastest to the leanest."""
+        """No checkpointing, selective, full: from the fastest to the leanest; with
+        tensor parallelism, between the last two, selective that issues the collectives
+        again in backward instead of keeping their outputs (the gathered inputs are a
+        whole sequence each under sequence parallelism)."""
         own = {k: v for k, v in self.options().items() if k != "mode"}
-        modes = [SuggestChoice(), SuggestChoice("AC selective", {**own, "mode": "selective"}, 1),
-                 SuggestChoice("AC full", {**own, "mode": "full"}, 2)]
-        return [SuggestAxis(self.name, None, 60, (1,), lambda ctx: modes, first_fit=True)]
+        none = SuggestChoice()
+        selective = SuggestChoice("AC selective", {**own, "mode": "selective"}, 1)
+        regather = SuggestChoice("AC selective save=matmul",
+                                 {**own, "mode": "selective", "save": ["matmul"]}, 2)
+        full = SuggestChoice("AC full", {**own, "mode": "full"}, 3)
+
+        def modes(ctx: SuggestContext) -> list[SuggestChoice]:
+            if ctx.tensor_parallel() > 1:
+                return [none, selective, regather, full]
+            return [none, selective, full]
+
+        return [SuggestAxis(self.name, None, 60, (1,), modes, first_fit=True)]
 
     @hookimpl
     def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
