@@ -12,9 +12,9 @@ task = LlamaTask(n_layers=3, dim=128, n_heads=8, n_kv_heads=2, vocab_size=512, s
 
 def held(plan_toml: str) -> int:
     """This rank's activations at the end of a forward, the smaller of two forwards: now
-    and then the tracker also counts a collective's buffer still in flight at its
-    snapshot (seen as a few hidden-sized tensors more on one rank, once in several
-    runs), which no other forward repeats."""
+    and then one rank's tracker counts a few hidden-sized tensors more than the other's
+    (seen once in several runs, not repeated by the next forward; the cause is not
+    pinned down), where every other run measures both ranks alike."""
     import torch
 
     from composer_par.models.llama import next_token_loss
