@@ -220,17 +220,12 @@ def estimate(
     reduce_dtype = workload.reduce_dtype or (layout.reduce_dtype if workload.dtype is None
                                               else None) or dtype
     mode = workload.activation_checkpoint or layout.activation_checkpoint or "none"
-    every = layout.checkpoint_every if workload.activation_checkpoint is None else 1
-    matmul_every = (layout.checkpoint_matmul_every if workload.activation_checkpoint is None
-                    else 1)
-    saves_attention = (layout.checkpoint_saves_attention
-                       and workload.activation_checkpoint is None)
-    saves_collectives = (layout.checkpoint_saves_collectives
-                         or workload.activation_checkpoint is not None)
-    layout = attrs.evolve(layout, checkpoint_every=every,
-                          checkpoint_matmul_every=matmul_every,
-                          checkpoint_saves_attention=saves_attention,
-                          checkpoint_saves_collectives=saves_collectives)
+    if workload.activation_checkpoint is not None:
+        # A mode given with the workload runs on every block with the mode's own saves,
+        # not the plan's.
+        layout = attrs.evolve(layout, checkpoint_every=1, checkpoint_matmul_every=1,
+                              checkpoint_saves_attention=False,
+                              checkpoint_saves_collectives=True)
     # What every plugin is told: the workload with its dtypes and checkpointing resolved.
     work = attrs.evolve(workload, dtype=dtype, reduce_dtype=reduce_dtype,
                         activation_checkpoint=mode)
