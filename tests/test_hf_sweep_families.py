@@ -4,7 +4,8 @@ parameter parts against the single-process reference, as in test_hf_models):
 
 - StableLm under FSDP2 x TP(auto): it has no tp plan of its own, the Llama-name fallback
   splits q, k and v, and its attention reshapes by its own head counts, which TP sets to
-  the local ones; with per-head q/k norms it is refused (CP431).
+  the local ones; with per-head q/k norms it is refused (CP431). Under TP with sequence
+  parallel (2 ranks) its names get the layout of a Hugging Face plan.
 - Apertus under FSDP2 + MetaInit: its XIELU activation's alpha_p / alpha_n (and beta /
   eps buffers) are set by its constructor only (``_init_weights`` leaves them alone);
   MetaInit builds the activation's MLP once on CPU from its config and copies them.
@@ -31,6 +32,38 @@ def test_stablelm_trains_at_parity_under_fsdp2_x_tp_auto() -> None:
     assert not hf_workers.problems(results, cases), "\n".join(
         hf_workers.problems(results, cases))
     assert all(rows[0]["applied"] for rows in results)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_stablelm_trains_at_parity_under_tp_with_sequence_parallel() -> None:
+    """Its forward computes positions from the stream's shape: the stream stays a DTensor
+    of the full sequence, as under a Hugging Face model's own plan."""
+    cases = [("stablelm", "tp_sp")]
+    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=240)
+    assert not hf_workers.problems(results, cases), "\n".join(
+        hf_workers.problems(results, cases))
+    assert all(rows[0]["applied"] for rows in results)
+
+
+def test_stablelm_under_sequence_parallel_gathers_once_per_attention_and_mlp() -> None:
+    from composer_par.plugins.tp.resolution import resolve
+
+    model = hf_workers.build("stablelm")
+    resolution = resolve(TP(sequence_parallel=True), model, 2)
+    assert not resolution.findings
+    styles = {path: spec.style for path, _, spec in resolution.entries}
+    for layer in ("model.layers.0", "model.layers.1"):
+        assert styles[f"{layer}.self_attn"] == styles[f"{layer}.mlp"] == "sequence_region"
+        assert styles[f"{layer}.input_layernorm"] == "sequence_parallel"
+        assert styles[f"{layer}.post_attention_layernorm"] == "sequence_parallel"
+    embedding = next(spec for path, _, spec in resolution.entries
+                     if path == "model.embed_tokens")
+    assert embedding.output_layouts == ("shard(1)",) and embedding.use_local_output is False
+    stage = resolve(TP(sequence_parallel=True), model, 2, ends=False)
+    assert [f.code for f in stage.findings] == ["CP408"]
+    assert "pipeline stage of a Hugging Face model laid out by the auto plan from its " \
+           "Llama names" in stage.findings[0].message
 
 
 def test_stablelm_attention_head_counts_become_local_after_the_split() -> None:

@@ -171,6 +171,9 @@ class AutoPlan:
 HF_SOURCE = "Hugging Face tp plan"
 #: The sources of a plan built from recognized module names.
 NAME_SOURCES = ("Llama names", "Hugging Face Llama names", "GPT names")
+#: The sources of a plan for a Hugging Face model's forward, and what to call each.
+HF_FORWARD_SOURCES = {HF_SOURCE: "the model's Hugging Face tp plan",
+                      NAME_SOURCES[1]: "the auto plan from its Llama names"}
 
 
 def auto_plan(
@@ -373,11 +376,11 @@ def _llama_plan(
             patterns.setdefault(generalize(name), StyleSpec("embedding_rowwise"))
         elif isinstance(module, nn.Linear) and leaf in OUTPUT_NAMES and name.count(".") <= 1:
             patterns.setdefault(generalize(name), StyleSpec("colwise_gather"))
-        elif sequence_parallel and _is_norm(module):
+        elif sequence_parallel and family == "llama" and _is_norm(module):
             patterns.setdefault(generalize(name), StyleSpec("sequence_parallel"))
     if not sequence_parallel or family != "llama":
-        # Hugging Face attention is called with keyword arguments: each colwise layer
-        # gathers its own sequence-sharded input instead (the same values, more gathers).
+        # A Hugging Face model computes its positions from the stream's shape: resolution
+        # gives its names the layout of a Hugging Face plan (sequence.py), norms included.
         return list(patterns.items()), fallbacks
     # torchtitan: gather the sequence once per attention / feed-forward, not per Linear.
     out: dict[str, StyleSpec] = {}

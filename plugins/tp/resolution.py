@@ -12,7 +12,15 @@ import attrs
 
 from composer_par.plugin import Finding
 
-from .auto import HF_SOURCE, NAME_SOURCES, OUTPUT_NAMES, Fallback, auto_plan, with_rope_dim
+from .auto import (
+    HF_FORWARD_SOURCES,
+    HF_SOURCE,
+    NAME_SOURCES,
+    OUTPUT_NAMES,
+    Fallback,
+    auto_plan,
+    with_rope_dim,
+)
 from .findings import (
     fallback_findings,
     fit_finding,
@@ -72,6 +80,7 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
     parameters = parameters_by_name(modules)
     findings: list[Finding] = []
     fallbacks: tuple[Fallback, ...] = ()
+    auto_refused = False  # the auto plan is refused already (CP408): one reason is enough
     if isinstance(tp.plan, PlanMap):
         parsed, _ = tp.entries()  # unparsable entries are CP212/CP213, static findings
         source = "explicit plan"
@@ -92,6 +101,7 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
         auto = auto_plan(model, modules, parameters, tp.sequence_parallel, tp.loss_parallel,
                          starts=starts, ends=ends)
         parsed, source, fallbacks = auto.entries, auto.source, auto.fallbacks
+        auto_refused = auto.problem is not None
         if auto.problem:
             findings.append(Finding("CP408", auto.problem, fix=(
                 "give TP(plan={...}) explicitly: module-path patterns mapped to styles "
@@ -116,8 +126,9 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
                     continue
                 table.setdefault(name, (pattern, spec))
     specs = {name: chosen[name][1] for name in modules if name in chosen}
-    if source == HF_SOURCE and tp.sequence_parallel and specs:
-        specs, problem = hf_sequence_parallel(specs, modules, starts=starts, ends=ends)
+    if source in HF_FORWARD_SOURCES and tp.sequence_parallel and specs and not auto_refused:
+        specs, problem = hf_sequence_parallel(specs, modules, starts=starts, ends=ends,
+                                              plan=HF_FORWARD_SOURCES[source])
         if problem:
             findings.append(Finding("CP408", problem, fix=(
                 "set sequence_parallel = false, or give TP(plan={...}) explicitly with the "

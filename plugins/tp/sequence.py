@@ -1,4 +1,5 @@
-"""Sequence parallel for a Hugging Face model's own tp plan.
+"""Sequence parallel for a Hugging Face model: its own tp plan, or the auto plan from its
+Llama names (a model without a plan of its own, StableLm).
 
 A Hugging Face model computes its positions, rotary tables and attention mask from the
 shape of the token embedding's output, inside its own forward. torchtitan's layout keeps
@@ -39,29 +40,30 @@ def is_norm(module: Any) -> bool:
 
 
 def hf_sequence_parallel(specs: Mapping[str, StyleSpec], modules: Mapping[str, Any], *,
-                         starts: bool = True, ends: bool = True) -> tuple[
+                         starts: bool = True, ends: bool = True,
+                         plan: str = "the model's Hugging Face tp plan") -> tuple[
     dict[str, StyleSpec], str | None
 ]:
-    """The Hugging Face plan's entries (module path -> spec) with sequence-parallel layouts,
-    and a reason when this model's plan cannot have them (nothing else changes then).
-    ``starts``/``ends``: the model begins / ends the whole model (a pipeline stage may
-    not)."""
+    """The plan's entries (module path -> spec) with sequence-parallel layouts, and a reason
+    when this model's plan cannot have them (nothing else changes then). ``starts``/
+    ``ends``: the model begins / ends the whole model (a pipeline stage may not); ``plan``
+    names the plan in the reason."""
     out = dict(specs)
     if not (starts and ends):
-        return out, ("sequence_parallel = true on a pipeline stage of a model laid out by "
-                     "its Hugging Face tp plan: that layout keeps the residual stream a "
-                     "DTensor (the model computes positions from its full shape), which "
-                     "the pipeline's point-to-point sends between stages cannot carry")
+        return out, ("sequence_parallel = true on a pipeline stage of a Hugging Face model "
+                     f"laid out by {plan}: that layout keeps the residual stream a DTensor "
+                     "(the model computes positions from its full shape), which the "
+                     "pipeline's point-to-point sends between stages cannot carry")
     embeddings = [p for p, s in specs.items() if s.style in _EMBEDDINGS]
     heads = [p for p, s in specs.items() if s.style == "colwise_gather" and "." not in p]
     if not embeddings:
-        return out, ("sequence_parallel = true, but the model's Hugging Face tp plan does not "
-                     "split its token embedding: the residual stream would start replicated, "
-                     "with nothing to shard it onto the sequence")
+        return out, (f"sequence_parallel = true, but {plan} does not split the token "
+                     "embedding: the residual stream would start replicated, with nothing to "
+                     "shard it onto the sequence")
     if not heads:
-        return out, ("sequence_parallel = true, but the model's Hugging Face tp plan has no "
-                     "gathered output head (colwise_gather_output) at the top of the model to "
-                     "gather the sequence-sharded stream at its end")
+        return out, (f"sequence_parallel = true, but {plan} has no gathered output head "
+                     "(colwise_gather_output) at the top of the model to gather the "
+                     "sequence-sharded stream at its end")
     regions: list[str] = []
     for path, spec in specs.items():
         if spec.style in _GATHERING and path not in heads and "." in path:
