@@ -9,6 +9,8 @@ parameter parts against the single-process reference, as in test_hf_models):
 - Apertus under FSDP2 + MetaInit: its XIELU activation's alpha_p / alpha_n (and beta /
   eps buffers) are set by its constructor only (``_init_weights`` leaves them alone);
   MetaInit builds the activation's MLP once on CPU from its config and copies them.
+  Under TP its plan leaves that activation out, between two split layers: its scalars'
+  gradients are summed over tp.
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ def test_a_forward_reading_the_config_head_count_is_refused_cp431() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_apertus_trains_at_parity_under_fsdp2_with_meta_init() -> None:
-    cases = [("apertus", "fsdp2")]
+def test_apertus_trains_at_parity_under_fsdp2_with_meta_init_and_under_tp() -> None:
+    cases = [("apertus", "fsdp2"), ("apertus", "tp")]
     results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=540)
     assert not hf_workers.problems(results, cases), "\n".join(
         hf_workers.problems(results, cases))
@@ -135,6 +137,33 @@ def test_apertus_xielu_gets_the_values_of_a_model_built_on_cpu() -> None:
         ours, theirs = layer.mlp.act_fn, built.mlp.act_fn
         for name in ("alpha_p", "alpha_n", "beta", "eps"):
             assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+
+
+def test_an_activation_left_out_of_a_hf_plan_between_split_layers_sums_its_gradient(
+) -> None:
+    """Apertus's plan splits up_proj and down_proj and leaves the XIELU activation between
+    them out: it runs on each rank's part of the MLP, so its two scalars' gradients are
+    summed over tp (CP421). DeepSeek-V3's plan leaves q_a_proj whole and q_a_layernorm out:
+    that norm runs on the whole projection's output and stays replicated."""
+    import torch
+    import transformers
+    from composer_par.plugins.tp.resolution import resolve
+
+    apertus = resolve(TP(), hf_workers.build("apertus"), 2)
+    styles = {path: spec.style for path, _, spec in apertus.entries}
+    assert styles["model.layers.0.mlp.act_fn"] == "replicate_grad_allreduce"
+    assert [f.code for f in apertus.findings] == ["CP421"]
+    assert "model.layers.*.mlp.act_fn (XIELUActivation)" in apertus.findings[0].message
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+        vocab_size=128)
+    with torch.device("meta"):
+        deepseek = resolve(TP(), transformers.DeepseekV3ForCausalLM(config), 2)
+    assert not deepseek.findings
+    assert "model.layers.0.self_attn.q_a_layernorm" in [n for n, _ in deepseek.rest]
 
 
 def test_a_constructor_set_module_is_built_again_from_arguments_it_keeps() -> None:

@@ -149,13 +149,8 @@ def resolve(tp: TP, model: nn.Module, tp_size: int, *, starts: bool = True,
         (name, *parameters[name], _defaults(chosen_params[name][1], False, False))
         for name in parameters if name in chosen_params]
     rest = leftover(modules, entries, params)
-    if source != HF_SOURCE:
-        # A model's own tp plan is written for its forward: it names the norms that run on
-        # split heads itself (Qwen3's q_norm), and those it leaves out run on replicated
-        # tensors (DeepSeek's kv_a_layernorm, on the latent).
-        entries, rest, neighbours = _sharded_neighbours(entries, rest)
-    else:
-        neighbours = []
+    entries, rest, neighbours = _sharded_neighbours(entries, rest,
+                                                    own_plan=source == HF_SOURCE)
     position = {name: i for i, name in enumerate(modules)}
     entries.sort(key=lambda e: position[e[0]])
     findings += sharded_neighbour_findings(neighbours)
@@ -223,29 +218,45 @@ def leftover(modules: Mapping[str, Any], entries: list[Entry],
     return out
 
 
-def _sharded_neighbours(entries: list[Entry], rest: list[tuple[str, Any]]) -> tuple[
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _vectors(module: Any) -> bool:
+    """Whether ``module``'s own parameters are norm-like: vectors of scales and shifts (or
+    an activation's scalars), not a projection's matrix."""
+    return all(p.ndim <= 1 for p in module.parameters(recurse=False))
+
+
+def _sharded_neighbours(entries: list[Entry], rest: list[tuple[str, Any]], *,
+                        own_plan: bool) -> tuple[
     list[Entry], list[tuple[str, Any]], list[tuple[str, Any]]
 ]:
     """Norm-like modules no entry names that sit beside column-split projections in the
-    same parent (Qwen3's q_norm beside q_proj): they run on their rank's part of a sharded
-    activation, so their inputs are not the same on every tp rank and their gradients must
-    be summed over tp ('replicate_grad_allreduce'). Every other module left over is
-    replicated with its inputs declared identical."""
+    same parent (Qwen3's q_norm beside q_proj, Apertus's XIELU activation between its MLP's
+    up_proj and down_proj): they run on their rank's part of a sharded activation, so their
+    inputs are not the same on every tp rank and their gradients must be summed over tp
+    ('replicate_grad_allreduce'). Every other module left over is replicated with its
+    inputs declared identical.
+
+    ``own_plan``: the plan is the model's own Hugging Face tp plan, whose forward may run a
+    norm it leaves out on a projection it leaves whole (DeepSeek's q_a_layernorm, on the
+    output of q_a_proj): there a module is moved only where its parent leaves no
+    projection whole."""
     # A latent attention's norms run on its replicated latent (the output of its
     # mla_kv_a_proj), not on the split heads beside them.
-    latent = {path.rsplit(".", 1)[0] if "." in path else "" for path, _, spec in entries
-              if spec.style == "mla_kv_a_proj"}
-    parents = {path.rsplit(".", 1)[0] if "." in path else "" for path, _, spec in entries
+    latent = {_parent(path) for path, _, spec in entries if spec.style == "mla_kv_a_proj"}
+    parents = {_parent(path) for path, _, spec in entries
                if spec.style in SHARDED_OUTPUT_STYLES} - latent
+    if own_plan:
+        parents -= {_parent(name) for name, module in rest if not _vectors(module)}
     moved, kept = [], []
     for name, module in rest:
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
         children = any(True for n, m in module.named_modules() if n and any(
             True for _ in m.parameters(recurse=False)))
-        # Norm-like only (vectors of scales and shifts): a Linear left out beside the split
-        # projections (a gate) takes the replicated input.
-        vectors = all(p.ndim <= 1 for p in module.parameters(recurse=False))
-        if name and parent in parents and not children and vectors:
+        # Norm-like only: a Linear left out beside the split projections (a gate) takes
+        # the replicated input.
+        if name and _parent(name) in parents and not children and _vectors(module):
             moved.append((name, module))
         else:
             kept.append((name, module))
