@@ -279,7 +279,9 @@ RULES = (
 
 def caches_in_training(model: Any) -> bool:
     """Whether ``model`` (a Hugging Face model) would build a generation cache in a
-    training forward: its config says ``use_cache`` and its forward takes the argument."""
+    training forward: its config says ``use_cache`` and its forward takes the argument,
+    by name or through ``**kwargs`` (GraniteMoe's causal LM hands those on to its inner
+    model, whose forward takes it)."""
     config = getattr(model, "config", None)
     if not getattr(config, "use_cache", False):
         return False
@@ -287,7 +289,8 @@ def caches_in_training(model: Any) -> bool:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return "use_cache" in params
+    return "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                        for p in params.values())
 
 
 def _no_cache_in_training(module: Any, args: Any, kwargs: Any) -> Any:

@@ -37,10 +37,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 # Families outside the matrix, for the cases only they have: StableLm's attention
 # reshapes by its own global head count (TP's name fallback), Apertus's XIELU activation
-# holds parameters only its constructor sets (MetaInit).
+# holds parameters only its constructor sets (MetaInit), GraniteMoe builds a generation
+# cache from use_cache passed through **kwargs (activation checkpointing).
 MORE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    # Its causal LM's forward takes use_cache only through **kwargs.
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # Decoders whose token embedding is their output head (tests/test_tied_parity.py).
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"tie_word_embeddings": True}),

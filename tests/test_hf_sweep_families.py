@@ -166,6 +166,19 @@ def test_an_activation_left_out_of_a_hf_plan_between_split_layers_sums_its_gradi
     assert "model.layers.0.self_attn.q_a_layernorm" in [n for n, _ in deepseek.rest]
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_granitemoe_trains_at_parity_under_selective_checkpointing() -> None:
+    """Its causal LM's forward takes use_cache through **kwargs: the plugin turns the
+    generation cache off (CP422), or the recomputation in backward finds the keys and
+    values the forward appended to it and runs different ops (torch refuses the step)."""
+    cases = [("granitemoe", "fsdp2_ac_selective")]
+    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=240)
+    assert not hf_workers.problems(results, cases), "\n".join(
+        hf_workers.problems(results, cases))
+    assert all("CP422" in rows[0]["codes"] for rows in results)
+
+
 def test_a_constructor_set_module_is_built_again_from_arguments_it_keeps() -> None:
     """A module whose constructor sets its parameter and keeps its arguments as
     attributes is initialized from a CPU copy; one whose constructor leaves a tensor
