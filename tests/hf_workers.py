@@ -38,13 +38,27 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 # Families outside the matrix, for the cases only they have: StableLm's attention
 # reshapes by its own global head count (TP's name fallback), Apertus's XIELU activation
 # holds parameters only its constructor sets (MetaInit), GraniteMoe builds a generation
-# cache from use_cache passed through **kwargs (activation checkpointing).
+# cache from use_cache passed through **kwargs (activation checkpointing); those under
+# sequence parallel in tests/test_hf_sequence_parallel.py.
 MORE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
     # Its causal LM's forward takes use_cache only through **kwargs.
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                    {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # MoE blocks whose routers, experts and shared experts compute beside split layers
+    # (sequence parallel); DeepSeek-V3's latent attention beside a projection left whole.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"head_dim": 8, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                     "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                     "first_k_dense_replace": 1}),
+    # Its own tp plan splits the token embedding only.
+    "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
     # Decoders whose token embedding is their output head (tests/test_tied_parity.py).
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"tie_word_embeddings": True}),

@@ -81,7 +81,8 @@ def torch_style(spec: StyleSpec) -> Any:
 #: Our own styles (ParallelStyle subclasses over DTensor, below), by the style they serve.
 LOCAL_STYLES = {*LOCAL_FORWARD_STYLES, "packed_colwise", "packed_rowwise", "local_colwise",
                 "local_rowwise", "local_packed_rowwise", "replicate_grad_allreduce",
-                "identity_expert", "all_reduce", "sequence_region", "shared_input",
+                "identity_expert", "all_reduce", "sequence_region",
+                "sequence_region_local", "shared_input",
                 "mla_kv_a_proj"}
 
 
@@ -353,7 +354,9 @@ def _make_local_style() -> type:
     # Styles whose floating outputs are summed over tp.
     summed_outputs = {"experts", "all_reduce", "packed_rowwise"}
     # Styles on a module holding split layers that prepare its first input for them.
-    _REGIONS = ("sequence_region", "shared_input")
+    _REGIONS = ("sequence_region", "sequence_region_local", "shared_input")
+    # Regions that gather the sequence-sharded stream and shard their output back.
+    _SEQUENCE_REGIONS = ("sequence_region", "sequence_region_local")
 
     class LocalParallel(ParallelStyle):
         def __init__(self, kind: str, split_factor: int = 2, rope_dim: int | None = None
@@ -417,7 +420,9 @@ def _make_local_style() -> type:
             elif kind in _REGIONS:
                 def gather(t: Any) -> Any:
                     if isinstance(t, DTensor) and t.placements != (Replicate(),):
-                        return t.redistribute(placements=[Replicate()])
+                        t = t.redistribute(placements=[Replicate()])
+                    if kind == "sequence_region_local" and isinstance(t, DTensor):
+                        return t.to_local()
                     return t
 
                 def share(t: Any) -> Any:
@@ -426,7 +431,7 @@ def _make_local_style() -> type:
                     if floating(t) and not isinstance(t, DTensor):
                         return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
                     return t
-                prepare = gather if kind == "sequence_region" else share
+                prepare = gather if kind in _SEQUENCE_REGIONS else share
                 if args:
                     args = (prepare(args[0]), *args[1:])
                 elif first in kwargs:
@@ -441,7 +446,7 @@ def _make_local_style() -> type:
                 return tree_map(lambda t: output_sum(t, mesh) if floating(t) else t, output)
             if self.kind == "mla_kv_a_proj":
                 return rotary_part_summed(output, self.rope_dim, mesh)
-            if self.kind == "sequence_region":
+            if self.kind in _SEQUENCE_REGIONS:
                 def shard(t: Any) -> Any:
                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                         # A replicated result back onto the sequence-sharded stream: each

@@ -11,21 +11,27 @@ model computes positions, rotary tables and masks for all of it:
 * the token embedding reduce-scatters onto the sequence and hands out the DTensor;
 * every norm on the stream takes the ``sequence_parallel`` style (weights replicated,
   their gradients summed over tp by DTensor);
-* each module whose children the plan splits (attention, the MLP, a mixture-of-experts
-  block) gathers its input once (``sequence_region``), kept a DTensor so that its colwise
-  children do not gather again, and a plain (replicated) output goes back onto the
-  sequence;
+* each module whose children the plan splits (attention, the MLP) gathers its input once
+  (``sequence_region``), kept a DTensor so that its colwise children do not gather again,
+  and a plain (replicated) output goes back onto the sequence; one that also computes on
+  plain tensors (a mixture-of-experts block's router, experts and shared expert) gets the
+  gathered input as a plain tensor instead (``sequence_region_local``), its layers
+  computing as without sequence parallel;
 * every rowwise layer reduce-scatters onto the sequence and hands out the DTensor;
 * the output head gathers its input.
+
+A plan that leaves layers whole outside any module whose layers it splits has no layout
+for them on the sequence-sharded stream: a reason is given instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
+from .patterns import generalize
 from .styles import StyleSpec
 
 SEQ = ("shard(1)",)
@@ -70,19 +76,58 @@ def hf_sequence_parallel(specs: Mapping[str, StyleSpec], modules: Mapping[str, A
             parent = path.rsplit(".", 1)[0]
             if parent not in specs and parent not in regions:
                 regions.append(parent)
+    # A region inside another (a shared expert in a MoE block) has its input gathered.
+    regions = [r for r in regions if not _inside(r, regions)]
+    local = [r for r in regions if _mixed(r, specs, modules)]
     for path, spec in specs.items():
-        if spec.style in _EMBEDDINGS or spec.style == "rowwise":
+        if _inside(path, local):
+            if spec.style in ("colwise", "colwise_gather"):
+                out[path] = attrs.evolve(spec, input_layouts=("replicate",))
+            elif spec.style == "rowwise":
+                out[path] = attrs.evolve(spec, output_layouts=("replicate",),
+                                         use_local_output=True)
+        elif spec.style in _EMBEDDINGS or spec.style == "rowwise":
             out[path] = attrs.evolve(spec, output_layouts=SEQ, use_local_output=False)
         elif spec.style in ("colwise", "colwise_gather"):
             out[path] = spec if spec.input_layouts else attrs.evolve(spec, input_layouts=SEQ)
     for region in regions:
-        out[region] = StyleSpec("sequence_region")
+        out[region] = StyleSpec("sequence_region_local" if region in local
+                                else "sequence_region")
+    whole: list[str] = []
     for path, module in modules.items():
-        if not path or path in out or not is_norm(module):
-            continue
-        if any(path.startswith(r + ".") for r in regions):
+        if not path or path in out or _inside(path, regions) or _inside(path, out):
             continue  # inside attention / the MLP: on gathered or head-sharded values
         if not any(True for _ in module.parameters(recurse=False)):
             continue
-        out[path] = StyleSpec("sequence_parallel")
+        if is_norm(module):
+            out[path] = StyleSpec("sequence_parallel")
+        else:
+            whole.append(path)
+    if whole:
+        patterns = dict.fromkeys(generalize(p) for p in whole)
+        return dict(specs), (
+            f"sequence_parallel = true, but {plan} leaves {', '.join(patterns)} "
+            "whole outside any module whose layers it splits: they would compute on the "
+            "sequence-sharded stream, which has no layout for them")
     return out, None
+
+
+def _inside(path: str, parents: Iterable[str]) -> bool:
+    return any(path.startswith(p + ".") for p in parents)
+
+
+def _mixed(region: str, specs: Mapping[str, StyleSpec], modules: Mapping[str, Any]) -> bool:
+    """Whether ``region`` computes on plain tensors beside its split layers: a router or
+    another module no entry names, experts run on local parts, split layers one module
+    further down (a shared expert). Such a region gets its gathered input as a plain
+    tensor (``sequence_region_local``): every layer in it computes as under TP without
+    sequence parallel, and its output goes back onto the sequence."""
+    for path, module in modules.items():
+        if not path.startswith(region + ".") or not any(
+                True for _ in module.parameters(recurse=False)):
+            continue
+        spec = specs.get(path)
+        if spec is None or spec.style == "experts" or path.rsplit(".", 1)[0] != region:
+            return True
+    return False
+

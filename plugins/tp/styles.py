@@ -52,6 +52,11 @@ STYLES: dict[str, str] = {
     "sequence_region": "a module on the sequence-sharded residual stream whose children the "
     "plan splits: its first input is gathered once (kept a DTensor, so its children do not "
     "gather again) and a plain first output is sharded back onto the sequence",
+    "sequence_region_local": "sequence_region for a module that also computes on plain "
+    "tensors (a mixture-of-experts block: its router, experts, shared expert): its first "
+    "input is gathered once and handed on as a plain replicated tensor, its layers compute "
+    "as without sequence parallel, and a plain first output is sharded back onto the "
+    "sequence",
     "shared_input": "a module whose column-parallel children take the same replicated "
     "input: that input becomes one replicated DTensor, so their partial input gradients add "
     "up and are summed over tp once, not once per child",
@@ -147,6 +152,7 @@ STYLE_KEYS: dict[str, tuple[str, ...]] = {
     "local_colwise": (),
     "local_rowwise": (),
     "sequence_region": (),
+    "sequence_region_local": (),
     "shared_input": (),
     "mla_kv_a_proj": ("rope_dim",),
 }
