@@ -105,3 +105,51 @@ def test_hf_models_give_the_golden_counts_at_parity_on_4_ranks() -> None:
                     mismatches.append(f"{row['family']} x {row['plan']}, rank {rank}, step "
                                       f"{step}: measured {counts}, golden {expected}")
     assert not mismatches, "\n".join(mismatches)
+
+
+# -- TP with sequence parallel (2 ranks) ---------------------------------------------------
+#
+# Megatron's count, per block and direction: attention's and the MLP's input gathered once
+# each and their outputs reduce-scattered; +1 each way at the embedding (its output
+# reduce-scattered onto the sequence) and the head (its input gathered); the logits
+# gathered once. Each column-parallel layer takes its region's gathered input as it is, so
+# their partial input gradients add up and the region's gather reduce-scatters the sum
+# once (declared sequence-sharded, torch's style redistributed it anyway, and its backward
+# all-reduced each layer's part: 5 all-reduces per Llama block). The norms' replicated
+# weights (and LayerNorm biases) get partial gradients: one all-reduce each.
+SP_FAMILIES = {"llama": 2 * L + 1, "stablelm": 2 * (2 * L + 1)}  # family -> norm tensors
+
+
+def sp_tp_dim(norm_tensors: int) -> dict[str, int]:
+    return {"all_gather": 2 * (2 * L + 1) + 1, "reduce_scatter": 2 * (2 * L + 1),
+            "all_reduce": norm_tensors}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sequence_parallel_gathers_and_scatters_once_per_region_as_estimated() -> None:
+    """Llama under its own plan and StableLm under the auto plan from its names: the
+    counts above on both ranks, each step, at parity, and the estimate's."""
+    import torch
+
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    cases = [(family, "tp_sp") for family in SP_FAMILIES]
+    results = run_ranks("tests.hf_workers:train_cases", 2, args=(cases, STEPS, True),
+                        timeout=240)
+    found = hf_workers.problems(results, cases)
+    assert not found, "\n".join(found)
+    for rows in results:
+        for row in rows:
+            expected = {"tp": sp_tp_dim(SP_FAMILIES[row["family"]])}
+            assert row["counts"] == [expected] * STEPS, (row["family"], row["counts"])
+    for family, norms in SP_FAMILIES.items():
+        with torch.device("meta"):
+            shape = ModelShape.from_module(hf_workers.build(family))
+        est = estimate_plan(hf_workers.make_plan("tp_sp", 2), shape,
+                            Workload(seq=hf_workers.SEQ, micro_batch=hf_workers.GLOBAL_BATCH))
+        [tp] = [t for t in est.traffic if t.dim.name == "tp"]
+        calls: dict[str, int] = {}
+        for c in tp.collectives:
+            calls[c.kind] = calls.get(c.kind, 0) + c.calls
+        assert calls == sp_tp_dim(norms), family

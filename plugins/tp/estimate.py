@@ -14,9 +14,10 @@ routed experts are held apart its attention's and its shared expert's only); onc
 at the embedding and at the output head; plus the gathered logits unless loss
 parallelism keeps them sharded (then its cross-entropy's three per-token reductions). A
 checkpointed block's recomputation issues its forward's collectives again, up to what
-the checkpointing plugin says (``checkpoint_reissue``). With sequence parallelism beside
-a sharding plugin, the norms' gradients (partial sums over tp) are all-reduced before
-their reduce-scatter. The ranks wait for every one of them (no overlap).
+the checkpointing plugin says (``checkpoint_reissue``). With sequence parallelism the
+norms' gradients (partial sums over tp) are all-reduced, before a sharding plugin's
+reduce-scatter or, without one, as they accumulate. The ranks wait for every one of
+them (no overlap).
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
     has_root = any(not g.block and g.numel for g in together)
     root = 1 if has_root else 0
     moe_blocks = {g.parent for g in model.groups if g.apart and g.parent}
-    shard = layout.shard_size()
     out: list[Collective] = []
     if layout.sequence_parallel:
         # per block and direction: gather the attention and the MLP input, reduce-scatter
@@ -101,14 +101,14 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
                               "activations (sequence parallel): attention/MLP inputs"))
         out.append(Collective(dim, "reduce_scatter", scatters * x * micro, scatters * micro,
                               "activations (sequence parallel): attention/MLP outputs"))
-        if shard > 1:
-            # the sequence-parallel norms' gradients are partial sums over tp; FSDP2
-            # all-reduces them to the parameters' placement before reduce-scattering
-            norms = sum(g.untouched_numel() * g.count for g in together)
-            if norms:
-                count = sum(sum(1 for t in g.tensors if not t.tp) * g.count for g in together)
-                out.append(Collective(dim, "all_reduce", norms * grad_bytes * micro,
-                                      count * micro, "gradients of sequence-parallel norms"))
+        # the sequence-parallel norms' gradients are partial sums over tp: all-reduced to
+        # the parameters' placement (by FSDP2 before its reduce-scatter, or by DTensor as
+        # they accumulate)
+        norms = sum(g.untouched_numel() * g.count for g in together)
+        if norms:
+            count = sum(sum(1 for t in g.tensors if not t.tp) * g.count for g in together)
+            out.append(Collective(dim, "all_reduce", norms * grad_bytes * micro,
+                                  count * micro, "gradients of sequence-parallel norms"))
     else:
         # forward: the row-parallel outputs (2 per dense block) and the embedding;
         # backward: the input gradient of the column-parallel Linears that take a

@@ -80,12 +80,15 @@ def hf_sequence_parallel(specs: Mapping[str, StyleSpec], modules: Mapping[str, A
     regions = [r for r in regions if not _inside(r, regions)]
     local = [r for r in regions if _mixed(r, specs, modules)]
     for path, spec in specs.items():
-        if _inside(path, local):
-            if spec.style in ("colwise", "colwise_gather"):
-                out[path] = attrs.evolve(spec, input_layouts=("replicate",))
-            elif spec.style == "rowwise":
-                out[path] = attrs.evolve(spec, output_layouts=("replicate",),
-                                         use_local_output=True)
+        if _inside(path, regions) and spec.style in ("colwise", "colwise_gather"):
+            # The region hands it its input gathered: declared sharded, torch's style would
+            # redistribute it anyway, whose backward all-reduces each layer's partial input
+            # gradient; declared replicated, the partial gradients add up and the region's
+            # gather reduce-scatters their sum once.
+            out[path] = attrs.evolve(spec, input_layouts=("replicate",))
+        elif _inside(path, local) and spec.style == "rowwise":
+            out[path] = attrs.evolve(spec, output_layouts=("replicate",),
+                                     use_local_output=True)
         elif spec.style in _EMBEDDINGS or spec.style == "rowwise":
             out[path] = attrs.evolve(spec, output_layouts=SEQ, use_local_output=False)
         elif spec.style in ("colwise", "colwise_gather"):
