@@ -418,6 +418,18 @@ def problems(results: list[list[dict[str, Any]]], cases: list[tuple[str, str]]) 
     return out
 
 
+def trained(cases: list[tuple[str, str]], world: int, *, timeout: float, steps: int = 3,
+            count: bool = False) -> list[list[dict[str, Any]]]:
+    """Every rank's results of :func:`train_cases` on ``world`` gloo ranks, asserted free
+    of :func:`problems`."""
+    from composer_par.testing.distributed import run_ranks
+
+    results = run_ranks(train_cases, world, args=(cases, steps, count), timeout=timeout)
+    found = problems(results, cases)
+    assert not found, "\n".join(found)
+    return results
+
+
 def cells(results: list[list[dict[str, Any]]]) -> dict[tuple[str, str], str]:
     """(family, plan) -> what the case gave on every rank: "trains" (at parity with one
     process), the codes of the findings that refused it, or "fails" (on any rank; see

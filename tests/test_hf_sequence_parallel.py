@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 
 from composer_par import TP
-from composer_par.testing.distributed import run_ranks
 from tests import hf_workers
 
 pytest.importorskip("transformers")
@@ -28,9 +27,7 @@ pytest.importorskip("transformers")
 @pytest.mark.timeout(300)
 def test_moe_blocks_and_latent_attention_train_at_parity_under_sequence_parallel() -> None:
     cases = [("qwen2_moe", "tp_sp"), ("deepseek_v3", "tp_sp")]
-    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=240)
-    assert not hf_workers.problems(results, cases), "\n".join(
-        hf_workers.problems(results, cases))
+    results = hf_workers.trained(cases, 2, timeout=240)
     assert all(row["applied"] for rows in results for row in rows)
 
 

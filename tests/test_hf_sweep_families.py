@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from composer_par import TP, MeshSpec, MetaInit, ParallelPlan
-from composer_par.testing.distributed import run_ranks
 from tests import hf_workers
 
 pytest.importorskip("transformers")
@@ -30,9 +29,7 @@ pytest.importorskip("transformers")
 @pytest.mark.timeout(600)
 def test_stablelm_trains_at_parity_under_fsdp2_x_tp_auto() -> None:
     cases = [("stablelm", "fsdp2_tp")]
-    results = run_ranks(hf_workers.train_cases, 4, args=(cases,), timeout=540)
-    assert not hf_workers.problems(results, cases), "\n".join(
-        hf_workers.problems(results, cases))
+    results = hf_workers.trained(cases, 4, timeout=540)
     assert all(rows[0]["applied"] for rows in results)
 
 
@@ -42,9 +39,7 @@ def test_stablelm_trains_at_parity_under_tp_with_sequence_parallel() -> None:
     """Its forward computes positions from the stream's shape: the stream stays a DTensor
     of the full sequence, as under a Hugging Face model's own plan."""
     cases = [("stablelm", "tp_sp")]
-    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=240)
-    assert not hf_workers.problems(results, cases), "\n".join(
-        hf_workers.problems(results, cases))
+    results = hf_workers.trained(cases, 2, timeout=240)
     assert all(rows[0]["applied"] for rows in results)
 
 
@@ -121,9 +116,7 @@ def test_a_forward_reading_the_config_head_count_is_refused_cp431() -> None:
 @pytest.mark.timeout(600)
 def test_apertus_trains_at_parity_under_fsdp2_with_meta_init_and_under_tp() -> None:
     cases = [("apertus", "fsdp2"), ("apertus", "tp")]
-    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=540)
-    assert not hf_workers.problems(results, cases), "\n".join(
-        hf_workers.problems(results, cases))
+    results = hf_workers.trained(cases, 2, timeout=540)
     assert all(rows[0]["applied"] for rows in results)
 
 
@@ -145,8 +138,6 @@ def test_an_activation_left_out_of_a_hf_plan_between_split_layers_sums_its_gradi
     them out: it runs on each rank's part of the MLP, so its two scalars' gradients are
     summed over tp (CP421). DeepSeek-V3's plan leaves q_a_proj whole and q_a_layernorm out:
     that norm runs on the whole projection's output and stays replicated."""
-    import torch
-    import transformers
     from composer_par.plugins.tp.resolution import resolve
 
     apertus = resolve(TP(), hf_workers.build("apertus"), 2)
@@ -154,14 +145,7 @@ def test_an_activation_left_out_of_a_hf_plan_between_split_layers_sums_its_gradi
     assert styles["model.layers.0.mlp.act_fn"] == "replicate_grad_allreduce"
     assert [f.code for f in apertus.findings] == ["CP421"]
     assert "model.layers.*.mlp.act_fn (XIELUActivation)" in apertus.findings[0].message
-    config = transformers.DeepseekV3Config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
-        vocab_size=128)
-    with torch.device("meta"):
-        deepseek = resolve(TP(), transformers.DeepseekV3ForCausalLM(config), 2)
+    deepseek = resolve(TP(), hf_workers.build("deepseek_v3"), 2)
     assert not deepseek.findings
     assert "model.layers.0.self_attn.q_a_layernorm" in [n for n, _ in deepseek.rest]
 
@@ -173,9 +157,7 @@ def test_granitemoe_trains_at_parity_under_selective_checkpointing() -> None:
     generation cache off (CP422), or the recomputation in backward finds the keys and
     values the forward appended to it and runs different ops (torch refuses the step)."""
     cases = [("granitemoe", "fsdp2_ac_selective")]
-    results = run_ranks(hf_workers.train_cases, 2, args=(cases,), timeout=240)
-    assert not hf_workers.problems(results, cases), "\n".join(
-        hf_workers.problems(results, cases))
+    results = hf_workers.trained(cases, 2, timeout=240)
     assert all("CP422" in rows[0]["codes"] for rows in results)
 
 
