@@ -187,7 +187,10 @@ def transformers_layout(model: Any, found: dict[str, Spec]) -> TransformersLayou
                                              getattr(model, "base_model_prefix", None), state)
         converter = next((c for c in converters if pattern in c.source_patterns), None)
         if converter is None:
-            if renamed != key and renamed in state and renamed not in names:
+            # Renamed even where the model lacks the name (a pipeline stage holding other
+            # layers, or not the head): the match then counts the file key as held by the
+            # part that has the name, not as unexpected.
+            if renamed != key and renamed not in names:
                 names[renamed] = key
             continue
         # Merged even where the model lacks the target (a pipeline stage holding other
