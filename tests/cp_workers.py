@@ -184,3 +184,43 @@ def train_router_loss_with_training_step(case: Any) -> tuple[list[float], dict[s
         optimizer.zero_grad()
         losses.append(float(loss))
     return losses, full_parameters(model)
+
+
+def forward_without_positions(task_name: str) -> dict[str, str]:
+    """CP 2 over ``task_name``'s model (a task of this module): what a forward on this
+    rank's tokens raises without positions, and what it does with them (keyword and, for
+    the project's Llama, positional)."""
+    import torch
+
+    from composer_par import CP, MeshSpec, MetaInit, ParallelPlan
+
+    task = globals()[task_name]
+    plan = ParallelPlan(MeshSpec(cp=2)).use(CP()).use(MetaInit())
+    model = plan.apply(task.build() if isinstance(task, ContextHF)
+                       else _on_meta(task.build))
+    cp = plan.notes["cp"]
+    tokens = cp.shard(task.batch(0))
+    positions = cp.positions(tokens.shape[1] * 2)[None].expand(tokens.shape[0], -1)
+    hf = isinstance(task, ContextHF)
+    out: dict[str, str] = {}
+    calls = {"without": lambda: model(tokens),
+             "keyword": lambda: model(tokens, **{"position_ids" if hf else "positions":
+                                                 positions})}
+    if not hf:
+        calls["positional"] = lambda: model(tokens, positions)
+    for label, call in calls.items():
+        try:
+            with torch.no_grad():
+                call()
+        except ValueError as exc:
+            out[label] = str(exc)
+        else:
+            out[label] = "ran"
+    return out
+
+
+def _on_meta(build: Any) -> Any:
+    import torch
+
+    with torch.device("meta"):
+        return build()

@@ -490,3 +490,20 @@ def test_ring_estimate_gathers_kv_twice_and_passes_fp32_gradients() -> None:
     buffer = {k: v for k, v in shape.items() if k != "layers"}
     assert kv_buffer_bytes("ring", **buffer) == kv_buffer_bytes(
         "allgather", **{**buffer, "kv_heads": 8})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("task", "argument"), [("llama", "positions"),
+                                                ("hf_llama", "position_ids")])
+def test_a_forward_without_positions_is_refused(task: str, argument: str) -> None:
+    """Without the global positions of its tokens a rank's rotary embedding numbers them
+    from 0, which trains a different model with no error: the forward is refused, naming
+    the argument; with it (by keyword, or by place) it runs."""
+    from composer_par.testing.distributed import run_ranks
+
+    for rank in run_ranks("tests.cp_workers:forward_without_positions", 2, args=(task,),
+                          timeout=180):
+        assert f"called without {argument}" in rank["without"], rank
+        assert "cp.positions(seq_len)" in rank["without"], rank
+        assert all(v == "ran" for k, v in rank.items() if k != "without"), rank

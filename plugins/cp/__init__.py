@@ -16,7 +16,8 @@ This package imports torch only inside functions: the static path must not. Its 
 ``layout`` (the load-balanced split and its inverse), ``comm`` (autograd-aware
 collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
 ``hf`` (Hugging Face's attention interface), ``ring`` (torch's ring attention, on
-CUDA), ``runtime`` (what a training loop uses), ``findings`` (rule codes). Without a
+CUDA), ``runtime`` (what a training loop uses), ``positions`` (a forward without its
+tokens' positions refused), ``findings`` (rule codes). Without a
 data-parallel plugin, gradients are averaged over cp by the author package's
 ``average_gradients``.
 """
@@ -189,6 +190,9 @@ class CP(Plugin):
 
             driven = drive_hf_attention(ctx.model, shard)
         setattr(ctx.model, ATTRIBUTE, shard)
+        from .positions import require_positions
+
+        require_positions(ctx.model)
         # Load-balancing losses of whole sequences (aux_loss.sequence_total).
         split_sequence(ctx.model, group)
         ctx.notes["cp"] = shard

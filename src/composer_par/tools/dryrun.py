@@ -430,6 +430,16 @@ def _dry_run_rank(plan: ParallelPlan, model: nn.Module, mesh: Any, world: int,
         dist.destroy_process_group()
 
 
+def _positions(params: Any, seq: int) -> dict[str, Any]:
+    """The places of a sequence's tokens, ``0..seq-1``, under the name the forward takes
+    them by (the default it would compute): a plan that splits the sequence refuses a
+    forward without them, as the rank's places are not that default on every rank."""
+    import torch
+
+    name = next((n for n in ("position_ids", "positions") if n in params), None)
+    return {name: torch.arange(seq)[None]} if name else {}
+
+
 def example_inputs(model: nn.Module, sizes: Sequence[int]) -> dict[str, Any] | None:
     """Inputs for one forward of ``model`` (one sample, a sequence every mesh dim size
     divides), made by the caller's tensor mode; None when nothing says what it takes."""
@@ -451,7 +461,7 @@ def example_inputs(model: nn.Module, sizes: Sequence[int]) -> dict[str, Any] | N
         inputs = {"input_ids": ids}
         if "labels" in params and kind.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
             inputs["labels"] = ids
-        return inputs
+        return {**inputs, **_positions(params, seq)}
     if name == "pixel_values" and config is not None:
         size = getattr(config, "image_size", 224)
         inputs = {"pixel_values": torch.randn(1, getattr(config, "num_channels", 3), size, size)}
@@ -464,7 +474,8 @@ def example_inputs(model: nn.Module, sizes: Sequence[int]) -> dict[str, Any] | N
         return None
     for module in model.modules():
         if isinstance(module, nn.Embedding):
-            return {first.name: torch.randint(0, module.num_embeddings, (1, seq))}
+            return {first.name: torch.randint(0, module.num_embeddings, (1, seq)),
+                    **_positions(params, seq)}
         if isinstance(module, nn.Linear):
             return {first.name: torch.randn(1, module.in_features)}
     return None
