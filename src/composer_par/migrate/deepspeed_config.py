@@ -68,8 +68,9 @@ TOP_NO_EQUAL = {
     "activation_checkpointing": "DeepSpeed's activation partitioning and CPU checkpointing "
     "(the plan's activation_checkpoint plugin recomputes blocks instead; add it)",
     "sparse_attention": "DeepSpeed sparse attention",
-    "pipeline": "DeepSpeed's pipeline engine (the plan's pp plugin is the equal; add it)",
-    "tensor_parallel": "DeepSpeed's AutoTP (the plan's tp plugin is the equal; add it)",
+    "pipeline": "DeepSpeed's pipeline engine, whose stages its PipelineModule in the "
+    "training code makes, not this config (the plan's pp plugin splits the model itself; "
+    "add it with a pp dim)",
     "moe": "DeepSpeed MoE",
     "curriculum_learning": "curriculum learning", "data_efficiency": "data efficiency",
     "compression_training": "compression training", "eigenvalue": "eigenvalue",
@@ -156,6 +157,8 @@ def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
             _compile(draft, full, value)
         elif key == "sequence_parallel_size":
             _ulysses(draft, full, value)
+        elif key == "tensor_parallel":
+            _autotp(draft, full, value)
         elif key in LOOP:
             if is_auto(value):
                 where = _LOOP_ARGUMENTS.get(key, key)
@@ -171,7 +174,8 @@ def read_deepspeed(draft: Draft, config: Mapping[str, Any], *, prefix: str = "",
                        "leave it out, or add the plan's own plugin where the message names one")
         else:
             unknown_key(draft, full, value, (*LOOP, *TOP_NO_EQUAL, "bf16", "fp16", "compile",
-                                             "zero_optimization", "sequence_parallel_size"))
+                                             "zero_optimization", "sequence_parallel_size",
+                                             "tensor_parallel"))
 
 
 def _stage(draft: Draft, key: str, stage: Any, zero: Mapping[str, Any], *,
@@ -295,6 +299,53 @@ def _ulysses(draft: Draft, key: str, value: Any) -> None:
         return
     draft.map(key, value, draft.dim("cp", value), draft.use("cp"),
               draft.option("cp", "mode", "alltoall"))
+
+
+# AutoTP's own layer rules: the tp plugin takes the model's tp plan (or, without one, the
+# Llama names) instead.
+AUTOTP_RULES = ("preset_model", "partition_config", "use_default_specs")
+
+
+def _autotp(draft: Draft, key: str, section: Any) -> None:
+    """DeepSpeed's AutoTP for training (``tensor_parallel.autotp_size = N``, with ZeRO 0 to
+    2): each block's linear layers split over N ranks that read the same samples, the
+    rest data parallel: a tp dim of N with the tp plugin, under the ZeRO stage's data
+    parallelism over the remaining ranks."""
+    from composer_par.migrate.keys import unknown_key
+
+    if not isinstance(section, Mapping):
+        draft.refuse("CP902", key, section, "must be a JSON object",
+                     "write \"tensor_parallel\": {\"autotp_size\": 2}")
+        return
+    for sub, value in section.items():
+        full = f"{key}.{sub}"
+        if sub == "autotp_size":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                draft.refuse("CP902", full, value, "the AutoTP size is an int >= 0 (0: off)",
+                             "give the number of ranks each layer is split over, e.g. 2")
+            elif value > 1:
+                draft.map(full, value, draft.dim("tp", value), draft.use("tp"))
+            else:
+                draft.map(full, value)
+        elif sub in AUTOTP_RULES:
+            draft.find("CP918", full, value, "AutoTP's layer rules: the tp plugin splits "
+                       "by the model's own tp plan (or, without one, its Llama-style "
+                       "names)", "leave it out, or give the tp plugin a plan table "
+                       "(module pattern = style) for other rules")
+        elif sub == "tp_overlap_comm":
+            if value:
+                draft.find("CP908", full, value, "overlapping AutoTP's all-reduces with "
+                           "compute has no equal in composer_par: the tp plugin's "
+                           "collectives run in the layers' order", "leave it out")
+            else:
+                draft.map(full, value)
+        elif sub == "dtype":
+            draft.find("CP908", full, value, "AutoTP's layer dtype has no equal: the "
+                       "plan computes in the model's dtype, or the fsdp2 plugin's mixed "
+                       "precision", "leave it out; set mixed precision on the fsdp2 plugin")
+        else:
+            unknown_key(draft, full, value, ("autotp_size", "tp_overlap_comm", "dtype",
+                                             *AUTOTP_RULES))
 
 
 def _compile(draft: Draft, key: str, value: Any) -> None:
