@@ -95,7 +95,8 @@ def selfcheck_arguments(parser: argparse.ArgumentParser) -> None:
                         "returning a ParallelPlan; it must materialize with MetaInit")
     parser.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                         help="the model to train (built on meta): a causal language model "
-                        "taking token ids, returning logits (or an output with .logits)")
+                        "taking token ids, returning logits (or an output with .logits); or "
+                        "a Hugging Face config.json, or a model directory holding one")
     parser.add_argument("--ranks", metavar="1,2,N",
                         help="the rungs' rank counts, rising (default: 1, 2 and the plan's "
                         "world size); rung 1, the baseline, always runs first")

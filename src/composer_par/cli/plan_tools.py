@@ -173,7 +173,8 @@ def validate_arguments(parser: argparse.ArgumentParser) -> None:
         "dry run (imports torch): apply the plan to a model on meta over a fake process group")
     group.add_argument("--model", metavar="MODULE:FACTORY",
                        help="build this model on meta and dry-run the plan for --rank "
-                       "(resolved like uvicorn: the current directory is on the path)")
+                       "(resolved like uvicorn: the current directory is on the path); or "
+                       "a Hugging Face config.json, or a model directory holding one")
     group.add_argument("--rank", type=_rank, action="append", metavar="R",
                        help="dry-run this rank (repeatable; default: 0 and the last rank)")
     group.add_argument("--all-params", action="store_true",
@@ -260,7 +261,8 @@ def _model_arguments(parser: argparse.ArgumentParser, *, required_seq: bool = Tr
         "the model: --model, --preset, or --params with any of the sizes (the rest are "
         "derived)")
     model.add_argument("--model", metavar="MODULE:FACTORY",
-                       help="measure this model, built on meta (imports torch)")
+                       help="measure this model, built on meta (imports torch); or a "
+                       "Hugging Face config.json, or a model directory holding one")
     model.add_argument("--preset", choices=sorted(PRESETS), metavar="NAME",
                        help="a published model's shape: " + ", ".join(sorted(PRESETS)))
     model.add_argument("--params", type=_count, metavar="N",

@@ -80,10 +80,26 @@ _IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 def resolve_factory(spec: str, *, cwd: str | os.PathLike[str] | None = None) -> Callable[[], Any]:
     """``"pkg.models:build"`` -> the callable, importing ``pkg.models`` with ``cwd`` (default:
-    the current directory) first on ``sys.path``, as uvicorn and gunicorn do."""
+    the current directory) first on ``sys.path``, as uvicorn and gunicorn do. A Hugging
+    Face ``config.json`` (or a model directory holding one) -> a builder of its model
+    (:mod:`composer_par.integrations.hf_config`)."""
+    if isinstance(spec, str) and not _IMPORT_STRING.match(spec):
+        from composer_par.integrations.hf_config import (
+            ConfigModelError,
+            config_file,
+            factory_from_config,
+        )
+
+        found = config_file(spec)
+        if found is not None:
+            try:
+                return factory_from_config(found)
+            except ConfigModelError as exc:
+                raise DryRunError(str(exc)) from exc
     if not isinstance(spec, str) or not _IMPORT_STRING.match(spec):
         raise DryRunError(f'the model must be given as "<module>:<factory>" (e.g. '
-                          f'"mypkg.models:build_model"); got {spec!r}')
+                          f'"mypkg.models:build_model") or as a Hugging Face config.json '
+                          f'(or a directory holding one); got {spec!r}')
     module_name, _, attr = spec.partition(":")
     directory = os.fspath(cwd) if cwd is not None else os.getcwd()
     if directory not in sys.path:

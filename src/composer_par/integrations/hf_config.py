@@ -1,0 +1,66 @@
+"""A model from a Hugging Face ``config.json`` alone: no weights, no network, no code of
+the user's. ``--model`` takes the file (or a model directory holding it) where it takes
+``MODULE:FACTORY``, so ``validate``, ``estimate``, ``suggest`` and ``selfcheck`` run on
+the models people have a directory of.
+
+The model class is the config's first ``architectures`` entry where transformers has it,
+else the causal LM transformers maps the config's ``model_type`` to; it is built in the
+config's dtype (``dtype``, a bfloat16 checkpoint's), as ``from_pretrained`` would load
+it. A config that needs its repository's own code (``auto_map``) is refused: nothing from
+a model directory runs here. transformers is imported only when a config is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "config.json"
+
+
+class ConfigModelError(ValueError):
+    """The config cannot make a model here (the message says why and what to do)."""
+
+
+def config_file(spec: str) -> Path | None:
+    """The ``config.json`` that ``spec`` names (the file, or a directory holding it), or
+    None where ``spec`` is no such path (a ``MODULE:FACTORY``)."""
+    path = Path(spec)
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        return path / CONFIG_NAME
+    if path.is_file() and path.suffix == ".json":
+        return path
+    return None
+
+
+def factory_from_config(path: Path) -> Callable[[], Any]:
+    """A zero-argument builder of the model ``path`` (a config.json) describes."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigModelError(f"{path} is a Hugging Face config, and building its model "
+                               "needs transformers: pip install 'composer-par[hf]'") from exc
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # not a config transformers knows, or unreadable
+        raise ConfigModelError(f"{path}: transformers cannot read it as a model config "
+                               f"({type(exc).__name__}: {exc})") from exc
+    if getattr(config, "auto_map", None):
+        raise ConfigModelError(
+            f"{path} names its repository's own model code (auto_map), which is not run "
+            "here: give --model MODULE:FACTORY, a function that builds the model")
+    named = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, named, None) if named else None
+    dtype = getattr(config, "dtype", None)
+
+    def build() -> Any:
+        if cls is not None and hasattr(cls, "_from_config"):
+            return cls._from_config(config, dtype=dtype)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    build.__qualname__ = f"{named or config.model_type} from {path}"
+    return build
+
+
+__all__ = ["CONFIG_NAME", "ConfigModelError", "config_file", "factory_from_config"]

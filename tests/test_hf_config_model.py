@@ -1,0 +1,89 @@
+"""``--model`` given a Hugging Face ``config.json`` (or a model directory holding one), as
+transformers' own ``save_pretrained`` writes it: ``estimate`` measures the model the
+config describes, in the config's dtype, MoE shape included; ``validate`` dry-runs the
+plan on it. A config naming its repository's own code, or a JSON that is no model
+config, is refused with exit 2 naming the file, before anything runs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from composer_par.cli.main import main
+from tests import hf_workers
+
+pytest.importorskip("transformers")
+
+PLAN = '[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = "fsdp2"\n'
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def saved(tmp_path: Path, family: str, **overrides: object) -> tuple[Path, int]:
+    """``family``'s tiny config saved by transformers in bfloat16, and its parameter
+    count (the model built from it)."""
+    import torch
+
+    config = hf_workers.config(family, dtype="bfloat16", **overrides)
+    directory = tmp_path / family
+    config.save_pretrained(directory)
+    model = hf_workers.build(family, **overrides)
+    count = sum(p.numel() for p in model.parameters())
+    assert isinstance(count, int) and not any(p.dtype == torch.bfloat16
+                                              for p in model.parameters())
+    return directory, count
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("as_file", [False, True])
+def test_estimate_measures_the_configs_model(tmp_path: Path, family: str,
+                                             as_file: bool) -> None:
+    directory, count = saved(tmp_path, family)
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    spec = str(directory / "config.json") if as_file else str(directory)
+    code, out, err = run(["estimate", str(plan), "--model", spec, "--seq", "64", "--json"])
+    assert code == 0, err
+    model = json.loads(out)["model"]
+    assert model["params"] == count and model["dtype"] == "bfloat16"
+    assert model["layers"] == hf_workers.COMMON["num_hidden_layers"]
+    assert (model["moe"] is not None) == (family == "qwen3_moe"), model["moe"]
+
+
+def test_validate_dry_runs_the_plan_on_the_configs_model(tmp_path: Path) -> None:
+    directory, _ = saved(tmp_path, "llama")
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN + '\n[[plugins]]\nname = "meta_init"\n')
+    code, out, err = run(["validate", str(plan), "--model", str(directory)])
+    assert code == 0, out + err
+    assert "LlamaForCausalLM" in out and "first step" in out, out
+
+
+def test_a_config_naming_its_own_code_is_refused(tmp_path: Path) -> None:
+    directory, _ = saved(tmp_path, "llama")
+    path = directory / "config.json"
+    data = json.loads(path.read_text())
+    data["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyModel"}
+    path.write_text(json.dumps(data))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    code, _, err = run(["estimate", str(plan), "--model", str(directory), "--seq", "64"])
+    assert code == 2 and "auto_map" in err and "MODULE:FACTORY" in err, err
+
+
+def test_a_json_that_is_no_model_config_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "settings.json"
+    path.write_text('{"learning_rate": 0.1}')
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    code, _, err = run(["estimate", str(plan), "--model", str(path), "--seq", "64"])
+    assert code == 2 and str(path) in err and "transformers cannot read it" in err, err
