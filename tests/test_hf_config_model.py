@@ -1,14 +1,16 @@
 """``--model`` given a Hugging Face ``config.json`` (or a model directory holding one), as
 transformers' own ``save_pretrained`` writes it: ``estimate`` measures the model the
 config describes, in the config's dtype, MoE shape included; ``validate`` dry-runs the
-plan on it. A config naming its repository's own code, or a JSON that is no model
-config, is refused with exit 2 naming the file, before anything runs."""
+plan on it. A config naming its repository's own code builds transformers' own class for
+its model_type; where transformers has none, it is refused with exit 2, as is a JSON that
+is no model config, naming the file, before anything runs."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,16 +70,32 @@ def test_validate_dry_runs_the_plan_on_the_configs_model(tmp_path: Path) -> None
     assert "LlamaForCausalLM" in out and "first step" in out, out
 
 
-def test_a_config_naming_its_own_code_is_refused(tmp_path: Path) -> None:
-    directory, _ = saved(tmp_path, "llama")
+@pytest.mark.parametrize("known", [True, False])
+def test_a_config_naming_its_own_code_runs_none_of_it(tmp_path: Path, known: bool) -> None:
+    """auto_map beside a model_type transformers has (DeepSeek-V3's config.json): its own
+    class, the custom names ignored; beside one it lacks: refused, with no question on
+    stdin (transformers asks whether to run the code unless told not to)."""
+    directory, count = saved(tmp_path, "llama")
     path = directory / "config.json"
     data = json.loads(path.read_text())
-    data["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyModel"}
+    data["auto_map"] = {"AutoConfig": "configuration_mine.MyConfig",
+                        "AutoModelForCausalLM": "modeling_mine.MyModel"}
+    data["architectures"] = ["MyModel"]
+    if not known:
+        data["model_type"] = "mine"
     path.write_text(json.dumps(data))
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
-    code, _, err = run(["estimate", str(plan), "--model", str(directory), "--seq", "64"])
-    assert code == 2 and "auto_map" in err and "MODULE:FACTORY" in err, err
+    argv = ["estimate", str(plan), "--model", str(directory), "--seq", "64", "--json"]
+    stdin, sys.stdin = sys.stdin, io.StringIO("y\n")  # a question would read this
+    try:
+        code, out, err = run(argv)
+    finally:
+        sys.stdin = stdin
+    if known:
+        assert code == 0 and json.loads(out)["model"]["params"] == count, err
+    else:
+        assert code == 2 and "auto_map" in err and "MODULE:FACTORY" in err, err
 
 
 def test_a_json_that_is_no_model_config_is_refused(tmp_path: Path) -> None:

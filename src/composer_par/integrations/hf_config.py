@@ -6,8 +6,11 @@ the models people have a directory of.
 The model class is the config's first ``architectures`` entry where transformers has it,
 else the causal LM transformers maps the config's ``model_type`` to; it is built in the
 config's dtype (``dtype``, a bfloat16 checkpoint's), as ``from_pretrained`` would load
-it. A config that needs its repository's own code (``auto_map``) is refused: nothing from
-a model directory runs here. transformers is imported only when a config is given.
+it. Nothing from a model directory runs here: a config that also names its repository's
+own code (``auto_map``, as DeepSeek-V3's does) builds transformers' own class for its
+``model_type``, and one whose ``model_type`` transformers lacks is refused (never the
+interactive question transformers asks about running that code). transformers is
+imported only when a config is given.
 """
 
 from __future__ import annotations
@@ -42,14 +45,17 @@ def factory_from_config(path: Path) -> Callable[[], Any]:
         raise ConfigModelError(f"{path} is a Hugging Face config, and building its model "
                                "needs transformers: pip install 'composer-par[hf]'") from exc
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        # trust_remote_code=False: transformers would otherwise ask on stdin.
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                         trust_remote_code=False)
     except Exception as exc:  # not a config transformers knows, or unreadable
+        if _names_own_code(path):
+            raise ConfigModelError(
+                f"{path} is a model whose code comes with its repository (auto_map), which "
+                "is not run here: give --model MODULE:FACTORY, a function that builds the "
+                "model") from exc
         raise ConfigModelError(f"{path}: transformers cannot read it as a model config "
                                f"({type(exc).__name__}: {exc})") from exc
-    if getattr(config, "auto_map", None):
-        raise ConfigModelError(
-            f"{path} names its repository's own model code (auto_map), which is not run "
-            "here: give --model MODULE:FACTORY, a function that builds the model")
     named = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, named, None) if named else None
     dtype = getattr(config, "dtype", None)
@@ -57,10 +63,20 @@ def factory_from_config(path: Path) -> Callable[[], Any]:
     def build() -> Any:
         if cls is not None and hasattr(cls, "_from_config"):
             return cls._from_config(config, dtype=dtype)
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                             trust_remote_code=False)
 
     build.__qualname__ = f"{named or config.model_type} from {path}"
     return build
+
+
+def _names_own_code(path: Path) -> bool:
+    import json
+
+    try:
+        return bool(json.loads(path.read_text()).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 __all__ = ["CONFIG_NAME", "ConfigModelError", "config_file", "factory_from_config"]
