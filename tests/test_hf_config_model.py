@@ -105,3 +105,13 @@ def test_a_json_that_is_no_model_config_is_refused(tmp_path: Path) -> None:
     plan.write_text(PLAN)
     code, _, err = run(["estimate", str(plan), "--model", str(path), "--seq", "64"])
     assert code == 2 and str(path) in err and "transformers cannot read it" in err, err
+
+
+def test_a_path_that_names_no_config_says_so(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for spec, said in ((tmp_path, "is a directory without a config.json"),
+                       (tmp_path / "gone" / "config.json", "no such file or directory"),
+                       (plan, "is not a .json file")):
+        code, _, err = run(["estimate", str(plan), "--model", str(spec), "--seq", "64"])
+        assert code == 2 and f"{spec}" in err and said in err, err

@@ -37,6 +37,18 @@ def config_file(spec: str) -> Path | None:
     return None
 
 
+def not_a_config(spec: str) -> str | None:
+    """Why ``spec``, written as a path, names no config (None: it is not written as one)."""
+    path = Path(spec)
+    if path.is_dir():
+        return f"{spec} is a directory without a {CONFIG_NAME}"
+    if path.exists():
+        return f"{spec} is not a .json file"
+    if spec.endswith(".json") or "/" in spec or "\\" in spec:
+        return f"{spec}: no such file or directory"
+    return None
+
+
 def factory_from_config(path: Path) -> Callable[[], Any]:
     """A zero-argument builder of the model ``path`` (a config.json) describes."""
     try:
@@ -79,4 +91,5 @@ def _names_own_code(path: Path) -> bool:
         return False
 
 
-__all__ = ["CONFIG_NAME", "ConfigModelError", "config_file", "factory_from_config"]
+__all__ = ["CONFIG_NAME", "ConfigModelError", "config_file", "factory_from_config",
+           "not_a_config"]

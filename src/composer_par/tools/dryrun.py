@@ -88,6 +88,7 @@ def resolve_factory(spec: str, *, cwd: str | os.PathLike[str] | None = None) -> 
             ConfigModelError,
             config_file,
             factory_from_config,
+            not_a_config,
         )
 
         found = config_file(spec)
@@ -96,6 +97,10 @@ def resolve_factory(spec: str, *, cwd: str | os.PathLike[str] | None = None) -> 
                 return factory_from_config(found)
             except ConfigModelError as exc:
                 raise DryRunError(str(exc)) from exc
+        why = not_a_config(spec)
+        if why is not None:
+            raise DryRunError(f"{why}: give a Hugging Face config.json, a model directory "
+                              'holding one, or "<module>:<factory>"')
     if not isinstance(spec, str) or not _IMPORT_STRING.match(spec):
         raise DryRunError(f'the model must be given as "<module>:<factory>" (e.g. '
                           f'"mypkg.models:build_model") or as a Hugging Face config.json '
