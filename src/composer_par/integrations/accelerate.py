@@ -200,9 +200,10 @@ def accelerate_findings(plan: ParallelPlan, settings: Mapping[str, Any],
         what = " and ".join(x for x, n in (("context parallelism", cp),
                                            ("sequence parallelism", sp)) if n > 1)
         add("CP716", f"{trainer} is set to {what} (cp_size {cp}, sp_size {sp}); a plan "
-            "splits sequences only with TP's sequence_parallel, inside its tp mesh dim",
-            "set cp_size and sp_size to 1; for sequence parallelism use "
-            "TP(sequence_parallel=True) in the plan")
+            "splits sequences with its own plugins, over its own mesh dims",
+            "set cp_size and sp_size to 1; for sequence parallelism inside tp use "
+            "TP(sequence_parallel=True), for long sequences the plan's CP plugin (each "
+            "rank then takes its part of every sample: docs/cp.md)")
     precision = settings.get("mixed_precision") or os.environ.get(_ENV_PRECISION) or "no"
     precision = str(getattr(precision, "value", precision)).lower()
     if precision != "no":
