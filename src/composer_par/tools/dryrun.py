@@ -83,28 +83,10 @@ def resolve_factory(spec: str, *, cwd: str | os.PathLike[str] | None = None) -> 
     the current directory) first on ``sys.path``, as uvicorn and gunicorn do. A Hugging
     Face ``config.json`` (or a model directory holding one) -> a builder of its model
     (:mod:`composer_par.integrations.hf_config`)."""
-    if isinstance(spec, str) and not _IMPORT_STRING.match(spec):
-        from composer_par.integrations.hf_config import (
-            ConfigModelError,
-            config_file,
-            factory_from_config,
-            not_a_config,
-        )
-
-        found = config_file(spec)
-        if found is not None:
-            try:
-                return factory_from_config(found)
-            except ConfigModelError as exc:
-                raise DryRunError(str(exc)) from exc
-        why = not_a_config(spec)
-        if why is not None:
-            raise DryRunError(f"{why}: give a Hugging Face config.json, a model directory "
-                              'holding one, or "<module>:<factory>"')
-    if not isinstance(spec, str) or not _IMPORT_STRING.match(spec):
-        raise DryRunError(f'the model must be given as "<module>:<factory>" (e.g. '
-                          f'"mypkg.models:build_model") or as a Hugging Face config.json '
-                          f'(or a directory holding one); got {spec!r}')
+    if not isinstance(spec, str):
+        raise DryRunError(f'the model must be given as "<module>:<factory>"; got {spec!r}')
+    if not _IMPORT_STRING.match(spec):
+        return _config_factory(spec)
     module_name, _, attr = spec.partition(":")
     directory = os.fspath(cwd) if cwd is not None else os.getcwd()
     if directory not in sys.path:
@@ -129,6 +111,31 @@ def resolve_factory(spec: str, *, cwd: str | os.PathLike[str] | None = None) -> 
         raise DryRunError(f'"{spec}" is a {type(obj).__name__}, not a factory: give a function '
                           "or class that builds the model when called with no arguments")
     return obj  # type: ignore[no-any-return]
+
+
+def _config_factory(spec: str) -> Callable[[], Any]:
+    """The builder of the model a Hugging Face config.json ``spec`` (or a directory holding
+    one) describes; DryRunError where ``spec`` names none."""
+    from composer_par.integrations.hf_config import (
+        ConfigModelError,
+        config_file,
+        factory_from_config,
+        not_a_config,
+    )
+
+    found = config_file(spec)
+    if found is not None:
+        try:
+            return factory_from_config(found)
+        except ConfigModelError as exc:
+            raise DryRunError(str(exc)) from exc
+    why = not_a_config(spec)
+    if why is not None:
+        raise DryRunError(f"{why}: give a Hugging Face config.json, a model directory "
+                          'holding one, or "<module>:<factory>"')
+    raise DryRunError(f'the model must be given as "<module>:<factory>" (e.g. '
+                      f'"mypkg.models:build_model") or as a Hugging Face config.json (or a '
+                      f"directory holding one); got {spec!r}")
 
 
 def build_on_meta(factory: Callable[[], Any], spec: str = "the factory") -> nn.Module:
