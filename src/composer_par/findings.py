@@ -344,7 +344,8 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "turn it off; load with LoadSafetensors or initialize with MetaInit",
          "# FSDP_CPU_RAM_EFFICIENT_LOADING=true\nPlanAccelerator(plan)"),
     Rule("CP716", _E, "the trainer's context or sequence parallelism",
-         "set cp_size and sp_size to 1; use TP(sequence_parallel=True) in the plan",
+         "set cp_size and sp_size to 1; split sequences with the plan's "
+         "TP(sequence_parallel=True) or CP plugin",
          "PlanAccelerator(plan, parallelism_config=ParallelismConfig(cp_size=2))"),
     Rule("CP717", _E, "the trainer's mixed precision under a plan",
          "set mixed_precision='no' and give FSDP2 a mixed_precision policy in the plan",
