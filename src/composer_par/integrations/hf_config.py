@@ -15,7 +15,8 @@ imported only when a config is given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +74,32 @@ def factory_from_config(path: Path) -> Callable[[], Any]:
     dtype = getattr(config, "dtype", None)
 
     def build() -> Any:
-        if cls is not None and hasattr(cls, "_from_config"):
-            return cls._from_config(config, dtype=dtype)
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                             trust_remote_code=False)
+        if cls is None:
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                 trust_remote_code=False)
+        with _default_dtype(dtype):  # as from_config builds it
+            return cls(config)
 
     build.__qualname__ = f"{named or config.model_type} from {path}"
     return build
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: Any) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` (a torch.dtype or its name; None: left)."""
+    import torch
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _names_own_code(path: Path) -> bool:
