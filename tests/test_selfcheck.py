@@ -96,6 +96,22 @@ def test_a_hugging_face_llama_passes_every_rung(plan_file: str, tmp_path: Path) 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
+def test_a_hugging_face_config_directory_passes_every_rung(plan_file: str,
+                                                          tmp_path: Path) -> None:
+    """--model a directory holding a config.json (transformers' save_pretrained), as the
+    rung processes resolve it too: the model the config describes, trained at parity."""
+    pytest.importorskip("transformers")
+    from tests import hf_workers
+
+    hf_workers.config("llama").save_pretrained(tmp_path / "llama")
+    code, doc, err = selfcheck(tmp_path, plan_file, str(tmp_path / "llama"), "--ranks", "1,2")
+    assert code == 0, err + json.dumps(doc.get("first_failure"))
+    assert [r["ranks"] for r in doc["rungs"]] == [1, 2] and doc["ok"]
+    assert all(c["ok"] for c in doc["rungs"][1]["checks"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
 def test_a_sampler_that_repeats_samples_is_caught_at_rung_2(plan_file: str,
                                                             tmp_path: Path) -> None:
     code, doc, _ = selfcheck(tmp_path, plan_file, "tests.selfcheck_models:llama",
