@@ -40,18 +40,25 @@ def saved(tmp_path: Path, family: str, **overrides: object) -> tuple[Path, int]:
     config.save_pretrained(directory)
     model = hf_workers.build(family, **overrides)
     count = sum(p.numel() for p in model.parameters())
+    # Built from the config object, the model is float32: a bfloat16 estimate comes from
+    # the saved file's dtype.
     assert isinstance(count, int) and not any(p.dtype == torch.bfloat16
                                               for p in model.parameters())
     return directory, count
 
 
+@pytest.fixture
+def plan(tmp_path: Path) -> Path:
+    path = tmp_path / "plan.toml"
+    path.write_text(PLAN)
+    return path
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("as_file", [False, True])
-def test_estimate_measures_the_configs_model(tmp_path: Path, family: str,
+def test_estimate_measures_the_configs_model(tmp_path: Path, plan: Path, family: str,
                                              as_file: bool) -> None:
     directory, count = saved(tmp_path, family)
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
     spec = str(directory / "config.json") if as_file else str(directory)
     code, out, err = run(["estimate", str(plan), "--model", spec, "--seq", "64", "--json"])
     assert code == 0, err
@@ -63,7 +70,7 @@ def test_estimate_measures_the_configs_model(tmp_path: Path, family: str,
 
 def test_validate_dry_runs_the_plan_on_the_configs_model(tmp_path: Path) -> None:
     directory, _ = saved(tmp_path, "llama")
-    plan = tmp_path / "plan.toml"
+    plan = tmp_path / "materialized.toml"
     plan.write_text(PLAN + '\n[[plugins]]\nname = "meta_init"\n')
     code, out, err = run(["validate", str(plan), "--model", str(directory)])
     assert code == 0, out + err
@@ -71,7 +78,8 @@ def test_validate_dry_runs_the_plan_on_the_configs_model(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("known", [True, False])
-def test_a_config_naming_its_own_code_runs_none_of_it(tmp_path: Path, known: bool) -> None:
+def test_a_config_naming_its_own_code_runs_none_of_it(tmp_path: Path, plan: Path,
+                                                      known: bool) -> None:
     """auto_map beside a model_type transformers has (DeepSeek-V3's config.json): its own
     class, the custom names ignored; beside one it lacks: refused, with no question on
     stdin (transformers asks whether to run the code unless told not to)."""
@@ -84,8 +92,6 @@ def test_a_config_naming_its_own_code_runs_none_of_it(tmp_path: Path, known: boo
     if not known:
         data["model_type"] = "mine"
     path.write_text(json.dumps(data))
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
     argv = ["estimate", str(plan), "--model", str(directory), "--seq", "64", "--json"]
     stdin, sys.stdin = sys.stdin, io.StringIO("y\n")  # a question would read this
     try:
@@ -98,18 +104,14 @@ def test_a_config_naming_its_own_code_runs_none_of_it(tmp_path: Path, known: boo
         assert code == 2 and "auto_map" in err and "MODULE:FACTORY" in err, err
 
 
-def test_a_json_that_is_no_model_config_is_refused(tmp_path: Path) -> None:
+def test_a_json_that_is_no_model_config_is_refused(tmp_path: Path, plan: Path) -> None:
     path = tmp_path / "settings.json"
     path.write_text('{"learning_rate": 0.1}')
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
     code, _, err = run(["estimate", str(plan), "--model", str(path), "--seq", "64"])
     assert code == 2 and str(path) in err and "transformers cannot read it" in err, err
 
 
-def test_a_path_that_names_no_config_says_so(tmp_path: Path) -> None:
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
+def test_a_path_that_names_no_config_says_so(tmp_path: Path, plan: Path) -> None:
     for spec, said in ((tmp_path, "is a directory without a config.json"),
                        (tmp_path / "gone" / "config.json", "no such file or directory"),
                        (plan, "is not a .json file")):
