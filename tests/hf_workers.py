@@ -700,6 +700,19 @@ def _held_bytes(model: Any) -> int:
     return total
 
 
+def held_elements(families: list[str], plan_name: str) -> dict[str, int]:
+    """family -> the elements of this rank's parts of the parameters, under ``plan_name``
+    (each parameter once)."""
+    import torch.distributed as dist
+
+    out = {}
+    for family in families:
+        model = make_plan(plan_name, dist.get_world_size()).apply(build(family))
+        params = {id(p): p for p in model.parameters()}.values()
+        out[family] = sum(_local_part(p).numel() for p in params)
+    return out
+
+
 # -- DCP checkpoints of TP's packed (strided) weights -------------------------------------
 
 # Phi3 with its fused gate_up_proj split as packed halves (each rank a slice of gate and a

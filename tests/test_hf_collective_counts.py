@@ -150,3 +150,28 @@ def test_sequence_parallel_gathers_and_scatters_once_per_region_as_estimated() -
         for c in tp.collectives:
             calls[c.kind] = calls.get(c.kind, 0) + c.calls
         assert calls == sp_tp_dim(norms), family
+
+
+# -- What TP splits of the model: each rank's parameters, as estimated ----------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_estimate_holds_what_the_tp_plan_splits_and_leaves_whole() -> None:
+    """Each rank's parameter elements under TP on 2 ranks equal the estimate's: split
+    fused experts (Mixtral, Qwen3-MoE), a shared expert and a router its plan leaves
+    whole (Qwen2-MoE), latent attention's unlisted projections (DeepSeek-V3), fused
+    projections (Phi-3), split column-parallel biases (Qwen2)."""
+    import torch
+
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    families = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "phi3", "qwen2"]
+    results = run_ranks("tests.hf_workers:held_elements", 2, args=(families, "tp"),
+                        timeout=240)
+    for family in families:
+        with torch.device("meta"):
+            shape = ModelShape.from_module(hf_workers.build(family))
+        est = estimate_plan(hf_workers.make_plan("tp", 2), shape,
+                            Workload(seq=hf_workers.SEQ, micro_batch=hf_workers.GLOBAL_BATCH))
+        assert [r[family] for r in results] == [est.memory.local_params] * 2, family

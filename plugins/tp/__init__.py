@@ -160,6 +160,13 @@ class TP(Plugin):
                                 loss_parallel=self.loss_parallel)
 
     @hookimpl
+    def composer_par_estimate_shape(self, layout: Any, model: Any) -> Any:
+        """What this plan splits of the measured model, and what it leaves whole."""
+        from .held import plan_split
+
+        return plan_split(self, layout, model)
+
+    @hookimpl
     def composer_par_estimate(self, layout: Any, model: Any, workload: Any,
                               stage: Any) -> Any:
         from .estimate import estimate_part

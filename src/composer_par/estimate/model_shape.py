@@ -31,7 +31,8 @@ class TensorShape:
     # count: after the last, e.g. the output head). None when not known.
     position: int | None = None
     # Routed experts fused on tensor dim 0 ([num_experts, ...]): expert parallelism
-    # splits that dim, and TP leaves the tensor whole.
+    # splits that dim; TP leaves the tensor whole unless its plan splits every expert
+    # (then ``tp``, and a rank holds 1/tp of it).
     experts: bool = False
     # Bytes per element data parallelism's all-gathers move for this tensor when a plugin
     # gathers it narrower than the parameters (float8's weights: one byte); None: the
@@ -43,14 +44,17 @@ class TensorShape:
         return math.prod(self.shape)
 
     def local_numel(self, tp: int, shard: int) -> int:
-        """Elements one rank holds: split by ``tp`` (on tensor dim 0, for TP tensors), then
-        by ``shard`` with tensor dim 0 padded to a multiple of it (as FSDP2 pads); a
-        tensor with fewer rows than shards is split on tensor dim 1 instead where that
-        splits evenly, as the fsdp2 plugin has FSDP2 do then."""
+        """Elements one rank holds: split by ``tp`` (on tensor dim 0, for TP tensors; each
+        expert's weights, for routed experts TP splits), then by ``shard`` with tensor
+        dim 0 padded to a multiple of it (as FSDP2 pads); a tensor with fewer rows than
+        shards is split on tensor dim 1 instead where that splits evenly, as the fsdp2
+        plugin has FSDP2 do then."""
         if not self.shape:
             return 1  # a scalar: every rank holds it (FSDP2 pads it to one element each)
         rows, rest = self.shape[0], math.prod(self.shape[1:])
-        if self.tp and tp > 1:
+        if self.tp and tp > 1 and self.experts:
+            rest = -(-rest // tp)  # each expert split, not the experts dealt out
+        elif self.tp and tp > 1:
             rows = -(-rows // tp)
         if rows < shard and len(self.shape) > 1 and self.shape[1] % shard == 0:
             return rows * rest // shard
@@ -144,6 +148,10 @@ class ModelShape:
     # attention: the mean of its query-key and value widths, what its score and value
     # products cost).
     head_dim: int | None = None
+    # The module it was measured from (on meta), for a plugin whose view of one rank's
+    # part depends on the module's own plans (``composer_par_estimate_shape``); None for
+    # a shape from numbers.
+    module: Any = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def attention_head_dim(self) -> int:
@@ -427,7 +435,7 @@ class ModelShape:
                    source=source or "model",
                    assumed=tuple(assumed),
                    attention=implementation if isinstance(implementation, str) else None,
-                   moe=moe, head_dim=found["head_dim"])
+                   moe=moe, head_dim=found["head_dim"], module=model)
 
     def with_units(self, entries: Sequence[str | tuple[str, ...]]
                    ) -> tuple[ModelShape, list[str]]:
