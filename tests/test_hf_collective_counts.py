@@ -152,6 +152,74 @@ def test_sequence_parallel_gathers_and_scatters_once_per_region_as_estimated() -
         assert calls == sp_tp_dim(norms), family
 
 
+# -- MoE blocks, per-head norms and whole layers under TP (2 ranks) ------------------------
+#
+# The auto plan splits a Hugging Face model's fused routed experts (each rank 1/tp of
+# every expert: transformers' own plans up to 5.24), so each rank's experts give part of
+# every output: the MoE block's output is all-reduced in forward (as a dense MLP's is),
+# its input gradient in backward, and its router's gradient once more (``M`` MoE blocks).
+# Qwen3's per-head q and k norms see this rank's heads: their gradients are all-reduced
+# too (``H`` of them). Under sequence parallel a MoE block computes on plain tensors (TP's
+# sequence_region_local): its output and its input gradient are all-reduced where a
+# dense MLP's are reduce-scattered, and its router's gradient joins the norms'.
+MOE_FAMILIES = {"mixtral": 0, "qwen3_moe": 2 * L, "qwen2_moe": 0, "granitemoe": 0}
+
+
+def moe_tp_dim(plan: str, head_norms: int) -> dict[str, int]:
+    moe = L  # every block of the matrix's MoE models is a MoE block
+    if plan == "tp":
+        return {"all_reduce": (1 + 2 * L) + (2 * L + 1) + moe + head_norms, "all_gather": 1}
+    return {"all_gather": 2 * (2 * L + 1) + 1, "reduce_scatter": 2 * (2 * L + 1) - 2 * moe,
+            "all_reduce": 2 * moe + (2 * L + 1) + moe + head_norms}
+
+
+def test_moe_golden_counts_are_derived_as_documented() -> None:
+    assert moe_tp_dim("tp", 0) == {"all_reduce": 12, "all_gather": 1}
+    assert moe_tp_dim("tp_sp", 4) == {"all_gather": 11, "reduce_scatter": 6,
+                                      "all_reduce": 15}
+
+
+def _estimated_calls(family: str, plan: str) -> dict[str, int]:
+    import torch
+
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+
+    with torch.device("meta"):
+        shape = ModelShape.from_module(hf_workers.build(family))
+    est = estimate_plan(hf_workers.make_plan(plan, 2), shape,
+                        Workload(seq=hf_workers.SEQ, micro_batch=hf_workers.GLOBAL_BATCH))
+    [tp] = [t for t in est.traffic if t.dim.name == "tp"]
+    calls: dict[str, int] = {}
+    for c in tp.collectives:
+        calls[c.kind] = calls.get(c.kind, 0) + c.calls
+    return calls
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_moe_blocks_and_per_head_norms_count_as_estimated() -> None:
+    """The MoE families under TP with and without sequence parallel; Llama, Qwen3 and
+    Gemma 3 (per-head norms) and Qwen2 (split biases) under TP, Qwen3 and Qwen2 with
+    sequence parallel too: the counts above on both ranks, each step, at parity, and the
+    estimate's."""
+    golden = {(f, p): moe_tp_dim(p, norms) for f, norms in MOE_FAMILIES.items()
+              for p in ("tp", "tp_sp")}
+    golden.update({("qwen3", "tp"): tp_dim("qwen3"), ("gemma3", "tp"): tp_dim("qwen3"),
+                   ("qwen2", "tp"): tp_dim("llama"), ("llama", "tp"): tp_dim("llama"),
+                   ("qwen3", "tp_sp"): sp_tp_dim(2 * L + 1 + 2 * L),
+                   ("qwen2", "tp_sp"): sp_tp_dim(2 * L + 1)})
+    results = hf_workers.trained(list(golden), 2, timeout=240, steps=STEPS, count=True)
+    found = hf_workers.problems(results, list(golden))
+    assert not found, "\n".join(found)
+    for rows in results:
+        for row in rows:
+            expected = {"tp": golden[(row["family"], row["plan"])]}
+            assert row["counts"] == [expected] * STEPS, (row["family"], row["plan"],
+                                                         row["counts"])
+    for (family, plan), expected in golden.items():
+        assert _estimated_calls(family, plan) == expected, (family, plan)
+
+
 # -- What TP splits of the model: each rank's parameters, as estimated ----------------
 
 

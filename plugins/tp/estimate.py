@@ -16,12 +16,16 @@ parallelism keeps them sharded (then its cross-entropy's three per-token reducti
 checkpointed block's recomputation issues its forward's collectives again, up to what
 the checkpointing plugin says (``checkpoint_reissue``). With sequence parallelism the
 norms' gradients (partial sums over tp) are all-reduced, before a sharding plugin's
-reduce-scatter or, without one, as they accumulate. The ranks wait for every one of
-them (no overlap).
+reduce-scatter or, without one, as they accumulate; without it, those of per-head norms.
+A MoE block whose routed experts TP splits all-reduces its router's gradient, and under
+sequence parallelism its output and input gradient (it computes on plain tensors). The
+ranks wait for every one of them (no overlap). What a rank holds of the model is
+:mod:`.held`'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from composer_par.plugin import (
@@ -41,7 +45,9 @@ ACCOUNTING = (
     "block; without sequence parallel, one backward all-reduce per input that "
     "column-parallel Linears share, or with an explicit plan per Linear: 5 in a Llama "
     "block), +1 at the embedding and +1 at the output head each way, + the gathered logits "
-    "without loss parallel; all on the critical path; buffers 2*s*b*h",
+    "without loss parallel; a MoE block of split experts all-reduces its router's gradient, "
+    "and with sequence parallel its output and input gradient; all on the critical path; "
+    "buffers 2*s*b*h",
 )
 
 
@@ -68,6 +74,22 @@ def block_linears(model: ModelShape, moe_blocks: set[str]) -> tuple[int, int, in
     return rows, cols, mlp
 
 
+def partial_sums(model: ModelShape, together: list[Any], split_moe: list[Any],
+                 partial: Callable[[Any], bool]) -> list[tuple[int, int]]:
+    """(elements, count) of each whole tensor whose gradient every tp rank computes a
+    part of, all-reduced once per pass: those ``partial`` picks among the tensors TP
+    leaves whole, and the router of each block whose routed experts TP splits (each
+    rank's experts give part of every output)."""
+    experts = model.moe.num_experts if model.moe is not None else None
+    out = []
+    for g in together:
+        for t in g.tensors:
+            router = g in split_moe and len(t.shape) == 2 and t.shape[0] == experts
+            if not t.tp and not t.experts and (router or partial(t)):
+                out.append((t.numel, g.count))
+    return out
+
+
 def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
                 micro: int, shared_inputs: bool = True) -> list[Collective]:
     """The collectives over the tp dim ``dim`` of one step (``micro`` passes).
@@ -90,25 +112,39 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
     has_root = any(not g.block and g.numel for g in together)
     root = 1 if has_root else 0
     moe_blocks = {g.parent for g in model.groups if g.apart and g.parent}
+    # Blocks whose routed experts TP splits (each rank 1/tp of every expert): each
+    # rank's experts give part of every output, so the router's gradient is a partial
+    # sum over tp.
+    split_moe = [g for g in together if g.block and any(t.experts and t.tp for t in g.tensors)]
     out: list[Collective] = []
     if layout.sequence_parallel:
         # per block and direction: gather the attention and the MLP input, reduce-scatter
         # their outputs; the embedding scatters (forward) and the head gathers its input;
-        # a recomputed block gathers both inputs again and reduce-scatters attention's
+        # a recomputed block gathers both inputs again and reduce-scatters attention's.
+        # A MoE block whose experts TP splits computes on plain tensors (TP's
+        # sequence_region_local): its output and its input gradient are all-reduced.
+        moe = sum(g.count for g in split_moe)
+        moe_again = outputs_again * moe // max(1, layers)
         gathers = 2 * (2 * layers + root) + 2 * recomputed
-        scatters = 2 * (2 * layers + root) + recomputed + outputs_again
+        scatters = 2 * (2 * layers + root) + recomputed + outputs_again - 2 * moe - moe_again
         out.append(Collective(dim, "all_gather", gathers * x * micro, gathers * micro,
                               "activations (sequence parallel): attention/MLP inputs"))
         out.append(Collective(dim, "reduce_scatter", scatters * x * micro, scatters * micro,
                               "activations (sequence parallel): attention/MLP outputs"))
-        # the sequence-parallel norms' gradients are partial sums over tp: all-reduced to
-        # the parameters' placement (by FSDP2 before its reduce-scatter, or by DTensor as
-        # they accumulate)
-        norms = sum(g.untouched_numel() * g.count for g in together)
-        if norms:
-            count = sum(sum(1 for t in g.tensors if not t.tp) * g.count for g in together)
-            out.append(Collective(dim, "all_reduce", norms * grad_bytes * micro,
-                                  count * micro, "gradients of sequence-parallel norms"))
+        if moe:
+            summed = 2 * moe + moe_again
+            out.append(Collective(dim, "all_reduce", summed * x * micro, summed * micro,
+                                  "activations (sequence parallel): MoE blocks' outputs "
+                                  "and input gradients, on plain tensors"))
+        # the sequence-parallel norms' gradients (and a split-experts router's) are
+        # partial sums over tp: all-reduced to the parameters' placement (by FSDP2 before
+        # its reduce-scatter, or by DTensor as they accumulate)
+        partial = partial_sums(model, together, split_moe, lambda t: len(t.shape) == 1)
+        if partial:
+            out.append(Collective(dim, "all_reduce",
+                                  sum(n * c for n, c in partial) * grad_bytes * micro,
+                                  sum(c for _, c in partial) * micro,
+                                  "gradients of sequence-parallel norms"))
     else:
         # forward: the row-parallel outputs (2 per dense block) and the embedding;
         # backward: the input gradient of the column-parallel Linears that take a
@@ -134,6 +170,16 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
                               "+1 each way at the embedding / output head"
                               + ("; MoE blocks: attention and shared expert only"
                                  if moe_blocks else "")))
+        # per-head norms (Qwen3's, Gemma 3's q and k norms) see this rank's heads only
+        heads = (model.heads or 0) > 1
+        partial = partial_sums(model, together, split_moe,
+                               lambda t: heads and t.shape == (model.attention_head_dim,))
+        if partial:
+            out.append(Collective(dim, "all_reduce",
+                                  sum(n * c for n, c in partial) * grad_bytes * micro,
+                                  sum(c for _, c in partial) * micro,
+                                  "gradients of replicated tensors each rank computes a "
+                                  "part of (per-head norms, a router beside split experts)"))
     if model.vocab and has_root and not layout.loss_parallel:
         logits = tokens * model.vocab * act_bytes
         out.append(Collective(dim, "all_gather", logits * micro, micro,
