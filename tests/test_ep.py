@@ -111,10 +111,15 @@ def test_a_checkpoint_saved_under_ep_x_fsdp2_loads_into_ep_and_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("task", ["moe_llama", "mixtral", "qwen3_moe"])
-def test_ep_with_activation_checkpointing_matches_single_process(task: str) -> None:
-    """Recomputation in backward issues the block's all-to-alls again, on every rank."""
-    _parity(task, ep_plan(2, plugins='[[plugins]]\nname = "activation_checkpoint"'), 2)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("task", ["moe_llama", "moe_llama_forced", "mixtral", "qwen3_moe"])
+def test_ep_with_activation_checkpointing_matches_single_process(task: str,
+                                                                 mode: str) -> None:
+    """Full checkpointing's recomputation in backward issues the block's all-to-alls
+    again; selective checkpointing hands it their saved outputs (a rank that received
+    nothing among them): every rank's parameters as in one process."""
+    _parity(task, ep_plan(2, plugins='[[plugins]]\nname = "activation_checkpoint"\n'
+                                     f'mode = "{mode}"'), 2)
 
 
 @pytest.mark.distributed

@@ -115,20 +115,24 @@ def test_all_to_all_bytes_of_a_real_step_equal_the_estimate(layout: str, plan: s
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointed_blocks_run_their_all_to_alls_again(mode: str) -> None:
+@pytest.mark.parametrize(("options", "again"), [
+    ('mode = "full"', 3 * 2), ('mode = "selective"', 0),
+    ('mode = "selective"\nsave = ["matmul"]', 3 * 2)], ids=["full", "selective", "matmul"])
+def test_checkpointed_blocks_run_their_all_to_alls_again_unless_saved(options: str,
+                                                                      again: int) -> None:
     """dp_shard 2 x ep 2 with activation checkpointing: each block's recomputation runs
-    the counts, dispatch and combine again, under selective checkpointing too (c10d's own
-    all-to-all is not among the functional collectives it saves); every rank's counts
-    equal the estimate."""
+    the counts, dispatch and combine again under full checkpointing, and under selective
+    checkpointing that saves matmul outputs only; selective's default saves the
+    functional collectives' outputs, EP's all-to-alls among them, and runs none again.
+    Every rank's counts equal the estimate."""
     plan = FSDP2_EP.replace('[[plugins]]\nname = "meta_init"',
-                            f'[[plugins]]\nname = "activation_checkpoint"\nmode = "{mode}"'
+                            f'[[plugins]]\nname = "activation_checkpoint"\n{options}'
                             '\n\n[[plugins]]\nname = "meta_init"')
     measured = _measure("uniform", plan)
     est = _estimate("uniform", plan)
     predicted = _totals(_dim(est, "ep").collectives)
     plain = _totals(_dim(_estimate("uniform", FSDP2_EP), "ep").collectives)
-    assert predicted["all_to_all"]["calls"] == plain["all_to_all"]["calls"] + 3 * 2
+    assert predicted["all_to_all"]["calls"] == plain["all_to_all"]["calls"] + again
     for rank in range(4):
         assert measured.summary[rank]["ep"] == predicted, (rank, measured.summary[rank])
 
@@ -431,13 +435,13 @@ def test_all_to_all_bytes_per_block_and_their_split_between_nodes() -> None:
     assert (ep.intra_bytes, ep.inter_bytes) == pytest.approx((total * 3 / 8, total * 4 / 8))
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointing_repeats_the_forward_all_to_alls(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "repeats"), [("full", True), ("selective", False)])
+def test_full_checkpointing_repeats_the_forward_all_to_alls(mode: str, repeats: bool) -> None:
     plain = _preset_estimate("dp_shard = 4\nep = 8", 4, 8)
     again = _preset_estimate("dp_shard = 4\nep = 8", 4, 8, activation_checkpoint=mode)
     plain, again = plain.section("experts"), again.section("experts")
     forward = sum(r.payload for r in plain.all_to_all if "forward" in r.why or "counts" in r.why)
-    assert again.all_to_all_bytes == plain.all_to_all_bytes + forward
+    assert again.all_to_all_bytes == plain.all_to_all_bytes + (forward if repeats else 0)
 
 
 def test_estimate_cli_with_a_moe_preset(tmp_path: Any) -> None:

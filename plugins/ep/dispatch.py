@@ -7,6 +7,11 @@ one process. Each (token, slot) pair is sent to the ep rank holding its expert, 
 there by the module's own forward on this rank's slice of the expert weights, sent back,
 and combined with the router weights. Dropless: every pair is computed, so the result is
 the one-process result up to the order of floating-point sums.
+
+Every collective of the forward is a functional one (out of place): selective
+checkpointing saves their outputs, so a checkpointed block's recomputation in backward
+sends nothing again (c10d's ``all_to_all_single`` writes into its argument, which a
+selective checkpoint cannot keep).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composer_par.plugin import torch_private
+
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits whose backward is the reverse
@@ -29,9 +36,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = tensor.new_empty(sum(out_splits), *tensor.shape[1:])
-        dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return torch_private.functional_all_to_all(tensor.contiguous(), out_splits,
+                                                   in_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -46,9 +52,7 @@ class _SumOver(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return torch_private.functional_all_reduce(tensor, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -147,8 +151,7 @@ class ExpertDispatch:
             order = self._within_capacity(experts, order)
         token_of = torch.div(order, top_k, rounding_mode="floor")
         sent = torch.bincount(experts[order], minlength=self.num_experts)
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=self.group)
+        received = torch_private.functional_all_to_all(sent, None, None, self.group)
         self.sent_per_expert, self.received_per_expert = sent, received
         send_splits = sent.view(self.ep, self.local_experts).sum(1).tolist()
         recv_splits = received.view(self.ep, self.local_experts).sum(1).tolist()

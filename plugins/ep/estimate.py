@@ -210,8 +210,8 @@ ACCOUNTING = (
     "hidden*dtype bytes: all-to-all inputs dispatch forward and combine backward its own "
     "pairs, combine forward and dispatch backward the pairs its experts receive (as many "
     "under uniform routing), and num_experts int64 counts before each dispatch; "
-    "checkpointing (full or selective) runs the counts, dispatch and combine again; the "
-    "ranks wait for them (no overlap)",
+    "full checkpointing runs the counts, dispatch and combine again (selective saves "
+    "their outputs); the ranks wait for them (no overlap)",
 )
 
 #: The ratio of the most loaded ep rank's routed pairs to the mean that the estimate
@@ -329,11 +329,12 @@ def estimate_part(ep: Any, layout: Any, model: ModelShape, workload: Any, stage:
     moe_layers = sum(g.count for g in model.groups if g.apart and g.block)
     if not any(g.apart for g in model.groups):
         moe_layers = moe.moe_layers if stage is None else 0
-    # A checkpointed block's recomputation runs its all-to-alls again under selective
-    # checkpointing too: they are c10d's own ops, which a policy saving the functional
-    # collectives' outputs does not save.
+    # A checkpointed block's recomputation runs its all-to-alls again (the combine's
+    # output is what the router weights' gradient needs), unless the checkpointing saves
+    # the functional collectives' outputs (selective's default), EP's among them.
     mode = workload.activation_checkpoint or "none"
-    recomputed = moe_layers // layout.checkpoint_every if mode != "none" else 0
+    reissue = layout.reissue(mode)
+    recomputed = moe_layers // layout.checkpoint_every if reissue != "none" else 0
     collectives = all_to_all_collectives(
         ep.dim, size=size, moe_layers=moe_layers, tokens=tokens, top_k=moe.top_k,
         hidden=model.hidden, num_experts=moe.num_experts, dtype_bytes=dtype, passes=runs,

@@ -138,8 +138,8 @@ _PAIR_INDEX_BYTES = 24
 _PAIR_INDEX_BYTES_EP = 44
 
 
-def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, dispatched: bool
-             ) -> tuple[float, float, float]:
+def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, dispatched: bool,
+             saved_collectives: bool = True) -> tuple[float, float, float]:
     """(full, selective, fixed bytes) per token of the feed-forward part of a block
     averaged over the blocks: elements kept (without checkpointing; selective
     checkpointing's matmul outputs) and bytes that do not scale with the dtype.
@@ -148,8 +148,11 @@ def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, dispatched: bool
     product (``4 f_e``), its output and, under expert parallelism, the pair's hidden
     state as it came back (``3h + 4 f_e``, ``4h + 4 f_e`` with EP); per token the
     router's probabilities (fp32) and, for the shared expert, a gated MLP's ``4 f_s``
-    (``dispatched``: the pairs travel to experts on other ranks).
-    A dense block of the same model keeps ``4f``. Measured on the MoE Llama."""
+    (``dispatched``: the pairs travel to experts on other ranks). Selective
+    checkpointing keeps, beside the matmul outputs, the dispatched pairs' all-to-all
+    outputs when it saves the collectives' (the pair as it arrived and its output as it
+    came back, ``2h``). A dense block of the same model keeps ``4f``. Measured on the
+    MoE Llama."""
     moe = model.moe
     assert moe is not None
     h, k, e = model.hidden, moe.top_k, moe.expert_ffn
@@ -157,6 +160,8 @@ def _moe_mlp(model: ModelShape, t: int, dtype_bytes: int, dispatched: bool
     routed = k * (c * h + 4 * e) + 4 * moe.shared_ffn / t
     routed_selective = k * (2 * e + h) + moe.num_experts + (2 * moe.shared_ffn / t
                                                            + h if moe.shared_ffn else 0)
+    if dispatched and saved_collectives:
+        routed_selective += k * 2 * h
     fixed = (moe.num_experts * 4 + k * (_PAIR_INDEX_BYTES_EP if dispatched
                                         else _PAIR_INDEX_BYTES)) / dtype_bytes
     f = model.ffn_hidden or 4 * h
@@ -212,7 +217,8 @@ def _llama_activation_bytes(
     # the matmul outputs selective checkpointing keeps of the MLP: gate, up, down
     mlp_selective = 2 * f / t + h
     if model.moe is not None:
-        mlp, mlp_selective, _ = _moe_mlp(model, t, bytes_of(dtype), dispatched)
+        mlp, mlp_selective, _ = _moe_mlp(model, t, bytes_of(dtype), dispatched,
+                                         saved_collectives)
     if t > 1 and sequence_parallel:
         norms = 2 * (2 * h / t + 1 / t + h)
         block_input = h / t

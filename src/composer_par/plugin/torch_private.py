@@ -146,6 +146,13 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
                   "the rendezvous store a hang's roll call writes to"),
     PrivateSymbol("torch.distributed.distributed_c10d:_resolve_process_group", _MESH,
                   "the group a functional collective names (collective counting)"),
+    PrivateSymbol("torch.distributed._functional_collectives:all_to_all_single", _MESH,
+                  "expert parallelism's all-to-alls out of place, an op selective "
+                  "checkpointing can save (c10d's writes into its argument)"),
+    PrivateSymbol("torch.distributed._functional_collectives:all_reduce", _MESH,
+                  "expert tensor parallelism's sum of partial outputs, likewise"),
+    PrivateSymbol("torch.distributed._functional_collectives:wait_tensor", _MESH,
+                  "the result of a functional collective, waited for"),
     PrivateSymbol("ProcessGroup._get_backend", _MESH, "a group's backend, for its timeout"),
     PrivateSymbol("torch.distributed:ProcessGroupGloo._Options", _MESH,
                   "gloo groups made with the plan's timeout"),
@@ -440,6 +447,25 @@ def default_store() -> Any:
 def resolve_group(name: str) -> Any:
     """The ProcessGroup a functional collective names by its group name."""
     return _reach("torch.distributed.distributed_c10d:_resolve_process_group")(name)
+
+
+def functional_all_to_all(tensor: torch.Tensor, out_splits: list[int] | None,
+                          in_splits: list[int] | None, group: Any) -> torch.Tensor:
+    """``all_to_all_single`` as a functional collective, waited for: a new tensor (rows
+    ``in_splits[r]`` of ``tensor`` to rank r, ``out_splits[r]`` from it; None: even), by
+    an op (``_c10d_functional.all_to_all_single``) whose output selective checkpointing
+    can save, where c10d's writes into its argument."""
+    module = "torch.distributed._functional_collectives"
+    out = _reach(f"{module}:all_to_all_single")(tensor, out_splits, in_splits, group)
+    return _reach(f"{module}:wait_tensor")(out)  # type: ignore[no-any-return]
+
+
+def functional_all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group`` as a functional collective, waited for: a
+    new tensor, by an op selective checkpointing can save."""
+    module = "torch.distributed._functional_collectives"
+    out = _reach(f"{module}:all_reduce")(tensor, "sum", group)
+    return _reach(f"{module}:wait_tensor")(out)  # type: ignore[no-any-return]
 
 
 def group_timeout(group: Any, device_type: str) -> timedelta | None:
