@@ -44,6 +44,7 @@ from composer_par.plugin import (
     EstimateSettings,
     Finding,
     Plugin,
+    Role,
     Rule,
     Severity,
     SuggestAxis,
@@ -434,10 +435,11 @@ class ActivationCheckpoint(Plugin):
 
     @hookimpl
     def composer_par_suggest(self) -> list[SuggestAxis]:
-        """No checkpointing, selective, full: from the fastest to the leanest; with
-        tensor parallelism, between the last two, selective that issues the collectives
-        again in backward instead of keeping their outputs (the gathered inputs are a
-        whole sequence each under sequence parallelism)."""
+        """No checkpointing, selective, full: from the fastest to the leanest; with a
+        model-parallel dim (tensor, expert or context parallelism), between the last
+        two, selective that issues the collectives again in backward instead of keeping
+        their outputs (the gathered inputs are a whole sequence each under sequence
+        parallelism; expert parallelism's routed pairs, two hidden states each)."""
         own = {k: v for k, v in self.options().items() if k != "mode"}
         none = SuggestChoice()
         selective = SuggestChoice("AC selective", {**own, "mode": "selective"}, 1)
@@ -446,7 +448,8 @@ class ActivationCheckpoint(Plugin):
         full = SuggestChoice("AC full", {**own, "mode": "full"}, 3)
 
         def modes(ctx: SuggestContext) -> list[SuggestChoice]:
-            if ctx.tensor_parallel() > 1:
+            if any(n > 1 and ctx.roles.get(d) is Role.MODEL_PARALLEL
+                   for d, n in ctx.sizes.items()):
                 return [none, selective, regather, full]
             return [none, selective, full]
 

@@ -111,18 +111,19 @@ def test_first_fit_axes_make_families_fastest_first() -> None:
         pytest.skip("activation_checkpoint is not installed")
     model = ModelShape.from_numbers(params=7_000_000_000, layers=32, hidden=4096)
     axes = _axes(model, Topology(1, 8))
-    family = next(f for f in families(axes, Topology(1, 8), model, WORK, 8, {})
-                  if f[0].size("tp") == 1)
+    all_families = list(families(axes, Topology(1, 8), model, WORK, 8, {}))
+    family = next(f for f in all_families if f[0].size("tp") == f[0].size("cp") == 1)
     assert [c.label().split(" + ")[-1] for c in family][1:] == ["AC selective", "AC full"]
     assert [c.preference for c in family] == [0, 1, 3]
-    # with tensor parallelism, selective that issues the collectives again comes between
-    tp_family = next(f for f in families(axes, Topology(1, 8), model, WORK, 8, {})
-                     if f[0].size("tp") > 1)
-    assert [c.label().split(" + ")[-1] for c in tp_family][1:] == [
-        "AC selective", "AC selective save=matmul", "AC full"]
-    assert [c.preference for c in tp_family] == [0, 1, 2, 3]
-    assert dict(tp_family[2].plugins())["activation_checkpoint"] == {
-        "mode": "selective", "save": ["matmul"]}
+    # with a model-parallel dim (tensor or context parallelism here), selective that
+    # issues the collectives again comes between
+    for dim in ("tp", "cp"):
+        mp_family = next(f for f in all_families if f[0].size(dim) > 1)
+        assert [c.label().split(" + ")[-1] for c in mp_family][1:] == [
+            "AC selective", "AC selective save=matmul", "AC full"], dim
+        assert [c.preference for c in mp_family] == [0, 1, 2, 3]
+        assert dict(mp_family[2].plugins())["activation_checkpoint"] == {
+            "mode": "selective", "save": ["matmul"]}
 
 
 def test_candidate_meshes_and_plugins() -> None:
