@@ -189,6 +189,8 @@ PLANS = {
     "pp": '[mesh]\npp = 2\ncp = 2\n\n[[plugins]]\nname = "pp"\nschedule = "1F1B"\n\n' + _CP,
     "fsdp2_ac": '[mesh]\ndp_shard = 2\ncp = 2\n\n[[plugins]]\nname = "activation_checkpoint"'
                 '\n\n[[plugins]]\nname = "fsdp2"\n\n' + _CP,
+    "ac_selective": '[mesh]\ncp = 2\n\n[[plugins]]\nname = "activation_checkpoint"\n'
+                    'mode = "selective"\n\n' + _CP,
 }
 MODES = ("allgather", "alltoall")
 
@@ -210,9 +212,13 @@ def _check(cases: list[ParityCase], timeout: float) -> None:
 @pytest.mark.timeout(300)
 def test_parity_on_two_ranks() -> None:
     """CP 2 in both modes: the project's Llama and three Hugging Face families (Mistral
-    and Gemma 3 with sliding-window layers narrower than the sequence)."""
+    and Gemma 3 with sliding-window layers narrower than the sequence); the project's
+    Llama and Hugging Face's with selective checkpointing too, which keeps CP's gathered
+    and traded tensors for backward."""
     tasks = ["llama", "hf_llama", "hf_qwen3", "hf_mistral", "hf_gemma3"]
-    _check([c for t in tasks for c in _cases(t, "cp2", 2)], timeout=280)
+    _check([c for t in tasks for c in _cases(t, "cp2", 2)]
+           + [c for t in ("llama", "hf_llama") for c in _cases(t, "ac_selective", 2)],
+           timeout=280)
 
 
 @pytest.mark.distributed
@@ -326,6 +332,48 @@ def test_estimate_under_tp_equals_a_real_steps_bytes(mode: str) -> None:
     (cp,) = [t for t in est.traffic if t.dim.name == "cp"]
     predicted = {c.kind: {"calls": c.calls, "bytes": c.payload} for c in cp.collectives}
     for rank in range(4):
+        counted = {kind: value for kind, value in measured.summary[rank]["cp"].items()
+                   if kind != "all_reduce"}  # CP's own gradient averaging, apart
+        assert counted == predicted, (rank, counted, predicted)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("checkpointing", "again"), [
+    ('mode = "full"', True), ('mode = "selective"', False),
+    ('mode = "selective"\nsave = ["matmul"]', True)], ids=["full", "selective", "matmul"])
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointing_issues_the_forwards_collectives_again_unless_saved(
+        mode: str, checkpointing: str, again: bool) -> None:
+    """cp 2 with activation checkpointing: full checkpointing's recomputation gathers
+    (or trades) each layer's K and V again, and so does selective checkpointing that
+    saves matmul outputs only; selective's default saves the functional collectives'
+    outputs, CP's among them, and issues none again. The step's counted cp collectives
+    are the plan's estimate, call for call and byte for byte, on both ranks."""
+    from composer_par.estimate import ModelShape, Workload, estimate_plan
+    from composer_par.testing.parity import measure_comm
+    from tests.cp_workers import llama_kv4 as task
+
+    plan = PLANS["cp2"].format(mode=mode).replace(
+        "[[plugins]]\nname = \"cp\"",
+        f"[[plugins]]\nname = \"activation_checkpoint\"\n{checkpointing}\n\n"
+        "[[plugins]]\nname = \"cp\"")
+    measured = measure_comm(ParityCase("tests.cp_workers:llama_kv4", plan, 2, steps=1),
+                            timeout=200)
+    shape = ModelShape.from_numbers(layers=task.n_layers, hidden=task.dim,
+                                    heads=task.n_heads, kv_heads=task.n_kv_heads,
+                                    ffn_hidden=4 * task.dim, vocab=task.vocab_size)
+    est = estimate_plan(ParallelPlan.from_toml(plan), shape,
+                        Workload(seq=task.seq_len, micro_batch=task.global_batch,
+                                 dtype="float32"), world_size=2)
+    (cp,) = [t for t in est.traffic if t.dim.name == "cp"]
+    predicted: dict[str, dict[str, int]] = {}
+    for c in cp.collectives:
+        totals = predicted.setdefault(c.kind, {"calls": 0, "bytes": 0})
+        totals["calls"] += c.calls
+        totals["bytes"] += c.payload
+    assert any(c.why.startswith("recomputation") for c in cp.collectives) == again
+    for rank in range(2):
         counted = {kind: value for kind, value in measured.summary[rank]["cp"].items()
                    if kind != "all_reduce"}  # CP's own gradient averaging, apart
         assert counted == predicted, (rank, counted, predicted)

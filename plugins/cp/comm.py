@@ -4,6 +4,9 @@ Written here rather than taken from ``torch.distributed.nn.functional``: its all
 backward uses the list form of all-to-all off NCCL, which gloo lacks. Both functions below
 move data with ``all_gather`` and ``all_to_all_single`` only, which gloo, NCCL and the
 other backends all have, so a CP plan runs (and is tested) on CPU as it runs on GPUs.
+Their forwards issue the functional collectives (out of place): selective checkpointing
+saves their outputs, so a checkpointed block's recomputation in backward gathers and
+exchanges nothing again (c10d's write into their arguments, which it cannot keep).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from composer_par.plugin import torch_private
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -23,10 +28,8 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, group: Any, seq_dim: int) -> torch.Tensor:
         size = dist.get_world_size(group)
         ctx.group, ctx.seq_dim, ctx.size = group, seq_dim, size
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(parts, tensor, group=group)
-        return torch.cat(parts, dim=seq_dim)
+        gathered = torch_private.functional_all_gather(tensor.contiguous(), group)
+        return torch.cat(gathered.chunk(size, dim=0), dim=seq_dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -43,12 +46,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        # Contiguous first: empty_like would keep a transposed view's strides, and the
-        # collective writes its output as if it were contiguous.
-        tensor = tensor.contiguous()
-        out = torch.empty_like(tensor)
-        dist.all_to_all_single(out, tensor, group=group)
-        return out
+        # Contiguous first: the collective reads its input as if it were.
+        return torch_private.functional_all_to_all(tensor.contiguous(), None, None, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -14,46 +14,60 @@ ACCOUNTING = (
     "gathers K and V of the whole sequence (forward) and sends their gradients back by "
     "all-to-all (backward), alltoall trades Q, K, V heads for sequence and the output "
     "back (forward and backward), ring gathers K and V in forward and backward and "
-    "passes the fp32 K/V gradients cp times; the ranks wait for them (no overlap); "
+    "passes the fp32 K/V gradients cp times; full checkpointing issues the forward's "
+    "again (selective saves their outputs); the ranks wait for them (no overlap); "
     "buffers: the other ranks' K and V (or the traded heads) per layer kept for backward",
 )
 
 
 def attention_collectives(dim: str, mode: str, *, size: int, layers: int, batch: int,
                           seq: int, heads: int, kv_heads: int, head_dim: int,
-                          dtype_bytes: int, passes: int = 1) -> tuple[Collective, ...]:
+                          dtype_bytes: int, passes: int = 1,
+                          recomputed: int = 0) -> tuple[Collective, ...]:
     """One step's attention collectives over ``dim`` (forward and backward of ``passes``
     micro-batches of ``batch`` sequences of ``seq`` tokens; ``kv_heads`` as they reach
-    the attention math)."""
+    the attention math), and the forward's again for the ``recomputed`` layers whose
+    checkpointed recomputation in backward issues them."""
     if size < 2:
         return ()
     runs = layers * passes
+    again = recomputed * passes
     local = batch * seq // size * head_dim * dtype_bytes  # one head of this rank's tokens
-    if mode == "allgather":
-        whole_kv = 2 * kv_heads * local * size  # K and V of the whole sequence
-        return (
-            Collective(dim, "all_gather", runs * whole_kv, 2 * runs,
-                       "each layer's K and V gathered from every cp rank (forward)"),
-            Collective(dim, "all_to_all", runs * whole_kv, 2 * runs,
-                       "the gathered K/V's gradients back to their ranks (backward)"),
-        )
-    if mode == "ring":
-        # torch's ring with its all-gather rotation: K and V (repeated to the query
-        # heads) gathered once in forward and again in backward, and in backward the K/V
-        # gradients passed one rank on cp times, in fp32.
-        whole_kv = 2 * heads * local * size
-        grad_kv = 2 * heads * batch * seq // size * head_dim * 4
-        return (
-            Collective(dim, "all_gather", 2 * runs * whole_kv, 2 * runs,
-                       "each layer's K and V gathered from every cp rank (forward, and "
-                       "again in backward)"),
-            Collective(dim, "all_to_all", runs * size * grad_kv, runs * size,
-                       "the K/V gradients passed around the ring in fp32 (backward)"),
-        )
+    out: tuple[Collective, ...]
+    if mode in ("allgather", "ring"):
+        # ring: torch's, with its all-gather rotation: K and V repeated to the query heads
+        whole_kv = 2 * (kv_heads if mode == "allgather" else heads) * local * size
+        if mode == "allgather":
+            out = (
+                Collective(dim, "all_gather", runs * whole_kv, 2 * runs,
+                           "each layer's K and V gathered from every cp rank (forward)"),
+                Collective(dim, "all_to_all", runs * whole_kv, 2 * runs,
+                           "the gathered K/V's gradients back to their ranks (backward)"),
+            )
+        else:
+            # gathered once in forward and again in backward, and in backward the K/V
+            # gradients passed one rank on cp times, in fp32
+            grad_kv = 2 * heads * batch * seq // size * head_dim * 4
+            out = (
+                Collective(dim, "all_gather", 2 * runs * whole_kv, 2 * runs,
+                           "each layer's K and V gathered from every cp rank (forward, and "
+                           "again in backward)"),
+                Collective(dim, "all_to_all", runs * size * grad_kv, runs * size,
+                           "the K/V gradients passed around the ring in fp32 (backward)"),
+            )
+        if again:
+            out += (Collective(dim, "all_gather", again * whole_kv, 2 * again,
+                               "recomputation in backward: K and V gathered again"),)
+        return out
     exchanged = (2 * heads + 2 * kv_heads) * local  # Q, K, V in; the output back
-    return (Collective(dim, "all_to_all", 2 * runs * exchanged, 8 * runs,
-                       "Q, K, V traded heads for sequence and the output back, forward "
-                       "and backward"),)
+    out = (Collective(dim, "all_to_all", 2 * runs * exchanged, 8 * runs,
+                      "Q, K, V traded heads for sequence and the output back, forward "
+                      "and backward"),)
+    if again:
+        out += (Collective(dim, "all_to_all", again * exchanged, 4 * again,
+                           "recomputation in backward: Q, K, V and the output traded "
+                           "again"),)
+    return out
 
 
 def kv_buffer_bytes(mode: str, *, size: int, batch: int, seq: int, heads: int,
@@ -85,8 +99,15 @@ def estimate_part(dim: str, mode: str, layout: Any, model: Any, workload: Any,
              "heads": max(1, model.heads // tp), "kv_heads": max(1, kv_heads // tp),
              "head_dim": model.hidden // model.heads,
              "dtype_bytes": dtype_bytes(workload.dtype)}
+    # A checkpointed layer's recomputation in backward issues the forward's collectives
+    # again, unless the checkpointing saves the functional collectives' outputs
+    # (selective's default), CP's among them.
+    checkpointing = workload.activation_checkpoint or "none"
+    recomputed = (model.layers // layout.checkpoint_every
+                  if layout.reissue(checkpointing) != "none" else 0)
     collectives = attention_collectives(dim, mode, layers=model.layers,
-                                        passes=runs_of(workload, stage), **shape)
+                                        passes=runs_of(workload, stage),
+                                        recomputed=recomputed, **shape)
     # A layer's buffers stay saved for its backward, unless full checkpointing drops
     # them (then one recomputed layer holds them at a time).
     held = model.layers

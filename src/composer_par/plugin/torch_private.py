@@ -147,8 +147,10 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("torch.distributed.distributed_c10d:_resolve_process_group", _MESH,
                   "the group a functional collective names (collective counting)"),
     PrivateSymbol("torch.distributed._functional_collectives:all_to_all_single", _MESH,
-                  "expert parallelism's all-to-alls out of place, an op selective "
-                  "checkpointing can save (c10d's writes into its argument)"),
+                  "expert and context parallelism's all-to-alls out of place, an op "
+                  "selective checkpointing can save (c10d's writes into its argument)"),
+    PrivateSymbol("torch.distributed._functional_collectives:all_gather_tensor", _MESH,
+                  "context parallelism's K/V gather, likewise"),
     PrivateSymbol("torch.distributed._functional_collectives:all_reduce", _MESH,
                   "expert tensor parallelism's sum of partial outputs, likewise"),
     PrivateSymbol("torch.distributed._functional_collectives:wait_tensor", _MESH,
@@ -457,6 +459,14 @@ def functional_all_to_all(tensor: torch.Tensor, out_splits: list[int] | None,
     can save, where c10d's writes into its argument."""
     module = "torch.distributed._functional_collectives"
     out = _reach(f"{module}:all_to_all_single")(tensor, out_splits, in_splits, group)
+    return _reach(f"{module}:wait_tensor")(out)  # type: ignore[no-any-return]
+
+
+def functional_all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked on tensor dim 0 in rank order, as a functional
+    collective, waited for: a new tensor, by an op selective checkpointing can save."""
+    module = "torch.distributed._functional_collectives"
+    out = _reach(f"{module}:all_gather_tensor")(tensor, 0, group)
     return _reach(f"{module}:wait_tensor")(out)  # type: ignore[no-any-return]
 
 
