@@ -29,6 +29,7 @@ from composer_par.findings import RULES
 from composer_par.planfile import MAX_PLAN_BYTES, MAX_RANKS
 from composer_par.plugin.caller import HookError
 from composer_par.plugin.registry import ALLOW_ENV, BLOCK_ENV, GROUP
+from tests.cli_run import run
 from tests.test_planfile import FUZZ, plan_data, to_toml_document
 
 CLEAN = """
@@ -78,11 +79,6 @@ def files(tmp_path: Path) -> dict[str, str]:
     return out
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def run_json(argv: list[str]) -> tuple[int, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import xml.etree.ElementTree as ET
@@ -11,17 +10,12 @@ from pathlib import Path
 import pytest
 
 from composer_par import MeshSpec, Topology
-from composer_par.cli.main import main
 from composer_par.tools.draw import MAX_ROWS, SVG_MAX_RANKS, Grid, render_svg, render_text
+from tests.cli_run import run
 
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def run(argv: list[str], stdout: io.StringIO | None = None) -> tuple[int, str, str]:
-    out, err = stdout or io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def hsdp_grid() -> Grid:

@@ -3,8 +3,6 @@ torch's fake process-group backend, on a model built on meta (no memory, no peer
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import time
 from pathlib import Path
@@ -14,7 +12,6 @@ import attrs
 import pytest
 
 from composer_par import FSDP2, MeshSpec, MetaInit, ParallelPlan, Registry
-from composer_par.cli.main import main
 from composer_par.models.llama import parameter_count
 from composer_par.plugin import Plugin, hookimpl
 from composer_par.tools.dryrun import (
@@ -25,6 +22,7 @@ from composer_par.tools.dryrun import (
     format_result,
     resolve_factory,
 )
+from tests.cli_run import run
 from tests.dryrun_models import SMALL
 
 SMALL_MODEL = "tests.dryrun_models:small_llama"
@@ -34,11 +32,6 @@ needs_hsdp = pytest.mark.skipif("hsdp" not in INSTALLED, reason="the hsdp plugin
 needs_tp = pytest.mark.skipif("tp" not in INSTALLED, reason="the tp plugin is not installed")
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def plan_text(mesh: str, plugins: list[str], nodes: int | None = None,

@@ -3,8 +3,6 @@ ranks) its per-mesh-dim bytes against the collectives FSDP2, HSDP and TP actuall
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -15,7 +13,6 @@ import attrs
 import pytest
 
 from composer_par import MeshSpec, ParallelPlan, Registry, Role, Topology
-from composer_par.cli.main import main
 from composer_par.estimate import (
     ACCOUNTING,
     Collective,
@@ -36,16 +33,12 @@ from composer_par.estimate import (
 from composer_par.estimate.accumulation import SyncCost
 from composer_par.plugin import Claim, EstimateSettings, Plugin, hookimpl
 from composer_par.testing.comm_count import group_label
+from tests.cli_run import run
 
 ROOT = Path(__file__).resolve().parent.parent
 GBPS = 900e9 / 8  # the default intra-node bandwidth in bytes/s
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 # -- units -----------------------------------------------------------------------------------

@@ -6,8 +6,6 @@ a pipeline step against the estimate."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -21,7 +19,6 @@ from composer_par.plugins.pp.schedules import SCHEDULES, placement
 from composer_par.plugins.pp.timeline import peak_in_flight, theoretical_bubble, timeline
 
 from composer_par import FSDP2, PP, MeshSpec, ParallelPlan, Registry, Role, Topology
-from composer_par.cli.main import main
 from composer_par.estimate import (
     EstimateError,
     Layout,
@@ -33,6 +30,7 @@ from composer_par.estimate import (
 )
 from composer_par.plugin import Plugin, hookimpl
 from composer_par.tools.suggest import format_suggestion, suggest
+from tests.cli_run import run
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = set(Registry().names())
@@ -40,11 +38,6 @@ GIB80 = parse_bytes("80GiB")
 pytestmark = pytest.mark.skipif("pp" not in INSTALLED, reason="the pp plugin is not installed")
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def pp_layout(mesh: MeshSpec, topology: Topology | None = None, **options: Any) -> Layout:

@@ -7,7 +7,6 @@ is no model config, naming the file, before anything runs."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import sys
@@ -15,19 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from composer_par.cli.main import main
 from tests import hf_workers
+from tests.cli_run import run
 
 pytest.importorskip("transformers")
 
 PLAN = '[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = "fsdp2"\n'
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def saved(tmp_path: Path, family: str, **overrides: object) -> tuple[Path, int]:

@@ -4,7 +4,6 @@ runner-up lost."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 from pathlib import Path
@@ -14,7 +13,6 @@ import attrs
 import pytest
 
 from composer_par import ParallelPlan, Registry, Role, Topology
-from composer_par.cli.main import main
 from composer_par.estimate import ModelShape, MoEShape, Workload, estimate_plan, parse_bytes
 from composer_par.plugin import (
     Claim,
@@ -34,17 +32,13 @@ from composer_par.tools.suggest import (
     suggest,
     why_best,
 )
+from tests.cli_run import run
 
 GIB80 = parse_bytes("80GiB")
 INSTALLED = set(Registry().names())
 WORK = Workload(seq=4096, dtype="bf16")
 
 
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def _axes(model: ModelShape, topology: Topology, notes: list[str] | None = None,
