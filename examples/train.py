@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from composer_par.plugins.cp import context_of, next_token_labels
+from composer_par.plugins.ep.stats import RoutingSummary, routing_summary
 from torch.utils.data import Dataset, DistributedSampler
 
 from composer_par import ParallelPlan, checkpoint, configure_logging, get_logger
 from composer_par.hangs import name_stuck_ranks
 from composer_par.models.llama import next_token_loss
-from composer_par.plugins.cp import context_of, next_token_labels
-from composer_par.plugins.ep.stats import RoutingSummary, routing_summary
 from composer_par.teardown import run_rank
 from composer_par.tools.demo import MODELS, build_model, corpus_tokens
 
