@@ -103,10 +103,6 @@ class ParamGroup:
                    * (width if t.gather_bytes is None else t.gather_bytes)
                    for t in self.tensors)
 
-    def untouched_numel(self) -> int:
-        """Elements of tensors TP does not split (norm weights, biases of 1 tensor dim)."""
-        return sum(t.numel for t in self.tensors if not t.tp and not t.experts)
-
     @property
     def experts_numel(self) -> int:
         """Elements of its routed experts' tensors."""
