@@ -102,9 +102,8 @@ def estimate_part(dim: str, mode: str, layout: Any, model: Any, workload: Any,
     # A checkpointed layer's recomputation in backward issues the forward's collectives
     # again, unless the checkpointing saves the functional collectives' outputs
     # (selective's default), CP's among them.
-    checkpointing = workload.activation_checkpoint or "none"
-    recomputed = (model.layers // layout.checkpoint_every
-                  if layout.reissue(checkpointing) != "none" else 0)
+    recomputed = layout.reissued_blocks(workload.activation_checkpoint or "none",
+                                        model.layers)
     collectives = attention_collectives(dim, mode, layers=model.layers,
                                         passes=runs_of(workload, stage),
                                         recomputed=recomputed, **shape)

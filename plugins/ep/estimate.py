@@ -332,9 +332,8 @@ def estimate_part(ep: Any, layout: Any, model: ModelShape, workload: Any, stage:
     # A checkpointed block's recomputation runs its all-to-alls again (the combine's
     # output is what the router weights' gradient needs), unless the checkpointing saves
     # the functional collectives' outputs (selective's default), EP's among them.
-    mode = workload.activation_checkpoint or "none"
-    reissue = layout.reissue(mode)
-    recomputed = moe_layers // layout.checkpoint_every if reissue != "none" else 0
+    recomputed = layout.reissued_blocks(workload.activation_checkpoint or "none",
+                                        moe_layers)
     collectives = all_to_all_collectives(
         ep.dim, size=size, moe_layers=moe_layers, tokens=tokens, top_k=moe.top_k,
         hidden=model.hidden, num_experts=moe.num_experts, dtype_bytes=dtype, passes=runs,

@@ -106,7 +106,7 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
     # default): not the MLP's output collective; without early stop, all of them;
     # selective checkpointing that saves collective outputs (the plugin's default), none.
     reissue = layout.reissue(mode)
-    recomputed = layers // layout.checkpoint_every if reissue != "none" else 0
+    recomputed = layout.reissued_blocks(mode, layers)
     outputs_again = recomputed if reissue == "all" else 0  # the MLP's output collective
     together = [g for g in model.groups if not g.apart]
     has_root = any(not g.block and g.numel for g in together)

@@ -145,6 +145,12 @@ class Layout:
             return self.checkpoint_reissue
         return "early_stop" if mode == "full" else "none"
 
+    def reissued_blocks(self, mode: str, blocks: int) -> int:
+        """Of ``blocks`` blocks, those whose checkpointed recomputation in backward
+        issues their forward's collectives again under checkpointing ``mode`` (every
+        ``checkpoint_every``-th, unless :meth:`reissue` says nothing is issued)."""
+        return blocks // self.checkpoint_every if self.reissue(mode) != "none" else 0
+
     def dims_with(self, role: Role) -> list[DimInfo]:
         """The mesh dims of size > 1 whose owner claims them with ``role``."""
         return [d for d in self.dims if d.role is role and d.size > 1]
