@@ -79,8 +79,6 @@ def files(tmp_path: Path) -> dict[str, str]:
     return out
 
 
-
-
 def run_json(argv: list[str]) -> tuple[int, Any]:
     code, out, _ = run([*argv, "--json"])
     return code, json.loads(out)  # the whole of stdout is one JSON document

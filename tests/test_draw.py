@@ -16,8 +16,6 @@ from tests.cli_run import run
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-
-
 def hsdp_grid() -> Grid:
     return Grid.of(MeshSpec(dp_replicate=4, dp_shard=8), Topology(4, 8))
 

@@ -32,8 +32,6 @@ needs_hsdp = pytest.mark.skipif("hsdp" not in INSTALLED, reason="the hsdp plugin
 needs_tp = pytest.mark.skipif("tp" not in INSTALLED, reason="the tp plugin is not installed")
 
 
-
-
 def plan_text(mesh: str, plugins: list[str], nodes: int | None = None,
               devices: int | None = None) -> str:
     text = f"[mesh]\n{mesh}\n"

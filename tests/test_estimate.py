@@ -39,8 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 GBPS = 900e9 / 8  # the default intra-node bandwidth in bytes/s
 
 
-
-
 # -- units -----------------------------------------------------------------------------------
 
 

@@ -38,8 +38,6 @@ GIB80 = parse_bytes("80GiB")
 pytestmark = pytest.mark.skipif("pp" not in INSTALLED, reason="the pp plugin is not installed")
 
 
-
-
 def pp_layout(mesh: MeshSpec, topology: Topology | None = None, **options: Any) -> Layout:
     roles = {"pp": Role.OTHER, "dp_replicate": Role.REPLICATE, "dp_shard": Role.SHARD,
              "tp": Role.MODEL_PARALLEL}

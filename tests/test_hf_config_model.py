@@ -22,8 +22,6 @@ pytest.importorskip("transformers")
 PLAN = '[mesh]\ndp_shard = 2\n\n[[plugins]]\nname = "fsdp2"\n'
 
 
-
-
 def saved(tmp_path: Path, family: str, **overrides: object) -> tuple[Path, int]:
     """``family``'s tiny config saved by transformers in bfloat16, and its parameter
     count (the model built from it)."""

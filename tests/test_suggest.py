@@ -39,8 +39,6 @@ INSTALLED = set(Registry().names())
 WORK = Workload(seq=4096, dtype="bf16")
 
 
-
-
 def _axes(model: ModelShape, topology: Topology, notes: list[str] | None = None,
           work: Workload = WORK) -> Any:
     return plugin_axes(None, {}, model, topology, work, notes if notes is not None else [])
