@@ -199,13 +199,25 @@ def forward_without_positions(task_name: str) -> dict[str, str]:
     model = plan.apply(task.build() if isinstance(task, ContextHF)
                        else _on_meta(task.build))
     cp = plan.notes["cp"]
-    tokens = cp.shard(task.batch(0))
-    positions = cp.positions(tokens.shape[1] * 2)[None].expand(tokens.shape[0], -1)
+    whole = task.batch(0)
+    tokens = cp.shard(whole)
+    local = tokens.shape[1]
+    positions = cp.positions(local * 2)[None].expand(tokens.shape[0], -1)
     hf = isinstance(task, ContextHF)
+    keyword = "position_ids" if hf else "positions"
+
+    def numbered(start: int, length: int) -> Any:
+        return torch.arange(start, start + length)[None].expand(tokens.shape[0], -1)
+
     out: dict[str, str] = {}
+    # The layout mistakes first: a forward the check refuses leaves it armed.
+    contiguous = whole[:, cp.rank * local:(cp.rank + 1) * local]
     calls = {"without": lambda: model(tokens),
-             "keyword": lambda: model(tokens, **{"position_ids" if hf else "positions":
-                                                 positions})}
+             "unsharded": lambda: model(whole, **{keyword: numbered(0, whole.shape[1])}),
+             "numbered_here": lambda: model(tokens, **{keyword: numbered(0, local)}),
+             "contiguous": lambda: model(contiguous,
+                                         **{keyword: numbered(cp.rank * local, local)}),
+             "keyword": lambda: model(tokens, **{keyword: positions})}
     if not hf:
         calls["positional"] = lambda: model(tokens, positions)
     for label, call in calls.items():
@@ -217,6 +229,39 @@ def forward_without_positions(task_name: str) -> dict[str, str]:
         else:
             out[label] = "ran"
     return out
+
+
+def positions_judged(seed: int) -> dict[str, str | None]:
+    """What :func:`misplaced` says, on this rank of a cp group of the whole world, of
+    the positions the layout gives, of packed documents' positions cut by ``cp.shard``
+    (equal halves, documents starting at chunk boundaries, random lengths), and of the
+    mistakes: every rank numbered from 0, a contiguous split."""
+    import torch
+    import torch.distributed as dist
+    from composer_par.plugins.cp import ContextShard
+    from composer_par.plugins.cp.positions import misplaced
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    shard = ContextShard(dist.group.WORLD, size, rank, "allgather")
+    seq = 8 * size
+    local = seq // size
+
+    def packed(lengths: list[int]) -> Any:
+        return torch.cat([torch.arange(n) for n in lengths])[None]
+
+    generator = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(seq - 1, generator=generator)[:size].add(1).tolist())
+    random_docs = [b - a for a, b in zip([0, *cuts], [*cuts, seq], strict=True)]
+    given = {
+        "layout": shard.positions(seq),
+        "layout_batch": shard.positions(seq)[None].expand(3, -1),
+        "two_halves": shard.shard(packed([seq // 2, seq // 2])),
+        "chunk_docs": shard.shard(packed([4] * (2 * size))),
+        "random_docs": shard.shard(packed(random_docs)),
+        "numbered_here": torch.arange(local),
+        "contiguous": torch.arange(rank * local, (rank + 1) * local),
+    }
+    return {label: misplaced(positions, shard) for label, positions in given.items()}
 
 
 def _on_meta(build: Any) -> Any:

@@ -554,4 +554,28 @@ def test_a_forward_without_positions_is_refused(task: str, argument: str) -> Non
                           timeout=180):
         assert f"called without {argument}" in rank["without"], rank
         assert "cp.positions(seq_len)" in rank["without"], rank
-        assert all(v == "ran" for k, v in rank.items() if k != "without"), rank
+        for mistake in ("unsharded", "numbered_here"):
+            assert "numbered its" in rank[mistake] and "from 0" in rank[mistake], rank
+            assert "cp.shard(tokens)" in rank[mistake], rank
+        assert "past its place in the load-balanced layout" in rank["contiguous"], rank
+        assert rank["keyword"] == rank.get("positional", "ran") == "ran", rank
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_positions_not_cut_to_the_layout_are_told_from_packed_documents(ranks: int) -> None:
+    """A rank's positions are refused where no cut of whole sequences gives them: every
+    rank numbering from 0 (whole sequences on every rank, or each part numbered alone) or
+    a contiguous split. The layout's own positions, and packed documents' (positions that
+    restart, including two equal halves, which number rank 0's tokens from 0) pass."""
+    from composer_par.testing.distributed import run_ranks
+
+    for seed in (0, 1):
+        for rank in run_ranks("tests.cp_workers:positions_judged", ranks, args=(seed,),
+                              timeout=180):
+            for label in ("layout", "layout_batch", "two_halves", "chunk_docs",
+                          "random_docs"):
+                assert rank[label] is None, (label, rank)
+            assert "numbered its 8 tokens from 0" in rank["numbered_here"], rank
+            assert "past its place" in rank["contiguous"], rank

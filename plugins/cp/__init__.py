@@ -17,9 +17,9 @@ This package imports torch only inside functions: the static path must not. Its 
 collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
 ``hf`` (Hugging Face's attention interface), ``ring`` (torch's ring attention, on
 CUDA), ``runtime`` (what a training loop uses), ``positions`` (a forward without its
-tokens' positions refused), ``findings`` (rule codes). Without a
-data-parallel plugin, gradients are averaged over cp by the author package's
-``average_gradients``.
+tokens' positions, or with positions not cut to the layout, refused), ``findings`` (rule
+codes). Without a data-parallel plugin, gradients are averaged over cp by the author
+package's ``average_gradients``.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class CP(Plugin):
         setattr(ctx.model, ATTRIBUTE, shard)
         from .positions import require_positions
 
-        require_positions(ctx.model)
+        require_positions(ctx.model, shard)
         # Load-balancing losses of whole sequences (aux_loss.sequence_total).
         split_sequence(ctx.model, group)
         ctx.notes["cp"] = shard

@@ -195,6 +195,8 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     # -- fake tensors and process groups -------------------------------------------------
     PrivateSymbol("torch._subclasses.fake_tensor:FakeTensorMode", _FAKE,
                   "the dry run, and which parameters an initializer writes"),
+    PrivateSymbol("torch._subclasses.fake_tensor:FakeTensor", _FAKE,
+                  "a tensor of the dry run, which has no values to check"),
     PrivateSymbol("torch.testing._internal.distributed.fake_pg:FakeStore", _FAKE,
                   "torch's fake process group: a whole world in one process"),
     # -- testing: dispatch and memory tracking -------------------------------------------
@@ -593,6 +595,12 @@ def in_backward() -> bool:
 
 def fake_tensor_mode() -> Any:
     return _reach("torch._subclasses.fake_tensor:FakeTensorMode")
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds values to read: not on the meta device, not fake."""
+    return tensor.device.type != "meta" and not isinstance(
+        tensor, _reach("torch._subclasses.fake_tensor:FakeTensor"))
 
 
 def fake_store() -> Any:
