@@ -249,6 +249,25 @@ def test_trainer_refuses_what_overlaps_the_plan(clean_env: pytest.MonkeyPatch) -
     assert codes == ["CP714", "CP715"]
 
 
+def test_trainer_refuses_a_plan_that_splits_sequences(clean_env: pytest.MonkeyPatch) -> None:
+    """The Trainer calls the model on whole sequences without positions, which a CP plan
+    refuses at the first forward: the plan is refused before anything is built instead."""
+    import transformers
+    from composer_par.plugins.cp import CP
+
+    from composer_par import MeshSpec, MetaInit, ParallelPlan
+    from composer_par.integrations.hf_trainer import trainer_findings
+
+    error = _trainer_refused(ParallelPlan(MeshSpec(cp=2)).use(CP()).use(MetaInit()))
+    assert "CP720" in error.report.codes()  # with CP711: one process runs this test
+    assert "the plan's cp plugin splits every sequence" in str(error)
+    assert trainer_findings(ParallelPlan(MeshSpec(cp=1)).use(CP()).use(MetaInit()),
+                            transformers.TrainingArguments("unused", use_cpu=True,
+                                                           report_to="none"))[0].code == "CP720"
+    assert trainer_findings(_plan(), transformers.TrainingArguments(
+        "unused", use_cpu=True, report_to="none")) == []
+
+
 # -- conflicts, refused before anything is built ------------------------------------------
 
 

@@ -92,6 +92,9 @@ class CP(Plugin):
     """
 
     name: ClassVar[str] = "cp"
+    # Each rank needs its own part of every sequence and its positions: a trainer that
+    # feeds whole sequences reads this capability to refuse the plan (CP720).
+    provides: ClassVar[frozenset[str]] = frozenset({"sequence_split"})
     rules: ClassVar[tuple[Rule, ...]] = RULES
     code_ranges: ClassVar[tuple[CodeRange, ...]] = (
         CodeRange("CP", 821, 839, "context parallelism"),)

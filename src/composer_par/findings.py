@@ -125,7 +125,7 @@ CORE_CODE_RANGES: tuple[CodeRange, ...] = (
     CodeRange("CP", 401, 499, "the model (model-aware pass)", shared=True),
     CodeRange("CP", 501, 599, "the plan file itself (the CLI exits 2)"),
     CodeRange("CP", 701, 709, "a plan inside Lightning Fabric or the Lightning Trainer"),
-    CodeRange("CP", 711, 719, "a plan inside accelerate or the Hugging Face Trainer"),
+    CodeRange("CP", 711, 729, "a plan inside accelerate or the Hugging Face Trainer"),
     CodeRange("CP", 901, 949, "configs imported from other tools (composer-par import)"),
     CodeRange("CP", 981, 989, "a plan's job written for a scheduler (composer-par launch)"),
 )
@@ -325,7 +325,7 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "(TrainerStrategy(plan, module=\"\"))",
          "lit.scale = nn.Parameter(torch.ones(1))  # beside lit.model\n"
          "Trainer(strategy=TrainerStrategy(plan), devices=4).fit(lit)"),
-    # -- accelerate and the Hugging Face Trainer: CP711-CP719 --
+    # -- accelerate and the Hugging Face Trainer: CP711-CP729 --
     Rule("CP711", _E, "the trainer's process count does not match the plan",
          "launch as many processes as the plan's mesh holds (on CPU: Accelerator(cpu=True), "
          "TrainingArguments(use_cpu=True))",
@@ -357,6 +357,10 @@ CORE_RULES: Mapping[str, Rule] = _catalog(
          "leave dispatch_batches unset or False",
          "PlanAccelerator(plan, dataloader_config=DataLoaderConfiguration("
          "dispatch_batches=True))"),
+    Rule("CP720", _E, "a plan that splits sequences in the Trainer, which feeds whole ones",
+         "train it in a loop of your own that gives each rank its part of every sequence "
+         "and its positions (docs/cp.md), or drop the plugin that splits them",
+         "PlanTrainer(ParallelPlan(MeshSpec(cp=2)).use(CP()).use(MetaInit()), model, args)"),
     # CP9xx: configs imported from other tools (composer_par.migrate, composer-par import);
     # each names the source key and what the plan does instead.
     Rule("CP901", _E, "the config cannot be read as an accelerate or DeepSpeed config",

@@ -29,7 +29,7 @@ On top of what that adapter turns off, the Trainer is kept from:
 transformers (and accelerate) are imported when a trainer is made, not with this module:
 ``PlanTrainer`` lives in a module of its own that imports them, loaded when the class is
 first asked for. Training arguments that overlap the plan are refused before anything is
-built (CP711-CP719, :func:`trainer_findings`). A plan file on the command line:
+built (CP711-CP720, :func:`trainer_findings`). A plan file on the command line:
 :class:`PlanArguments` with ``HfArgumentParser`` (``--plan plan.toml``), see
 examples/hf_trainer_plan.py; or no plan file at all: :func:`plan_trainer` with ``None``
 builds the plan from the Trainer's own ``--fsdp`` / ``--deepspeed`` arguments.
@@ -102,6 +102,12 @@ def trainer_findings(plan: ParallelPlan, args: transformers.TrainingArguments
         add("CP719", "train_sampling_strategy='batch_rebalance' balances batches over every "
             "process, not over the plan's data shards: tensor-parallel ranks would read "
             "different samples", "use 'random', 'sequential' or 'group_by_length'")
+    splitters = [d.plugin for d in plan.view.declarations() if "sequence_split" in d.provides]
+    if splitters:
+        add("CP720", f"the plan's {', '.join(splitters)} plugin splits every sequence over "
+            "ranks, and the Trainer calls the model on whole sequences: each rank needs its "
+            "own part and its tokens' global positions", "train the plan in a loop of your "
+            "own that gives them (the plugin's docs show it), or drop the plugin")
     accelerator_config = getattr(args, "accelerator_config", None)
     settings = {"parallelism_config": getattr(args, "parallelism_config", None),
                 "dataloader_config": accelerator_config}
