@@ -74,18 +74,16 @@ def block_linears(model: ModelShape, moe_blocks: set[str]) -> tuple[int, int, in
     return rows, cols, mlp
 
 
-def partial_sums(model: ModelShape, together: list[Any], split_moe: list[Any],
+def partial_sums(together: list[Any], split_moe: list[Any],
                  partial: Callable[[Any], bool]) -> list[tuple[int, int]]:
     """(elements, count) of each whole tensor whose gradient every tp rank computes a
     part of, all-reduced once per pass: those ``partial`` picks among the tensors TP
     leaves whole, and the router of each block whose routed experts TP splits (each
     rank's experts give part of every output)."""
-    experts = model.moe.num_experts if model.moe is not None else None
     out = []
     for g in together:
         for t in g.tensors:
-            router = g in split_moe and len(t.shape) == 2 and t.shape[0] == experts
-            if not t.tp and not t.experts and (router or partial(t)):
+            if not t.tp and not t.experts and ((t.router and g in split_moe) or partial(t)):
                 out.append((t.numel, g.count))
     return out
 
@@ -139,7 +137,7 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
         # the sequence-parallel norms' gradients (and a split-experts router's) are
         # partial sums over tp: all-reduced to the parameters' placement (by FSDP2 before
         # its reduce-scatter, or by DTensor as they accumulate)
-        partial = partial_sums(model, together, split_moe, lambda t: len(t.shape) == 1)
+        partial = partial_sums(together, split_moe, lambda t: len(t.shape) == 1)
         if partial:
             out.append(Collective(dim, "all_reduce",
                                   sum(n * c for n, c in partial) * grad_bytes * micro,
@@ -172,7 +170,7 @@ def collectives(layout: Any, model: ModelShape, workload: Any, dim: str,
                                  if moe_blocks else "")))
         # per-head norms (Qwen3's, Gemma 3's q and k norms) see this rank's heads only
         heads = (model.heads or 0) > 1
-        partial = partial_sums(model, together, split_moe,
+        partial = partial_sums(together, split_moe,
                                lambda t: heads and t.shape == (model.attention_head_dim,))
         if partial:
             out.append(Collective(dim, "all_reduce",

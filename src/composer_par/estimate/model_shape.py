@@ -38,6 +38,9 @@ class TensorShape:
     # gathers it narrower than the parameters (float8's weights: one byte); None: the
     # parameters' dtype.
     gather_bytes: int | None = None
+    # A MoE block's router ([num_experts, hidden]) in a measured model: no TP plan splits
+    # it, and where TP splits the block's experts its gradient is a sum over the tp ranks.
+    router: bool = False
 
     @property
     def numel(self) -> int:
@@ -68,6 +71,8 @@ class TensorShape:
             out["experts"] = True
         if self.gather_bytes is not None:
             out["gather_bytes"] = self.gather_bytes
+        if self.router:
+            out["router"] = True
         return out
 
 
@@ -361,12 +366,11 @@ class ModelShape:
                 if id(p) not in seen:
                     seen.add(id(p))
                     routed = id(p) in experts
-                    # A MoE block's router ([num_experts, hidden]): no TP plan splits it.
                     router = (moe_block and not routed and p.dim() == 2 and moe is not None
                               and p.shape[0] == moe.num_experts)
                     tensors.append(TensorShape(clean_name(f"{path}.{name}"), tuple(p.shape),
                                                tp=p.dim() >= 2 and not routed and not router,
-                                               experts=routed))
+                                               experts=routed, router=router))
             groups.append(ParamGroup(clean_name(path), tuple(tensors), block=True))
         block_of = {id(p): index for index, (_, block) in enumerate(blocks)
                     for p in block.parameters()}
