@@ -218,6 +218,13 @@ def forward_without_positions(task_name: str) -> dict[str, str]:
              "contiguous": lambda: model(contiguous,
                                          **{keyword: numbered(cp.rank * local, local)}),
              "keyword": lambda: model(tokens, **{keyword: positions})}
+    if hf:
+        from composer_par.plugins.cp import next_token_labels
+
+        labels = cp.shard(next_token_labels(whole))
+        calls["labels"] = lambda: model(tokens, position_ids=positions, labels=tokens)
+        calls["shift_labels"] = lambda: model(tokens, position_ids=positions, labels=labels,
+                                              shift_labels=labels)
     if not hf:
         calls["positional"] = lambda: model(tokens, positions)
     for label, call in calls.items():

@@ -547,7 +547,10 @@ def test_ring_estimate_gathers_kv_twice_and_passes_fp32_gradients() -> None:
 def test_a_forward_without_positions_is_refused(task: str, argument: str) -> None:
     """Without the global positions of its tokens a rank's rotary embedding numbers them
     from 0, which trains a different model with no error: the forward is refused, naming
-    the argument; with it (by keyword, or by place) it runs."""
+    the argument, and so are positions not cut to the layout; with the rank's own (by
+    keyword, or by place) it runs. A Hugging Face model given labels it would shift
+    within the rank's part is refused; given them shifted already (shift_labels) it
+    runs."""
     from composer_par.testing.distributed import run_ranks
 
     for rank in run_ranks("tests.cp_workers:forward_without_positions", 2, args=(task,),
@@ -559,6 +562,10 @@ def test_a_forward_without_positions_is_refused(task: str, argument: str) -> Non
             assert "cp.shard(tokens)" in rank[mistake], rank
         assert "past its place in the load-balanced layout" in rank["contiguous"], rank
         assert rank["keyword"] == rank.get("positional", "ran") == "ran", rank
+        if argument == "position_ids":  # a Hugging Face model shifts labels it is given
+            assert "shift by one place within this rank's part" in rank["labels"], rank
+            assert "cp.shard(next_token_labels(tokens))" in rank["labels"], rank
+            assert rank["shift_labels"] == "ran", rank
 
 
 @pytest.mark.distributed

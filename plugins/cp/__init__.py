@@ -17,9 +17,10 @@ This package imports torch only inside functions: the static path must not. Its 
 collectives), ``attention`` (the two modes), ``drivable`` (which attention a model has),
 ``hf`` (Hugging Face's attention interface), ``ring`` (torch's ring attention, on
 CUDA), ``runtime`` (what a training loop uses), ``positions`` (a forward without its
-tokens' positions, or with positions not cut to the layout, refused), ``findings`` (rule
-codes). Without a data-parallel plugin, gradients are averaged over cp by the author
-package's ``average_gradients``.
+tokens' positions, or with positions not cut to the layout, refused), ``labels``
+(labels a model would shift within a rank's part refused), ``findings`` (rule codes).
+Without a data-parallel plugin, gradients are averaged over cp by the author package's
+``average_gradients``.
 """
 
 from __future__ import annotations
@@ -193,9 +194,11 @@ class CP(Plugin):
 
             driven = drive_hf_attention(ctx.model, shard)
         setattr(ctx.model, ATTRIBUTE, shard)
+        from .labels import refuse_local_shift
         from .positions import require_positions
 
         require_positions(ctx.model, shard)
+        refuse_local_shift(ctx.model)
         # Load-balancing losses of whole sequences (aux_loss.sequence_total).
         split_sequence(ctx.model, group)
         ctx.notes["cp"] = shard
