@@ -34,39 +34,40 @@ def attention_collectives(dim: str, mode: str, *, size: int, layers: int, batch:
     again = recomputed * passes
     local = batch * seq // size * head_dim * dtype_bytes  # one head of this rank's tokens
     out: tuple[Collective, ...]
-    if mode in ("allgather", "ring"):
-        # ring: torch's, with its all-gather rotation: K and V repeated to the query heads
-        whole_kv = 2 * (kv_heads if mode == "allgather" else heads) * local * size
-        if mode == "allgather":
-            out = (
-                Collective(dim, "all_gather", runs * whole_kv, 2 * runs,
-                           "each layer's K and V gathered from every cp rank (forward)"),
-                Collective(dim, "all_to_all", runs * whole_kv, 2 * runs,
-                           "the gathered K/V's gradients back to their ranks (backward)"),
-            )
-        else:
-            # gathered once in forward and again in backward, and in backward the K/V
-            # gradients passed one rank on cp times, in fp32
-            grad_kv = 2 * heads * batch * seq // size * head_dim * 4
-            out = (
-                Collective(dim, "all_gather", 2 * runs * whole_kv, 2 * runs,
-                           "each layer's K and V gathered from every cp rank (forward, and "
-                           "again in backward)"),
-                Collective(dim, "all_to_all", runs * size * grad_kv, runs * size,
-                           "the K/V gradients passed around the ring in fp32 (backward)"),
-            )
+    if mode == "allgather":
+        whole_kv = 2 * kv_heads * local * size  # K and V of the whole sequence
+        out = (
+            Collective(dim, "all_gather", runs * whole_kv, 2 * runs,
+                       "each layer's K and V gathered from every cp rank (forward)"),
+            Collective(dim, "all_to_all", runs * whole_kv, 2 * runs,
+                       "the gathered K/V's gradients back to their ranks (backward)"),
+        )
+    elif mode == "ring":
+        # torch's ring with its all-gather rotation: K and V (repeated to the query
+        # heads) gathered once in forward and again in backward, and in backward the K/V
+        # gradients passed one rank on cp times, in fp32.
+        whole_kv = 2 * heads * local * size
+        grad_kv = 2 * heads * batch * seq // size * head_dim * 4
+        out = (
+            Collective(dim, "all_gather", 2 * runs * whole_kv, 2 * runs,
+                       "each layer's K and V gathered from every cp rank (forward, and "
+                       "again in backward)"),
+            Collective(dim, "all_to_all", runs * size * grad_kv, runs * size,
+                       "the K/V gradients passed around the ring in fp32 (backward)"),
+        )
+    else:  # alltoall
+        exchanged = (2 * heads + 2 * kv_heads) * local  # Q, K, V in; the output back
+        out = (Collective(dim, "all_to_all", 2 * runs * exchanged, 8 * runs,
+                          "Q, K, V traded heads for sequence and the output back, forward "
+                          "and backward"),)
         if again:
-            out += (Collective(dim, "all_gather", again * whole_kv, 2 * again,
-                               "recomputation in backward: K and V gathered again"),)
+            out += (Collective(dim, "all_to_all", again * exchanged, 4 * again,
+                               "recomputation in backward: Q, K, V and the output traded "
+                               "again"),)
         return out
-    exchanged = (2 * heads + 2 * kv_heads) * local  # Q, K, V in; the output back
-    out = (Collective(dim, "all_to_all", 2 * runs * exchanged, 8 * runs,
-                      "Q, K, V traded heads for sequence and the output back, forward "
-                      "and backward"),)
     if again:
-        out += (Collective(dim, "all_to_all", again * exchanged, 4 * again,
-                           "recomputation in backward: Q, K, V and the output traded "
-                           "again"),)
+        out += (Collective(dim, "all_gather", again * whole_kv, 2 * again,
+                           "recomputation in backward: K and V gathered again"),)
     return out
 
 
