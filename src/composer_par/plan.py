@@ -274,6 +274,13 @@ class ParallelPlan:
         dims |= {f.dim for f in self.hooks.folded_dims() if f.distinct_samples}
         return [n for n in self.mesh.names if n in dims]
 
+    def averaged_dims(self) -> list[str]:
+        """Mesh dims over which gradients are averaged: the data-parallel dims and the
+        folded ones (cp's ranks hold parts of the same samples, and their gradients are
+        averaged too), outermost first."""
+        dims = set(self.data_parallel_dims()) | {f.dim for f in self.folded_dims()}
+        return [n for n in self.mesh.names if n in dims]
+
     def data_shard(self, rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
         """``(shard_index, num_shards)`` of the data this rank reads: the ``rank`` and
         ``num_replicas`` to give ``DistributedSampler``. Pure arithmetic, no collectives."""
@@ -410,8 +417,8 @@ class ParallelPlan:
 
     def training_step(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], *,
                       check_replicas_every: int | None = REPLICA_CHECK_EVERY,
-                      accumulate: int = 1,
-                      sync: str = "last") -> TrainingStep:
+                      accumulate: int = 1, sync: str = "last",
+                      items: Callable[[Any], Any] | None = None) -> TrainingStep:
         """The one training loop for every plan: ``step(inputs, targets)`` runs forward,
         loss and backward (through the pipeline schedule when the plan has one) and
         returns the global-batch mean loss; ``clip_grad_norm_`` clips across meshes and
@@ -424,12 +431,14 @@ class ParallelPlan:
         ``sync`` says (``"last"``: once per step, unsharded gradients held between
         microbatches; ``"reduce_scatter"``: reduce-scatter per microbatch, replicate
         all-reduce once per step; ``"every"``: per microbatch; with a pipeline, ``k``
-        times the schedule's microbatches in one pass, ``"last"`` only). See
-        :mod:`composer_par.training`."""
+        times the schedule's microbatches in one pass, ``"last"`` only); ``items=count``:
+        ``loss_fn`` returns the sum over its batch, ``count(targets)`` how many items it
+        is over, and the step's loss is the mean over every item of the global batch
+        (:mod:`composer_par.item_mean`). See :mod:`composer_par.training`."""
         from composer_par.training import TrainingStep
 
         return TrainingStep(self, model, loss_fn, check_replicas_every=check_replicas_every,
-                            accumulate=accumulate, sync=sync)
+                            accumulate=accumulate, sync=sync, items=items)
 
     def _context(self, model: nn.Module, hooks: HookCaller, blocks: list[Block]
                  ) -> ApplyContext:

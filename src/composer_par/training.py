@@ -106,6 +106,14 @@ in ``.grad`` (a loop of several steps before one optimizer step) are set aside d
 the pass and added back, so that the schedule's division leaves them alone: a step adds
 into ``.grad`` as ``loss.backward()`` does, with or without a pipeline.
 docs/accumulation.md has the collective counts and the memory of each policy.
+
+Every mean above is a mean of means: of each data-parallel rank's, each accumulation
+microbatch's and each pipeline microbatch's mean loss. It equals the global batch's mean
+when every batch holds as many items (labelled tokens) as the others; where labels are
+ignored unevenly it does not. ``items=count`` makes the step's loss the mean over every
+item of the global batch: ``loss_fn`` then returns the sum over its batch, and
+``count(targets)`` says how many items a rank's targets hold (:mod:`composer_par.item_mean`:
+one all-reduce of the count per step, and each loss scaled before its backward).
 """
 
 from __future__ import annotations
@@ -140,7 +148,7 @@ class TrainingStep:
     def __init__(self, plan: ParallelPlan, model: nn.Module,
                  loss_fn: Callable[..., torch.Tensor], *,
                  check_replicas_every: int | None = REPLICA_CHECK_EVERY, accumulate: int = 1,
-                 sync: str = "last") -> None:
+                 sync: str = "last", items: Callable[[Any], Any] | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (outputs, targets) -> loss; got "
                             f"{loss_fn!r}")
@@ -148,6 +156,14 @@ class TrainingStep:
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive int; got {accumulate!r}")
         check_sync_policy(sync)
+        if items is not None and not callable(items):
+            raise TypeError(f"items must be callable (targets) -> count; got {items!r}")
+        if items is not None and plan.launch_dims():
+            names = [d.dim for d in plan.launch_dims()]
+            raise ValueError(
+                f"items with mesh dims {names} spanning launches (fault-tolerant replica "
+                "groups): the count would have to be summed across launches, which no "
+                "process group spans; give loss_fn a mean and leave items out")
         if sync != "last" and plan.pipeline is not None:
             raise ValueError(
                 f"sync={sync!r} with a pipeline: torch's schedule defers every FSDP2 / HSDP "
@@ -163,6 +179,9 @@ class TrainingStep:
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
+        self.items = items
+        # What each microbatch's loss is multiplied by this step (items: see the module).
+        self._loss_scale = 1.0
         self.pipeline: Pipeline | None = plan.pipeline
         self._schedule: Any = None
         # The model's units do not change after apply: found once, not on every step.
@@ -198,6 +217,8 @@ class TrainingStep:
         # optimizer step may have changed them: before the step, and after its backward.
         hooks = self.plan.hooks
         hooks.parameters_changed(self.model)
+        if self.items is not None:
+            self._loss_scale = self._item_scale(targets)
         # The gradient an auxiliary loss gets is the one its microbatch's loss gets: a
         # pipeline's schedule divides by its count after the pass, accumulation before.
         scale = 1.0 if self.pipeline is not None else 1.0 / self.accumulate
@@ -210,7 +231,7 @@ class TrainingStep:
                 microbatches = self.accumulate
             else:
                 args = inputs if isinstance(inputs, tuple) else (inputs,)
-                loss = self.loss_fn(self.model(*args, **kwargs), targets)
+                loss = self._loss(self.model(*args, **kwargs), targets)
                 loss.backward()
                 local, count = loss.detach().float().clone(), 1.0
                 microbatches = 1
@@ -221,6 +242,31 @@ class TrainingStep:
         # pipeline: its stages'), summed over its microbatches: their mean joins the loss.
         extra = None if aux_total is None else aux_total.to(local.device) / microbatches
         return self._global_mean(local, count, extra)
+
+    def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """``loss_fn``'s loss of one microbatch, times this step's scale (1 without
+        ``items``)."""
+        loss = self.loss_fn(outputs, targets)
+        return loss if self.items is None else loss * self._loss_scale
+
+    def _item_scale(self, targets: Any) -> float:
+        """The scale that makes this step's summed losses the global batch's item mean;
+        a collective on every rank."""
+        import torch
+
+        from composer_par.item_mean import averaged_ranks, global_items, loss_scale
+
+        assert self.items is not None
+        pipeline = self.pipeline
+        computes = pipeline is None or pipeline.has_last
+        local = int(self.items(targets)) if computes else 0
+        size = pipeline.size if pipeline is not None else 1
+        microbatches = self.accumulate * (pipeline.microbatches if pipeline is not None else 1)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        count = global_items(local, computes, self.plan, size, device)
+        dist = _dist()
+        world = dist.get_world_size() if dist is not None else 1
+        return loss_scale(count, microbatches, averaged_ranks(self.plan, world))
 
     def begin(self) -> None:
         """Run the plugins' step-begin hooks now (``composer_par_step_begin``), before
@@ -263,7 +309,7 @@ class TrainingStep:
                 set_gradient_sync(units, self.sync, last=i == k - 1)
                 outputs = self.model(*(p[i] for p in pieces),
                                      **{key: v[i] for key, v in kwarg_pieces.items()})
-                loss = self.loss_fn(outputs, target_pieces[i])
+                loss = self._loss(outputs, target_pieces[i])
                 (loss / k).backward()
                 losses.append(loss.detach().float())
         finally:
@@ -291,7 +337,7 @@ class TrainingStep:
                     f"{k} times over: {count} microbatches need a per-rank batch (dim 0 of "
                     f"the inputs) that {count} divides; got {batch}")
         if self._schedule is None:
-            self._schedule = pipeline.build_schedule(self.loss_fn, count)
+            self._schedule = pipeline.build_schedule(self._loss, count)
         # torch's schedule divides every gradient it finds after its pass by the count,
         # those of earlier steps too: set them aside and add them back, so that the step
         # adds into .grad as loss.backward() does.

@@ -236,9 +236,8 @@ def apart_divide_factor(ctx: ApplyContext) -> int:
     experts) divide by: they sum the loss terms of every rank whose tokens reach them,
     each data shard's and each cp rank's part of its sequences, so the number of those
     ranks (``plan.data_parallel_dims()`` and the folded dims)."""
-    dims = set(ctx.plan.data_parallel_dims()) | {f.dim for f in ctx.folded_dims()}
     factor = 1
-    for name in dims:
+    for name in ctx.plan.averaged_dims():
         factor *= ctx.mesh.size(name)
     return factor
 

@@ -85,6 +85,10 @@ class PlanView:
         """Mesh dims over which ranks read different samples, outermost first."""
         return self._plan.data_parallel_dims()
 
+    def averaged_dims(self) -> list[str]:
+        """Mesh dims over which gradients are averaged (data-parallel and folded dims)."""
+        return self._plan.averaged_dims()
+
     def launch_dims(self) -> list[LaunchDim]:
         """The mesh dims whose coordinates are separate launches (fault-tolerant replica
         groups), in mesh order."""
