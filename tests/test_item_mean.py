@@ -51,6 +51,7 @@ def test_the_labels_make_a_mean_of_means_differ() -> None:
     ("fsdp2", 2),  # data shards and accumulation microbatches
     ("hsdp_tp", 1),  # a replicate dim, and tp ranks counting the same tokens
     ("pp_fsdp2", 1),  # the schedule's microbatches; only the last stage counts
+    ("pp_fsdp2", 2),  # twice the schedule's microbatches in one pass
     ("cp_fsdp2", 1),  # each cp rank its part of the sequences
 ])
 def test_item_mean_trains_as_one_process_on_every_rank(layout: str, accumulate: int) -> None:
