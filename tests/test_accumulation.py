@@ -16,6 +16,9 @@ from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ATOL, RTOL
 from composer_par.training import TrainingStep
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("accumulation")
+
 WORLD = {"fsdp2": 2, "hsdp": 4}
 
 

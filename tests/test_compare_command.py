@@ -16,6 +16,9 @@ from composer_par.testing.parity import full_parameters
 from composer_par.testing.tasks import LlamaTask
 from composer_par.tools.compare import run_log
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("compare_command")
+
 STEPS = 6
 TASK = LlamaTask(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, global_batch=4, seq_len=8)
 

@@ -20,6 +20,9 @@ from composer_par import FSDP2, TP, ActivationCheckpoint, MeshSpec, MetaInit, Pa
 from composer_par.tools.dryrun import dry_run, format_result
 from tests import hf_workers
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("hf_dryrun")
+
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 64
 

@@ -23,6 +23,9 @@ import pytest
 from composer_par.testing.distributed import run_ranks
 from tests import accelerate_workers
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("accelerate")
+
 RTOL, ATOL = 1.3e-6, 1e-5
 PARITY = [("parity", kind, plan) for kind in ("hf", "llama") for plan in ("fsdp2_tp", "hsdp")]
 CHECKPOINTS = [("checkpoint", "hf", "fsdp2_tp"), ("checkpoint", "llama", "hsdp")]

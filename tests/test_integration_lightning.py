@@ -20,6 +20,9 @@ import pytest
 from composer_par.testing import run_ranks
 from tests import lightning_workers as workers
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("lightning")
+
 pytest.importorskip("lightning")
 
 CASES = [("hf_llama", "fsdp2_tp"), ("hf_llama", "hsdp_fsdp2"), ("llama", "fsdp2_tp"),

@@ -20,7 +20,8 @@ from composer_par import replicas
 from composer_par.testing.distributed import run_ranks
 from tests import replica_default_workers
 
-pytestmark = pytest.mark.distributed
+# One worker runs the whole module, so its module-scoped launch runs once.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("replica_default")]
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,9 @@ from composer_par.tools.selfcheck import (
 )
 from tests.selfcheck_models import PLAN
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("selfcheck")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -18,6 +18,9 @@ import pytest
 
 from composer_par.testing import run_ranks
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("third_party_plugin")
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "writing-plugins.md"
 

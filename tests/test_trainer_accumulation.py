@@ -18,6 +18,9 @@ from composer_par.testing import run_ranks
 from composer_par.testing.parity import ATOL, RTOL
 from tests import trainer_accumulation_workers as workers
 
+# One worker runs the whole module, so its module-scoped (cached) launch runs once.
+pytestmark = pytest.mark.xdist_group("trainer_accumulation")
+
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
