@@ -374,6 +374,8 @@ def run_cases(cases: list[tuple[str, ...]], directory: str | None = None
                 results.append(trainer_case(kind, plan_name, directory or "."))
             elif case == "metrics":
                 results.append(metrics_case(plan_name))
+            elif case == "items":
+                results.append(items_case(plan_name, directory or "."))
             else:
                 raise ValueError(case)
         except Exception:
@@ -532,3 +534,80 @@ def trainer_case(kind: str, plan_name: str, directory: str) -> dict[str, Any]:
     result["exported_config"] = os.path.isfile(os.path.join(exported, "config.json"))
     _fresh_accelerate_state()
     return result
+
+
+# -- labels ignored unevenly --------------------------------------------------------------
+
+ITEM_STEPS = 3
+
+
+def masked_labels(ids: Any, step: int) -> Any:
+    """``ids`` as labels with a different number of leading places ignored (-100) in each
+    sample, by its place in the global batch and the step: the data shards' batches hold
+    unevenly many labelled tokens."""
+    labels = ids.clone()
+    for row in range(ids.shape[0]):
+        labels[row, : (row + step) * 3 % (ids.shape[1] - 2)] = -100
+    return labels
+
+
+class MaskedRows(Rows):
+    """The Trainer's samples with :func:`masked_labels`."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.rows = torch.cat([global_batch("hf", s) for s in range(ITEM_STEPS)])
+        self.labels = torch.cat([masked_labels(global_batch("hf", s), s)
+                                 for s in range(ITEM_STEPS)])
+
+    def __getitem__(self, i: int) -> Any:
+        return {"input_ids": self.rows[i], "labels": self.labels[i]}
+
+
+def _masked_loop(plan_name: str, items: bool) -> tuple[Any, list[float]]:
+    """The plain loop on :class:`MaskedRows`: with ``items``, the summed loss over the
+    labelled tokens of the global batch; without, the model's own loss, each data
+    shard's mean."""
+    from composer_par.item_mean import cross_entropy_sum, labelled_tokens
+
+    plan = make_plan(plan_name)
+    model = plan.apply(build("hf"))
+    model.train()
+    optimizer = _optimizer("sgd", model.parameters())
+    if items:
+        step = plan.training_step(
+            model, lambda out, labels: cross_entropy_sum(out.logits[:, :-1], labels[:, 1:]),
+            items=lambda labels: labelled_tokens(labels[:, 1:]))
+    else:
+        step = plan.training_step(model, lambda out, _labels: out.loss)
+    index, count = plan.data_shard()
+    losses = []
+    for s in range(ITEM_STEPS):
+        ids = global_batch("hf", s)
+        labels = masked_labels(ids, s).chunk(count)[index]
+        ids = ids.chunk(count)[index]
+        kwargs = {} if items else {"labels": labels}
+        losses.append(float(step.step((), labels, input_ids=ids, **kwargs)))
+        step.clip_grad_norm_(MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, losses
+
+
+def items_case(plan_name: str, directory: str) -> dict[str, Any]:
+    """The Trainer (its loss over the items of the global batch, transformers'
+    ``num_items_in_batch``) and the plain loop with ``items`` on unevenly labelled
+    batches, and the plain loop with each shard's mean beside them."""
+    trainer, losses = _trainer(plan_name, os.path.join(directory, f"items-{plan_name}"),
+                               ITEM_STEPS)
+    trainer.train_dataset = MaskedRows()
+    trainer.train()
+    theirs = _full(trainer.model)
+    _fresh_accelerate_state()
+    with_items, item_losses = _masked_loop(plan_name, items=True)
+    shard_mean, _ = _masked_loop(plan_name, items=False)
+    ours = _full(with_items)
+    return {"losses": losses.losses, "item_losses": item_losses,
+            "trainer_vs_items": _largest_difference(theirs, ours),
+            "shard_mean_vs_items": _largest_difference(_full(shard_mean), ours)}

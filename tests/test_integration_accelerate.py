@@ -32,13 +32,14 @@ CHECKPOINTS = [("checkpoint", "hf", "fsdp2_tp"), ("checkpoint", "llama", "hsdp")
 TRAINERS = [("trainer", "hf", "fsdp2_tp"), ("trainer", "hf", "hsdp")]
 OTHERS = [("cpu_false", "-", "fsdp2_tp")]
 METRICS = [("metrics", "llama", plan) for plan in ("fsdp2_tp", "hsdp")]
+ITEMS = [("items", "hf", "fsdp2_tp")]
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], list[dict[str, Any]]]:
     """Every case on one 4-rank launch: (case, kind, plan) -> each rank's result."""
     directory = str(tmp_path_factory.mktemp("accelerate"))
-    cases = PARITY + CHECKPOINTS + TRAINERS + OTHERS + METRICS
+    cases = PARITY + CHECKPOINTS + TRAINERS + OTHERS + METRICS + ITEMS
     results = run_ranks(accelerate_workers.run_cases, 4, args=(cases, directory), timeout=600)
     by_case: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for rank_results in results:
@@ -453,3 +454,26 @@ def test_the_example_trains_with_a_plan_file_under_torchrun(tmp_path: Any) -> No
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-3"]
     assert checkpoint.is_committed(checkpoint.latest(out / "checkpoint-3"))
     assert "'train_loss'" in result.stdout + result.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_trainer_and_the_item_mean_step_agree_on_unevenly_labelled_batches(
+        launch: dict[tuple[str, ...], list[dict[str, Any]]]) -> None:
+    """transformers' Trainer divides each rank's summed loss by the labelled tokens
+    counted over every process (``num_items_in_batch``) and multiplies it by the process
+    count. Under FSDP2 x TP the tp ranks count the same tokens twice, and data
+    parallelism averages over dp only, so the two factors cancel: the Trainer trains as
+    ``plan.training_step(..., items=...)`` does. Each shard's own mean trains
+    otherwise."""
+    import torch
+
+    results = launch[ITEMS[0]]
+    _no_error(results)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(torch.tensor(result["losses"]),
+                                   torch.tensor(result["item_losses"]), rtol=RTOL, atol=ATOL)
+        name, diff = result["trainer_vs_items"]
+        assert diff <= ATOL, f"rank {rank}: {name} differs by {diff}"
+        name, diff = result["shard_mean_vs_items"]
+        assert diff > 10 * ATOL, f"rank {rank}: each shard's mean trained as the item mean"
