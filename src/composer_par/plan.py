@@ -276,8 +276,8 @@ class ParallelPlan:
 
     def averaged_dims(self) -> list[str]:
         """Mesh dims over which gradients are averaged: the data-parallel dims and the
-        folded ones (cp's ranks hold parts of the same samples, and their gradients are
-        averaged too), outermost first."""
+        folded ones (model-parallel dims whose ranks hold their own samples or their own
+        parts of the same samples), outermost first."""
         dims = set(self.data_parallel_dims()) | {f.dim for f in self.folded_dims()}
         return [n for n in self.mesh.names if n in dims]
 

@@ -235,7 +235,7 @@ def apart_divide_factor(ctx: ApplyContext) -> int:
     """What the gradients of modules sharded or replicated apart (expert parallelism's
     experts) divide by: they sum the loss terms of every rank whose tokens reach them,
     each data shard's and each cp rank's part of its sequences, so the number of those
-    ranks (``plan.data_parallel_dims()`` and the folded dims)."""
+    ranks (``plan.averaged_dims()``: the data-parallel and the folded dims)."""
     factor = 1
     for name in ctx.plan.averaged_dims():
         factor *= ctx.mesh.size(name)
