@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from composer_par import FSDP2, MeshSpec, ParallelPlan
+from composer_par import FSDP2, HSDP, FaultTolerance, MeshSpec, ParallelPlan
 from composer_par.item_mean import global_items, labelled_tokens, loss_scale
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ATOL, RTOL
@@ -75,6 +75,16 @@ def test_items_must_be_callable() -> None:
     plan = ParallelPlan(MeshSpec()).use(FSDP2())
     with pytest.raises(TypeError, match="items must be callable"):
         TrainingStep(plan, model, lambda out, y: out.sum(), items=3)  # type: ignore[arg-type]
+
+
+def test_items_are_refused_with_replica_groups_launched_apart() -> None:
+    """Fault-tolerant replica groups are launches of their own: no process group sums
+    their counts, and each group's gradients would weigh as its own mean."""
+    pytest.importorskip("torchft")
+    plan = (ParallelPlan(MeshSpec(dp_replicate=2, dp_shard=2)).use(HSDP()).use(FSDP2())
+            .use(FaultTolerance(group=0)))
+    with pytest.raises(ValueError, match=r"\['dp_replicate'\] spanning launches"):
+        TrainingStep(plan, task().build(), lambda out, y: out.sum(), items=labelled_tokens)
 
 
 @pytest.mark.distributed
