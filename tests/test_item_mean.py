@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from composer_par import FSDP2, HSDP, FaultTolerance, MeshSpec, ParallelPlan
-from composer_par.item_mean import global_items, labelled_tokens, loss_scale
+from composer_par.item_mean import averaged_ranks, global_items, labelled_tokens, loss_scale
 from composer_par.testing.distributed import run_ranks
 from composer_par.testing.parity import ATOL, RTOL
 from composer_par.training import TrainingStep
@@ -63,7 +63,7 @@ def test_item_mean_trains_as_one_process_on_every_rank(layout: str, accumulate: 
 def test_one_process_counts_its_own_items() -> None:
     plan = ParallelPlan(MeshSpec())
     labels = torch.tensor([[1, -100, 3], [-100, -100, 2]])
-    assert global_items(int(labelled_tokens(labels)), True, plan, 1,
+    assert global_items(int(labelled_tokens(labels)), True, averaged_ranks(plan, 1), 1,
                         torch.device("cpu")) == 3
     assert loss_scale(3, microbatches=2, averaged=4) == pytest.approx(8 / 3)
     # A global batch with nothing labelled learns nothing (no 0 / 0).

@@ -59,10 +59,11 @@ def averaged_ranks(plan: ParallelPlan, world: int) -> int:
     return math.prod(mesh.size(name) for name in plan.averaged_dims())
 
 
-def global_items(local: int, computes_loss: bool, plan: ParallelPlan, pipeline_size: int,
+def global_items(local: int, computes_loss: bool, averaged: int, pipeline_size: int,
                  device: torch.device) -> int:
     """The items of the global batch, from this rank's count ``local`` (counted only on
-    ranks that compute the loss: all of them, or a pipeline's last stage). A collective
+    ranks that compute the loss: all of them, or a pipeline's last stage; ``averaged``:
+    :func:`averaged_ranks`). A collective
     over the default group when one is initialized (``device``: where its backend
     reduces).
 
@@ -79,7 +80,6 @@ def global_items(local: int, computes_loss: bool, plan: ParallelPlan, pipeline_s
     total = torch.tensor(local if computes_loss else 0, dtype=torch.int64, device=device)
     dist.all_reduce(total)
     computing = world // pipeline_size
-    averaged = averaged_ranks(plan, world)
     copies, rest = divmod(computing, averaged)
     summed = int(total)
     if rest or summed % copies:

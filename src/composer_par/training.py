@@ -263,10 +263,10 @@ class TrainingStep:
         size = pipeline.size if pipeline is not None else 1
         microbatches = self.accumulate * (pipeline.microbatches if pipeline is not None else 1)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        count = global_items(local, computes, self.plan, size, device)
         dist = _dist()
-        world = dist.get_world_size() if dist is not None else 1
-        return loss_scale(count, microbatches, averaged_ranks(self.plan, world))
+        averaged = averaged_ranks(self.plan, dist.get_world_size() if dist is not None else 1)
+        count = global_items(local, computes, averaged, size, device)
+        return loss_scale(count, microbatches, averaged)
 
     def begin(self) -> None:
         """Run the plugins' step-begin hooks now (``composer_par_step_begin``), before
