@@ -48,7 +48,8 @@ def live_attributes() -> dict[str, bool]:
         "ProcessGroup": dist.distributed_c10d._get_default_group(),
         "Backend.Options": dist.distributed_c10d._get_default_group()._get_backend(
             torch.device("cpu")).options,
-        "PipelineScheduleMulti": schedule, "_Action": action,
+        "PipelineScheduleMulti": schedule, "_PipelineScheduleRuntime": schedule,
+        "_Action": action,
         "Module": in_place, "OptimizedModule": compiled,
         "CheckpointWrapper": checkpoint_wrapper(nn.Linear(2, 2)),
         "OpOverload": torch.ops.aten.add.Tensor, "Tensor": torch.ones(2),

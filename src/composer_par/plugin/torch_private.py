@@ -181,6 +181,28 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     PrivateSymbol("_Action.microbatch_index", _PIPE, "the micro-batch an action runs"),
     PrivateSymbol("_Action.sub_actions", _PIPE,
                   "the two halves of an overlapped forward and backward"),
+    PrivateSymbol("torch.distributed.pipelining.schedules:OVERLAP_F_B", _PIPE,
+                  "the action kind whose two halves the pp overlap option runs at once"),
+    PrivateSymbol("_PipelineScheduleRuntime.register_custom_function", _PIPE,
+                  "runs an overlapped forward and backward as the overlap option does"),
+    PrivateSymbol("torch.distributed.pipelining.schedules:_wait_batch_p2p", _PIPE,
+                  "an overlapped half waits for its received input, as torch's own does"),
+    PrivateSymbol("PipelineScheduleMulti._stages", _PIPE,
+                  "the rank's stages by index, for an overlapped half"),
+    PrivateSymbol("_PipelineScheduleRuntime._assert_unsharded", _PIPE,
+                  "an overlapped half waits for its stage's unshard, as torch's own does"),
+    PrivateSymbol("_PipelineScheduleRuntime.fwd_recv_ops", _PIPE,
+                  "the forward inputs received, which an overlapped forward waits for"),
+    PrivateSymbol("_PipelineScheduleRuntime.bwd_recv_ops", _PIPE,
+                  "the gradients received, which an overlapped backward waits for"),
+    PrivateSymbol("_PipelineScheduleRuntime.backward_counter", _PIPE,
+                  "the backwards run per stage: the last one reduces the gradients"),
+    PrivateSymbol("PipelineScheduleMulti._n_microbatches", _PIPE,
+                  "the microbatch count: which backward is a stage's last"),
+    PrivateSymbol("PipelineScheduleMulti._maybe_compute_loss", _PIPE,
+                  "the last stage's loss after an overlapped forward"),
+    PrivateSymbol("PipelineScheduleMulti._maybe_get_loss", _PIPE,
+                  "the loss an overlapped backward starts from"),
     # -- compile and wrappers ------------------------------------------------------------
     PrivateSymbol("torch._dynamo.eval_frame:OptimizedModule", _COMPILE,
                   "a torch.compile wrapper (parameter names gain '_orig_mod.')"),
@@ -549,6 +571,62 @@ def schedule_actions(schedule: Any, *, lowered: bool) -> list[list[Action]]:
                 for sub in getattr(action, "sub_actions", None) or (action,)))
         out.append(actions)
     return out
+
+
+def on_overlapped_actions(schedule: Any, run: Any) -> None:
+    """Has ``schedule`` (a lowered-schedule runtime, e.g. DualPipeV) call
+    ``run(forward, backward)`` for each overlapped forward and backward, ``forward`` and
+    ``backward`` being its two halves as callables that do what torch's runtime does
+    for a FORWARD and a FULL_BACKWARD action (torch 2.13's ``_step_microbatches``),
+    where torch's own default runs them one after the other."""
+    kind = _reach("torch.distributed.pipelining.schedules:OVERLAP_F_B")
+
+    def overlapped(action: Any, ctx: Any) -> None:
+        first, second = action.sub_actions
+        run(lambda: _run_forward(schedule, first, ctx),
+            lambda: _run_full_backward(schedule, second, ctx))
+
+    schedule.register_custom_function(kind, overlapped)
+
+
+def _local_stages(schedule: Any) -> dict[int, Any]:
+    return {stage.stage_index: stage for stage in _attribute(schedule, "_stages")}
+
+
+def _wait_received(schedule: Any, received: dict[Any, Any], key: tuple[int, int]) -> None:
+    if key not in received:
+        raise RuntimeError(f"pipeline stage {key[0]} ran microbatch {key[1]} before "
+                           "receiving its input")
+    _reach("torch.distributed.pipelining.schedules:_wait_batch_p2p")(received.pop(key))
+
+
+def _run_forward(schedule: Any, action: Any, ctx: Any) -> None:
+    stages = _local_stages(schedule)
+    index, mb = action.stage_index, action.microbatch_index
+    stage = stages[index]
+    _attribute(schedule, "_assert_unsharded")(stage)
+    # Two adjacent stages on one rank (a V placement) hand tensors over without a send.
+    if not stage.is_first and index - 1 not in stages:
+        _wait_received(schedule, schedule.fwd_recv_ops, (index, mb))
+    output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb])
+    _attribute(schedule, "_maybe_compute_loss")(stage, output, ctx.target_mbs, mb)
+    if index + 1 in stages:
+        stages[index + 1].set_local_fwd_input(output, mb)
+
+
+def _run_full_backward(schedule: Any, action: Any, ctx: Any) -> None:
+    stages = _local_stages(schedule)
+    index, mb = action.stage_index, action.microbatch_index
+    stage = stages[index]
+    _attribute(schedule, "_assert_unsharded")(stage)
+    if not stage.is_last and index + 1 not in stages:
+        _wait_received(schedule, schedule.bwd_recv_ops, (index, mb))
+    loss = _attribute(schedule, "_maybe_get_loss")(stage, mb)
+    schedule.backward_counter[index] += 1
+    last = schedule.backward_counter[index] == _attribute(schedule, "_n_microbatches")
+    stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+    if index - 1 in stages:
+        stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
 
 # -- compile and wrappers ------------------------------------------------------------
