@@ -45,6 +45,7 @@ from composer_par.plugin import (
     hookimpl,
     ordering_option,
 )
+from composer_par.plugin.overlap import OVERLAP_MARKS
 
 from .discovery import ExpertsSite, experts_site, find_experts
 from .findings import (
@@ -98,7 +99,8 @@ class EP(Plugin):
 
     name: ClassVar[str] = "ep"
     # FSDP2 reads this capability (not EP's options) to know the _ep_plan is applied.
-    provides: ClassVar[frozenset[str]] = frozenset({"expert_parallel"})
+    # overlap_marks: every collective its blocks call is marked for a pipeline's overlap
+    provides: ClassVar[frozenset[str]] = frozenset({"expert_parallel", OVERLAP_MARKS})
     rules: ClassVar[tuple[Rule, ...]] = RULES
     code_ranges: ClassVar[tuple[CodeRange, ...]] = (
         CodeRange("CP", 801, 819, "expert parallelism"),)

@@ -12,6 +12,10 @@ Every collective of the forward is a functional one (out of place): selective
 checkpointing saves their outputs, so a checkpointed block's recomputation in backward
 sends nothing again (c10d's ``all_to_all_single`` writes into its argument, which a
 selective checkpoint cannot keep).
+
+The dispatch's collectives and the combine's are each marked as a run of collectives
+(:mod:`composer_par.plugin.overlap`), so that a pipeline running one microbatch's
+forward beside another's backward (pp's ``overlap``) runs them while the other computes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composer_par.plugin import torch_private
+from composer_par.plugin.overlap import comm_begins, comm_ends
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,6 +145,9 @@ class ExpertDispatch:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         top_k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)
+        # The dispatch's collectives run from here to ``arrived`` (the backward's all-reduce
+        # over expert tp and its all-to-all between them too, in reverse).
+        hidden_states = comm_begins(hidden_states)
         if self.tp_group is not None:
             # Each tp rank's experts see the same tokens through its part of their
             # weights: the tokens' gradient is the sum of the parts'.
@@ -156,7 +164,7 @@ class ExpertDispatch:
         send_splits = sent.view(self.ep, self.local_experts).sum(1).tolist()
         recv_splits = received.view(self.ep, self.local_experts).sum(1).tolist()
         inputs = hidden_states[token_of]
-        arrived = all_to_all(inputs, recv_splits, send_splits, self.group)
+        arrived = comm_ends(all_to_all(inputs, recv_splits, send_splits, self.group))
         # received[r * local + j]: the pairs rank r sent to local expert j, in that order.
         local_ids = torch.arange(self.local_experts, device=experts.device).repeat(self.ep)
         local_index = torch.repeat_interleave(local_ids, received)[:, None]
@@ -169,12 +177,13 @@ class ExpertDispatch:
             # gives experts no token chose: tie the empty result to both.
             tensors = [t for t in local.values() if isinstance(t, torch.Tensor)]
             computed = arrived + sum((0 * t.sum() for t in tensors), arrived.new_zeros(()))
-        returned = all_to_all(computed, send_splits, recv_splits, self.group)
+        returned = all_to_all(comm_begins(computed), send_splits, recv_splits, self.group)
         if self.tp_group is not None:
             # Each tp rank computed a partial sum of every pair's output (its part of the
             # intermediate features): summed before the router weights, so that their
             # gradient is whole on every tp rank.
             returned = _SumOver.apply(returned, self.tp_group)
+        returned = comm_ends(returned)
         router_weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, token_of, returned * router_weights[:, None])

@@ -35,6 +35,7 @@ from composer_par.plugin import (
     Rule,
     Severity,
     Stage,
+    bool_option,
     clean_name,
     did_you_mean,
     dim_option,
@@ -114,6 +115,10 @@ RULES = (
          "stages explicit module lists",
          "a model whose forward takes the mean over the sequence of the embedding's "
          "output, outside any module, before its blocks, under pp = 2"),
+    Rule("CP613", _E, "overlap cannot run the plan's forward and backward at once",
+         "use overlap with DualPipeV, and with no plugin whose blocks call collectives it "
+         "does not mark (tensor or context parallelism), or drop overlap",
+         _PLAN + "schedule = \"1F1B\"\noverlap = true\n"),
 )
 
 
@@ -159,7 +164,10 @@ class PP(Plugin):
     step (default: the smallest count >= the number of stages the schedule accepts);
     ``stages_per_rank`` (virtual stages; default 2 for the V schedules, else 1);
     ``split``: ``"auto"`` (contiguous blocks balanced by parameter count), ``"pp_plan"``
-    (a Hugging Face model's pipeline plan), or a list of module paths per stage.
+    (a Hugging Face model's pipeline plan), or a list of module paths per stage;
+    ``overlap``: with DualPipeV, each overlapped forward and backward runs its halves at
+    once, one microbatch's expert all-to-alls behind the other's compute
+    (:mod:`composer_par.plugin.overlap`; torch alone runs them one after the other).
     """
 
     name: ClassVar[str] = "pp"
@@ -175,6 +183,7 @@ class PP(Plugin):
     stages_per_rank: int | None = attrs.field(default=None, validator=_positive_or_none)
     split: str | tuple[tuple[str, ...], ...] = attrs.field(default="auto",
                                                           converter=_split_option)
+    overlap: bool = bool_option(False)
     after: tuple[str, ...] = ordering_option()
     before: tuple[str, ...] = ordering_option()
 
@@ -256,6 +265,8 @@ class PP(Plugin):
                                                 "the blocks"))
         if info.split_backward:
             found += self._hooked_averaging(info.name, plan, mesh)
+        if self.overlap:
+            found += self._overlap_problems(info, plan, mesh)
         found += self._topology(plan, mesh, topology)
         return found
 
@@ -277,6 +288,28 @@ class PP(Plugin):
             fix=f"add fsdp2 (it averages over {dim} itself; dp_shard = 1 is enough), or "
             "use GPipe, 1F1B, Interleaved1F1B or LoopedBFS", plugin=self.name)
             for dim in folded]
+
+    def _overlap_problems(self, info: ScheduleInfo, plan: PlanView, mesh: MeshSpec
+                          ) -> list[Finding]:
+        """overlap needs a schedule with overlapped actions, and every collective inside
+        the blocks marked: two threads issuing unmarked ones on one group could issue
+        them in different orders on different ranks."""
+        from composer_par.plugin.overlap import OVERLAP_MARKS
+
+        if not info.overlaps:
+            return [Finding("CP613", f"overlap runs the halves of each overlapped forward "
+                            f"and backward at once, and {info.name} has none",
+                            fix="use schedule = \"DualPipeV\", or drop overlap",
+                            plugin=self.name)]
+        return [Finding(
+            "CP613", f"overlap runs a forward and a backward on two threads at once, and "
+            f"the {d.plugin} plugin's collectives over {c.dim}({mesh.size(c.dim)}) inside "
+            "the blocks are not marked, so the threads could issue them in different "
+            "orders on different ranks", fix=f"drop overlap, or {c.dim} (set it to 1)",
+            plugin=self.name)
+            for d in plan.declarations() for c in d.claims
+            if c.role is Role.MODEL_PARALLEL and c.dim in mesh and mesh.size(c.dim) > 1
+            and OVERLAP_MARKS not in d.provides]
 
     def _compiled_refusal(self, schedule: str, what: str) -> Finding:
         # torch refuses torch.compile wrappers for these schedules itself; blocks compiled
@@ -441,7 +474,7 @@ class PP(Plugin):
             return build_schedule(schedule=info.name, microbatches=count,
                                   num_stages=split_count, device=device, group=group,
                                   parts=[(p.stage, p.module) for p in parts], loss_fn=loss_fn,
-                                  boundaries=boundaries)
+                                  boundaries=boundaries, overlap=self.overlap)
 
         def check_batch(batch: int) -> None:
             if batch < microbatches or batch % microbatches:

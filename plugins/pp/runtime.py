@@ -191,14 +191,15 @@ def keep_unsharded_until_backward(part: nn.Module, modules: Sequence[nn.Module])
 def build_schedule(
     *, schedule: str, microbatches: int, num_stages: int, parts: Sequence[tuple[int, nn.Module]],
     device: torch.device, group: Any, loss_fn: Callable[..., torch.Tensor],
-    boundaries: Mapping[int, StageBoundary] | None = None,
+    boundaries: Mapping[int, StageBoundary] | None = None, overlap: bool = False,
 ) -> Any:
     """The torch schedule over this rank's parts (``(stage index, module)``, in order).
 
     ``loss_fn(outputs, targets)`` is given, for each microbatch, what the model's forward
     returned on the last stage: the same kind of object as the unsplit model returns.
     ``boundaries``: each stage's :class:`~.boundary.StageBoundary` (where its hidden state
-    enters and leaves it)."""
+    enters and leaves it). ``overlap``: each overlapped forward and backward of the
+    schedule (DualPipeV's) runs its halves at once (:func:`overlapped`)."""
     boundaries = boundaries or {}
     stages = [_Stage(module, index, num_stages, device, group=group,
                      boundary=boundaries.get(index)) for index, module in parts]
@@ -208,8 +209,28 @@ def build_schedule(
     cls = get_schedule_class(schedule)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], microbatches, loss_fn=loss_fn)
-    return cls(stages, microbatches, loss_fn=loss_fn)
+    built = cls(stages, microbatches, loss_fn=loss_fn)
+    return overlapped(built) if overlap else built
+
+
+def overlapped(schedule: Any) -> Any:
+    """``schedule`` running each overlapped forward and backward's halves at once, the
+    backward on a second thread, taking turns at the collectives the blocks mark
+    (:mod:`composer_par.plugin.overlap`); torch's own runtime runs them one after the
+    other. Its steps make the marks, so that every forward leaves them for its
+    backward, paired or not."""
+    from composer_par.plugin import overlap
+
+    torch_private.on_overlapped_actions(schedule, overlap.paired)
+    step = schedule.step
+
+    def marked_step(*args: Any, **kwargs: Any) -> Any:
+        with overlap.marking():
+            return step(*args, **kwargs)
+
+    schedule.step = marked_step
+    return schedule
 
 
 __all__ = ["build_schedule", "compiled_modules", "keep_unsharded_until_backward",
-           "model_output_loss", "stage_output"]
+           "model_output_loss", "overlapped", "stage_output"]

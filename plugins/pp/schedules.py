@@ -24,6 +24,8 @@ class ScheduleInfo:
     microbatches_at_least_stages: bool = False
     # Cuts microbatches into rounds of pp size: needs microbatches % rounds == 0.
     rounds: bool = False
+    # Has actions that pair one microbatch's forward with another's backward.
+    overlaps: bool = False
     summary: str = ""
 
 
@@ -46,7 +48,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
                      stages_per_rank=2,
                      summary="zero bubble on a V-shaped placement of two stages per rank"),
         ScheduleInfo("DualPipeV", multi=True, style="v", split_backward=True,
-                     stages_per_rank=2, microbatches_at_least_stages=True,
+                     stages_per_rank=2, microbatches_at_least_stages=True, overlaps=True,
                      summary="DualPipe on a V-shaped placement of two stages per rank"),
     ]
 }
