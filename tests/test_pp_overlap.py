@@ -2,7 +2,8 @@
 microbatch's expert all-to-alls while the other computes.
 
 The turn-taking itself (composer_par.plugin.overlap) on two threads; what validation
-refuses (CP613); and on 4 gloo ranks, pp(2) x ep(2) with
+refuses (CP613); the estimate's share of all-to-alls that runs behind the paired
+compute, against torch's own DualPipeV order; and on 4 gloo ranks, pp(2) x ep(2) with
 FSDP2 over ep, with and without full activation checkpointing, against one process:
 every rank's parameters, with the pairs seen to run and their turns taken in one order
 on every rank.
@@ -131,6 +132,62 @@ def test_cp613_overlap_needs_dualpipev_and_marked_collectives() -> None:
     assert len(found) == 1 and "the tp plugin's collectives over tp(2)" in found[0].message
     with pytest.raises(ValueError, match="overlap"):
         PP(overlap="yes")  # type: ignore[arg-type]
+
+
+# -- the estimate ----------------------------------------------------------------------
+
+
+def test_paired_shares_are_torchs_dualpipev_pairs() -> None:
+    from composer_par.plugins.pp.estimate import paired_shares
+
+    # torch's DualPipeV, rank r of p over n microbatches: its steady state pairs
+    # 2 (n - 2p + r + 1) - [r = p - 1] forwards of the rank's first stage and
+    # p - r - 1 more of its second: the rank's share of its 2n passes, per stage
+    for p, n in ((2, 4), (4, 8), (16, 120)):
+        shares = paired_shares("DualPipeV", p, 2, n)
+        for r in range(p):
+            pairs = 2 * (n - 2 * p + r + 1) - (r == p - 1) + (p - r - 1)
+            assert shares[r] == shares[2 * p - 1 - r] == pytest.approx(pairs / (2 * n))
+    assert paired_shares("Interleaved1F1B", 2, 2, 4) == {}
+
+
+def test_the_estimate_hides_the_paired_all_to_alls_behind_compute() -> None:
+    from composer_par.estimate import Workload, estimate_plan, preset
+
+    def estimate(over: bool) -> Any:
+        plan = ParallelPlan(MeshSpec(pp=4, dp_shard=2, ep=8)).use(
+            PP(schedule="DualPipeV", microbatches=16, overlap=over)).use(FSDP2()).use(EP())
+        return estimate_plan(plan, preset("mixtral-8x7b"), Workload(seq=4096),
+                             world_size=64)
+
+    alone, paired = estimate(False), estimate(True)
+    shown = {t.dim.name: t for t in paired.traffic}["ep"]
+    before = {t.dim.name: t for t in alone.traffic}["ep"]
+    assert before.overlapped_seconds == 0
+    assert shown.seconds == pytest.approx(before.seconds, rel=1e-3)
+    # pp 4 over 16 microbatches: the least paired stage pairs 2n - 3p + 1 = 21 of 32
+    assert shown.overlapped_seconds / shown.seconds == pytest.approx(21 / 32, abs=0.05)
+    assert paired.step.seconds < alone.step.seconds
+
+
+def test_suggest_pairs_microbatches_only_beside_marked_collectives() -> None:
+    from composer_par.plugins.pp.suggest import suggest_axes
+
+    from composer_par.estimate import Workload, preset
+    from composer_par.plugin import Role, SuggestContext, Topology
+
+    plugin = PP(schedule="DualPipeV", overlap=True)
+    model, topology = preset("mixtral-8x7b"), Topology(2, 8)
+    (axis,) = suggest_axes(plugin, model, topology)
+    roles = {"pp": Role.OTHER, "ep": Role.MODEL_PARALLEL, "tp": Role.MODEL_PARALLEL}
+
+    def picked(**sizes: int) -> Any:
+        ctx = SuggestContext(sizes, 8, topology, model, Workload(seq=4096), roles,
+                             ("ep",), ("ep",))
+        return [(c.label, c.options["overlap"]) for c in axis.choices(ctx)]
+
+    assert picked(pp=2, ep=8) == [("PP 2 DualPipeV overlap", True)]
+    assert picked(pp=2, ep=4, tp=2) == [("PP 2 DualPipeV", False)]
 
 
 # -- on 4 gloo ranks ------------------------------------------------------------------

@@ -94,6 +94,23 @@ def all_to_all_collectives(
     return tuple(out)
 
 
+def behind_pairs(collective: Collective, share: float) -> tuple[Collective, ...]:
+    """``collective`` split by the share of its passes a pipeline runs in forward-backward
+    pairs (pp's ``overlap``): that share runs behind the other half's compute (the
+    dispatch marks its collectives), the rest as before."""
+    paired = round(collective.calls * share)
+    if paired == 0:
+        return (collective,)
+    part = collective.payload * paired // collective.calls
+    hidden = attrs.evolve(collective, payload=part, calls=paired, overlap="compute",
+                          why=f"{collective.why} (in forward-backward pairs: behind the "
+                          "other microbatch's compute)")
+    if paired == collective.calls:
+        return (hidden,)
+    return (hidden, attrs.evolve(collective, payload=collective.payload - part,
+                                 calls=collective.calls - paired))
+
+
 def expert_tp_collectives(
     dim: str, *, size: int, moe_layers: int, tokens: int, top_k: int, hidden: int,
     dtype_bytes: int, passes: int = 1, recomputed: int = 0, whole_bias: tuple[int, ...] = (),
@@ -348,6 +365,9 @@ def estimate_part(ep: Any, layout: Any, model: ModelShape, workload: Any, stage:
             str(ep.expert_tp), size=split, moe_layers=moe_layers, tokens=tokens,
             top_k=moe.top_k, hidden=model.hidden, dtype_bytes=dtype, passes=runs,
             recomputed=recomputed, whole_bias=whole_bias)
+    if stage is not None and stage.paired > 0:
+        collectives = tuple(c for whole in collectives for c in behind_pairs(whole,
+                                                                             stage.paired))
     if not data_parallel:
         # average_gradients: each dense parameter's gradient (this rank's part of it, under
         # TP as the estimate splits it) all-reduced after each backward

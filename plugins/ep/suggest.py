@@ -26,7 +26,7 @@ def suggest_axes(ep: Any, model: Any, topology: Any) -> list[SuggestAxis]:
         return [SuggestChoice(f"EP {size}", own)] if size > 1 else [SuggestChoice()]
 
     return [SuggestAxis(ep.name, ep.dim, ORDER, sizes, choices, role=Role.MODEL_PARALLEL,
-                        samples=True, folded=True)]
+                        samples=True, folded=True, marked=True)]
 
 
 __all__ = ["ORDER", "suggest_axes"]

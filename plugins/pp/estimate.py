@@ -282,6 +282,23 @@ def lowered_order(schedule: str, pp: int, per_rank: int, microbatches: int
                  for actions in torch_private.schedule_actions(built, lowered=True))
 
 
+@functools.lru_cache(maxsize=32)
+def paired_shares(schedule: str, pp: int, per_rank: int, microbatches: int
+                  ) -> dict[int, float]:
+    """Per stage, the share of its forward and backward passes that torch's order of
+    ``schedule`` runs as one half of an overlapped forward and backward (DualPipeV's
+    steady state; none in the other schedules)."""
+    from .timeline import rank_orders
+
+    halves: dict[int, int] = {}
+    for order in rank_orders(schedule, pp, per_rank, microbatches):
+        for step in order:
+            if len(step) == 2:
+                for _, stage, _ in step:
+                    halves[stage] = halves.get(stage, 0) + 1
+    return {stage: count / (2 * microbatches) for stage, count in halves.items()}
+
+
 _KIND = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
 
 
@@ -406,12 +423,15 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
     runs = microbatches
     crossing = _crossing(layout.topology, layout.topology.node_patterns(mesh, (pp.dim,))
                          if layout.topology is not None else [])
+    paired = (paired_shares(info.name, size, per_rank, microbatches) if pp.overlap
+              else {})
     ranks = []
     for r, local in enumerate(layout_of):
         stages = tuple(EstimateStage(
             f"stage {s}", shapes[s], runs=microbatches,
             block_gathers=facts.gathered[r][(s, blocks_reshard)],
-            root_gathers=facts.gathered[r][(s, root_reshard)], accumulates=True)
+            root_gathers=facts.gathered[r][(s, root_reshard)], accumulates=True,
+            paired=paired.get(s, 0.0))
             for s in local)
         sends = _sends(pp.dim, r, local, rank_of, num_stages, crossing, x, runs)
         receive = sum(1 for s in local if s > 0 and rank_of[s - 1] != r)

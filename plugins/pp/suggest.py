@@ -1,7 +1,8 @@
 """What ``composer-par suggest`` may try of PP: its dim at the sizes that divide the world
 and the node count, or that it divides (each stage on whole nodes, or each node holding
 whole stages), with a block per stage or the embedding or the head alone (the split's
-limit); its schedule (the plan's, 1F1B by default) running the data shard's
+limit); its schedule (the plan's, 1F1B by default; the plan's overlap where no
+model-parallel dim's collectives go unmarked) running the data shard's
 micro-batches as its microbatches, and for a multi-stage schedule without
 ``stages_per_rank`` every power-of-two count of stages per rank that limit allows. No
 torch for the single-stage schedules; the multi-stage ones import it when estimated
@@ -51,6 +52,12 @@ def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
                 continue
             options = {**own, "schedule": info.name, "microbatches": ctx.passes}
             label = f"PP {size}" + ("" if info.name == "1F1B" else f" {info.name}")
+            if pp.overlap:
+                # two microbatches at once only beside collectives their plugins mark
+                options["overlap"] = not any(
+                    n > 1 and ctx.roles.get(d) is Role.MODEL_PARALLEL and d not in ctx.marked
+                    for d, n in ctx.sizes.items())
+                label += " overlap" if options["overlap"] else ""
             if info.multi and pp.stages_per_rank is None and info.stages_per_rank is None:
                 options["stages_per_rank"] = per_rank
                 label += f" x{per_rank}"

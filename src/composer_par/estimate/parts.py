@@ -92,6 +92,9 @@ class EstimateStage:
     one per forward and one per backward of a resharded group). ``accumulates``: the
     runtime accumulates gradients over the passes and reduces them once per step, keeping
     them (and, after backward, the parameters) unsharded over the shard dim until then.
+    ``paired``: the share of its forward and backward passes the runtime runs beside
+    another microbatch's, in a forward-backward pair (:mod:`composer_par.plugin.overlap`):
+    the collectives a plugin marks for it run behind the other half's compute.
     """
 
     label: str
@@ -100,6 +103,7 @@ class EstimateStage:
     block_gathers: int | None = None
     root_gathers: int | None = None
     accumulates: bool = False
+    paired: float = 0.0
 
 
 @attrs.frozen

@@ -30,6 +30,8 @@ class SuggestContext:
     # the axes' mesh dims by what they do: their roles, and which data parallelism folds in
     roles: Mapping[str, Role] = attrs.field(factory=dict)
     folded: tuple[str, ...] = ()
+    # the dims whose plugin marks every collective inside the blocks (SuggestAxis.marked)
+    marked: tuple[str, ...] = ()
 
     def size(self, dim: str) -> int:
         return self.sizes.get(dim, 1)
@@ -80,7 +82,9 @@ class SuggestAxis:
     samples (it divides the global batch); ``folded``: data parallelism folds the dim
     in (its ``composer_par_folded_dims`` answer); ``opt_in``: the plugin changes what
     training computes (lossy gradient compression), so suggest tries it only when asked
-    to (an ``--option`` for it)."""
+    to (an ``--option`` for it); ``marked``: every collective the plugin calls inside the
+    blocks is marked (:mod:`composer_par.plugin.overlap`), so a pipeline may run two
+    microbatches at once beside it."""
 
     plugin: str
     dim: str | None
@@ -93,6 +97,7 @@ class SuggestAxis:
     samples: bool = False
     folded: bool = False
     opt_in: bool = False
+    marked: bool = False
 
 
 __all__ = ["SuggestAxis", "SuggestChoice", "SuggestContext"]

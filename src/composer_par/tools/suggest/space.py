@@ -163,12 +163,13 @@ def families(axes: Sequence[SuggestAxis], topology: Topology, model: ModelShape,
     first that fits)."""
     roles = {a.dim: a.role for a in axes if a.dim is not None and a.role is not None}
     folded = tuple(a.dim for a in axes if a.dim is not None and a.folded)
+    marked = tuple(a.dim for a in axes if a.dim is not None and a.marked)
     for sizes in _sizes(axes, topology.world_size, max_sizes):
         shards = math.prod(sizes[a.dim] for a in axes if a.dim is not None and a.samples)
         if global_batch % (shards * workload.micro_batch):
             continue
         passes = global_batch // (shards * workload.micro_batch)
-        ctx = SuggestContext(sizes, passes, topology, model, workload, roles, folded)
+        ctx = SuggestContext(sizes, passes, topology, model, workload, roles, folded, marked)
         options: list[list[Pick]] = []
         for axis in axes:
             size = sizes.get(axis.dim, 1) if axis.dim is not None else 1
