@@ -234,6 +234,9 @@ class EP(Plugin):
 
         # For trainers that read the routing without importing EP (the demo).
         ctx.notes["ep_routing"] = routing_summary
+        if not sites:
+            # A pipeline stage of dense blocks, or the embedding or head alone.
+            return f"no experts module in this part: nothing to place over {self.dim}({size})"
         counts = sorted({s.num_experts for s in sites})
         return (f"{len(sites)} experts module(s) of {'/'.join(map(str, counts))} experts: "
                 f"{counts[0] // size} per rank over {self.dim}({size}); token all-to-all "
