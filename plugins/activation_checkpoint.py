@@ -56,6 +56,7 @@ from composer_par.plugin import (
     import_string_findings,
     int_option,
     ordering_option,
+    torch_private,
     wrapped_block_findings,
 )
 
@@ -163,6 +164,7 @@ def selective_context_fn(save: tuple[str, ...] = DEFAULT_SAVE, matmul_every: int
     recompute the rest), for ``torch.utils.checkpoint.checkpoint``."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    torch_private.uncount_profiler_ranges()
     return create_selective_checkpoint_contexts(selective_policy(save, matmul_every))
 
 
@@ -170,6 +172,7 @@ def policy_context_fn(policy: Callable[..., Any]) -> Any:
     """The ``context_fn`` of a user-given op policy."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    torch_private.uncount_profiler_ranges()
     return create_selective_checkpoint_contexts(policy)
 
 

@@ -707,6 +707,15 @@ class FSDP2(Plugin):
         apart_options = dict(common, mp_policy=block_policy)
         if self.reshard_after_forward is not None:
             apart_options["reshard_after_forward"] = self.reshard_after_forward
+        kept_apart = part and _checkpointed_selectively(ctx.plan)
+        if kept_apart:
+            # Selective checkpointing needs a block's recompute to run no op more often
+            # than its forward did. Under a pipeline a microbatch's forward can find a
+            # unit inside the block still gathered (torch's stage leaves units gathered
+            # after a backward that does not reduce), and a resharded one would be
+            # gathered again inside the recompute (its copy-out ops): the first backward
+            # fails. Kept gathered from forward to backward, it never is.
+            apart_options["reshard_after_forward"] = False
         apart = _shard_apart(ctx, replicate, shard, apart_options, self.gradient_divide_factor)
         # Bottom-up: each block, then the other units, then the root (whose unit holds
         # whatever no other unit took).
@@ -728,6 +737,9 @@ class FSDP2(Plugin):
                      if extra else "") + f"root over ({dims})")
         if apart:
             detail += f"; {len(apart)} module(s) sharded apart (expert parallelism's experts)"
+            if kept_apart:
+                detail += (", kept gathered from forward to backward (selective "
+                           "checkpointing recomputes the blocks holding them)")
         own = [u for u in units if u.kind == "model plan"]
         if own:
             detail += ("; the model's own FSDP units: "
@@ -765,6 +777,11 @@ class FSDP2(Plugin):
         note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
         return (f"gradient divide factor {factor:g} on {len(modules)} FSDP module(s)"
                 f"{note}")
+
+
+def _checkpointed_selectively(plan: Any) -> bool:
+    """Whether a plugin of ``plan`` wraps the blocks in selective checkpointing."""
+    return any(d.checkpointing not in (None, "full") for d in plan.declarations())
 
 
 def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],

@@ -82,6 +82,13 @@ def test_ep_pp_on_four_ranks_matches_one_process() -> None:
         "1F1B, full activation checkpointing": Case(
             "moe_llama", plan_toml(mesh, pp("1F1B"), EP,
                                    'name = "activation_checkpoint"\nmode = "full"'), 4, 4),
+        # Selective checkpointing with FSDP2 over ep: a microbatch's forward finds the
+        # experts' unit gathered by the last backward; FSDP2 keeps it gathered to the
+        # recompute, which must run no op more often than the forward did.
+        "1F1B, selective checkpointing, FSDP2 over ep": Case(
+            "moe_llama", plan_toml("pp = 2\ndp_shard = 1\nep = 2", pp("1F1B"), FSDP2, EP,
+                                   'name = "activation_checkpoint"\nmode = "selective"'),
+            4, 4),
         # Split backward: torch's weight pass writes .grad itself, so FSDP2 (over ep
         # alone here) must average; EP's own gradient hooks would not run (CP606).
         "ZBVZeroBubble, FSDP2 over ep": Case(

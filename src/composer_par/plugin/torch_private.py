@@ -208,6 +208,10 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
                   "a torch.compile wrapper (parameter names gain '_orig_mod.')"),
     PrivateSymbol("Module._compiled_call_impl", _COMPILE, "a module compiled in place"),
     PrivateSymbol("OptimizedModule._orig_mod", _COMPILE, "the wrapped module's name part"),
+    PrivateSymbol("torch:ops.profiler._record_function_enter_new", _COMPILE,
+                  "a profiler range's start: left out of selective checkpointing's op count"),
+    PrivateSymbol("torch:ops.profiler._record_function_exit", _COMPILE,
+                  "a profiler range's end: left out of selective checkpointing's op count"),
     PrivateSymbol("CheckpointWrapper._checkpoint_wrapped_module", _COMPILE,
                   "the wrapped module's name part"),
     PrivateSymbol("torch._inductor:config", _COMPILE,
@@ -630,6 +634,23 @@ def _run_full_backward(schedule: Any, action: Any, ctx: Any) -> None:
 
 
 # -- compile and wrappers ------------------------------------------------------------
+
+
+@functools.cache  # once per process: the set is torch's, shared by every region
+def uncount_profiler_ranges() -> None:
+    """Selective checkpointing (torch 2.13's) counts every op of a region in forward
+    and needs its recompute to call each no more often. FSDP2 enters profiler ranges by
+    its state: a unit nested in a checkpointed block (expert parallelism's experts,
+    sharded apart) enters "FSDP::root_pre_forward" when recomputed in backward, where no
+    forward root is set, and not in forward; under a pipeline, whose backward leaves it
+    gathered for the next forward, nothing makes up the difference and the first
+    backward fails. Profiler ranges compute nothing: they join torch's ops the count
+    leaves out (``torch.utils.checkpoint.SAC_IGNORED_OPS``, read at each op)."""
+    from torch.utils import checkpoint
+
+    for name in ("_record_function_enter_new", "_record_function_exit"):
+        packet = _reach(f"torch:ops.profiler.{name}")
+        checkpoint.SAC_IGNORED_OPS.update(getattr(packet, o) for o in packet.overloads())
 
 
 def is_compiled(module: nn.Module) -> bool:
