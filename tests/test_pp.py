@@ -109,6 +109,24 @@ def test_cp605_stages_per_rank_against_the_schedule() -> None:
     assert PP(schedule="GPipe").virtual_stages() == 1
 
 
+def test_cp606_selective_checkpointing_with_a_split_backward_schedule() -> None:
+    """torch's weight pass recomputes each checkpointed block a second time, which its
+    selective checkpointing refuses at the first step: said before launch."""
+    from composer_par import ActivationCheckpoint
+
+    def check(schedule: str, mode: str) -> list[str]:
+        plan = ParallelPlan(MeshSpec(pp=2, dp_shard=2)).use(
+            PP(schedule=schedule, microbatches=8)).use(FSDP2()).use(
+            ActivationCheckpoint(mode=mode))
+        return [f.message for f in plan.validate(world_size=4).findings if f.code == "CP606"]
+
+    for schedule in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
+        (message,) = check(schedule, "selective")
+        assert "recomputes each checkpointed block twice" in message, message
+        assert check(schedule, "full") == []
+    assert check("1F1B", "selective") == []
+
+
 def test_cp603_microbatches_against_the_schedule() -> None:
     def check(schedule: str, microbatches: int, pp: int = 4, **opts: Any) -> list[str]:
         plan = ParallelPlan(MeshSpec(pp=pp)).use(

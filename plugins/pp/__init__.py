@@ -265,6 +265,7 @@ class PP(Plugin):
                                                 "the blocks"))
         if info.split_backward:
             found += self._hooked_averaging(info.name, plan, mesh)
+            found += self._selective_refusal(info.name, plan)
         if self.overlap:
             found += self._overlap_problems(info, plan, mesh)
         found += self._topology(plan, mesh, topology)
@@ -310,6 +311,20 @@ class PP(Plugin):
             for d in plan.declarations() for c in d.claims
             if c.role is Role.MODEL_PARALLEL and c.dim in mesh and mesh.size(c.dim) > 1
             and OVERLAP_MARKS not in d.provides]
+
+    def _selective_refusal(self, schedule: str, plan: PlanView) -> list[Finding]:
+        """torch's weight pass runs a second backward over each block, so a
+        checkpointed block is recomputed twice, which torch's selective checkpointing
+        refuses at the first step ("Trying to backward an extra time"; measured on
+        torch 2.13). Full checkpointing recomputes as often as asked."""
+        return [Finding(
+            "CP606", f"{schedule} splits each backward into input and weight gradients, "
+            f"which recomputes each checkpointed block twice, and the {d.plugin} plugin's "
+            f"{d.checkpointing} checkpointing allows one recompute only (torch refuses "
+            "the second at the first step)",
+            fix="use full checkpointing (mode = \"full\"), or GPipe, 1F1B, "
+            "Interleaved1F1B or LoopedBFS", plugin=self.name)
+            for d in plan.declarations() if d.checkpointing not in (None, "full")]
 
     def _compiled_refusal(self, schedule: str, what: str) -> Finding:
         # torch refuses torch.compile wrappers for these schedules itself; blocks compiled
