@@ -6,7 +6,7 @@ refuses (CP613); the estimate's share of all-to-alls that runs behind the paired
 compute, against torch's own DualPipeV order; and on 4 gloo ranks, pp(2) x ep(2) with
 FSDP2 over ep, with and without full activation checkpointing, against one process:
 every rank's parameters, with the pairs seen to run and their turns taken in one order
-on every rank.
+on every rank; with HSDP in place of FSDP2, and on transformers' Mixtral.
 """
 
 from __future__ import annotations
@@ -233,6 +233,14 @@ def test_overlap_on_four_ranks_matches_one_process_on_every_rank() -> None:
         "DualPipeV overlap, full checkpointing": Case(
             "moe_llama", plan_toml(mesh, schedule, FSDP2_TABLE, EP_TABLE,
                                    'name = "activation_checkpoint"\nmode = "full"'), 4, 4),
+        # HSDP's all-reduce on the backward's thread at each stage's last backward
+        "DualPipeV overlap, HSDP over ep": Case(
+            "moe_llama", plan_toml("pp = 2\ndp_replicate = 1\nep = 2", schedule,
+                                   'name = "hsdp"', EP_TABLE), 4, 4),
+        # transformers' Mixtral, its router loss carried from stage to stage; four
+        # stages over its blocks leave one holding no experts
+        "Mixtral, DualPipeV overlap": Case(
+            "mixtral", plan_toml(mesh, schedule, FSDP2_TABLE, EP_TABLE), 4, 4, lr=0.1),
     }
     results = run_ranks(_train_counting, 4, args=(list(cases.values()),), timeout=280)
     for i, (name, case) in enumerate(cases.items()):
@@ -243,7 +251,8 @@ def test_overlap_on_four_ranks_matches_one_process_on_every_rank() -> None:
             # 3 steps; pp rank 0 pairs 3 of its actions a step (torch's DualPipeV at
             # p = 2, n = 4), rank 1 likewise
             assert pairs == 9, (name, pairs)
-            assert "bf" in turns and turns.startswith("b"), (name, turns)
+            assert ("bf" in turns and turns.startswith("b")) or case.task == "mixtral", (
+                name, turns)
         # both ep ranks of a stage took their turns in one order
         assert ranks[0][2] == ranks[1][2] and ranks[2][2] == ranks[3][2], name
         assert_every_rank([params for (_, params), _, _ in ranks], _held_part_close(ref_params))
