@@ -445,9 +445,14 @@ class ActivationCheckpoint(Plugin):
         parallelism; expert parallelism's routed pairs, two hidden states each)."""
         own = {k: v for k, v in self.options().items() if k != "mode"}
         none = SuggestChoice()
-        selective = SuggestChoice("AC selective", {**own, "mode": "selective"}, 1)
+        # torch's selective checkpointing allows one recompute of a block; a schedule
+        # that splits the backward (tagged "split_backward") recomputes it twice (CP606)
+        once = frozenset({"split_backward"})
+        selective = SuggestChoice("AC selective", {**own, "mode": "selective"}, 1,
+                                  refuses=once)
         regather = SuggestChoice("AC selective save=matmul",
-                                 {**own, "mode": "selective", "save": ["matmul"]}, 2)
+                                 {**own, "mode": "selective", "save": ["matmul"]}, 2,
+                                 refuses=once)
         full = SuggestChoice("AC full", {**own, "mode": "full"}, 3)
 
         def modes(ctx: SuggestContext) -> list[SuggestChoice]:

@@ -118,6 +118,24 @@ def test_first_fit_axes_make_families_fastest_first() -> None:
             "mode": "selective", "save": ["matmul"]}
 
 
+def test_no_layout_joins_what_validation_refuses_together() -> None:
+    """A schedule whose backward runs twice (tagged split_backward) never comes with
+    selective checkpointing, which allows one recompute (CP606); 1F1B still does."""
+    if not {"pp", "activation_checkpoint"} <= INSTALLED:
+        pytest.skip("pp or activation_checkpoint is not installed")
+    model = ModelShape.from_numbers(params=7_000_000_000, layers=32, hidden=4096)
+    topology = Topology(2, 8)
+
+    def modes(schedule: str) -> set[str]:
+        axes = plugin_axes(None, {"pp": {"schedule": schedule}}, model, topology, WORK, [])
+        return {dict(c.plugins()).get("activation_checkpoint", {}).get("mode", "none")
+                for family in families(axes, topology, model, WORK, 64, {})
+                for c in family if c.size("pp") > 1}
+
+    assert modes("ZBVZeroBubble") == {"none", "full"}
+    assert modes("1F1B") == {"none", "selective", "full"}
+
+
 def test_candidate_meshes_and_plugins() -> None:
     model = ModelShape.from_numbers(params=7_000_000_000, layers=32, hidden=4096, heads=32)
     c = next(c for c in _layouts(model, Topology(4, 8), batch=32)

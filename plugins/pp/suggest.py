@@ -20,6 +20,8 @@ from .schedules import microbatch_problem
 #: Where PP's dim goes in a suggested mesh: outermost (its point-to-point sends are what
 #: crosses nodes best).
 ORDER = 0
+#: The tag of a schedule whose backward runs in two passes (input, then weight).
+SPLIT_BACKWARD = "split_backward"
 
 
 def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
@@ -61,10 +63,12 @@ def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
             if info.multi and pp.stages_per_rank is None and info.stages_per_rank is None:
                 options["stages_per_rank"] = per_rank
                 label += f" x{per_rank}"
-            out.append(SuggestChoice(label, options, runs_passes=True))
+            # its weight pass recomputes a checkpointed block twice (CP606)
+            tags = frozenset({SPLIT_BACKWARD}) if info.split_backward else frozenset()
+            out.append(SuggestChoice(label, options, runs_passes=True, tags=tags))
         return out
 
     return [SuggestAxis(pp.name, pp.dim, ORDER, sizes, choices, role=Role.OTHER)]
 
 
-__all__ = ["ORDER", "suggest_axes"]
+__all__ = ["ORDER", "SPLIT_BACKWARD", "suggest_axes"]

@@ -56,12 +56,17 @@ class SuggestChoice:
     the plugin is not used); ``preference``: among layouts equally fast, the lower is
     kept (less recomputation); ``runs_passes``: the plugin runs the data shard's
     micro-batches itself (a pipeline's microbatches, its options saying how many), so the
-    training step accumulates none."""
+    training step accumulates none; ``tags``: what this way of running is, for other
+    plugins' choices to refuse (a pipeline's ``"split_backward"``); ``refuses``: the tags
+    it cannot run beside (validation would refuse the plan), so suggest never combines
+    them."""
 
     label: str = ""
     options: Mapping[str, Any] | None = None
     preference: int = 0
     runs_passes: bool = False
+    tags: frozenset[str] = frozenset()
+    refuses: frozenset[str] = frozenset()
 
     @property
     def used(self) -> bool:

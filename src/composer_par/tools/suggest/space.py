@@ -185,9 +185,17 @@ def families(axes: Sequence[SuggestAxis], topology: Topology, model: ModelShape,
                 lean = [i for i, a in enumerate(axes) if a.first_fit]
                 for tried in _product([options[i] for i in lean]):
                     by_index.update(zip(lean, tried, strict=True))
-                    family.append(Candidate(tuple(by_index[i] for i in range(len(axes))),
-                                            passes))
-                yield family
+                    layout = tuple(by_index[i] for i in range(len(axes)))
+                    if _compatible(layout):
+                        family.append(Candidate(layout, passes))
+                if family:
+                    yield family
+
+
+def _compatible(picks: Sequence[Pick]) -> bool:
+    """Whether no pick's choice refuses a tag another's has (SuggestChoice.refuses)."""
+    tags = frozenset().union(*(p.choice.tags for p in picks))
+    return not any(p.choice.refuses & tags for p in picks)
 
 
 def _product(lists: Sequence[Sequence[Pick]]) -> Iterator[tuple[Pick, ...]]:
