@@ -622,6 +622,11 @@ def _cp606(tmp: Path, world: World) -> Any:
     return plan, llama(num_hidden_layers=4)
 
 
+@case("CP613")
+def _cp613(tmp: Path, world: World) -> Any:
+    return _pp(world, 2, schedule="1F1B", overlap=True), llama()  # no overlapped actions
+
+
 @case("CP608")
 def _cp608(tmp: Path, world: World) -> Any:
     split = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm"]]

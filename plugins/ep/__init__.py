@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from composer_par.plugin import (
+    OVERLAP_MARKS,
     Claim,
     CodeRange,
     EstimatePart,
@@ -45,7 +46,6 @@ from composer_par.plugin import (
     hookimpl,
     ordering_option,
 )
-from composer_par.plugin.overlap import OVERLAP_MARKS
 
 from .discovery import ExpertsSite, experts_site, find_experts
 from .findings import (

@@ -29,8 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composer_par.plugin import torch_private
-from composer_par.plugin.overlap import comm_begins, comm_ends
+from composer_par.plugin import comm_begins, comm_ends, torch_private
 
 
 class _AllToAll(torch.autograd.Function):

@@ -295,7 +295,7 @@ class PP(Plugin):
         """overlap needs a schedule with overlapped actions, and every collective inside
         the blocks marked: two threads issuing unmarked ones on one group could issue
         them in different orders on different ranks."""
-        from composer_par.plugin.overlap import OVERLAP_MARKS
+        from composer_par.plugin import OVERLAP_MARKS
 
         if not info.overlaps:
             return [Finding("CP613", f"overlap runs the halves of each overlapped forward "

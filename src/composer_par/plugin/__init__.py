@@ -188,6 +188,7 @@ from composer_par.plugin.options import (
     ordering_option,
     positive_number_option,
 )
+from composer_par.plugin.overlap import OVERLAP_MARKS, comm_begins, comm_ends
 from composer_par.plugin.suggesting import SuggestAxis, SuggestChoice, SuggestContext
 from composer_par.plugin.view import PlanView
 from composer_par.plugin.wrapping import (
@@ -205,6 +206,7 @@ __all__ = [
     "CHECKPOINT_MARK",
     "FSDP_STYLES",
     "IMPORT_STRING_RULE",
+    "OVERLAP_MARKS",
     "STAGES",
     "ApplyContext",
     "Block",
@@ -253,6 +255,8 @@ __all__ = [
     "carries",
     "claim_directory",
     "clean_name",
+    "comm_begins",
+    "comm_ends",
     "did_you_mean",
     "dim_option",
     "dtype_bytes",
