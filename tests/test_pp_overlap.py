@@ -139,16 +139,17 @@ def test_cp613_overlap_needs_dualpipev_and_marked_collectives() -> None:
 
 def test_paired_shares_are_torchs_dualpipev_pairs() -> None:
     from composer_par.plugins.pp.estimate import paired_shares
+    from composer_par.plugins.pp.timeline import timeline
 
     # torch's DualPipeV, rank r of p over n microbatches: its steady state pairs
     # 2 (n - 2p + r + 1) - [r = p - 1] forwards of the rank's first stage and
     # p - r - 1 more of its second: the rank's share of its 2n passes, per stage
     for p, n in ((2, 4), (4, 8), (16, 120)):
-        shares = paired_shares("DualPipeV", p, 2, n)
+        shares = paired_shares(timeline("DualPipeV", p, 2, n), n)
         for r in range(p):
             pairs = 2 * (n - 2 * p + r + 1) - (r == p - 1) + (p - r - 1)
             assert shares[r] == shares[2 * p - 1 - r] == pytest.approx(pairs / (2 * n))
-    assert paired_shares("Interleaved1F1B", 2, 2, 4) == {}
+    assert paired_shares(timeline("Interleaved1F1B", 2, 2, 4), 4) == {}
 
 
 def test_the_estimate_hides_the_paired_all_to_alls_behind_compute() -> None:

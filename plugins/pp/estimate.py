@@ -282,19 +282,15 @@ def lowered_order(schedule: str, pp: int, per_rank: int, microbatches: int
                  for actions in torch_private.schedule_actions(built, lowered=True))
 
 
-@functools.lru_cache(maxsize=32)
-def paired_shares(schedule: str, pp: int, per_rank: int, microbatches: int
-                  ) -> dict[int, float]:
-    """Per stage, the share of its forward and backward passes that torch's order of
-    ``schedule`` runs as one half of an overlapped forward and backward (DualPipeV's
-    steady state; none in the other schedules)."""
-    from .timeline import rank_orders
-
+def paired_shares(line: Timeline, microbatches: int) -> dict[int, float]:
+    """Per stage, the share of its forward and backward passes that the schedule's
+    timeline (torch's order) runs as one half of an overlapped forward and backward
+    (DualPipeV's steady state; none in the other schedules)."""
     halves: dict[int, int] = {}
-    for order in rank_orders(schedule, pp, per_rank, microbatches):
-        for step in order:
-            if len(step) == 2:
-                for _, stage, _ in step:
+    for row in line.actions:
+        for action in row:
+            if len(action.runs) == 2:
+                for _, stage, _ in action.runs:
                     halves[stage] = halves.get(stage, 0) + 1
     return {stage: count / (2 * microbatches) for stage, count in halves.items()}
 
@@ -423,8 +419,7 @@ def estimate_pipeline(pp: PP, layout: Any, model: Any, workload: Any
     runs = microbatches
     crossing = _crossing(layout.topology, layout.topology.node_patterns(mesh, (pp.dim,))
                          if layout.topology is not None else [])
-    paired = (paired_shares(info.name, size, per_rank, microbatches) if pp.overlap
-              else {})
+    paired = paired_shares(line, microbatches) if pp.overlap else {}
     ranks = []
     for r, local in enumerate(layout_of):
         stages = tuple(EstimateStage(
