@@ -38,6 +38,7 @@ from composer_par.plugin import (
     ALREADY_WRAPPED,
     CHECKPOINT_MARK,
     IMPORT_STRING_RULE,
+    SPLIT_BACKWARD,
     ComputeTerm,
     Declaration,
     EstimatePart,
@@ -446,8 +447,8 @@ class ActivationCheckpoint(Plugin):
         own = {k: v for k, v in self.options().items() if k != "mode"}
         none = SuggestChoice()
         # torch's selective checkpointing allows one recompute of a block; a schedule
-        # that splits the backward (tagged "split_backward") recomputes it twice (CP606)
-        once = frozenset({"split_backward"})
+        # that splits the backward recomputes it twice (CP606)
+        once = frozenset({SPLIT_BACKWARD})
         selective = SuggestChoice("AC selective", {**own, "mode": "selective"}, 1,
                                   refuses=once)
         regather = SuggestChoice("AC selective save=matmul",

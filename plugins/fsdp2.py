@@ -707,7 +707,7 @@ class FSDP2(Plugin):
         apart_options = dict(common, mp_policy=block_policy)
         if self.reshard_after_forward is not None:
             apart_options["reshard_after_forward"] = self.reshard_after_forward
-        kept_apart = part and _checkpointed_selectively(ctx.plan)
+        kept_apart = part and bool(ctx.plan.selective_checkpointing())
         if kept_apart:
             # Selective checkpointing needs a block's recompute to run no op more often
             # than its forward did. Under a pipeline a microbatch's forward can find a
@@ -777,11 +777,6 @@ class FSDP2(Plugin):
         note = f"; SUM reductions on {forced} (no PREMUL_SUM on this backend)" if forced else ""
         return (f"gradient divide factor {factor:g} on {len(modules)} FSDP module(s)"
                 f"{note}")
-
-
-def _checkpointed_selectively(plan: Any) -> bool:
-    """Whether a plugin of ``plan`` wraps the blocks in selective checkpointing."""
-    return any(d.checkpointing not in (None, "full") for d in plan.declarations())
 
 
 def _shard_apart(ctx: ApplyContext, replicate: list[str], shard: list[str],

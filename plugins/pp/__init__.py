@@ -324,7 +324,7 @@ class PP(Plugin):
             "the second at the first step)",
             fix="use full checkpointing (mode = \"full\"), or GPipe, 1F1B, "
             "Interleaved1F1B or LoopedBFS", plugin=self.name)
-            for d in plan.declarations() if d.checkpointing not in (None, "full")]
+            for d in plan.selective_checkpointing()]
 
     def _compiled_refusal(self, schedule: str, what: str) -> Finding:
         # torch refuses torch.compile wrappers for these schedules itself; blocks compiled

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_par.plugin import Role, SuggestAxis, SuggestChoice, SuggestContext
+from composer_par.plugin import SPLIT_BACKWARD, Role, SuggestAxis, SuggestChoice, SuggestContext
 
 from .estimate import stage_limit
 from .schedules import microbatch_problem
@@ -20,8 +20,6 @@ from .schedules import microbatch_problem
 #: Where PP's dim goes in a suggested mesh: outermost (its point-to-point sends are what
 #: crosses nodes best).
 ORDER = 0
-#: The tag of a schedule whose backward runs in two passes (input, then weight).
-SPLIT_BACKWARD = "split_backward"
 
 
 def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
@@ -71,4 +69,4 @@ def suggest_axes(pp: Any, model: Any, topology: Any) -> list[SuggestAxis]:
     return [SuggestAxis(pp.name, pp.dim, ORDER, sizes, choices, role=Role.OTHER)]
 
 
-__all__ = ["ORDER", "SPLIT_BACKWARD", "suggest_axes"]
+__all__ = ["ORDER", "suggest_axes"]

@@ -189,7 +189,12 @@ from composer_par.plugin.options import (
     positive_number_option,
 )
 from composer_par.plugin.overlap import OVERLAP_MARKS, comm_begins, comm_ends
-from composer_par.plugin.suggesting import SuggestAxis, SuggestChoice, SuggestContext
+from composer_par.plugin.suggesting import (
+    SPLIT_BACKWARD,
+    SuggestAxis,
+    SuggestChoice,
+    SuggestContext,
+)
 from composer_par.plugin.view import PlanView
 from composer_par.plugin.wrapping import (
     ALREADY_WRAPPED,
@@ -207,6 +212,7 @@ __all__ = [
     "FSDP_STYLES",
     "IMPORT_STRING_RULE",
     "OVERLAP_MARKS",
+    "SPLIT_BACKWARD",
     "STAGES",
     "ApplyContext",
     "Block",

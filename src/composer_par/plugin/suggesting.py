@@ -57,7 +57,7 @@ class SuggestChoice:
     kept (less recomputation); ``runs_passes``: the plugin runs the data shard's
     micro-batches itself (a pipeline's microbatches, its options saying how many), so the
     training step accumulates none; ``tags``: what this way of running is, for other
-    plugins' choices to refuse (a pipeline's ``"split_backward"``); ``refuses``: the tags
+    plugins' choices to refuse (a pipeline's :data:`SPLIT_BACKWARD`); ``refuses``: the tags
     it cannot run beside (validation would refuse the plan), so suggest never combines
     them."""
 
@@ -105,4 +105,8 @@ class SuggestAxis:
     marked: bool = False
 
 
-__all__ = ["SuggestAxis", "SuggestChoice", "SuggestContext"]
+#: The tag of a choice whose backward runs in two passes (input, then weight gradients),
+#: which recomputes each checkpointed block twice: a choice allowing one refuses it.
+SPLIT_BACKWARD = "split_backward"
+
+__all__ = ["SPLIT_BACKWARD", "SuggestAxis", "SuggestChoice", "SuggestContext"]

@@ -72,6 +72,12 @@ class PlanView:
         """Every plugin's declaration (claims, capabilities, ordering, block use)."""
         return self._caller.declarations()
 
+    def selective_checkpointing(self) -> list[Declaration]:
+        """The declarations of the plugins that checkpoint the blocks selectively (any
+        way but full): torch allows such a block one recompute, which must call no op
+        more often than its forward did."""
+        return [d for d in self.declarations() if d.checkpointing not in (None, "full")]
+
     def replicate_dims(self) -> list[str]:
         """The mesh dims plugins contribute for data-parallel replication (HSDP's)."""
         return self._caller.replicate_dims()
